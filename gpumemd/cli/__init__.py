@@ -1,0 +1,60 @@
+"""The ``gpumemd`` command line: ``main(argv) -> exit code``; errors are one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gpumemd._version import __version__
+
+# Subcommand -> module. Each module defines ``add_parser(subparsers)``, which registers its parser
+# and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
+COMMANDS: dict[str, str] = {
+    "demo": "gpumemd.cli.demo",
+}
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line (no traceback) and turned into ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpumemd", description="A memory flight recorder for long PyTorch jobs."
+    )
+    parser.add_argument("--version", action="version", version=f"gpumemd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except CliError as err:
+        print(f"gpumemd {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except ValueError as err:  # configuration errors raised by attach() and friends
+        print(f"gpumemd {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def console_main() -> None:
+    sys.exit(main())

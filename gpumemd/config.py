@@ -1,0 +1,297 @@
+"""The one configuration object: defaults, ``GPUMEMD_*`` environment variables, ``attach(**kw)``.
+
+Precedence, lowest first: field defaults, then the environment, then keyword arguments. Every
+value is validated in ``__post_init__``, so a bad value fails at ``attach()`` time with a message
+that names the variable (``GPUMEMD_PORT`` or ``attach(port=...)``), the value and what is accepted,
+never later inside the training loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import ipaddress
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "GPUMEMD_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``field`` is the Config field it belongs to."""
+
+    def __init__(self, field: str, value: object, accepted: str) -> None:
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+        super().__init__(self.render(f"attach({field}={{value}})"))
+
+    def render(self, source: str) -> str:
+        """``source`` names where the value came from, with ``{value}`` where the value goes."""
+        where = source.replace("{value}", repr(self.value))
+        return f"{where} is not valid: expected {self.accepted}"
+
+    def with_source(self, source: str) -> ConfigError:
+        err = ConfigError(self.field, self.value, self.accepted)
+        err.args = (self.render(source),)
+        return err
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything the agent can be told. Field docstrings double as CLI and env-var help."""
+
+    output_dir: str = "gpumemd"
+    """Directory for everything gpumemd writes (findings, OOM reports); relative paths are resolved
+    against the working directory at attach time; created on first write."""
+
+    history_steps: int = 10_000
+    """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded)."""
+
+    sample_interval_s: float = 5.0
+    """Seconds between background samples of allocator, NVML and host between steps (0 disables the
+    sampler thread)."""
+
+    overhead_budget: float = 0.01
+    """Largest share of training-thread time the agent may spend (0..1); censuses are spaced to fit."""
+
+    census: bool = True
+    """Take tensor censuses at step boundaries, spaced to stay inside ``overhead_budget``."""
+
+    census_every_steps: int = 0
+    """Take a census every N steps; 0 lets the agent choose N from the overhead budget."""
+
+    leak_detection: bool = True
+    """Run the leak detector on the per-step series."""
+
+    leak_min_bytes_per_step: int = 256 * 1024
+    """Smallest growth, in bytes per step, that counts as a leak (the detector's effect size)."""
+
+    leak_warmup_steps: int = 50
+    """Steps ignored by the leak detector at the start (optimizer state, compile, first eval)."""
+
+    port: int | None = None
+    """Serve Prometheus metrics on this port plus LOCAL_RANK; 0 picks a free port; unset: no server."""
+
+    bind: str = "127.0.0.1"
+    """Address the metrics server binds to; use 0.0.0.0 to let a cluster Prometheus scrape it."""
+
+    tls_certfile: str | None = None
+    """PEM certificate for serving metrics over HTTPS (with ``tls_keyfile``)."""
+
+    tls_keyfile: str | None = None
+    """PEM private key for serving metrics over HTTPS (with ``tls_certfile``)."""
+
+    pushgateway: str | None = None
+    """Pushgateway address (host:port) to push the final metrics to once at exit."""
+
+    textfile: str | None = None
+    """Path of a node_exporter textfile-collector ``.prom`` file written at exit."""
+
+    oom_reports: bool = True
+    """Write a post-mortem directory when an out-of-memory error propagates."""
+
+    oom_max_reports: int = 5
+    """At most this many OOM reports per process (jobs that OOM and recover must not fill the disk)."""
+
+    oom_cooldown_s: float = 60.0
+    """Seconds after one OOM report during which further OOMs are counted but not reported."""
+
+    record_history: bool = False
+    """Record CUDA allocation history (stacks in snapshots; about 2 µs per allocation); off by default."""
+
+    history_max_entries: int = 100_000
+    """Ring-buffer size of the CUDA allocation history when it is recorded."""
+
+    phases: bool = False
+    """Measure forward / backward / optimizer-step memory on sampled steps (saved-tensor hooks)."""
+
+    phase_every_steps: int = 50
+    """Measure phases on one step in this many (when ``phases`` is on)."""
+
+    reset_peak_each_step: bool = False
+    """Reset torch's peak counters at each step end so the per-step peak is exact. This changes what
+    your own ``torch.cuda.max_memory_allocated()`` returns, hence off by default."""
+
+    nvml: bool = True
+    """Read device totals and this process's use from NVML (creates no CUDA context)."""
+
+    def __post_init__(self) -> None:
+        _require(self.history_steps >= 1, "history_steps", self.history_steps, "an integer >= 1")
+        _require(
+            self.sample_interval_s >= 0, "sample_interval_s", self.sample_interval_s, "a number of seconds >= 0"
+        )
+        _require(
+            0 < self.overhead_budget <= 0.5,
+            "overhead_budget",
+            self.overhead_budget,
+            "a fraction in (0, 0.5], e.g. 0.01 for 1%",
+        )
+        _require(self.census_every_steps >= 0, "census_every_steps", self.census_every_steps, "an integer >= 0")
+        _require(
+            self.leak_min_bytes_per_step >= 1,
+            "leak_min_bytes_per_step",
+            self.leak_min_bytes_per_step,
+            "a number of bytes per step >= 1",
+        )
+        _require(self.leak_warmup_steps >= 0, "leak_warmup_steps", self.leak_warmup_steps, "an integer >= 0")
+        _require(
+            self.port is None or 0 <= self.port <= 65535,
+            "port",
+            self.port,
+            "an integer 0-65535 (0 picks a free port)",
+        )
+        _require(_is_ip(self.bind), "bind", self.bind, "an IP address such as 127.0.0.1 or 0.0.0.0")
+        _require(
+            (self.tls_certfile is None) == (self.tls_keyfile is None),
+            "tls_certfile" if self.tls_keyfile is not None else "tls_keyfile",
+            self.tls_certfile if self.tls_keyfile is not None else self.tls_keyfile,
+            "tls_certfile and tls_keyfile given together",
+        )
+        _require(self.oom_max_reports >= 0, "oom_max_reports", self.oom_max_reports, "an integer >= 0")
+        _require(self.oom_cooldown_s >= 0, "oom_cooldown_s", self.oom_cooldown_s, "a number of seconds >= 0")
+        _require(
+            self.history_max_entries >= 1,
+            "history_max_entries",
+            self.history_max_entries,
+            "an integer >= 1 (it bounds the CUDA allocation history)",
+        )
+        _require(self.phase_every_steps >= 1, "phase_every_steps", self.phase_every_steps, "an integer >= 1")
+        _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
+
+    # --- construction from the outside world -------------------------------------------------
+
+    @classmethod
+    def from_sources(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Defaults < ``GPUMEMD_*`` in ``env`` < ``overrides``; errors name the variable that was wrong."""
+        env_values = cls.parse_env(os.environ if env is None else env)
+        unknown = sorted(set(overrides) - set(field_docs()))
+        if unknown:
+            raise ValueError(
+                f"attach() got unknown option(s) {', '.join(unknown)}; accepted: {', '.join(field_docs())}"
+            )
+        source = {name: f"{ENV_PREFIX}{name.upper()}={{value}}" for name in env_values}
+        source.update({name: f"attach({name}={{value}})" for name in overrides})
+        for name, value in overrides.items():
+            try:
+                _check_type(name, value)
+            except ConfigError as err:
+                raise err.with_source(source[name]) from None
+        try:
+            return cls(**{**env_values, **overrides})
+        except ConfigError as err:
+            raise err.with_source(source.get(err.field, f"{err.field}={{value}}")) from None
+
+    @classmethod
+    def parse_env(cls, env: Mapping[str, str]) -> dict[str, Any]:
+        """The ``GPUMEMD_*`` variables of ``env`` converted to field values (pure; no os.environ)."""
+        known = field_types()
+        values: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = key[len(ENV_PREFIX) :].lower()
+            if name not in known:
+                continue  # GPUMEMD_* variables of other tools or later versions are not our business
+            try:
+                values[name] = parse_value(known[name], raw)
+            except ConfigError as err:
+                raise ConfigError(name, raw, err.accepted).with_source(key + "={value}") from None
+        return values
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _require(ok: bool, field: str, value: object, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, accepted)
+
+
+@functools.cache
+def field_types() -> dict[str, type]:
+    """Field name -> its base type (int, float, bool or str), Optional unwrapped."""
+    hints = typing.get_type_hints(Config)
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(Config):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[f.name] = args[0] if isinstance(hint, types.UnionType) or typing.get_origin(hint) else hint
+    return out
+
+
+def is_optional(name: str) -> bool:
+    hint = typing.get_type_hints(Config)[name]
+    return type(None) in typing.get_args(hint)
+
+
+_ACCEPTED = {
+    int: "an integer",
+    float: "a number",
+    bool: "one of 1/0, true/false, yes/no, on/off",
+    str: "a string",
+}
+
+
+def parse_value(kind: type, raw: str) -> Any:
+    """Text (env var, command line) -> a field value; '' means None for optional fields."""
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError("", raw, _ACCEPTED[bool])
+    if kind is int:
+        try:
+            return int(float(text)) if text.lower().count("e") == 1 else int(text)
+        except ValueError:
+            raise ConfigError("", raw, _ACCEPTED[int]) from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError("", raw, _ACCEPTED[float]) from None
+    return text
+
+
+def _check_type(name: str, value: object) -> None:
+    kind = field_types()[name]
+    if value is None and is_optional(name):
+        return
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(name, value, _ACCEPTED[kind] + (" or None" if is_optional(name) else ""))
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Field name -> its attribute docstring, read from this module's source (for CLI and README)."""
+    tree = ast.parse(inspect.getsource(Config))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

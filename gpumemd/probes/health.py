@@ -1,0 +1,36 @@
+"""Shared bookkeeping for probes: log a failure once, count every failure, report availability."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("gpumemd")
+
+
+class ProbeHealth:
+    """Counts a probe's errors and logs only the first of each kind, so a week-long job gets one
+    line per problem, not one per step."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.errors = 0
+        self.available: bool | None = None  # None until the probe has tried once
+        self._logged: set[str] = set()
+
+    def absent(self, reason: str) -> None:
+        """The probe cannot work on this machine (no CUDA, no driver): normal, said once at INFO."""
+        if self.available is not False:
+            log.info("gpumemd: %s probe absent: %s", self.name, reason)
+        self.available = False
+
+    def failed(self, exc: BaseException) -> None:
+        """The probe worked before, or should work, and a read failed: counted, logged once per kind."""
+        self.errors += 1
+        kind = type(exc).__name__
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("gpumemd: %s probe failed (%s: %s); further %s errors are counted, not logged",
+                        self.name, kind, exc, kind)
+
+    def ok(self) -> None:
+        self.available = True

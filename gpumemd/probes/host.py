@@ -1,0 +1,74 @@
+"""Host memory: this process's RSS, the machine's available memory, torch's pinned-host bytes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from gpumemd.probes.health import ProbeHealth
+from gpumemd.records.samples import HostSample
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_from_statm() -> int:
+    # /proc/self/statm is one short read: several times cheaper than psutil on the per-step path.
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class HostProbe:
+    """``rss()`` is the cheap per-step read; ``read()`` the fuller one for the sampler thread."""
+
+    def __init__(self, pinned_fn: Callable[[], int | None] | None = None) -> None:
+        self.health = ProbeHealth("host")
+        import psutil
+
+        self._psutil = psutil
+        self._process = psutil.Process()
+        self._fast_rss: Callable[[], int] | None = _rss_from_statm if os.path.exists("/proc/self/statm") else None
+        self._pinned_fn = pinned_fn if pinned_fn is not None else _torch_pinned_bytes
+
+    def rss(self) -> int | None:
+        try:
+            if self._fast_rss is not None:
+                return self._fast_rss()
+            return int(self._process.memory_info().rss)
+        except Exception as exc:  # noqa: BLE001 - never raise into the job
+            self.health.failed(exc)
+            return None
+
+    def read(self, *, full: bool = True) -> HostSample | None:
+        rss = self.rss()
+        if rss is None:
+            return None
+        if not full:
+            return HostSample(rss_bytes=rss)
+        try:
+            vm = self._psutil.virtual_memory()
+            available, total = int(vm.available), int(vm.total)
+        except Exception as exc:  # noqa: BLE001
+            self.health.failed(exc)
+            available = total = None
+        self.health.ok()
+        return HostSample(rss_bytes=rss, available_bytes=available, total_bytes=total, pinned_bytes=self._pinned())
+
+    def _pinned(self) -> int | None:
+        try:
+            return self._pinned_fn()
+        except Exception as exc:  # noqa: BLE001
+            self.health.failed(exc)
+            return None
+
+
+def _torch_pinned_bytes() -> int | None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None  # host_memory_stats() is {} until CUDA is up; absent, not 0
+    fn = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.7
+    if fn is None:
+        return None
+    value = fn().get("allocated_bytes.current")
+    return int(value) if value is not None else None

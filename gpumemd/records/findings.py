@@ -1,0 +1,37 @@
+"""Leak findings: what the detector concluded about one series."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FINDING_KINDS: tuple[str, ...] = ("tensor_leak", "graph_leak", "fragmentation", "non_pytorch", "host_leak")
+FINDING_STATES: tuple[str, ...] = ("suspected", "confirmed", "cleared")
+
+
+@dataclass(frozen=True, slots=True)
+class Culprit:
+    """One group that grew over the finding's window, with who holds a sample of it."""
+
+    description: str  # e.g. "float32[] with grad_fn"
+    count_delta: int
+    bytes_delta: int
+    holder: str | None = None
+    graph_bytes_delta: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: str
+    series: str  # e.g. "allocated_bytes{device=0}", "host_rss_bytes"
+    state: str
+    slope_bytes_per_step: float
+    slope_low: float
+    slope_high: float
+    onset_step: int | None
+    growth_bytes: int
+    steps_to_oom: float | None
+    first_step: int  # the step at which the finding was first raised
+    updated_step: int
+    summary: str
+    device: int | None = None
+    culprits: tuple[Culprit, ...] = ()

@@ -1,0 +1,58 @@
+"""What the probes read: one allocator, NVML or host reading, decided on by nobody yet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorSample:
+    """One device's caching-allocator statistics (``torch.cuda.memory_stats``), in bytes or counts.
+
+    Every field but ``device`` is optional: older torch versions lack some keys, and the
+    ``cudaMallocAsync`` backend fills only allocated/reserved/active. ``None`` means "not reported",
+    never 0.
+    """
+
+    device: int
+    allocated_bytes: int | None = None
+    allocated_peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
+    active_bytes: int | None = None
+    active_peak_bytes: int | None = None
+    inactive_split_bytes: int | None = None
+    requested_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    num_device_alloc: int | None = None
+    num_device_free: int | None = None
+    segment_count: int | None = None
+
+    @property
+    def cached_free_bytes(self) -> int | None:
+        """Reserved but unallocated: the allocator's cache (what NVML-only tools mistake for use)."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return self.reserved_bytes - self.allocated_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlDeviceSample:
+    """The driver's view of one device, from NVML (creates no CUDA context)."""
+
+    device: int
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    process_used_bytes: int | None = None  # None: NVML could not attribute use to this pid (containers)
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    """This process and its host."""
+
+    rss_bytes: int
+    available_bytes: int | None = None
+    total_bytes: int | None = None
+    pinned_bytes: int | None = None  # torch's pinned-host caching allocator, when CUDA reports it
