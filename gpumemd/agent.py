@@ -418,8 +418,9 @@ class Agent:
 
 def default_components(config: Config) -> list[Component]:
     """The capabilities a normal ``attach()`` turns on, in start order (they stop in reverse)."""
-    components: list[Component] = []
-    return components
+    from gpumemd.components import build_default
+
+    return build_default(config)
 
 
 def _reset_peaks(samples: tuple[Any, ...]) -> None:
