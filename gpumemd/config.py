@@ -150,12 +150,9 @@ class Config:
             "an integer 0-65535 (0 picks a free port)",
         )
         _require(_is_ip(self.bind), "bind", self.bind, "an IP address such as 127.0.0.1 or 0.0.0.0")
-        _require(
-            (self.tls_certfile is None) == (self.tls_keyfile is None),
-            "tls_certfile" if self.tls_keyfile is not None else "tls_keyfile",
-            self.tls_certfile if self.tls_keyfile is not None else self.tls_keyfile,
-            "tls_certfile and tls_keyfile given together",
-        )
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            given, missing = ("tls_certfile", "tls_keyfile") if self.tls_keyfile is None else ("tls_keyfile", "tls_certfile")
+            raise ConfigError(given, getattr(self, given), f"{missing} to be set as well (TLS needs both, or neither)")
         _require(self.oom_max_reports >= 0, "oom_max_reports", self.oom_max_reports, "an integer >= 0")
         _require(self.oom_cooldown_s >= 0, "oom_cooldown_s", self.oom_cooldown_s, "a number of seconds >= 0")
         _require(

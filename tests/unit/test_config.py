@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gpumemd.config import Config, ConfigError, field_docs, field_types, parse_value
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    config = Config()
+    assert config.port is None and config.bind == "127.0.0.1"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1  # type: ignore[misc]
+
+
+def test_every_field_has_a_docstring() -> None:
+    names = [f.name for f in dataclasses.fields(Config)]
+    docs = field_docs()
+    assert sorted(docs) == sorted(names)
+    assert all(len(doc) > 20 for doc in docs.values())
+
+
+def test_precedence_defaults_then_env_then_kwargs() -> None:
+    env = {"GPUMEMD_PORT": "9400", "GPUMEMD_CENSUS": "off", "GPUMEMD_OVERHEAD_BUDGET": "0.02"}
+    config = Config.from_sources(env)
+    assert (config.port, config.census, config.overhead_budget) == (9400, False, 0.02)
+    config = Config.from_sources(env, port=0)
+    assert config.port == 0 and config.census is False
+
+
+def test_unrelated_env_vars_are_ignored() -> None:
+    assert Config.from_sources({"GPUMEMD_SOMETHING_ELSE": "x", "PATH": "/bin"}) == Config()
+
+
+@pytest.mark.parametrize(
+    ("env", "kwargs", "fragment"),
+    [
+        ({"GPUMEMD_PORT": "abc"}, {}, "GPUMEMD_PORT='abc' is not valid: expected an integer"),
+        ({"GPUMEMD_PORT": "70000"}, {}, "GPUMEMD_PORT=70000 is not valid: expected an integer 0-65535"),
+        ({"GPUMEMD_CENSUS": "maybe"}, {}, "GPUMEMD_CENSUS='maybe' is not valid: expected one of 1/0"),
+        ({}, {"port": "9400"}, "attach(port='9400') is not valid: expected an integer or None"),
+        ({}, {"overhead_budget": 2.0}, "attach(overhead_budget=2.0) is not valid: expected a fraction"),
+        ({}, {"bind": "localhost:80"}, "attach(bind='localhost:80') is not valid: expected an IP address"),
+        ({}, {"tls_certfile": "c.pem"}, "attach(tls_certfile='c.pem') is not valid"),
+        ({"GPUMEMD_HISTORY_STEPS": "0"}, {}, "GPUMEMD_HISTORY_STEPS=0 is not valid: expected an integer >= 1"),
+    ],
+)
+def test_bad_values_name_the_variable_the_value_and_what_is_accepted(env, kwargs, fragment) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as info:
+        Config.from_sources(env, **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_unknown_option_lists_the_accepted_ones() -> None:
+    with pytest.raises(ValueError, match="unknown option.*prot.*accepted: output_dir"):
+        Config.from_sources({}, prot=1)
+
+
+def test_parse_value_kinds() -> None:
+    assert parse_value(bool, "Yes") is True and parse_value(bool, "0") is False
+    assert parse_value(int, "262144") == 262144 and parse_value(int, "1e6") == 1_000_000
+    assert parse_value(float, "0.5") == 0.5
+    with pytest.raises(ConfigError):
+        parse_value(float, "half")
+
+
+def test_field_types_unwrap_optional() -> None:
+    types = field_types()
+    assert types["port"] is int and types["pushgateway"] is str and types["census"] is bool

@@ -1,0 +1,174 @@
+"""Probes fed with data in exactly the shape PyTorch produces (TORCH_MEMORY_API.md §1.1)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gpumemd.probes.allocator import AllocatorProbe, sample_from_stats
+from gpumemd.probes.host import HostProbe
+from gpumemd.probes.identity import current_identity, identity_from_env
+from gpumemd.probes.nvml import NvmlProbe, visible_indices
+
+_ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+           "active_bytes", "inactive_split_bytes", "requested_bytes")
+
+
+def torch_stats(allocated: int, reserved: int, *, old: bool = False) -> OrderedDict[str, int]:
+    """A flattened memory_stats() dict with the 2.13 key set (123 keys); ``old`` drops the keys that
+    older releases lack (requested_bytes, num_device_*, num_sync_all_streams, num_oom_rejections)."""
+    values = {"allocated_bytes": allocated, "reserved_bytes": reserved, "active_bytes": allocated,
+              "inactive_split_bytes": 2 * 1024 * 1024, "requested_bytes": allocated - 512,
+              "segment": 3, "allocation": 10, "active": 10, "inactive_split": 1}
+    flat: dict[str, int] = {}
+    for name in _ARRAYS:
+        for pool in ("all", "large_pool", "small_pool"):
+            for stat in ("current", "peak", "allocated", "freed"):
+                v = values[name] if pool == "all" else values[name] // 2
+                flat[f"{name}.{pool}.{stat}"] = v * (2 if stat == "peak" else 1)
+    for name in ("oversize_allocations", "oversize_segments"):
+        for stat in ("current", "peak", "allocated", "freed"):
+            flat[f"{name}.{stat}"] = 0
+    flat.update(num_alloc_retries=4, num_ooms=1, num_sync_all_streams=0, num_device_alloc=7,
+                num_device_free=2, num_oom_rejections=0, max_split_size=-1)
+    if old:
+        for key in list(flat):
+            if key.startswith(("requested_bytes", "num_device", "num_sync", "num_oom_rej")):
+                del flat[key]
+    assert old or len(flat) == 123
+    return OrderedDict(sorted(flat.items()))
+
+
+def test_sample_reads_the_documented_keys() -> None:
+    sample = sample_from_stats(0, torch_stats(1000, 4096))
+    assert sample is not None
+    assert (sample.allocated_bytes, sample.reserved_bytes, sample.allocated_peak_bytes) == (1000, 4096, 2000)
+    assert sample.cached_free_bytes == 3096
+    assert (sample.num_alloc_retries, sample.num_ooms, sample.num_device_alloc) == (4, 1, 7)
+    assert sample.requested_bytes == 488 and sample.segment_count == 3
+
+
+def test_missing_keys_are_absent_not_zero() -> None:
+    sample = sample_from_stats(1, torch_stats(1000, 4096, old=True))
+    assert sample is not None
+    assert sample.requested_bytes is None and sample.num_device_alloc is None
+    assert sample.allocated_bytes == 1000
+
+
+def test_empty_stats_before_cuda_init_is_no_sample() -> None:
+    assert sample_from_stats(0, {}) is None
+
+
+def test_probe_reads_only_touched_devices_and_only_after_init() -> None:
+    initialised = [False]
+    stats = {0: torch_stats(10, 20), 1: OrderedDict((k, 0) for k in torch_stats(0, 0))}
+    probe = AllocatorProbe(stats_fn=lambda d: stats[d], is_initialized=lambda: initialised[0],
+                           device_count=lambda: 2)
+    assert probe.read() == ()
+    initialised[0] = True
+    samples = probe.read()
+    assert [s.device for s in samples] == [0]
+    assert probe.health.available is True
+
+
+def test_probe_failure_degrades_to_absent_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    def boom(device: int) -> dict[str, int]:
+        raise RuntimeError("driver went away")
+
+    probe = AllocatorProbe(stats_fn=boom, is_initialized=lambda: True, device_count=lambda: 1)
+    with caplog.at_level("WARNING", logger="gpumemd"):
+        assert probe.read() == () and probe.read() == ()
+    assert probe.health.errors == 2
+    assert sum("driver went away" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_real_cpu_build_allocator_probe_is_absent() -> None:
+    probe = AllocatorProbe()
+    assert probe.read() == ()
+    assert probe.health.available is False
+
+
+def test_host_probe_reads_this_process() -> None:
+    probe = HostProbe(pinned_fn=lambda: None)
+    sample = probe.read()
+    assert sample is not None and sample.rss_bytes > 10 * 1024 * 1024
+    assert sample.available_bytes is not None and sample.total_bytes is not None
+    assert sample.available_bytes <= sample.total_bytes
+    assert probe.rss() is not None
+
+
+class FakeNvml:
+    """The pynvml calls the probe uses, answering like a 2-GPU machine."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.shutdown = False
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None:
+        self.shutdown = True
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+    def nvmlDeviceGetUUID(self, h: int) -> bytes:
+        return f"GPU-{h}aaaa".encode()
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(total=80 << 30, used=(10 + h) << 30, free=(70 - h) << 30)
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=p, usedGpuMemory=5 << 30) for p in self.pids]
+
+
+def test_nvml_reads_devices_and_this_process() -> None:
+    nvml = FakeNvml(pids=[123])
+    probe = NvmlProbe(nvml=nvml, pid=123, visible="1")
+    (sample,) = probe.read()
+    assert (sample.device, sample.used_bytes, sample.process_used_bytes) == (0, 11 << 30, 5 << 30)
+    probe.close()
+    assert nvml.shutdown
+
+
+def test_nvml_foreign_pid_namespace_is_absent_not_zero() -> None:
+    probe = NvmlProbe(nvml=FakeNvml(pids=[1]), pid=999, visible="")
+    samples = probe.read()
+    assert len(samples) == 2 and all(s.process_used_bytes is None for s in samples)
+
+
+def test_nvml_missing_library_is_absent() -> None:
+    class Missing(FakeNvml):
+        def nvmlInit(self) -> None:
+            raise OSError("NVML Shared Library Not Found")
+
+    probe = NvmlProbe(nvml=Missing([]), pid=1)
+    assert probe.read() == () and probe.health.available is False
+
+
+def test_visible_devices_by_index_and_uuid() -> None:
+    nvml = FakeNvml([])
+    assert visible_indices(nvml, 2, None) == [0, 1]
+    assert visible_indices(nvml, 2, "1,0") == [1, 0]
+    assert visible_indices(nvml, 2, "GPU-1aa") == [1]
+    assert visible_indices(nvml, 2, "0,-1,1") == [0]
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}, (3, 1, 8, "torchrun")),
+        ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16"}, (5, 1, 16, "slurm")),
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"},
+         (2, 0, 4, "openmpi")),
+    ],
+)
+def test_identity_from_launcher_env(env: dict[str, str], expected: tuple[int, int, int, str]) -> None:
+    ident = identity_from_env(env)
+    assert ident is not None
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.source) == expected
+
+
+def test_identity_defaults_to_single_process() -> None:
+    ident = current_identity({})
+    assert (ident.rank, ident.world_size, ident.source) == (0, 1, "default") and ident.pid > 0
