@@ -183,7 +183,7 @@ class Agent:
     def _stop_component(self, component: Component) -> None:
         try:
             component.stop()
-        except Exception:  # noqa: BLE001 - detach must finish whatever one component does
+        except Exception:
             log.exception("gpumemd: component %s failed to stop", getattr(component, "name", component))
 
     # --- step detection --------------------------------------------------------------------

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import ipaddress
+import itertools
 import os
 import types
 import typing
@@ -151,8 +152,15 @@ class Config:
         )
         _require(_is_ip(self.bind), "bind", self.bind, "an IP address such as 127.0.0.1 or 0.0.0.0")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
-            given, missing = ("tls_certfile", "tls_keyfile") if self.tls_keyfile is None else ("tls_keyfile", "tls_certfile")
+            pair = ("tls_certfile", "tls_keyfile")
+            given, missing = pair if self.tls_keyfile is None else pair[::-1]
             raise ConfigError(given, getattr(self, given), f"{missing} to be set as well (TLS needs both, or neither)")
+        _require(
+            self.textfile is None or self.textfile.endswith(".prom"),
+            "textfile",
+            self.textfile,
+            "a path ending in .prom (node_exporter's textfile collector reads only *.prom)",
+        )
         _require(self.oom_max_reports >= 0, "oom_max_reports", self.oom_max_reports, "an integer >= 0")
         _require(self.oom_cooldown_s >= 0, "oom_cooldown_s", self.oom_cooldown_s, "a number of seconds >= 0")
         _require(
@@ -282,7 +290,7 @@ def field_docs() -> dict[str, str]:
     tree = ast.parse(inspect.getsource(Config))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

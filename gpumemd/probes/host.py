@@ -44,6 +44,8 @@ class HostProbe:
             return None
         if not full:
             return HostSample(rss_bytes=rss)
+        available: int | None
+        total: int | None
         try:
             vm = self._psutil.virtual_memory()
             available, total = int(vm.available), int(vm.total)

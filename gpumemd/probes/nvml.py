@@ -6,6 +6,7 @@ report host-namespace PIDs: "this process's use" is then absent (None), not 0, a
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -114,8 +115,7 @@ class NvmlProbe:
 
     def close(self) -> None:
         if self._handles is not None:
-            try:
+            # shutting down a driver handle must not fail detach
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001, S110 - shutting down a driver handle must not fail detach
-                pass
             self._handles = None
