@@ -17,6 +17,9 @@ from gpumemd.config import Config
 
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
+    from gpumemd.batch_size import find_batch_size
+    from gpumemd.guard import oom_guard, oom_report
+    from gpumemd.probes.referrers import who_holds
 
 __all__ = [
     "Agent",
@@ -26,13 +29,21 @@ __all__ = [
     "attached",
     "current",
     "detach",
+    "find_batch_size",
     "mark_step",
+    "oom_guard",
+    "oom_report",
     "phase",
+    "who_holds",
 ]
 
 # Names whose modules import torch: loaded on first use so `import gpumemd` stays cheap.
 _LAZY: dict[str, str] = {
     "Agent": "gpumemd.agent",
+    "find_batch_size": "gpumemd.batch_size",
+    "who_holds": "gpumemd.probes.referrers",
+    "oom_guard": "gpumemd.guard",
+    "oom_report": "gpumemd.guard",
 }
 
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumemd.config import Config
-from gpumemd.probes.identity import current_identity
+from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 
 if TYPE_CHECKING:
@@ -102,6 +102,9 @@ class Agent:
         self._census_seconds = 0.0
         self._sampler_seconds = 0.0
         self._phase = "train"
+        # Jobs often attach before init_process_group: re-read the rank on the first steps (issue 8).
+        self._identity_checks_left = 0 if identity is not None else _IDENTITY_REFRESH_STEPS
+        self._log_filter = RankLogFilter(lambda: self._state.identity if self._state is not None else None)
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         self._running = False
@@ -130,6 +133,7 @@ class Agent:
         identity = self._identity or current_identity()
         now = self._wall()
         self._state = AgentState(identity=identity, attached_at=now, updated_at=now)
+        log.addFilter(self._log_filter)  # "gpumemd[rank 1/2]: ..." in multi-process jobs
         self._install_step_hook()
         self._running = True
         if self._default_components:
@@ -143,6 +147,7 @@ class Agent:
             for component in reversed(started):
                 self._stop_component(component)
             self._remove_step_hook()
+            log.removeFilter(self._log_filter)
             self._running = False
             raise
         self._components = started
@@ -167,6 +172,7 @@ class Agent:
         for component in reversed(self._components):
             self._stop_component(component)
         self._remove_step_hook()
+        log.removeFilter(self._log_filter)
         if self._nvml is not None:
             self._nvml.close()
         atexit.unregister(self.stop)
@@ -229,6 +235,11 @@ class Agent:
         self._manual_steps = True
         return self._end_step(step)
 
+    def use_manual_steps(self) -> None:
+        """A framework callback will end steps with ``mark_step``: the optimizer hook stops ending them
+        now, before the first one, so the first step is not counted twice."""
+        self._manual_steps = True
+
     def register(self, obj: Any) -> None:
         """Tell the agent about a model (nn.Module) or optimizer so tensors get their names."""
         if hasattr(obj, "named_parameters"):
@@ -271,6 +282,8 @@ class Agent:
         )
         self._ring.append(record)
         self._last_step = number
+        if self._identity_checks_left:
+            self._refresh_identity()
         for component in self._components:
             try:
                 component.on_step(record)
@@ -289,6 +302,15 @@ class Agent:
             host=host or previous.host,
         )
         return record
+
+    def _refresh_identity(self) -> None:
+        self._identity_checks_left -= 1
+        assert self._state is not None
+        identity = refreshed_identity(self._state.identity)
+        if identity is not None:
+            self._identity_checks_left = 0
+            self.publish(identity=identity)
+            log.debug("gpumemd: rank %d of %d from torch.distributed", identity.rank, identity.world_size)
 
     def add_census_seconds(self, seconds: float) -> None:
         """Components that run censuses report their time here (it is also training-thread time)."""
@@ -414,6 +436,9 @@ class Agent:
             yield
         finally:
             self._phase = previous
+
+
+_IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
 
 
 def default_components(config: Config) -> list[Component]:

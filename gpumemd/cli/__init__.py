@@ -13,6 +13,9 @@ from gpumemd._version import __version__
 # and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
 COMMANDS: dict[str, str] = {
     "demo": "gpumemd.cli.demo",
+    "report": "gpumemd.cli.report",
+    "run": "gpumemd.cli.run",
+    "estimate": "gpumemd.cli.estimate",
 }
 
 

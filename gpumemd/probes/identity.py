@@ -29,6 +29,9 @@ _LAUNCHERS: tuple[tuple[str, str, str, str], ...] = (
     ("mpich", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE"),
 )
 
+# Identities that torch.distributed may refine; a framework's own ("lightning", "transformers") stays.
+_ENV_SOURCES = frozenset({"default", *(launcher[0] for launcher in _LAUNCHERS)})
+
 
 def identity_from_env(env: Mapping[str, str]) -> Identity | None:
     """The launcher's identity from environment variables alone (pure).
@@ -74,7 +77,7 @@ def refreshed_identity(previous: Identity) -> Identity | None:
     Cheap when nothing changed (a ``sys.modules`` lookup and ``is_initialized()``): the agent calls
     it on its first steps, because jobs often attach before ``init_process_group``.
     """
-    if previous.source == "torch.distributed" or _initialized_dist() is None:
+    if previous.source not in _ENV_SOURCES or _initialized_dist() is None:
         return None
     now = current_identity()
     if now.source != "torch.distributed":

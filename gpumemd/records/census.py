@@ -86,6 +86,8 @@ class Census:
     largest: tuple[TensorEntry, ...] = ()
     objects_scanned: int = 0
     invisible_bytes_by_device: Mapping[str, int] = field(default_factory=dict)
+    graph_truncated: bool = False  # the graph walk hit its node bound: graph bytes are a lower bound
+    errors: int = 0  # tensors the census could not read (skipped, never raised)
 
     @property
     def total_bytes(self) -> int:
@@ -119,6 +121,18 @@ class Census:
         for g in self.groups:
             out[g.key.device] = out.get(g.key.device, 0) + g.nbytes + g.graph_bytes
         return out
+
+    def groups_named(self, name: str) -> list[CensusGroup]:
+        """The groups whose name is ``name`` (one per device/dtype/shape it appears with)."""
+        return [g for g in self.groups if g.key.name == name]
+
+    def bytes_where(self, *, category: str | None = None, device: str | None = None) -> int:
+        """Storage bytes of the groups matching ``category`` and/or ``device`` (graph bytes excluded)."""
+        return sum(
+            g.nbytes
+            for g in self.groups
+            if (category is None or g.key.category == category) and (device is None or g.key.device == device)
+        )
 
     def top(self, n: int = 20) -> list[TensorEntry]:
         """The ``n`` largest storages, largest first."""

@@ -17,10 +17,14 @@ class Culprit:
     bytes_delta: int
     holder: str | None = None
     graph_bytes_delta: int = 0
+    noun: str = "tensor"  # what count_delta counts: "tensor", or e.g. "bytes object" for host leaks
+    category: str | None = None  # the census category of the group ("graph": it has a live grad_fn)
 
 
 @dataclass(frozen=True, slots=True)
 class Finding:
+    """What the leak detector concluded about one series (in one phase); ``summary`` is the sentence."""
+
     kind: str
     series: str  # e.g. "allocated_bytes{device=0}", "host_rss_bytes"
     state: str
@@ -35,3 +39,6 @@ class Finding:
     summary: str
     device: int | None = None
     culprits: tuple[Culprit, ...] = ()
+    phase: str = "train"  # the phase whose steps the series was compared across
+    p_value: float | None = None  # Mann-Kendall one-sided p of the window that decided
+    sites: tuple[str, ...] = ()  # CUDA allocation sites (first user frame) that grew, largest first

@@ -1,0 +1,98 @@
+"""Summarise a ``torch.cuda.memory._snapshot()`` dict per device (pure; no torch).
+
+The dict holds only builtins (TORCH_MEMORY_API.md §2.2): ``segments`` (with ``blocks`` in address
+order and their ``state``) and ``device_traces`` (one chronological list per device). Every key is
+read with ``.get``: older torch and hand-made snapshots omit some of them. One pass over the data,
+so a 100k-entry history costs tens of milliseconds on the OOM path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpumemd.records.oom import SnapshotSite, SnapshotSummary
+
+_TOP_SITES = 10
+
+
+def _frame_key(frames: Any) -> str | None:
+    # frames[0] is the innermost frame (nearest the allocation): the line that asked for the memory.
+    if not frames:
+        return None
+    first = frames[0]
+    if not isinstance(first, Mapping):
+        return None
+    return f"{first.get('filename', '?')}:{first.get('line', '?')}:{first.get('name', '?')}"
+
+
+def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any]) -> dict[int, SnapshotSummary]:
+    """Device ordinal -> its summary. A bare list is read as ``memory_snapshot()``'s segment list."""
+    if isinstance(snapshot, list):
+        segments: list[Any] = snapshot
+        traces: list[Any] = []
+    else:
+        segments = list(snapshot.get("segments") or [])
+        traces = list(snapshot.get("device_traces") or [])
+    acc: dict[int, dict[str, Any]] = {}
+
+    def slot(device: int) -> dict[str, Any]:
+        if device not in acc:
+            acc[device] = {"segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0,
+                           "largest_free": 0, "expandable": 0, "sites": {}}
+        return acc[device]
+
+    for seg in segments:
+        if not isinstance(seg, Mapping):
+            continue
+        s = slot(int(seg.get("device", 0)))
+        s["segments"] += 1
+        s["reserved"] += int(seg.get("total_size", 0))
+        s["expandable"] += 1 if seg.get("is_expandable") else 0
+        for block in seg.get("blocks") or ():
+            size = int(block.get("size", 0))
+            state = block.get("state")
+            if state == "inactive":
+                s["inactive"] += size
+                s["largest_free"] = max(s["largest_free"], size)
+                continue
+            s["active"] += size
+            if state == "active_allocated":
+                s["allocated"] += size
+                site = _frame_key(block.get("frames"))
+                if site is not None:
+                    bytes_, count = s["sites"].get(site, (0, 0))
+                    s["sites"][site] = (bytes_ + size, count + 1)
+    out: dict[int, SnapshotSummary] = {}
+    for device in set(acc) | set(range(len(traces))):
+        entries = traces[device] if device < len(traces) and isinstance(traces[device], list) else []
+        if device not in acc and not entries:
+            continue
+        s = slot(device)
+        oom = next((e for e in reversed(entries) if isinstance(e, Mapping) and e.get("action") == "oom"), None)
+        sites = sorted(s["sites"].items(), key=lambda kv: kv[1][0], reverse=True)[:_TOP_SITES]
+        out[device] = SnapshotSummary(
+            device=device,
+            segments=s["segments"],
+            reserved_bytes=s["reserved"],
+            allocated_bytes=s["allocated"],
+            active_bytes=s["active"],
+            inactive_bytes=s["inactive"],
+            largest_free_block_bytes=s["largest_free"],
+            expandable_segments=s["expandable"],
+            trace_entries=len(entries),
+            oom_requested_bytes=int(oom["size"]) if oom is not None and "size" in oom else None,
+            oom_device_free_bytes=int(oom["device_free"]) if oom is not None and "device_free" in oom else None,
+            sites=tuple(SnapshotSite(frame=k, nbytes=v[0], blocks=v[1]) for k, v in sites),
+        )
+    return out
+
+
+def expandable_segments_enabled(snapshot: Mapping[str, Any] | list[Any]) -> bool | None:
+    """What the snapshot's ``allocator_settings`` say about ``expandable_segments`` (None: unknown)."""
+    if not isinstance(snapshot, Mapping):
+        return None
+    settings = snapshot.get("allocator_settings")
+    if not isinstance(settings, Mapping) or "expandable_segments" not in settings:
+        return None
+    return bool(settings["expandable_segments"])

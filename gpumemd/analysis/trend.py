@@ -1,0 +1,302 @@
+"""Robust trend statistics for per-step memory series (pure: no torch, no I/O, no clock).
+
+The leak detector asks one question of a window of block floors: "is this rising, steadily, by at
+least N bytes per step?". Each function answers one part of it:
+
+- ``block_floors``: the minimum of each block of ``b`` samples, which removes transient spikes
+  (eval buffers, a large batch) while keeping the baseline a leak raises.
+- ``mann_kendall``: a rank test for a monotonic rise (one-sided), with the tie correction and a
+  variance inflation for autocorrelated floors (Hamed & Rao 1998), so slow wander is not "significant".
+- ``theil_sen``: the median pairwise slope and Sen's confidence interval; pairs are subsampled
+  deterministically above ``max_pairs`` so the cost stays bounded on long windows.
+- ``cusum_onset``: where the rise began (CUSUM of floor differences).
+- ``ramp_consistent`` and ``floor_growth``: a leak rises in every part of the window and never
+  returns to its old floor; one-off jumps and sawtooths that reset fail these.
+- ``assess``: all of the above, with the reason a window did not pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+_NORMAL = NormalDist()
+
+
+def block_floors(
+    xs: Sequence[float], ys: Sequence[float], block: int
+) -> tuple[list[float], list[float]]:
+    """Minimum of each complete block of ``block`` samples, at the block's mean x.
+
+    A trailing incomplete block is dropped: its minimum is biased upwards (fewer samples).
+    """
+    if block < 1:
+        raise ValueError(f"block_floors: block must be >= 1, got {block}")
+    if len(xs) != len(ys):
+        raise ValueError(f"block_floors: xs and ys differ in length ({len(xs)} != {len(ys)})")
+    fx: list[float] = []
+    fy: list[float] = []
+    for start in range(0, len(ys) - block + 1, block):
+        fy.append(min(ys[start : start + block]))
+        fx.append(sum(xs[start : start + block]) / block)
+    return fx, fy
+
+
+@dataclass(frozen=True, slots=True)
+class MannKendall:
+    """The Mann-Kendall statistic ``s``, its (corrected) variance and the one-sided p-value for a rise."""
+
+    n: int
+    s: int
+    variance: float
+    z: float
+    p_increasing: float
+    inflation: float  # variance inflation from autocorrelation (1.0: none detected)
+
+
+def _sign(v: float) -> int:
+    return (v > 0) - (v < 0)
+
+
+def _tie_variance(ys: Sequence[float]) -> float:
+    n = len(ys)
+    counts: dict[float, int] = {}
+    for y in ys:
+        counts[y] = counts.get(y, 0) + 1
+    ties = sum(t * (t - 1) * (2 * t + 5) for t in counts.values() if t > 1)
+    return (n * (n - 1) * (2 * n + 5) - ties) / 18.0
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """Average ranks (ties share their mean rank)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        mean_rank = (i + j) / 2.0 + 1.0
+        for k in range(i, j + 1):
+            ranks[order[k]] = mean_rank
+        i = j + 1
+    return ranks
+
+
+def autocorrelation_inflation(residuals: Sequence[float], max_lag: int = 32) -> float:
+    """Hamed & Rao's n/n* for the ranks of detrended data, counting only significant positive lags.
+
+    Negative autocorrelation would shrink the variance and raise false alarms, so it is ignored
+    (the factor is never below 1).
+    """
+    n = len(residuals)
+    if n < 8:
+        return 1.0
+    r = _ranks(residuals)
+    mean = sum(r) / n
+    centred = [v - mean for v in r]
+    denom = sum(v * v for v in centred)
+    if denom <= 0:
+        return 1.0
+    bound = _NORMAL.inv_cdf(0.975) / math.sqrt(n)
+    total = 0.0
+    for lag in range(1, min(n - 3, max_lag) + 1):
+        rho = sum(centred[i] * centred[i + lag] for i in range(n - lag)) / denom
+        if rho > bound:
+            total += (n - lag) * (n - lag - 1) * (n - lag - 2) * rho
+    return max(1.0, 1.0 + 2.0 * total / (n * (n - 1) * (n - 2)))
+
+
+def mann_kendall(
+    ys: Sequence[float], *, xs: Sequence[float] | None = None, autocorrelation: bool = True,
+    slope: float | None = None,
+) -> MannKendall:
+    """One-sided Mann-Kendall test for an increasing trend. O(n²): callers bound n (a few hundred).
+
+    With ``autocorrelation`` the series is detrended by ``slope`` (Theil-Sen over ``xs``, computed
+    when not given) and the variance inflated by the ranks' significant autocorrelation.
+    """
+    n = len(ys)
+    if n < 3:
+        return MannKendall(n, 0, 0.0, 0.0, 1.0, 1.0)
+    s = 0
+    for i in range(n - 1):
+        yi = ys[i]
+        for j in range(i + 1, n):
+            s += _sign(ys[j] - yi)
+    variance = _tie_variance(ys)
+    inflation = 1.0
+    if autocorrelation and n >= 8:
+        x = list(xs) if xs is not None else [float(i) for i in range(n)]
+        b = slope if slope is not None else theil_sen(x, ys).slope
+        residuals = [y - b * xi for xi, y in zip(x, ys, strict=True)]
+        # Autocorrelated noise can only fake a rise of about its own size. When the rise is ten
+        # times the residuals' spread (a clean ramp with a periodic wiggle, e.g. census bytes that
+        # grow 32, 36, 32, 36 KiB per point), the residuals' autocorrelation says nothing about the
+        # trend, and inflating by it would hide the plainest leaks.
+        spread = max(residuals) - min(residuals)
+        if spread >= 0.1 * abs(b) * (x[-1] - x[0]):
+            inflation = autocorrelation_inflation(residuals)
+        variance *= inflation
+    if variance <= 0:
+        return MannKendall(n, s, 0.0, 0.0, 1.0, inflation)
+    # continuity correction: S moves in steps of 2
+    z = (s - 1) / math.sqrt(variance) if s > 0 else ((s + 1) / math.sqrt(variance) if s < 0 else 0.0)
+    p = 1.0 - _NORMAL.cdf(z)
+    return MannKendall(n, s, variance, z, p, inflation)
+
+
+@dataclass(frozen=True, slots=True)
+class Slope:
+    """Theil-Sen slope (units of y per unit of x) with Sen's confidence interval."""
+
+    slope: float
+    low: float
+    high: float
+    pairs: int  # pairs actually used (after subsampling)
+
+
+def _pairs(n: int, max_pairs: int, seed: int) -> list[tuple[int, int]]:
+    total = n * (n - 1) // 2
+    if total <= max_pairs:
+        return [(i, j) for i in range(n - 1) for j in range(i + 1, n)]
+    # Deterministic subsample: the same window always gives the same answer.
+    rng = random.Random(seed)
+    out = []
+    for _ in range(max_pairs):
+        i, j = rng.randrange(n), rng.randrange(n)
+        while j == i:
+            j = rng.randrange(n)
+        out.append((i, j) if i < j else (j, i))
+    return out
+
+
+def theil_sen(
+    xs: Sequence[float], ys: Sequence[float], *, confidence: float = 0.90,
+    variance: float | None = None, max_pairs: int = 20_000, seed: int = 0,
+) -> Slope:
+    """Median of pairwise slopes; the interval is Sen's (1968), from the Mann-Kendall variance.
+
+    ``variance`` is Var(S) (e.g. autocorrelation-inflated); by default the tie-corrected one.
+    A two-sided ``confidence`` of 0.90 gives a one-sided 95% lower bound.
+    """
+    n = len(xs)
+    if n != len(ys):
+        raise ValueError(f"theil_sen: xs and ys differ in length ({n} != {len(ys)})")
+    if n < 2:
+        return Slope(0.0, -math.inf, math.inf, 0)
+    slopes = sorted(
+        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in _pairs(n, max_pairs, seed) if xs[j] != xs[i]
+    )
+    if not slopes:
+        return Slope(0.0, -math.inf, math.inf, 0)
+    m = len(slopes)
+    mid = m // 2
+    median = slopes[mid] if m % 2 else (slopes[mid - 1] + slopes[mid]) / 2.0
+    var_s = _tie_variance(ys) if variance is None else variance
+    total = n * (n - 1) / 2.0
+    c = _NORMAL.inv_cdf(0.5 + confidence / 2.0) * math.sqrt(max(var_s, 0.0))
+    scale = m / total  # rank positions scale with the subsample
+    lo_rank = math.floor((total - c) / 2.0 * scale)
+    hi_rank = math.ceil((total + c) / 2.0 * scale)
+    low = slopes[lo_rank] if 0 <= lo_rank < m else -math.inf
+    high = slopes[hi_rank] if 0 <= hi_rank < m else math.inf
+    return Slope(median, min(low, median), max(high, median), m)
+
+
+def cusum_onset(ys: Sequence[float]) -> int:
+    """Index in ``ys`` where a sustained rise most likely began (0 if it spans the whole series).
+
+    CUSUM of the differences minus their mean falls while the series is flatter than average
+    and climbs once the ramp starts, so its minimum marks the change point.
+    """
+    if len(ys) < 3:
+        return 0
+    diffs = [b - a for a, b in itertools.pairwise(ys)]
+    mean = sum(diffs) / len(diffs)
+    c = best = 0.0
+    arg = 0
+    for i, d in enumerate(diffs):
+        c += d - mean
+        if c < best:
+            best, arg = c, i + 1
+    return arg
+
+
+def ramp_consistent(
+    xs: Sequence[float], ys: Sequence[float], slope: float, *, parts: int = 2, fraction: float = 0.5,
+    max_pairs: int = 5_000,
+) -> bool:
+    """Does every one of ``parts`` consecutive pieces rise at more than ``fraction`` of ``slope``?
+
+    A one-off jump lives in one piece and leaves the others flat; a leak raises them all.
+    """
+    n = len(xs)
+    if slope <= 0 or n < 2 * parts:
+        return False
+    size = n / parts
+    for p in range(parts):
+        lo, hi = round(p * size), round((p + 1) * size)
+        piece = theil_sen(xs[lo:hi], ys[lo:hi], max_pairs=max_pairs).slope
+        if piece <= fraction * slope:
+            return False
+    return True
+
+
+def floor_growth(ys: Sequence[float], fraction: float = 0.25) -> float:
+    """Minimum of the last ``fraction`` of the window minus the minimum of the first.
+
+    A leak never returns to its old floor; a sawtooth that resets within the window does.
+    """
+    k = max(1, int(len(ys) * fraction))
+    if len(ys) < 2 * k:
+        return 0.0
+    return min(ys[-k:]) - min(ys[:k])
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether one window passed every test, and if not the first test it failed."""
+
+    passed: bool
+    reason: str  # "leak" when passed, otherwise what failed ("too few points", "not significant", ...)
+    n: int
+    slope: Slope
+    p_increasing: float
+    growth: float  # floor_growth of the window, in y units
+    onset_index: int  # cusum_onset within the window
+
+
+def assess(
+    xs: Sequence[float], ys: Sequence[float], *, min_slope: float, min_growth: float = 0.0,
+    p_max: float = 1e-3, confidence: float = 0.90, min_points: int = 8, max_pairs: int = 20_000,
+) -> Verdict:
+    """All the checks of one window: significance, effect size, total growth, ramp consistency."""
+    n = len(ys)
+    empty = Slope(0.0, -math.inf, math.inf, 0)
+    if n < min_points:
+        return Verdict(False, "too few points", n, empty, 1.0, 0.0, 0)
+    point = theil_sen(xs, ys, max_pairs=max_pairs)
+    mk = mann_kendall(ys, xs=xs, slope=point.slope)
+    slope = theil_sen(xs, ys, confidence=confidence, variance=mk.variance, max_pairs=max_pairs)
+    growth = floor_growth(ys)
+    span = xs[-1] - xs[0]
+
+    def verdict(reason: str) -> Verdict:
+        return Verdict(reason == "leak", reason, n, slope, mk.p_increasing, growth, cusum_onset(ys))
+
+    if mk.p_increasing >= p_max:
+        return verdict("not significant")
+    if slope.low < min_slope:
+        return verdict("slope below threshold")
+    # The floor must have moved by a good part of what the slope implies over the window:
+    # a sawtooth that resets inside the window comes back to its old floor.
+    if growth < max(min_growth, 0.4 * slope.slope * span):
+        return verdict("floor returns")
+    if not ramp_consistent(xs, ys, slope.slope):
+        return verdict("not a ramp")
+    return verdict("leak")

@@ -1,0 +1,242 @@
+"""``find_batch_size``: the largest batch size whose training step fits, found in a few tries.
+
+The loop every tutorial writes ("start large, halve on OOM"), done properly:
+
+1. **Free everything between tries**: the frames of a caught out-of-memory exception (their
+   locals hold the activations of the failed try), ``gc.collect()``, and on CUDA the allocator
+   cache (``torch.cuda.empty_cache()``).
+2. **Two probe runs, then extrapolate**: peak memory is close to linear in the batch size
+   (fixed model state + per-sample activations), so after ``start`` and ``2·start`` the size whose
+   peak reaches ``(1 - margin)·capacity`` is predicted from the line through the two largest
+   sizes that ran, and **verified** by running it. A verified size refines the line; a failure
+   bounds the search from above and the next guess bisects. At most ``max_tries`` runs.
+3. Return the **largest size that ran** within the budget, with its **measured** peak.
+
+Capacity and measurement:
+
+- CUDA: the peak is ``torch.cuda.max_memory_allocated`` of the try (peak counters are reset before
+  each try); the capacity is ``budget_bytes`` or else the device's total memory times
+  ``torch.cuda.get_per_process_memory_fraction`` — so ``torch.cuda.set_per_process_memory_fraction``
+  is the way to test with a cap, and real OOMs end tries.
+- CPU (or any run with ``budget_bytes``): on CPU the peak is measured from the profiler's
+  allocator events (``gpumemd.probes.cpu_peak``): tensor bytes allocated since the search
+  started, so the model's parameters created before the call are not counted, while optimizer
+  state created lazily by the first try is. A try whose measured peak exceeds ``budget_bytes``
+  counts as out of memory, exactly like a real allocation failure, which also counts.
+
+Any exception that is not an out-of-memory error propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import builtins
+import gc
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("gpumemd")
+
+_CPU_OOM_MARKERS = ("can't allocate memory", "out of memory", "not enough memory")
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    batch_size: int
+    ran: bool  # completed without an out-of-memory error
+    peak_bytes: int | None  # measured; None when it ran out of memory
+    fits: bool  # ran, and the peak is within the budget
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA/accelerator ``OutOfMemoryError``, or a CPU allocator failure (a plain RuntimeError)."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MARKERS)
+
+
+def _release(exc: BaseException) -> None:
+    """Drop what a caught exception keeps alive: the locals of every frame it unwound through."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
+class _Runner:
+    """Runs one try and measures its peak; frees everything before returning."""
+
+    def __init__(self, step_fn: Callable[[int], Any], device: str, budget: int) -> None:
+        self.step_fn = step_fn
+        self.device = device
+        self.budget = budget
+        self.cpu_offset = 0  # CPU: bytes earlier tries left allocated (lazy optimizer state)
+        self.tries: list[Try] = []
+
+    def run(self, batch_size: int) -> Try:
+        ran, peak = self._run_cuda(batch_size) if self.device.startswith("cuda") else self._run_cpu(batch_size)
+        result = Try(batch_size, ran, peak, ran and peak is not None and peak <= self.budget)
+        self.tries.append(result)
+        log.debug("gpumemd.find_batch_size: batch %d -> %s", batch_size, result)
+        return result
+
+    def _call(self, batch_size: int) -> bool:
+        try:
+            self.step_fn(batch_size)  # the result is dropped at once
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            _release(exc)
+            return False
+        return True
+
+    def _run_cpu(self, batch_size: int) -> tuple[bool, int | None]:
+        from torch.profiler import ProfilerActivity, profile
+
+        from gpumemd.probes.cpu_peak import peak_from_profiler
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            ran = self._call(batch_size)
+            gc.collect()  # inside the window, so the frees are recorded too
+        measured = peak_from_profiler(prof)
+        peak = self.cpu_offset + measured.peak_bytes
+        self.cpu_offset += measured.net_bytes
+        return ran, peak if ran else None
+
+    def _run_cuda(self, batch_size: int) -> tuple[bool, int | None]:
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ran = self._call(batch_size)
+        if ran:
+            torch.cuda.synchronize(self.device)
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        gc.collect()
+        torch.cuda.empty_cache()
+        return ran, peak if ran else None
+
+
+def _cuda_capacity(device: str) -> int:
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    total = int(torch.cuda.get_device_properties(index).total_memory)
+    fraction_fn = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = float(fraction_fn(index)) if fraction_fn is not None else 1.0
+    return int(total * fraction)
+
+
+def _round_down(value: int, multiple: int) -> int:
+    return max(multiple, value - value % multiple)
+
+
+def find_batch_size(
+    step_fn: Callable[[int], Any],
+    start: int = 8,
+    max: int = 4096,
+    budget_bytes: int | None = None,
+    *,
+    margin: float = 0.1,
+    device: str | None = None,
+    max_tries: int = 12,
+    multiple_of: int = 1,
+) -> tuple[int, int]:
+    """Largest batch size in ``[1, max]`` whose step ran within the capacity, and its measured peak.
+
+    ``step_fn(batch_size)`` runs one full training step (forward, backward, optimizer step) at that
+    batch size. ``margin`` is the fraction of the capacity kept free when extrapolating.
+    Raises ``RuntimeError`` when not even batch size ``multiple_of`` fits.
+    """
+    import torch
+
+    if not isinstance(start, int) or start < 1:
+        raise ValueError(f"find_batch_size(start={start!r}) is not valid: expected an integer >= 1")
+    if not isinstance(max, int) or max < start:
+        raise ValueError(f"find_batch_size(max={max!r}) is not valid: expected an integer >= start ({start})")
+    if not 0 <= margin < 1:
+        raise ValueError(f"find_batch_size(margin={margin!r}) is not valid: expected a fraction in [0, 1)")
+    if multiple_of < 1 or max_tries < 2:
+        raise ValueError("find_batch_size: multiple_of must be >= 1 and max_tries >= 2")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if budget_bytes is None:
+        if not device.startswith("cuda"):
+            raise ValueError(
+                f"find_batch_size on {device} needs budget_bytes (there is no device capacity to read); "
+                "pass e.g. budget_bytes=2 * 1024**3"
+            )
+        budget_bytes = _cuda_capacity(device)
+    if budget_bytes < 1:
+        raise ValueError(f"find_batch_size(budget_bytes={budget_bytes!r}) is not valid: expected bytes >= 1")
+    target = budget_bytes * (1 - margin)
+    runner = _Runner(step_fn, device, budget_bytes)
+    start = _round_down(start, multiple_of)
+    max = _round_down(max, multiple_of)
+
+    good: dict[int, int] = {}  # batch size -> measured peak, for sizes that fit
+    hi: int | None = None  # smallest size known not to fit
+
+    # 1. the first probe; halve until something fits
+    size = start
+    while True:
+        attempt = runner.run(size)
+        if attempt.fits and attempt.peak_bytes is not None:
+            good[size] = attempt.peak_bytes
+            break
+        hi = size
+        if size <= multiple_of:
+            raise RuntimeError(
+                f"find_batch_size: batch size {size} does not fit in {budget_bytes} bytes "
+                f"(tries: {runner.tries}); reduce the model or raise the budget"
+            )
+        size = _round_down(size // 2, multiple_of)
+        if len(runner.tries) >= max_tries:
+            raise RuntimeError(f"find_batch_size: nothing fit in {max_tries} tries: {runner.tries}")
+
+    # 2. the second probe, then extrapolate and verify
+    while len(runner.tries) < max_tries:
+        lo = builtins.max(good)
+        if lo >= max or (hi is not None and hi - lo <= multiple_of):
+            break
+        guess = _next_guess(good, hi, target, max, multiple_of)
+        if guess is None or guess <= lo:
+            break
+        attempt = runner.run(guess)
+        if attempt.fits and attempt.peak_bytes is not None:
+            good[guess] = attempt.peak_bytes
+        else:
+            hi = guess if hi is None else min(hi, guess)
+    best = builtins.max(good)
+    return best, good[best]
+
+
+def _next_guess(good: dict[int, int], hi: int | None, target: float, cap: int, multiple_of: int) -> int | None:
+    lo = builtins.max(good)
+    upper = cap if hi is None else hi - multiple_of
+    if len(good) < 2:
+        guess = 2 * lo  # the second probe
+    else:
+        (b1, p1), (b2, p2) = sorted(good.items())[-2:]
+        slope = (p2 - p1) / (b2 - b1)
+        if slope <= 0:
+            guess = upper
+        else:
+            guess = int((target - (p2 - slope * b2)) // slope)
+            if guess <= lo:
+                return None  # the line says lo is already the largest within the margin
+    if hi is not None and guess >= hi:
+        guess = (lo + hi) // 2  # the line overshot a known failure: bisect
+    guess = min(guess, upper)
+    guess = guess - guess % multiple_of
+    return guess if guess > lo else None

@@ -1,0 +1,167 @@
+"""``gpumemd report DIR``: summarise one OOM report, or every rank's reports side by side.
+
+DIR is one report directory, or a directory holding several (an output dir, every rank's). Missing,
+truncated or foreign files give one line and exit code 2. ``snapshot.pickle`` is checked through the
+restricted unpickler only: a report someone sends you cannot run code on your machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, TextIO
+
+from gpumemd.report.fmt import fmt_bytes, fmt_time
+
+_TENSORS = 10
+_SUGGESTIONS = 5
+_COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "reserved_unallocated")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("report", help="summarise OOM report directories (one, or every rank's)")
+    p.add_argument("dir", help="a report directory, or a directory holding several (e.g. the output dir)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    p.set_defaults(func=run)
+
+
+def _snapshot_check(directory: str) -> dict[str, Any] | None:
+    from gpumemd.analysis.snapshot_summary import summarize_snapshot
+    from gpumemd.cli import CliError
+    from gpumemd.probes.snapshot import SnapshotLoadError, load_snapshot
+    from gpumemd.report.load import SNAPSHOT_FILE
+
+    path = os.path.join(directory, SNAPSHOT_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        snapshot = load_snapshot(path)
+    except SnapshotLoadError as err:
+        raise CliError(f"{path}: {err}") from None
+    devices = summarize_snapshot(snapshot)
+    return {
+        "file": path,
+        "devices": [
+            {"device": d, "segments": s.segments, "reserved_bytes": s.reserved_bytes,
+             "allocated_bytes": s.allocated_bytes, "largest_free_block_bytes": s.largest_free_block_bytes,
+             "trace_entries": s.trace_entries}
+            for d, s in sorted(devices.items())
+        ],
+    }
+
+
+def _activations(report: dict[str, Any]) -> int:
+    items = {i.get("key"): i.get("nbytes", 0) for i in report["breakdown"].get("items", [])}
+    return int(items.get("graph_retained", 0) or 0) + int(items.get("invisible", 0) or 0)
+
+
+def _item(report: dict[str, Any], key: str) -> int | None:
+    if key == "activations":
+        return _activations(report)
+    for item in report["breakdown"].get("items", []):
+        if item.get("key") == key:
+            return int(item.get("nbytes", 0))
+    return None
+
+
+def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
+    from gpumemd.report.markdown import headline
+
+    b = report["breakdown"]
+    total = b.get("total_bytes") or 0
+    print(f"gpumemd OOM report: {report['_dir']}", file=out)
+    print(headline(report), file=out)
+    print(f"written {fmt_time(report.get('created_at'))} via {report.get('source')}", file=out)
+    print(f"verdict: {b.get('verdict')}: {b.get('verdict_why')}", file=out)
+    print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
+          f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
+    for item in b.get("items", []):
+        share = f"{100 * item['nbytes'] / total:5.1f}%" if total else "    -"
+        print(f"  {item['key']:<22} {fmt_bytes(item['nbytes']):>12} {share}", file=out)
+    suggestions = report.get("suggestions") or []
+    print("suggestions:" if suggestions else "suggestions: none", file=out)
+    for n, s in enumerate(suggestions[:_SUGGESTIONS], 1):
+        print(f"  {n}. {s['title']} (saves ~{fmt_bytes(s['saving_bytes'])}): {s['why']}", file=out)
+    tensors = report.get("tensors") or {}
+    if tensors.get("available"):
+        print(f"largest tensors ({tensors.get('tensor_count')} tensors, {fmt_bytes(tensors.get('total_bytes'))}):",
+              file=out)
+        for t in tensors.get("top", [])[:_TENSORS]:
+            who = t.get("name") or t.get("holder") or "-"
+            print(f"  {fmt_bytes(t['nbytes']):>12} {t['dtype']:<9} {t['device']:<7} {t['category']:<16} "
+                  f"{tuple(t['shape'])} {who}", file=out)
+    else:
+        print(f"tensors: {tensors.get('note')}", file=out)
+    for f in report.get("findings") or []:
+        print(f"finding: {f['state']} {f['kind']} on {f['series']}: {f['summary']}", file=out)
+    if snap is not None:
+        for d in snap["devices"]:
+            print(f"snapshot: {snap['file']} device {d['device']}: {d['segments']} segments, reserved "
+                  f"{fmt_bytes(d['reserved_bytes'])}, largest free block {fmt_bytes(d['largest_free_block_bytes'])}, "
+                  f"{d['trace_entries']} trace entries", file=out)
+
+
+def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(reports, key=lambda r: (r.get("created_at") or 0, r.get("rank") or 0))
+    first = ordered[0]
+    return {
+        "first": {"rank": first.get("rank"), "step": first.get("step"), "created_at": first.get("created_at"),
+                  "dir": first["_dir"]},
+        "ranks": sorted({r.get("rank") for r in reports if isinstance(r.get("rank"), int)}),
+        "reports": [
+            {"dir": r["_dir"], "rank": r.get("rank"), "step": r.get("step"), "created_at": r.get("created_at"),
+             "device": r["breakdown"].get("device"), "verdict": r["breakdown"].get("verdict"),
+             "requested_bytes": r["breakdown"].get("requested_bytes"), "peak_bytes": r.get("peak_bytes"),
+             "breakdown": {k: _item(r, k) for k in _COLUMNS}}
+            for r in sorted(reports, key=lambda r: (r.get("rank") or 0, r.get("created_at") or 0))
+        ],
+    }
+
+
+def _print_overview(view: dict[str, Any], out: TextIO) -> None:
+    first = view["first"]
+    print(f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
+          f"first (step {first['step']}, {fmt_time(first['created_at'])})", file=out)
+    head = ["rank", "step", "time", "device", "requested", "peak", *_COLUMNS, "verdict"]
+    rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["device"]),
+             fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
+             *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"])] for r in view["reports"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)), file=out)
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)), file=out)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from gpumemd.cli import CliError
+    from gpumemd.report.load import ReportLoadError, find_report_dirs, load_report
+
+    out = out or sys.stdout
+    root = args.dir
+    if not os.path.isdir(root):
+        raise CliError(f"{root} does not exist or is not a directory: pass a report directory or the output dir")
+    dirs = find_report_dirs(root)
+    if not dirs:
+        raise CliError(f"no gpumemd report in {root} (expected report.json, or report directories inside)")
+    try:
+        reports = [load_report(d) for d in dirs]
+    except ReportLoadError as err:
+        raise CliError(str(err)) from None
+    if len(reports) == 1:
+        report = reports[0]
+        snap = _snapshot_check(report["_dir"])
+        if args.json:
+            print(json.dumps({**report, "snapshot_check": snap}, indent=1), file=out)
+        else:
+            _print_one(report, snap, out)
+        return 0
+    for report in reports:
+        _snapshot_check(report["_dir"])  # a tampered snapshot anywhere is worth a refusal
+    view = _overview(reports)
+    if args.json:
+        print(json.dumps(view, indent=1), file=out)
+    else:
+        _print_overview(view, out)
+    return 0

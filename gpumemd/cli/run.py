@@ -1,0 +1,206 @@
+"""``gpumemd run [options] script.py [args...]``: run a script as ``__main__`` with the agent attached.
+
+The script sees what ``python script.py args...`` would give it: ``sys.argv == [script, *args]``,
+``sys.path[0]`` is the script's directory, ``__name__ == "__main__"``; its ``sys.exit(code)`` is our
+exit code and an uncaught exception prints its usual traceback (through ``sys.excepthook``, so the
+agent's and the user's hooks see it) and exits 1. ``gpumemd run -m pkg.mod args...`` runs a module
+like ``python -m``.
+
+Every ``Config`` field is an option generated from ``gpumemd.config`` (``--port 9400``,
+``--census/--no-census``, ...), on top of the ``GPUMEMD_*`` environment; options go before the
+script, everything after the script belongs to it. Launchers:
+
+- torchrun: ``torchrun --nproc-per-node 8 --no-python gpumemd run train.py`` (``--no-python`` execs
+  the worker command as given), or ``torchrun --nproc-per-node 8 -m gpumemd run train.py`` (torchrun
+  runs ``python -u -m gpumemd run train.py``); torchrun's RANK/LOCAL_RANK/WORLD_SIZE give the rank.
+- Slurm: ``srun --ntasks-per-node 8 gpumemd run train.py``; SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+from typing import Any
+
+from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
+
+# Options of ``gpumemd run`` itself that are not Config fields (names must never collide).
+_OWN_DESTS = frozenset({"target", "module", "func", "command"})
+
+
+def option_name(field: str) -> str:
+    """``leak_min_bytes_per_step`` -> ``--leak-min-bytes-per-step``."""
+    return "--" + field.replace("_", "-")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a Python script (or -m module) with the agent attached",
+        description=(
+            "Run SCRIPT as __main__ with the gpumemd agent attached, exactly as `python SCRIPT ARGS` "
+            "would (argv, exit code, tracebacks). Options go before the script; GPUMEMD_* environment "
+            "variables set the same options. Under torchrun: `torchrun --no-python gpumemd run train.py` "
+            "or `torchrun -m gpumemd run train.py`; under Slurm: `srun gpumemd run train.py`."
+        ),
+        usage="gpumemd run [options] (script.py | -m module) [args...]",
+    )
+    add_config_options(p)
+    p.add_argument(
+        "-m",
+        dest="module",
+        nargs=argparse.REMAINDER,
+        metavar="MODULE [ARGS]",
+        help="run a library module as a script, like `python -m` (must be the last gpumemd option)",
+    )
+    p.add_argument("target", nargs=argparse.REMAINDER, metavar="script.py [args...]",
+                   help="the script and its own arguments")
+    p.set_defaults(func=run)
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per Config field; values stay text (None = not given) and are parsed in ``run``."""
+    defaults = Config()
+    group = parser.add_argument_group("agent options (also GPUMEMD_<NAME> environment variables)")
+    for name, doc in field_docs().items():
+        assert name not in _OWN_DESTS, f"Config field {name} collides with a `gpumemd run` option"
+        default = getattr(defaults, name)
+        help_text = (doc + f" (default: {default}; env GPUMEMD_{name.upper()})").replace("%", "%%")
+        if field_types()[name] is bool:
+            group.add_argument(option_name(name), dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(option_name(name), dest=name, default=None, metavar=name.upper(),
+                               help=help_text)
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The Config fields given on the command line, parsed; a bad value is a CliError naming the option."""
+    from gpumemd.cli import CliError
+
+    overrides: dict[str, Any] = {}
+    for name in field_docs():
+        raw = getattr(args, name, None)
+        if raw is None:
+            continue
+        if isinstance(raw, bool):
+            overrides[name] = raw
+            continue
+        if raw.strip() == "" and is_optional(name):
+            overrides[name] = None  # `--port ''` unsets a GPUMEMD_PORT from the environment
+            continue
+        try:
+            overrides[name] = parse_value(field_types()[name], raw)
+        except ConfigError as err:
+            raise CliError(f"{option_name(name)}={raw!r} is not valid: expected {err.accepted}") from None
+    try:
+        Config.from_sources(os.environ, **overrides)  # validate here, so errors name the option
+    except ConfigError as err:
+        if err.field in overrides:
+            raise CliError(err.render(f"{option_name(err.field)}={{value}}")) from None
+        raise  # from a GPUMEMD_* variable: the message already names it
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpumemd.cli import CliError
+
+    overrides = config_overrides(args)
+    command = list(args.target or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.module is not None:
+        if not args.module:
+            raise CliError("-m needs a module name, e.g. `gpumemd run -m mypkg.train --epochs 3`")
+        target, script_args, is_module = args.module[0], args.module[1:], True
+    elif command:
+        target, script_args, is_module = command[0], command[1:], False
+        if not os.path.isfile(target):
+            raise CliError(f"can't open file {target!r}: no such file (give the path of a Python script)")
+    else:
+        raise CliError("nothing to run: give a script (`gpumemd run train.py --lr 3e-4`) or -m module")
+
+    import gpumemd
+
+    gpumemd.attach(**overrides)  # ValueError from a GPUMEMD_* variable: one line, exit 2 (cli.main)
+    try:
+        return _execute(target, script_args, is_module)
+    finally:
+        gpumemd.detach()
+
+
+def _execute(target: str, script_args: list[str], is_module: bool) -> int:
+    """Run the target as ``__main__`` and turn its ending into an exit code, as ``python`` does."""
+    import runpy
+
+    saved_argv, saved_path0 = sys.argv, (sys.path[0] if sys.path else None)
+    try:
+        if is_module:
+            sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in [0]
+            _set_path0(os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *script_args]
+            _set_path0(os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except KeyboardInterrupt:
+        _report_uncaught()
+        return 130
+    except BaseException:  # noqa: BLE001 - the script's own exception: print it as python would
+        _report_uncaught()
+        return 1
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            _set_path0(saved_path0)
+    return 0
+
+
+def _set_path0(path: str) -> None:
+    if sys.path:
+        sys.path[0] = path
+    else:
+        sys.path.insert(0, path)
+
+
+def _exit_code(code: object) -> int:
+    """``sys.exit(code)`` semantics: None is 0, an int is itself, anything else is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _report_uncaught() -> None:
+    """Hand the exception to ``sys.excepthook`` (default: the usual traceback), minus our frames."""
+    exc_type, exc, tb = sys.exc_info()
+    assert exc_type is not None and exc is not None
+    trimmed = _user_frames(tb)
+    # Python's own printing reads ``exc.__traceback__``, not the tb argument: trim it on the exception.
+    sys.excepthook(exc_type, exc.with_traceback(trimmed), trimmed)
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """Drop the leading frames of this module and runpy, so the traceback starts in the script."""
+    own = {os.path.abspath(__file__), os.path.abspath(_runpy_file()), "<frozen runpy>"}
+    first = tb
+    while first is not None and _frame_file(first) in own:
+        first = first.tb_next
+    return first if first is not None else tb
+
+
+def _frame_file(tb: types.TracebackType) -> str:
+    name = tb.tb_frame.f_code.co_filename
+    return name if name.startswith("<") else os.path.abspath(name)
+
+
+def _runpy_file() -> str:
+    import runpy
+
+    return runpy.__file__ or "runpy.py"

@@ -1,0 +1,205 @@
+"""Tensor censuses at step ends, spaced so the agent stays inside its overhead budget.
+
+A census holds the GIL for tens to hundreds of milliseconds, so it cannot run every step. After
+each census the component sets the interval N (in steps) so that, on average,
+
+    census seconds / job seconds  <=  overhead_budget - (the agent's other training-thread share)
+
+that is ``N = ceil(cost / (share x seconds per step))``. Step time is measured between step ends
+with the census itself left out. ``census_every_steps > 0`` forces N instead. The first census runs
+at the first step end (it measures the cost).
+
+The component keeps a small history of earlier censuses (thinned so it spans the whole run, not just
+the last few intervals) for the leak detector and the OOM report: ``history()``, ``at_or_after(step)``
+and ``take_now()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpumemd.agent import Agent
+    from gpumemd.config import Config
+    from gpumemd.records.census import Census
+    from gpumemd.records.step import StepRecord
+
+log = logging.getLogger("gpumemd")
+
+HISTORY = 8
+"""Censuses kept (a census of a large model is ~1 MB of Python objects)."""
+
+MAX_INTERVAL = 100_000
+"""Never go longer than this many steps without a census."""
+
+_MIN_SHARE = 0.25  # the census always gets at least this part of the budget, whatever else costs
+
+CensusFn = Callable[..., "Census"]
+
+
+class CensusComponent:
+    """Runs ``take_census`` every N steps and publishes ``census=`` and ``censuses_total=``."""
+
+    name = "census"
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        every_steps: int | None = None,
+        overhead_budget: float | None = None,
+        holders: int = 3,
+        history: int = HISTORY,
+        clock: Callable[[], float] = time.perf_counter,
+        census_fn: CensusFn | None = None,
+    ) -> None:
+        if history < 2:
+            raise ValueError(f"CensusComponent(history={history!r}) must keep at least 2 censuses")
+        self._every = every_steps if every_steps is not None else (config.census_every_steps if config else 0)
+        self._budget = overhead_budget if overhead_budget is not None else (
+            config.overhead_budget if config else 0.01
+        )
+        self._holders = holders
+        self._max_history = history
+        self._clock = clock
+        self._census_fn = census_fn
+        self._agent: Agent | None = None
+        self._lock = threading.Lock()  # take_now() may come from another component or thread
+        self._history: list[Census] = []
+        self._interval = 1
+        self._steps_since = 0
+        self._job_seconds_since = 0.0
+        self._last_clock: float | None = None
+        self._last_cost: float | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, agent: Agent) -> None:
+        self._agent = agent
+        self._last_clock = None
+
+    def stop(self) -> None:
+        self._agent = None
+        with self._lock:
+            self._history.clear()
+
+    # --- cadence -----------------------------------------------------------------------------
+
+    @property
+    def interval(self) -> int:
+        """Steps between censuses, as currently chosen."""
+        return self._every if self._every > 0 else self._interval
+
+    def on_step(self, record: StepRecord) -> None:
+        now = self._clock()
+        if self._last_clock is not None:
+            self._job_seconds_since += max(0.0, now - self._last_clock)
+        self._last_clock = now
+        self._steps_since += 1
+        if self._steps_since < self.interval:
+            return
+        self._take(record.step, record.allocator)
+        self._last_clock = self._clock()  # the census is not part of the next step's job time
+
+    def take_now(self) -> Census:
+        """Run a census now (outside the cadence), keep it in the history and publish it."""
+        state = self._agent.state() if self._agent is not None else None
+        census = self._take(state.step if state else None, state.allocator if state else None)
+        if census is None:
+            raise RuntimeError("gpumemd: the census failed; see the gpumemd log for the reason")
+        return census
+
+    def _take(self, step: int | None, allocator: Any) -> Census | None:
+        agent = self._agent
+        with self._lock:
+            previous = self._history[-1] if self._history else None
+            started = self._clock()
+            try:
+                census = self._run(agent, step, allocator, previous)
+            except Exception as exc:  # noqa: BLE001 - the job comes first: back off and carry on
+                cost = self._clock() - started
+                log.warning("gpumemd: census failed at step %s (%s: %s); next try in %d steps",
+                            step, type(exc).__name__, exc, self._interval * 2)
+                self._account(agent, cost)
+                self._interval = min(MAX_INTERVAL, self._interval * 2)
+                self._steps_since, self._job_seconds_since = 0, 0.0
+                return None
+            cost = self._clock() - started
+            self._remember(census)
+            self._account(agent, cost)
+            self._interval = self._next_interval(cost, agent)
+        if agent is not None:
+            agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
+        return census
+
+    def _run(self, agent: Agent | None, step: int | None, allocator: Any, previous: Census | None) -> Census:
+        fn = self._census_fn
+        if fn is None:
+            from gpumemd.probes.census import take_census
+
+            fn = take_census
+        # Holders only for what grew since the previous census: the first one has nothing to compare.
+        return fn(agent, step=step, allocator=allocator, previous=previous,
+                  holders=self._holders if previous is not None else 0)
+
+    def _account(self, agent: Agent | None, cost: float) -> None:
+        self._last_cost = cost
+        if agent is not None:
+            agent.add_census_seconds(cost)
+
+    def _next_interval(self, cost: float, agent: Agent | None) -> int:
+        steps, job_seconds = self._steps_since, self._job_seconds_since
+        self._steps_since, self._job_seconds_since = 0, 0.0
+        if steps == 0 or job_seconds <= 0:
+            return max(1, self._interval)  # no step time yet (first step): ask again next step
+        seconds_per_step = job_seconds / steps
+        share = max(self._budget * _MIN_SHARE, self._budget - _other_share(agent))
+        return max(1, min(MAX_INTERVAL, math.ceil(cost / (share * seconds_per_step))))
+
+    # --- history -----------------------------------------------------------------------------
+
+    def _remember(self, census: Census) -> None:
+        history = self._history
+        history.append(census)
+        if len(history) > self._max_history:
+            # Drop the inner census closest to its predecessor: the kept ones spread over the run.
+            def gap(i: int) -> float:
+                a, b = history[i - 1], history[i]
+                if a.step is not None and b.step is not None:
+                    return float(b.step - a.step)
+                return b.taken_at - a.taken_at
+
+            victim = min(range(1, len(history) - 1), key=gap)
+            del history[victim]
+
+    def history(self) -> list[Census]:
+        """The kept censuses, oldest first (the newest is the published one)."""
+        with self._lock:
+            return list(self._history)
+
+    def at_or_after(self, step: int) -> Census | None:
+        """The earliest kept census taken at ``step`` or later, or None."""
+        with self._lock:
+            for census in self._history:
+                if census.step is not None and census.step >= step:
+                    return census
+        return None
+
+
+def _other_share(agent: Agent | None) -> float:
+    """The agent's training-thread share spent on things other than censuses."""
+    if agent is None:
+        return 0.0
+    try:
+        overhead = agent.state().overhead
+    except RuntimeError:
+        return 0.0
+    if overhead.wall_seconds <= 0:
+        return 0.0
+    other = overhead.training_thread_seconds_total - overhead.census_seconds_total
+    return max(0.0, other / overhead.wall_seconds)

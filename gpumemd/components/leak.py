@@ -1,0 +1,463 @@
+"""The leak component: feeds the detector from each step, names culprits, reports state changes.
+
+Series fed per step (all cheap reads of the ``StepRecord`` and the published state):
+
+- CUDA, per device: step-end ``allocated`` (tensor/graph leak), ``reserved − allocated`` and
+  ``inactive_split`` (fragmentation), NVML used − reserved (memory outside PyTorch's allocator).
+- Host RSS (host leak) — unless the census of CPU tensors grows as fast, which makes it theirs.
+- Census, per device, whenever a new census is published: total bytes including the autograd graph
+  it keeps alive (on CPU this is the tensor/graph leak alarm), and CUDA's allocated − census
+  ("invisible", i.e. autograd-saved tensors), which turns an allocated-bytes leak into a graph leak.
+
+The detector folds values into block floors every step (O(1)) and is evaluated every
+``leak_check_every_steps``. On a state change the component names the culprits — the census diff
+between the window's start and now with who holds a sample, the Python containers that grew for a
+host leak, and on CUDA with allocation history the allocation sites — then logs one WARNING line,
+appends the finding to ``leak-findings-rank<R>.jsonl`` in the output directory and publishes
+``findings`` in the agent state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
+from gpumemd.analysis.leak import (
+    DetectorConfig,
+    LeakDetector,
+    SeriesSpec,
+    TrackStatus,
+    build_finding,
+    culprits_from_diff,
+    refine_kind,
+)
+from gpumemd.records.findings import Culprit, Finding
+
+if TYPE_CHECKING:
+    from gpumemd.agent import Agent
+    from gpumemd.records.census import Census, GroupDelta, GroupKey
+    from gpumemd.records.step import StepRecord
+
+log = logging.getLogger("gpumemd")
+
+_HOLDER_BUDGET_S = 0.5  # one holder look-up (heap scans) per state change, at most this long
+
+
+class LeakComponent:
+    """Runs the leak detector on the training thread; see the module docstring."""
+
+    name = "leak"
+
+    def __init__(
+        self,
+        *,
+        snapshot_fn: Callable[[], Mapping[str, Any]] | None = None,
+        enable_history_fn: Callable[[int], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._snapshot_fn = snapshot_fn
+        self._enable_history_fn = enable_history_fn
+        self._wall = wall_clock
+        self._agent: Agent | None = None
+        self._detector: LeakDetector | None = None
+        self._known: set[str] = set()
+        self._findings: dict[tuple[str, str], Finding] = {}
+        self._culprits: dict[tuple[str, str], _Evidence] = {}
+        self._last_census: Census | None = None
+        self._host_baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
+        self._sites_before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}
+        self._history_enabled_by_us = False
+        self._path = ""
+        self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, agent: Agent) -> None:
+        c = agent.config
+        self._agent = agent
+        self._detector = LeakDetector(DetectorConfig(
+            min_bytes_per_step=c.leak_min_bytes_per_step,
+            warmup_steps=c.leak_warmup_steps,
+            window_steps=c.leak_window_steps,
+            check_every_steps=c.leak_check_every_steps,
+        ))
+        rank = agent.state().identity.rank
+        self._path = os.path.join(agent.output_dir, f"leak-findings-rank{rank}.jsonl")
+
+    def stop(self) -> None:
+        if self._history_enabled_by_us:
+            self._history_enabled_by_us = False
+            try:
+                import torch
+
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except (RuntimeError, AttributeError, TypeError) as exc:
+                log.info("gpumemd: could not switch CUDA allocation history off (%s)", exc)
+        self._host_baseline = None
+        self._sites_before.clear()
+        self._last_census = None
+
+    @property
+    def findings_path(self) -> str:
+        """The append-only JSON-lines file (created on the first state change)."""
+        return self._path
+
+    # --- per step ------------------------------------------------------------------------------
+
+    def on_step(self, record: StepRecord) -> None:
+        detector = self._detector
+        if detector is None:
+            return
+        self._feed(record)
+        if detector.due(record.step):
+            start = time.perf_counter()
+            try:
+                self._evaluate(record.step)
+            finally:
+                self.evaluate_seconds += time.perf_counter() - start
+
+    def _observe(self, spec: SeriesSpec, step: int, value: float, phase: str) -> None:
+        assert self._detector is not None
+        if spec.name not in self._known:
+            self._known.add(spec.name)
+            self._detector.add_series(spec)
+        self._detector.observe(spec.name, step, value, phase)
+
+    def _feed(self, record: StepRecord) -> None:
+        step, phase = record.step, record.phase
+        nvml = {n.device: n for n in record.nvml}
+        for a in record.allocator:
+            d = a.device
+            if a.allocated_bytes is not None:
+                self._observe(_spec(f"allocated_bytes{{device={d}}}", "tensor_leak", d), step,
+                              a.allocated_bytes, phase)
+                if a.reserved_bytes is not None:
+                    self._observe(_spec(f"reserved_minus_allocated_bytes{{device={d}}}", "fragmentation", d),
+                                  step, a.reserved_bytes - a.allocated_bytes, phase)
+            if a.inactive_split_bytes is not None:
+                self._observe(_spec(f"inactive_split_bytes{{device={d}}}", "fragmentation", d, alarm=False),
+                              step, a.inactive_split_bytes, phase)
+            n = nvml.get(d)
+            if n is not None and a.reserved_bytes is not None:
+                used = n.process_used_bytes if n.process_used_bytes is not None else n.used_bytes
+                self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
+                              used - a.reserved_bytes, phase)
+        if record.host is not None:
+            self._observe(_HOST_SPEC, step, record.host.rss_bytes, phase)
+        assert self._agent is not None
+        census = self._agent.state().census
+        if census is not None and census is not self._last_census:
+            self._last_census = census
+            self._feed_census(census, record)
+
+    def _feed_census(self, census: Census, record: StepRecord) -> None:
+        step = census.step if census.step is not None else record.step
+        cuda_devices = {a.device for a in record.allocator if a.allocated_bytes is not None}
+        for dev, nbytes in census.bytes_by_device().items():
+            index = _cuda_index(dev)
+            # On CUDA the allocator's step-end bytes are the alarm; the census only attributes.
+            alarm = index is None or index not in cuda_devices
+            self._observe(_spec(f"census_bytes{{device={dev}}}", "tensor_leak", index, sparse=True, alarm=alarm),
+                          step, nbytes, record.phase)
+        for dev, nbytes in census.invisible_bytes_by_device.items():
+            self._observe(_spec(f"invisible_bytes{{device={dev}}}", "graph_leak", _cuda_index(dev), sparse=True,
+                                alarm=False), step, nbytes, record.phase)
+
+    # --- evaluation ----------------------------------------------------------------------------
+
+    def _evaluate(self, step: int) -> None:
+        assert self._detector is not None and self._agent is not None
+        statuses = self._detector.evaluate(step)
+        if any(name == _HOST_SPEC.name for name, _ in self._detector.rising):
+            self._host_look(step)
+        if not statuses:
+            return
+        for status in statuses:
+            key = (status.spec.name, status.phase)
+            if status.state in ("suspected", "confirmed") and (status.changed or not self._has_culprits(key)):
+                self._culprits[key] = self._find_culprits(status)
+            evidence = self._culprits.get(key, _NO_EVIDENCE)
+            culprits = evidence.culprits
+            finding = build_finding(
+                status, kind=self._kind(status, evidence), culprits=culprits if status.state != "cleared" else (),
+                culprit_steps=evidence.steps, headroom_bytes=self._headroom(status.spec), sites=evidence.sites,
+            )
+            self._findings[key] = finding
+            if status.changed:
+                self._report(finding)
+            if status.state == "cleared":
+                self._culprits.pop(key, None)
+        self._agent.publish(findings=tuple(self._findings.values()))
+
+    def _has_culprits(self, key: tuple[str, str]) -> bool:
+        entry = self._culprits.get(key)
+        return bool(entry and entry.culprits)
+
+    def _kind(self, status: TrackStatus, evidence: _Evidence) -> str:
+        previous = self._findings.get((status.spec.name, status.phase))
+        if status.state == "cleared" and previous is not None:
+            return previous.kind
+        kind = evidence.kind if evidence.kind is not None else refine_kind(status.spec.kind, evidence.culprits)
+        if kind == "tensor_leak" and status.spec.device is not None and self._detector is not None:
+            # allocated bytes that the census cannot see growing as fast: autograd-saved tensors
+            invisible = self._detector.slope_since(
+                f"invisible_bytes{{device=cuda:{status.spec.device}}}", status.phase, status.window_start)
+            if invisible is not None and invisible >= 0.5 * status.verdict.slope.slope:
+                kind = "graph_leak"
+        return kind
+
+    def _headroom(self, spec: SeriesSpec) -> float | None:
+        assert self._agent is not None
+        state = self._agent.state()
+        if spec.device is None:
+            host = state.host
+            return float(host.available_bytes) if host is not None and host.available_bytes is not None else None
+        nv = next((n for n in state.nvml if n.device == spec.device), None)
+        if nv is None:
+            return None
+        a = next((s for s in state.allocator if s.device == spec.device), None)
+        cached = 0
+        if a is not None and a.reserved_bytes is not None:
+            in_use = a.allocated_peak_bytes if a.allocated_peak_bytes is not None else a.allocated_bytes
+            cached = max(0, a.reserved_bytes - (in_use or 0))
+        # what the driver still has, plus what the allocator caches beyond the step's peak
+        return float(nv.free_bytes + cached)
+
+    # --- culprits ------------------------------------------------------------------------------
+
+    def _find_culprits(self, status: TrackStatus) -> _Evidence:
+        kind = status.spec.kind
+        if kind == "host_leak":
+            return self._host_culprits(status)
+        if kind in ("tensor_leak", "graph_leak"):
+            return self._census_culprits(status)
+        return _NO_EVIDENCE
+
+    def _census_culprits(self, status: TrackStatus) -> _Evidence:
+        assert self._agent is not None
+        component: Any = self._agent.component("census")
+        now = self._agent.state().census
+        stale = now is None or now.step is None or status.step - now.step > self._agent.config.leak_check_every_steps
+        take_now = getattr(component, "take_now", None)
+        if stale and take_now is not None:
+            now = take_now()
+        at_or_after = getattr(component, "at_or_after", None)
+        earlier = at_or_after(int(status.window_start)) if at_or_after is not None else None
+        sites = self._sites(status)
+        if now is None or earlier is None or earlier is now or now.step is None or earlier.step is None:
+            return _Evidence(sites=sites)
+        device = "cpu" if status.spec.device is None else f"cuda:{status.spec.device}"
+        deltas = [d for d in now.diff(earlier) if d.device == device]
+        culprits = list(culprits_from_diff(deltas))
+        kind = refine_kind(status.spec.kind, culprits) if culprits else None  # before holders are named
+        if culprits and culprits[0].holder is None:
+            culprits[0] = self._name_holder(culprits[0], deltas)
+        return _Evidence(tuple(culprits), float(now.step - earlier.step), sites, kind)
+
+    def _name_holder(self, culprit: Culprit, deltas: list[GroupDelta]) -> Culprit:
+        """The census looks up holders only for groups whose count grew; name the others here."""
+        if culprit.category == "graph":
+            # Tensors with a grad_fn that nothing in Python holds are kept by an autograd graph:
+            # name the tensor at the root of the largest live graph and who holds it.
+            from gpumemd.probes.host_objects import growing_graph
+
+            root = growing_graph(0, min_added=1)
+            if root is not None and root.holder is not None:
+                return dataclasses.replace(
+                    culprit, holder=f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
+                                    f"held by {root.holder}")
+        top = next((d for d in deltas if describe_matches(d, culprit)), None)
+        holder = _holder_of_group(top.key) if top is not None else None
+        return dataclasses.replace(culprit, holder=holder) if holder is not None else culprit
+
+    def _host_look(self, step: int) -> None:
+        """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
+        while host RSS is rising (two heap scans, once per window at most)."""
+        from gpumemd.probes.host_objects import container_lengths, largest_graph_nodes
+
+        assert self._agent is not None
+        if self._host_baseline is not None and step - self._host_baseline[0] < 2 * self._agent.config.leak_window_steps:
+            return
+        self._host_baseline = (step, container_lengths(), largest_graph_nodes())
+
+    def _host_culprits(self, status: TrackStatus) -> _Evidence:
+        from gpumemd.probes.host_objects import growing_containers, growing_graph
+
+        baseline = self._host_baseline
+        if baseline is None or baseline[0] >= status.step:
+            self._host_baseline = None
+            self._host_look(status.step)  # the next evaluation can compare
+            return _NO_EVIDENCE
+        since, lengths, graph_nodes = baseline
+        steps = float(status.step - since)
+        growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
+        grown = growing_containers(lengths)
+        contained = sum(g.approx_bytes for g in grown)
+        graph = growing_graph(graph_nodes, min_added=max(1, int(steps) // 2))
+        if graph is not None and contained < 0.5 * growth:
+            # Nothing Python-visible grew enough, but one autograd graph gains nodes every step.
+            culprit = Culprit(description=f"{graph.description} (graph of {graph.nodes:,} autograd nodes, "
+                              f"+{graph.nodes_added / max(steps, 1):.0f}/step)", count_delta=0, bytes_delta=0,
+                              holder=graph.holder, graph_bytes_delta=int(growth))
+            return _Evidence((culprit,), steps, (), "graph_leak")
+        if not grown:
+            self._host_baseline = None
+            self._host_look(status.step)
+            return _NO_EVIDENCE
+        culprits = tuple(
+            Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",
+                    count_delta=g.items_added, bytes_delta=g.approx_bytes, holder=g.holder,
+                    noun=f"{g.item_type} object")
+            for g in grown
+        )
+        return _Evidence(culprits, steps)
+
+    def _sites(self, status: TrackStatus) -> tuple[str, ...]:
+        """CUDA allocation sites that grew since the leak was suspected (with allocation history)."""
+        assert self._agent is not None
+        d = status.spec.device
+        if d is None:
+            return ()
+        config = self._agent.config
+        if status.state == "suspected" and status.changed:
+            history_on = config.record_history or self._history_enabled_by_us or (
+                config.leak_history_on_suspect and self._enable_history(config.history_max_entries))
+            if not history_on:
+                return ()
+            snap = self._snapshot()
+            if snap is not None:
+                self._sites_before[d] = (status.step, live_by_site(snap, d))
+            return ()
+        before = self._sites_before.get(d)
+        snap = self._snapshot() if before is not None else None
+        if before is None or snap is None:
+            return ()
+        grown = diff_sites(before[1], live_by_site(snap, d), limit=3)
+        return tuple(site_sentence(g, status.step - before[0]) for g in grown)
+
+    def _enable_history(self, max_entries: int) -> bool:
+        try:
+            if self._enable_history_fn is not None:
+                self._enable_history_fn(max_entries)
+            else:
+                import torch
+
+                torch.cuda.memory._record_memory_history(
+                    enabled="all", context="alloc", stacks="python", max_entries=max_entries)
+        except (RuntimeError, AttributeError, TypeError) as exc:
+            log.info("gpumemd: could not switch on CUDA allocation history (%s); no allocation sites", exc)
+            return False
+        self._history_enabled_by_us = True
+        return True
+
+    def _snapshot(self) -> Mapping[str, Any] | None:
+        try:
+            if self._snapshot_fn is not None:
+                return self._snapshot_fn()
+            import torch
+
+            return torch.cuda.memory._snapshot()  # type: ignore[no-any-return]
+        except (RuntimeError, AttributeError) as exc:
+            log.info("gpumemd: no CUDA snapshot for allocation sites (%s)", exc)
+            return None
+
+    # --- surfaces ------------------------------------------------------------------------------
+
+    def _report(self, finding: Finding) -> None:
+        log.warning("gpumemd: %s", finding.summary)
+        try:
+            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            line = json.dumps({"time": self._wall(), **_jsonable(dataclasses.asdict(finding))}, sort_keys=True)
+            with open(self._path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", self._path, exc)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Evidence:
+    """What the component found behind one finding: culprits over ``steps``, CUDA sites, and a kind
+    when the evidence decides it (a growing autograd graph behind host growth is a graph leak)."""
+
+    culprits: tuple[Culprit, ...] = ()
+    steps: float = 0.0
+    sites: tuple[str, ...] = ()
+    kind: str | None = None
+
+
+_NO_EVIDENCE = _Evidence()
+_HOST_SPEC = SeriesSpec("host_rss_bytes", "host_leak", explained_by=("census_bytes{device=cpu}",))
+_SPECS: dict[tuple[str, bool, bool], SeriesSpec] = {}
+
+
+def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, alarm: bool = True) -> SeriesSpec:
+    # Specs are immutable and few: cache them so the per-step path builds nothing.
+    key = (name, sparse, alarm)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = SeriesSpec(name, kind, device, sparse=sparse, alarm=alarm)
+        if len(_SPECS) < 1024:
+            _SPECS[key] = spec
+    return spec
+
+
+def _cuda_index(device: str) -> int | None:
+    if device.startswith("cuda:"):
+        try:
+            return int(device[5:])
+        except ValueError:
+            return None
+    return None
+
+
+def describe_matches(delta: GroupDelta, culprit: Culprit) -> bool:
+    return delta.bytes_delta == culprit.bytes_delta and delta.graph_bytes_delta == culprit.graph_bytes_delta
+
+
+def _holder_of_group(key: GroupKey) -> str | None:
+    """Who holds a live tensor of this census group (the census looks holders up only for groups
+    whose count grew; a retained graph grows behind one tensor)."""
+    import gc
+
+    import torch
+
+    from gpumemd.probes.referrers import who_holds
+
+    deadline = time.monotonic() + _HOLDER_BUDGET_S
+    sample = None
+    for i, obj in enumerate(gc.get_objects()):
+        if i % 4096 == 0 and time.monotonic() > deadline:
+            return None
+        if type(obj) is not torch.Tensor:  # exact type: cheap, and parameters are never culprits here
+            continue
+        try:
+            if (tuple(obj.shape) == key.shape and str(obj.dtype).removeprefix("torch.") ==
+                    key.dtype.removeprefix("torch.") and str(obj.device) == key.device
+                    and (key.category != "graph" or obj.grad_fn is not None)):
+                sample = obj
+                break
+        except Exception:  # noqa: BLE001 - an odd tensor subclass must not stop the search
+            continue
+    if sample is None:
+        return None
+    try:
+        return who_holds(sample, time_budget_s=max(0.05, deadline - time.monotonic()))
+    finally:
+        del sample
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

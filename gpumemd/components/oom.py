@@ -1,0 +1,345 @@
+"""OOM capture: the CUDA observer, the excepthooks, and the report written when an OOM propagates.
+
+Moments, in order, for a CUDA OOM:
+1. the allocator fails and calls PyTorch's out-of-memory observer *before* raising; ours takes the
+   snapshot there (the OOM-time state, with the ``oom`` trace entry) and keeps it as "pending". The
+   observer also fires for OOMs PyTorch retries internally (cuDNN workspaces), so it only captures;
+2. the ``OutOfMemoryError`` propagates: ``gpumemd.oom_guard`` or an excepthook (uncaught, main or
+   other thread) hands it to ``handle``, which writes the report with the pending capture;
+3. a step that completes after a capture proves it was recovered: ``on_step`` drops the capture.
+CPU allocation failures skip step 1. The observer is attached lazily, once the job itself has
+initialised CUDA (attaching initialises CUDA, which must never happen before a DataLoader forks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from gpumemd.analysis.oom_message import classify_exception
+from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
+from gpumemd.probes.environment import collect_environment
+from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.records.oom import ObserverCall, OomMessage
+from gpumemd.report.build import ReportInputs, build_report, oom_device
+from gpumemd.report.writer import report_dir_name, write_report_dir
+
+if TYPE_CHECKING:
+    from gpumemd.agent import Agent
+    from gpumemd.config import Config
+    from gpumemd.records.census import Census
+    from gpumemd.records.step import StepRecord
+
+log = logging.getLogger("gpumemd")
+
+_TRACEBACK_CHARS = 20_000
+_MARK = "_gpumemd_oom_handled"  # set on an exception once handled, so guard + excepthook report it once
+
+
+@dataclass(frozen=True)
+class _Capture:
+    call: ObserverCall
+    snapshot: dict[str, Any] | None
+    memory_summary: str | None
+
+
+# PyTorch keeps observers forever (no detach API): one process-wide trampoline is attached once and
+# dispatches to whichever component is running, through a weak reference.
+_observer_lock = threading.Lock()
+_observer_installed = False
+_observer_target: weakref.ref[OomComponent] | None = None
+
+
+def _trampoline(device: int, alloc: int, total_or_cap: int, free: int) -> None:
+    try:
+        target = _observer_target() if _observer_target is not None else None
+        if target is not None:
+            target.observe(device, alloc, total_or_cap, free)
+    except Exception:  # noqa: BLE001 - an exception here would replace the user's OutOfMemoryError
+        pass
+
+
+class OomComponent:
+    """Writes a post-mortem directory per OOM (capped, with a cooldown) and publishes ``reports``."""
+
+    name = "oom"
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        snapshot_probe: SnapshotProbe | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._probe = snapshot_probe or SnapshotProbe()
+        self._clock = clock
+        self._wall = wall_clock
+        self._agent: Agent | None = None
+        self._lock = threading.Lock()
+        self._pending: _Capture | None = None
+        self._written = 0
+        self._last_report: float | None = None
+        self._ooms = 0
+        self._cuda_hooked = False
+        self._running = False
+        self._prev_sys_hook: Callable[..., Any] | None = None
+        self._prev_thread_hook: Callable[..., Any] | None = None
+        self._sys_hook: Callable[..., Any] | None = None
+        self._thread_hook: Callable[..., Any] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, agent: Agent) -> None:
+        self._agent = agent
+        self._config = self._config or agent.config
+        self._running = True
+        self._install_excepthooks()
+        self._maybe_hook_cuda()
+
+    def on_step(self, record: StepRecord) -> None:
+        self._pending = None  # a step completed after the observer fired: that OOM was recovered
+        if not self._cuda_hooked:
+            self._maybe_hook_cuda()
+
+    def stop(self) -> None:
+        global _observer_target
+        self._running = False
+        self._remove_excepthooks()
+        with _observer_lock:
+            if _observer_target is not None and _observer_target() is self:
+                _observer_target = None
+        self._probe.disable_history()
+        self._pending = None
+
+    @property
+    def config(self) -> Config:
+        assert self._config is not None, "OomComponent not started"
+        return self._config
+
+    # --- CUDA: history and the observer (lazy) -------------------------------------------------
+
+    def _maybe_hook_cuda(self) -> None:
+        global _observer_installed, _observer_target
+        if not self._probe.cuda_initialized():
+            return
+        self._cuda_hooked = True
+        if self.config.record_history:
+            self._probe.enable_history(self.config.history_max_entries)
+        with _observer_lock:
+            _observer_target = weakref.ref(self)
+            if not _observer_installed:
+                _observer_installed = self._probe.attach_oom_observer(_trampoline)
+
+    def observe(self, device: int, alloc: int, total_or_cap: int, free: int) -> None:
+        """The observer body: capture only (the report is written if the OOM really propagates).
+
+        PyTorch calls it as ``(device, alloc_size, allowed_memory_maximum or device_total, device_free)``:
+        the third argument is the device total or the per-process cap, not allocated bytes.
+        """
+        agent = self._agent
+        if not self._running or agent is None or not agent.running:
+            return
+        call = ObserverCall(device=int(device), requested_bytes=int(alloc),
+                            total_or_cap_bytes=int(total_or_cap), device_free_bytes=int(free),
+                            wall_time=self._wall())
+        snapshot = summary = None
+        if self._may_write(self._clock()):  # no snapshot for an OOM we would not report anyway
+            snapshot = self._probe.capture()
+            summary = self._probe.memory_summary(int(device))
+        self._pending = _Capture(call, snapshot, summary)
+
+    # --- excepthooks -------------------------------------------------------------------------
+
+    def _install_excepthooks(self) -> None:
+        component = weakref.ref(self)
+        prev_sys = sys.excepthook
+        prev_thread = threading.excepthook
+
+        def report(exc: BaseException | None, source: str) -> bool:
+            me = component()
+            try:
+                return bool(me is not None and me._running and me.handle(exc, source=source, clear=False))
+            except Exception:  # noqa: BLE001 - the previous hook must run whatever happens here
+                return False
+
+        def sys_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            handled = report(exc, "excepthook")
+            prev_sys(exc_type, exc, tb)  # the user's traceback printer (or debugger) sees it unchanged
+            if handled:
+                traceback.clear_frames(tb)
+
+        def thread_hook(args: Any) -> None:
+            handled = report(args.exc_value, "thread_excepthook")
+            prev_thread(args)
+            if handled:
+                traceback.clear_frames(args.exc_traceback)  # the process lives on: give the memory back
+
+        self._prev_sys_hook, self._prev_thread_hook = prev_sys, prev_thread
+        self._sys_hook, self._thread_hook = sys_hook, thread_hook
+        sys.excepthook = sys_hook
+        threading.excepthook = thread_hook
+
+    def _remove_excepthooks(self) -> None:
+        # Restore only if nobody wrapped ours since; otherwise ours stays in their chain as a
+        # pass-through (it checks ``_running``).
+        if self._sys_hook is not None and sys.excepthook is self._sys_hook and self._prev_sys_hook:
+            sys.excepthook = self._prev_sys_hook
+        if self._thread_hook is not None and threading.excepthook is self._thread_hook and self._prev_thread_hook:
+            threading.excepthook = self._prev_thread_hook
+        self._sys_hook = self._thread_hook = None
+
+    # --- handling an OOM ----------------------------------------------------------------------
+
+    def handle(self, exc: BaseException | None, *, source: str, clear: bool = True) -> str | bool:
+        """Report ``exc`` if it is an OOM not reported yet. Returns the report path, True when it was
+        an OOM but no report was written (cap, cooldown, failure), False when it is not an OOM.
+        Never raises. With ``clear``, the failing frames' locals are released afterwards."""
+        if exc is None or getattr(exc, _MARK, False):
+            return False
+        try:
+            message = classify_exception(exc)
+        except Exception:  # noqa: BLE001
+            return False
+        if message is None:
+            return False
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, _MARK, True)
+        path: str | bool = True
+        try:
+            path = self._report(exc, message, source, explicit=False) or True
+        except Exception as err:  # noqa: BLE001 - the user's exception must go on unchanged
+            log.warning("gpumemd: could not write the OOM report (%s: %s)", type(err).__name__, err)
+        if clear:
+            traceback.clear_frames(exc.__traceback__)
+        return path
+
+    def write_report(self, exc: BaseException | None = None, *, source: str = "request") -> str | None:
+        """Write a report now (the user asked): for ``exc`` if given, else from the last capture.
+        Subject to ``oom_max_reports`` but not to the cooldown. Returns the directory or None."""
+        message = classify_exception(exc) if exc is not None else None
+        if message is None and self._pending is not None:
+            message = OomMessage(kind="cuda", format="unparsed", device=self._pending.call.device)
+        try:
+            return self._report(exc, message, source, explicit=True)
+        except Exception as err:  # noqa: BLE001
+            log.warning("gpumemd: could not write the OOM report (%s: %s)", type(err).__name__, err)
+            return None
+
+    def _may_write(self, now: float) -> bool:
+        if self._written >= self.config.oom_max_reports:
+            return False
+        return self._last_report is None or now - self._last_report >= self.config.oom_cooldown_s
+
+    def _report(self, exc: BaseException | None, message: OomMessage | None, source: str,
+                *, explicit: bool) -> str | None:
+        agent = self._agent
+        if agent is None or not self._running or not agent.running:  # not in a forked worker either
+            return None
+        now = self._clock()
+        with self._lock:
+            if exc is not None and not explicit:
+                self._ooms += 1
+                agent.publish(ooms_total=self._ooms)
+            allowed = self._written < self.config.oom_max_reports if explicit else self._may_write(now)
+            if not allowed:
+                log.info("gpumemd: OOM #%d not reported (%d reports written, cap %d, cooldown %.0f s)",
+                         self._ooms, self._written, self.config.oom_max_reports, self.config.oom_cooldown_s)
+                return None
+            self._last_report = now
+            capture = None
+            if message is None or message.kind != "cpu":  # a CUDA capture says nothing about host RAM
+                capture, self._pending = self._pending, None
+        path = self._write(agent, exc, message, source, capture)
+        with self._lock:
+            self._written += 1
+            agent.publish(reports=(*agent.state().reports, path))
+        log.warning("gpumemd: out-of-memory report written to %s", path)
+        return path
+
+    def _write(self, agent: Agent, exc: BaseException | None, message: OomMessage | None, source: str,
+               capture: _Capture | None) -> str:
+        state = agent.state()
+        snapshot = capture.snapshot if capture else None
+        snapshot_source = "oom_observer" if snapshot is not None else None
+        on_cuda = message is not None and message.kind != "cpu"
+        if snapshot is None and on_cuda:
+            snapshot = self._probe.capture()  # no observer yet (OOM in the first step): the state now
+            snapshot_source = "report_time" if snapshot is not None else None
+        census, note = self._census(agent)
+        step = 0 if state.step is None else state.step + 1  # the step that was running
+        inputs = ReportInputs(
+            created_at=self._wall(),
+            identity=state.identity,
+            source=source,
+            exception_type=type(exc).__name__ if exc is not None else "none",
+            exception_message=str(exc) if exc is not None else "report requested without an exception",
+            traceback_text=_format_traceback(exc),
+            message=message,
+            step=step,
+            phase=agent.current_phase,
+            observer=capture.call if capture else None,
+            snapshot_summaries=summarize_snapshot(snapshot) if snapshot is not None else {},
+            snapshot_source=snapshot_source,
+            snapshot_file="snapshot.pickle" if snapshot is not None else None,
+            expandable_segments=expandable_segments_enabled(snapshot) if snapshot is not None else None,
+            census=census,
+            census_note=note,
+            steps=agent.steps(),
+            findings=state.findings,
+            host=state.host,
+            allocator=state.allocator,
+            nvml=state.nvml,
+        )
+        device = oom_device(inputs)
+        summary = capture.memory_summary if capture and capture.memory_summary else (
+            self._probe.memory_summary(device) if device is not None else None)
+        env = collect_environment(state.identity, device=device)
+        inputs = replace(inputs, environment=env, memory_summary=summary)
+        report = build_report(inputs)
+        files = render_files(report, snapshot)
+        name = report_dir_name(state.identity.rank, step, inputs.created_at)
+        return write_report_dir(agent.output_dir, name, files)
+
+    def _census(self, agent: Agent) -> tuple[Census | None, str | None]:
+        try:
+            return agent.census(), None  # now, while the failing frames still hold their tensors
+        except ImportError:
+            return agent.state().census, "the census module is not available; showing the last census"
+        except Exception as err:  # noqa: BLE001 - a census failure must not cost the report
+            return agent.state().census, f"census at the OOM failed ({type(err).__name__}: {err})"
+
+
+def render_files(report: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, bytes]:
+    """File name -> content of one report directory."""
+    import json
+
+    from gpumemd.report.html import render_html
+    from gpumemd.report.markdown import render_markdown
+
+    files = {
+        "report.json": json.dumps(report, indent=1, allow_nan=False).encode(),
+        "report.md": render_markdown(report).encode(),
+        "report.html": render_html(report).encode(),
+    }
+    if snapshot is not None:
+        files["snapshot.pickle"] = pickle.dumps(snapshot)  # what torch.cuda.memory._dump_snapshot writes
+    return files
+
+
+def _format_traceback(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text if len(text) <= _TRACEBACK_CHARS else "...\n" + text[-_TRACEBACK_CHARS:]

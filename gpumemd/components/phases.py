@@ -1,0 +1,273 @@
+"""Memory at each phase of a sampled training step: forward start, forward peak, after backward,
+after the optimizer step, and the bytes autograd saved for backward.
+
+Opt-in (``attach(phases=True)``), one step in ``phase_every_steps``. How a step is cut into phases:
+
+- **forward start / end**: a forward pre-hook and an ``always_call`` forward hook on the *root*
+  model only — the registered models (``attach(model=...)``), or else the first module with
+  parameters the job runs (found by a global forward pre-hook that removes itself as soon as it
+  has found it). Per-submodule global hooks would cost on every step; these cost one Python call
+  and a modulo on non-sampled steps.
+- **after backward**: a global optimizer step pre-hook (armed only inside a sampled step).
+- **after step**: the agent's step end (``on_step``).
+
+What is measured, and where:
+
+- On CUDA: ``torch.cuda.memory_allocated`` at each boundary, and the allocator's peak during the
+  forward and during ``optimizer.step()``. To read those two peaks the component **resets torch's
+  peak counters** (``reset_peak_memory_stats``) at forward start and before the optimizer step of
+  sampled steps only; ``max_memory_allocated()`` read by the job itself then covers only the time
+  since that reset.
+- Everywhere (CPU included): bytes saved for backward, counted by
+  :class:`gpumemd.probes.trace.SavedTensorCounter` during the root forward (the tensors are handed
+  back as same-storage aliases, nothing is copied or changed in what autograd keeps), and the
+  exact parameter, gradient and optimizer-state bytes of the root model and the job's optimizers.
+- On CPU no allocator statistic exists, so the device figures are left ``None`` rather than guessed.
+
+Gradient accumulation: only the first forward of a sampled step is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from gpumemd.records.phases import PhaseBreakdown
+
+if TYPE_CHECKING:
+    from gpumemd.agent import Agent
+    from gpumemd.probes.trace import SavedTensorCounter
+    from gpumemd.records.step import StepRecord
+
+log = logging.getLogger("gpumemd")
+
+_IDLE, _FORWARD, _BACKWARD, _STEP = "idle", "forward", "backward", "step"
+
+
+class PhasesComponent:
+    """Publishes ``phases=PhaseBreakdown`` after each sampled step."""
+
+    name = "phases"
+
+    def __init__(self, every_steps: int | None = None) -> None:
+        self._every = every_steps
+        self._agent: Agent | None = None
+        self._handles: list[Any] = []
+        self._discovery: Any = None
+        self._state = _IDLE
+        self._failed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._state = _IDLE
+        self._counter: SavedTensorCounter | None = None
+        self._root: Any = None
+        self._cuda_index: int | None = None
+        self._device = "cpu"
+        self._values: dict[str, Any] = {}
+        self._overhead = 0.0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, agent: Agent) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._agent = agent
+        if self._every is None:
+            self._every = agent.config.phase_every_steps
+        self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
+        models = [m for m in list(agent.models) if hasattr(m, "register_forward_pre_hook")]
+        if models:
+            for model in models:
+                self._hook_root(model)
+        else:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            self._discovery = register_module_forward_pre_hook(self._discover)
+
+    def stop(self) -> None:
+        if self._counter is not None:
+            self._counter.stop()
+        if self._discovery is not None:
+            self._discovery.remove()
+            self._discovery = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._reset()
+
+    def _hook_root(self, module: Any) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._on_forward_start))
+        self._handles.append(module.register_forward_hook(self._on_forward_end, always_call=True))
+
+    # --- hooks (training thread; never raise into the job) -----------------------------------
+
+    def _discover(self, module: Any, args: Any) -> None:
+        try:
+            if next(iter(module.parameters()), None) is None:
+                return  # a loss or a parameterless helper is not the model
+            if self._discovery is not None:
+                self._discovery.remove()
+                self._discovery = None
+            self._hook_root(module)
+        except Exception as exc:  # noqa: BLE001 - the job comes first
+            self._fail("model discovery", exc)
+            return
+        self._on_forward_start(module, args)  # the per-instance hook starts with the next call
+
+    def _sampled(self) -> bool:
+        agent = self._agent
+        if agent is None or self._failed or not agent.running:
+            return False
+        every = self._every or 1
+        return (agent.state().steps_total + 1) % every == 0
+
+    def _on_forward_start(self, module: Any, args: Any) -> None:
+        if self._state != _IDLE or not self._sampled():
+            return
+        t0 = time.perf_counter()
+        try:
+            from gpumemd.probes.trace import SavedTensorCounter
+
+            params = list(module.parameters())
+            buffers = list(module.buffers())
+            device = params[0].device if params else None
+            self._root = module
+            self._device = str(device) if device is not None else "cpu"
+            self._cuda_index = _cuda_index(device)
+            self._values["parameter_bytes"] = _tensor_bytes([*params, *buffers])
+            self._values["forward_start_bytes"] = self._allocated(reset_peak=True)
+            self._counter = SavedTensorCounter(exclude=[*params, *buffers])
+            self._counter.start()
+            self._state = _FORWARD
+        except Exception as exc:  # noqa: BLE001 - the job comes first
+            self._fail("forward start", exc)
+        self._overhead += time.perf_counter() - t0
+
+    def _on_forward_end(self, module: Any, args: Any, output: Any) -> None:
+        if self._state != _FORWARD or module is not self._root:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self._counter is not None:
+                self._counter.stop()
+            if output is None:  # always_call hooks see None when the forward raised: discard
+                self._reset()
+            else:
+                self._values["forward_peak_bytes"] = self._peak()
+                self._state = _BACKWARD
+        except Exception as exc:  # noqa: BLE001
+            self._fail("forward end", exc)
+        self._overhead += time.perf_counter() - t0
+
+    def _on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._state != _BACKWARD:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._values["after_backward_bytes"] = self._allocated(reset_peak=True)
+            root = self._root
+            grads = [p.grad for p in root.parameters() if p.grad is not None] if root is not None else []
+            self._values["gradient_bytes"] = _tensor_bytes(grads)
+            self._state = _STEP
+        except Exception as exc:  # noqa: BLE001
+            self._fail("optimizer step", exc)
+        self._overhead += time.perf_counter() - t0
+
+    def on_step(self, record: StepRecord) -> None:
+        if self._state == _IDLE:
+            return
+        if self._state == _FORWARD and self._counter is not None:
+            self._counter.stop()  # the forward never returned to us; keep the hooks bounded
+        t0 = time.perf_counter()
+        values = self._values
+        if self._state == _STEP:
+            values["optimizer_step_peak_bytes"] = self._peak()
+        values["after_step_bytes"] = self._allocated(reset_peak=False)
+        agent = self._agent
+        optimizers = list(agent.optimizers) if agent is not None else []
+        values["optimizer_state_bytes"] = _optimizer_state_bytes(optimizers) if optimizers else None
+        counter = self._counter
+        breakdown = PhaseBreakdown(
+            step=record.step,
+            device=self._device,
+            forward_start_bytes=values.get("forward_start_bytes"),
+            forward_peak_bytes=values.get("forward_peak_bytes"),
+            after_backward_bytes=values.get("after_backward_bytes"),
+            after_step_bytes=values.get("after_step_bytes"),
+            saved_for_backward_bytes=counter.bytes if counter is not None else 0,
+            saved_tensors=counter.saved if counter is not None else 0,
+            optimizer_step_peak_bytes=values.get("optimizer_step_peak_bytes"),
+            parameter_bytes=values.get("parameter_bytes"),
+            gradient_bytes=values.get("gradient_bytes"),
+            optimizer_state_bytes=values.get("optimizer_state_bytes"),
+            overhead_s=self._overhead + (time.perf_counter() - t0),
+        )
+        self._reset()
+        if agent is not None:
+            agent.publish(phases=breakdown)
+
+    # --- readings ------------------------------------------------------------------------------
+
+    def _allocated(self, *, reset_peak: bool) -> int | None:
+        if self._cuda_index is None:
+            return None
+        import torch
+
+        value = int(torch.cuda.memory_allocated(self._cuda_index))
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(self._cuda_index)
+        return value
+
+    def _peak(self) -> int | None:
+        if self._cuda_index is None:
+            return None
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(self._cuda_index))
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        if self._counter is not None:
+            self._counter.stop()
+        self._reset()
+        self._failed = True  # one failure turns the component off: the job comes first
+        log.warning("gpumemd: phase measurement failed at %s (%s: %s); phases are off for this run",
+                    where, type(exc).__name__, exc)
+
+
+def _cuda_index(device: Any) -> int | None:
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _tensor_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and tied weights once)."""
+    from gpumemd.probes.trace import storage_key, storage_nbytes
+
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = storage_key(t)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        total += storage_nbytes(t)
+    return total
+
+
+def _optimizer_state_bytes(optimizers: list[Any]) -> int:
+    import torch
+
+    tensors = [
+        value
+        for opt in optimizers
+        for state in getattr(opt, "state", {}).values()
+        for value in (state.values() if isinstance(state, dict) else ())
+        if isinstance(value, torch.Tensor)
+    ]
+    return _tensor_bytes(tensors)

@@ -1,0 +1,234 @@
+"""Metric families built from the agent's latest immutable state at scrape time.
+
+No global Gauges: each scrape reads one ``AgentState`` (a single reference read, no lock the
+training thread waits on) and builds fresh families from it. What a probe cannot measure is left
+out (no series), never reported as 0. Counters start at 0 at attach: torch's allocator counters
+(``num_alloc_retries``, ``num_ooms``...) count since CUDA initialised, so the values seen at attach
+are subtracted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from gpumemd._version import __version__
+from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, LEAK_STATE_VALUES
+from gpumemd.records.samples import AllocatorSample
+from gpumemd.records.step import AgentState
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from gpumemd.records.findings import Finding
+
+log = logging.getLogger("gpumemd")
+
+# AllocatorSample counter field -> metric name (without the _total the family adds back).
+_ALLOCATOR_COUNTERS: dict[str, str] = {
+    "num_alloc_retries": "gpumemd_allocator_alloc_retries_total",
+    "num_ooms": "gpumemd_allocator_ooms_total",
+    "num_device_alloc": "gpumemd_allocator_device_allocs_total",
+    "num_device_free": "gpumemd_allocator_device_frees_total",
+}
+_ALLOCATOR_GAUGES: dict[str, str] = {
+    "allocated_bytes": "gpumemd_allocator_allocated_bytes",
+    "reserved_bytes": "gpumemd_allocator_reserved_bytes",
+    "active_bytes": "gpumemd_allocator_active_bytes",
+    "inactive_split_bytes": "gpumemd_allocator_inactive_split_bytes",
+    "requested_bytes": "gpumemd_allocator_requested_bytes",
+    "allocated_peak_bytes": "gpumemd_allocator_peak_allocated_bytes",
+    "reserved_peak_bytes": "gpumemd_allocator_peak_reserved_bytes",
+    "segment_count": "gpumemd_allocator_segments",
+}
+_SEVERITY = {"confirmed": 2, "suspected": 1, "cleared": 0}
+
+
+class CounterBaseline:
+    """torch's allocator counters at attach, per device; subtracted so counters start at 0.
+
+    A device first touched after attach has a baseline of 0 (its counters start with CUDA). If the
+    job calls ``torch.cuda.reset_accumulated_memory_stats`` the raw counter drops below the
+    baseline: from then on the raw value is exported (Prometheus reads the drop as a reset).
+    """
+
+    def __init__(self, samples: Iterable[AllocatorSample] = ()) -> None:
+        self._base: dict[tuple[int, str], int] = {}
+        for sample in samples:
+            for field_name in _ALLOCATOR_COUNTERS:
+                value = getattr(sample, field_name)
+                if value:
+                    self._base[(sample.device, field_name)] = value
+        self._lock = threading.Lock()  # scrape threads only; the training thread never takes it
+
+    def since_attach(self, device: int, field_name: str, value: int) -> int:
+        key = (device, field_name)
+        with self._lock:
+            base = self._base.get(key, 0)
+            if value < base:
+                self._base.pop(key, None)
+                base = 0
+        return value - base
+
+
+class StateCollector:
+    """A prometheus_client collector over ``state()``; register it in its own CollectorRegistry."""
+
+    def __init__(self, state: Callable[[], AgentState], baseline: CounterBaseline | None = None) -> None:
+        self._state = state
+        self._baseline = baseline or CounterBaseline()
+        self._failed_logged = False
+
+    def describe(self) -> list[Metric]:
+        # An empty describe() stops the registry from calling collect() at registration time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            families = build_families(self._state(), self._baseline)
+        except Exception as exc:  # noqa: BLE001 - a bad scrape must not take the server (or job) down
+            if not self._failed_logged:
+                self._failed_logged = True
+                log.warning("gpumemd: building metrics failed (%s: %s); this scrape is empty",
+                            type(exc).__name__, exc)
+            return iter(())
+        return iter(families)
+
+
+class _Families:
+    """Families keyed by metric name, created on first sample so absent data gives no family."""
+
+    def __init__(self, base: Mapping[str, str]) -> None:
+        self._base = dict(base)
+        self._families: dict[str, Any] = {}
+
+    def add(self, name: str, value: float | None, **labels: str) -> None:
+        if value is None:
+            return
+        family = self._families.get(name)
+        spec = BY_NAME[name]
+        if family is None:
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+            names = [*BASE_LABELS, *spec.labels]
+            # created=None (the default) on a custom family means no _created series.
+            family = (
+                CounterMetricFamily(name, spec.help, labels=names)
+                if spec.type == "counter"
+                else GaugeMetricFamily(name, spec.help, labels=names)
+            )
+            self._families[name] = family
+        values = [self._base[label] for label in BASE_LABELS] + [labels.get(label, "") for label in spec.labels]
+        family.add_metric(values, float(value))
+
+    def result(self) -> list[Metric]:
+        return list(self._families.values())
+
+
+def build_families(state: AgentState, baseline: CounterBaseline | None = None) -> list[Metric]:
+    """Every family for one state. Pure apart from the baseline's reset bookkeeping."""
+    baseline = baseline or CounterBaseline()
+    ident = state.identity
+    out = _Families({"rank": str(ident.rank), "local_rank": str(ident.local_rank)})
+    out.add(
+        "gpumemd_info", 1, version=__version__, world_size=str(ident.world_size),
+        hostname=ident.hostname, launcher=ident.source,
+    )
+    _allocator(out, state, baseline)
+    _nvml(out, state)
+    _host(out, state)
+    _steps(out, state)
+    _census(out, state)
+    _findings(out, state.findings)
+    _agent(out, state)
+    return out.result()
+
+
+def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:
+    for sample in state.allocator:
+        device = str(sample.device)
+        for field_name, name in _ALLOCATOR_GAUGES.items():
+            out.add(name, getattr(sample, field_name), device=device)
+        for field_name, name in _ALLOCATOR_COUNTERS.items():
+            value = getattr(sample, field_name)
+            if value is not None:
+                out.add(name, baseline.since_attach(sample.device, field_name, value), device=device)
+    if state.last_step is not None:
+        for sample in state.last_step.allocator:
+            out.add("gpumemd_step_end_allocated_bytes", sample.allocated_bytes, device=str(sample.device))
+
+
+def _nvml(out: _Families, state: AgentState) -> None:
+    for nv in state.nvml:
+        device = str(nv.device)
+        out.add("gpumemd_device_total_bytes", nv.total_bytes, device=device)
+        out.add("gpumemd_device_used_bytes", nv.used_bytes, device=device)
+        out.add("gpumemd_device_free_bytes", nv.free_bytes, device=device)
+        out.add("gpumemd_device_process_used_bytes", nv.process_used_bytes, device=device)
+
+
+def _host(out: _Families, state: AgentState) -> None:
+    host = state.host
+    if host is None:
+        return
+    out.add("gpumemd_host_rss_bytes", host.rss_bytes)
+    out.add("gpumemd_host_available_bytes", host.available_bytes)
+    out.add("gpumemd_host_total_bytes", host.total_bytes)
+    out.add("gpumemd_host_pinned_bytes", host.pinned_bytes)
+
+
+def _steps(out: _Families, state: AgentState) -> None:
+    out.add("gpumemd_step", state.step)
+    out.add("gpumemd_steps_total", state.steps_total)
+    if state.last_step is not None:
+        out.add("gpumemd_step_duration_seconds", state.last_step.duration_s)
+
+
+def _census(out: _Families, state: AgentState) -> None:
+    out.add("gpumemd_censuses_total", state.censuses_total)
+    census = state.census
+    if census is None:
+        return
+    for category, nbytes in census.bytes_by_category().items():
+        out.add("gpumemd_census_bytes", nbytes, category=category)
+    for category, count in census.count_by_category().items():
+        out.add("gpumemd_census_tensors", count, category=category)
+    out.add("gpumemd_census_duration_seconds", census.duration_s)
+
+
+def _findings(out: _Families, findings: Iterable[Finding]) -> None:
+    # Several findings can share a kind and device (e.g. two series of one device): export the
+    # most severe one, so each label set appears once and stays bounded.
+    worst: dict[tuple[str, str], Finding] = {}
+    for finding in findings:
+        key = (finding.kind, "" if finding.device is None else str(finding.device))
+        current = worst.get(key)
+        if current is None or _rank(finding) > _rank(current):
+            worst[key] = finding
+    for (kind, device), finding in sorted(worst.items()):
+        out.add("gpumemd_leak_state", LEAK_STATE_VALUES.get(finding.state, 0), kind=kind, device=device)
+        out.add("gpumemd_leak_slope_bytes_per_step", finding.slope_bytes_per_step, kind=kind, device=device)
+        out.add("gpumemd_leak_growth_bytes", finding.growth_bytes, kind=kind, device=device)
+        out.add("gpumemd_leak_steps_to_oom", finding.steps_to_oom, kind=kind, device=device)
+
+
+def _rank(finding: Finding) -> tuple[int, float]:
+    return (_SEVERITY.get(finding.state, 0), finding.slope_bytes_per_step)
+
+
+def _agent(out: _Families, state: AgentState) -> None:
+    out.add("gpumemd_ooms_total", state.ooms_total)
+    out.add("gpumemd_oom_reports_total", len(state.reports))
+    overhead = state.overhead
+    out.add("gpumemd_agent_training_thread_seconds_total", overhead.training_thread_seconds_total)
+    out.add("gpumemd_agent_census_seconds_total", overhead.census_seconds_total)
+    out.add("gpumemd_agent_sampler_seconds_total", overhead.sampler_seconds_total)
+    out.add("gpumemd_agent_overhead_ratio", overhead.ratio)
+    out.add("gpumemd_agent_last_update_timestamp_seconds", state.updated_at)
+    out.add("gpumemd_agent_start_timestamp_seconds", state.attached_at)
+    for probe, errors in sorted(state.probe_errors.items()):
+        out.add("gpumemd_probe_errors_total", errors, probe=probe)
+    for probe, available in sorted(state.probes_available.items()):
+        out.add("gpumemd_probe_available", 1 if available else 0, probe=probe)

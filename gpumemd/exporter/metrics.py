@@ -1,0 +1,149 @@
+"""The catalogue of every metric the exporter emits: one place for names, types, labels and help.
+
+The collector takes its help text from here, the README's reference table is rendered from here,
+and the dashboard tests check that every metric a Grafana query names is in here *and* really
+appears in an exposition. Pure data: no prometheus_client import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Every series carries these, so dashboards can filter by rank without joining on gpumemd_info.
+BASE_LABELS: tuple[str, ...] = ("rank", "local_rank")
+
+LEAK_STATE_VALUES: dict[str, int] = {"cleared": 0, "suspected": 1, "confirmed": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    type: str  # "gauge", "counter" or "info" (an info is a gauge of 1 with identity labels)
+    labels: tuple[str, ...]  # beyond BASE_LABELS
+    help: str
+    source: str  # where the value comes from (for the README reference table)
+
+
+def _g(name: str, labels: tuple[str, ...], help_: str, source: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", labels, help_, source)
+
+
+def _c(name: str, labels: tuple[str, ...], help_: str, source: str) -> MetricSpec:
+    return MetricSpec(name, "counter", labels, help_, source)
+
+
+_D = ("device",)
+
+SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpumemd_info", "info", ("version", "world_size", "hostname", "launcher"),
+        "Identity of this gpumemd agent; always 1.", "AgentState.identity",
+    ),
+    # --- CUDA caching allocator (torch.cuda.memory_stats), devices this rank touched ---
+    _g("gpumemd_allocator_allocated_bytes", _D, "Bytes handed to live tensors by the CUDA caching allocator.",
+       "memory_stats allocated_bytes.all.current (latest sample)"),
+    _g("gpumemd_allocator_reserved_bytes", _D, "Bytes the caching allocator holds from the driver (used + cached).",
+       "memory_stats reserved_bytes.all.current"),
+    _g("gpumemd_allocator_active_bytes", _D, "Bytes in active blocks (allocated, or freed but pending on a stream).",
+       "memory_stats active_bytes.all.current"),
+    _g("gpumemd_allocator_inactive_split_bytes", _D,
+       "Bytes in inactive split blocks: fragmentation empty_cache() cannot release.",
+       "memory_stats inactive_split_bytes.all.current"),
+    _g("gpumemd_allocator_requested_bytes", _D, "Bytes requested by callers before the allocator's rounding.",
+       "memory_stats requested_bytes.all.current"),
+    _g("gpumemd_allocator_peak_allocated_bytes", _D,
+       "Peak allocated bytes since the last peak reset (per step with reset_peak_each_step).",
+       "memory_stats allocated_bytes.all.peak"),
+    _g("gpumemd_allocator_peak_reserved_bytes", _D, "Peak reserved bytes since the last peak reset.",
+       "memory_stats reserved_bytes.all.peak"),
+    _g("gpumemd_allocator_segments", _D, "Segments (cudaMalloc'd or mapped regions) the allocator holds.",
+       "memory_stats segment.all.current"),
+    _c("gpumemd_allocator_alloc_retries_total", _D,
+       "cudaMalloc failures the allocator answered by flushing its cache and retrying, since attach.",
+       "memory_stats num_alloc_retries minus its value at attach"),
+    _c("gpumemd_allocator_ooms_total", _D, "Out-of-memory errors raised by the CUDA allocator since attach.",
+       "memory_stats num_ooms minus its value at attach"),
+    _c("gpumemd_allocator_device_allocs_total", _D, "cudaMalloc/cuMemMap calls made by the allocator since attach.",
+       "memory_stats num_device_alloc minus its value at attach"),
+    _c("gpumemd_allocator_device_frees_total", _D, "cudaFree/cuMemUnmap calls made by the allocator since attach.",
+       "memory_stats num_device_free minus its value at attach"),
+    _g("gpumemd_step_end_allocated_bytes", _D,
+       "Allocated bytes at the last step end (after optimizer.step()): the job's baseline, the leak signal.",
+       "StepRecord.allocator of the last step"),
+    # --- the driver's view (NVML; creates no CUDA context) ---
+    _g("gpumemd_device_total_bytes", _D, "Total memory of the device, as NVML reports it.", "NVML memory info"),
+    _g("gpumemd_device_used_bytes", _D, "Memory in use on the device by every process, as NVML reports it.",
+       "NVML memory info"),
+    _g("gpumemd_device_free_bytes", _D, "Free memory on the device (headroom), as NVML reports it.",
+       "NVML memory info"),
+    _g("gpumemd_device_process_used_bytes", _D,
+       "Device memory NVML attributes to this process (absent when NVML cannot see the pid, e.g. containers).",
+       "NVML running compute processes"),
+    # --- host ---
+    _g("gpumemd_host_rss_bytes", (), "Resident set size of this process.", "/proc/self/statm or psutil"),
+    _g("gpumemd_host_available_bytes", (), "Memory available on the host for new allocations.",
+       "psutil.virtual_memory().available"),
+    _g("gpumemd_host_total_bytes", (), "Total host memory.", "psutil.virtual_memory().total"),
+    _g("gpumemd_host_pinned_bytes", (), "Pinned host memory held by torch's caching host allocator.",
+       "torch.cuda.host_memory_stats()"),
+    # --- steps ---
+    _g("gpumemd_step", (), "Number of the last completed training step.", "AgentState.step"),
+    _c("gpumemd_steps_total", (), "Training steps completed since attach.", "AgentState.steps_total"),
+    _g("gpumemd_step_duration_seconds", (), "Wall time of the last training step.", "StepRecord.duration_s"),
+    # --- tensor census ---
+    _g("gpumemd_census_bytes", ("category",),
+       "Bytes of live tensors by category in the last census (graph: bytes kept alive by autograd graphs).",
+       "Census.bytes_by_category()"),
+    _g("gpumemd_census_tensors", ("category",), "Live tensor storages by category in the last census.",
+       "Census.count_by_category()"),
+    _g("gpumemd_census_duration_seconds", (), "Wall time the last census took.", "Census.duration_s"),
+    _c("gpumemd_censuses_total", (), "Tensor censuses taken since attach.", "AgentState.censuses_total"),
+    # --- leak findings (one series per finding kind and device: the most severe finding) ---
+    _g("gpumemd_leak_state", ("kind", "device"), "Leak finding state: 0 cleared, 1 suspected, 2 confirmed.",
+       "Finding.state"),
+    _g("gpumemd_leak_slope_bytes_per_step", ("kind", "device"),
+       "Robust (Theil-Sen) growth of the leaking series, in bytes per step.", "Finding.slope_bytes_per_step"),
+    _g("gpumemd_leak_growth_bytes", ("kind", "device"), "Bytes the leaking series grew since the onset.",
+       "Finding.growth_bytes"),
+    _g("gpumemd_leak_steps_to_oom", ("kind", "device"),
+       "Steps until out-of-memory at the current slope (absent when there is no headroom figure).",
+       "Finding.steps_to_oom"),
+    # --- OOM post-mortems ---
+    _c("gpumemd_ooms_total", (), "Out-of-memory errors the agent saw propagate since attach.",
+       "AgentState.ooms_total"),
+    _c("gpumemd_oom_reports_total", (), "OOM post-mortem directories written since attach.",
+       "len(AgentState.reports)"),
+    # --- the agent itself ---
+    _c("gpumemd_agent_training_thread_seconds_total", (),
+       "Seconds the agent spent on the training thread since attach (censuses included).",
+       "Overhead.training_thread_seconds_total"),
+    _c("gpumemd_agent_census_seconds_total", (), "Seconds spent in tensor censuses since attach.",
+       "Overhead.census_seconds_total"),
+    _c("gpumemd_agent_sampler_seconds_total", (), "Seconds the background sampler thread spent since attach.",
+       "Overhead.sampler_seconds_total"),
+    _g("gpumemd_agent_overhead_ratio", (), "Share of wall time the agent took from the training thread (0..1).",
+       "Overhead.ratio"),
+    _g("gpumemd_agent_last_update_timestamp_seconds", (), "Unix time of the agent's last published state.",
+       "AgentState.updated_at"),
+    _g("gpumemd_agent_start_timestamp_seconds", (), "Unix time the agent was attached.", "AgentState.attached_at"),
+    _c("gpumemd_probe_errors_total", ("probe",), "Failed reads per probe since attach (logged once per kind).",
+       "AgentState.probe_errors"),
+    _g("gpumemd_probe_available", ("probe",), "1 when the probe can read on this machine, 0 when it is absent.",
+       "AgentState.probes_available"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in SPECS}
+
+
+def exposed_names() -> set[str]:
+    """Every series name that can appear in an exposition (counters as ``<name>``, which ends in _total)."""
+    return set(BY_NAME)
+
+
+def reference_table() -> str:
+    """The README's metric reference, as a Markdown table."""
+    rows = ["| metric | type | labels | meaning | source |", "|---|---|---|---|---|"]
+    for spec in SPECS:
+        labels = ", ".join(f"`{label}`" for label in (*BASE_LABELS, *spec.labels))
+        rows.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.help} | {spec.source} |")
+    return "\n".join(rows)

@@ -1,0 +1,72 @@
+"""``gpumemd.oom_guard``: for code that catches out-of-memory errors and carries on.
+
+    with gpumemd.oom_guard():            # writes the report, then the OOM propagates as always
+        loss = model(batch).sum()
+
+    @gpumemd.oom_guard(suppress=True)    # writes the report and swallows the OOM (skip the batch)
+    def train_step(batch): ...
+
+Only out-of-memory errors are touched (``torch.OutOfMemoryError``, CPU allocation failures); every
+other exception passes through unchanged. An OOM that is re-raised keeps its traceback; the locals of
+the frames that failed are cleared after the report, so their tensors are freed before your
+``except`` block retries with a smaller batch.
+
+``gpumemd.oom_report(exc)`` writes a report on request (for an OOM you caught yourself, or with no
+exception, from the last observer capture); it is subject to ``oom_max_reports`` but not the cooldown.
+
+Without an attached agent the guard writes nothing (there is no output directory or history to
+report from): it re-raises, or suppresses when asked, exactly as it would with an agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from types import TracebackType
+
+
+class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextlib's
+    """Context manager and decorator; ``last_report`` is the directory written on the last exit."""
+
+    def __init__(self, suppress: bool = False) -> None:
+        if not isinstance(suppress, bool):
+            raise TypeError(f"gpumemd.oom_guard(suppress=...) takes a bool, got {suppress!r}")
+        self.suppress = suppress
+        self.last_report: str | None = None
+
+    def __enter__(self) -> oom_guard:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            return False
+        from gpumemd.analysis.oom_message import classify_exception
+
+        if classify_exception(exc) is None:
+            return False
+        from gpumemd.api import current
+
+        agent = current()
+        component = agent.component("oom") if agent is not None else None
+        handle = getattr(component, "handle", None)
+        if handle is not None:
+            result = handle(exc, source="oom_guard")
+            self.last_report = result if isinstance(result, str) else None
+        elif self.suppress:
+            traceback.clear_frames(tb)
+        return self.suppress
+
+
+def oom_report(exc: BaseException | None = None) -> str | None:
+    """Write an OOM report now; returns its directory, or None (no agent, reports off, cap reached)."""
+    from gpumemd.api import current
+
+    agent = current()
+    component = agent.component("oom") if agent is not None else None
+    write = getattr(component, "write_report", None)
+    if write is None:
+        return None
+    result = write(exc, source="request")
+    return result if isinstance(result, str) else None

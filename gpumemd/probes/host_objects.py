@@ -1,0 +1,173 @@
+"""What grows on the host when the tensor census does not: Python containers and autograd graphs.
+
+Bytes, strings and numpy arrays are not gc-tracked, but the lists, dicts, sets and deques that keep
+them are. Two passes over ``gc.get_objects()`` a few dozen steps apart (only when the detector
+already suspects a host leak: each pass scans the heap) show which containers gained items and
+roughly how many bytes per item (``sys.getsizeof`` of the newest item).
+
+The other host leak the census cannot see is an autograd graph that grows behind a single tensor
+(``total_loss += loss`` after ``backward()``: the saved tensors are freed, the graph's nodes are
+not). ``largest_graph_nodes`` / ``growing_graph`` compare the largest live graph's node count.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+_CONTAINERS = (list, dict, set, collections.deque)
+_MIN_LEN = 8  # smaller containers are not where a leak lives after a few hundred steps
+_MAX_TRACKED = 50_000  # bounded memory for one snapshot: ids -> lengths
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerGrowth:
+    """One container that gained items between two snapshots."""
+
+    type_name: str  # "list", "dict", ...
+    item_type: str  # type of its newest item ("bytes", "dict", ...)
+    items_added: int
+    approx_bytes: int  # items_added x sys.getsizeof(newest item)
+    length: int
+    holder: str | None = None
+
+
+def container_lengths() -> dict[int, int]:
+    """id -> length of every gc-tracked container with at least ``_MIN_LEN`` items (bounded)."""
+    out: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if type(obj) in _CONTAINERS:
+            try:
+                n = len(obj)
+            except Exception:  # noqa: BLE001 - an odd subclass must not stop the scan
+                continue
+            if n >= _MIN_LEN:
+                out[id(obj)] = n
+                if len(out) >= _MAX_TRACKED:
+                    break
+    return out
+
+
+def _newest_item(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return next(reversed(obj.values())) if obj else None
+    if isinstance(obj, (list, collections.deque)):
+        return obj[-1] if obj else None
+    return next(iter(obj), None) if obj else None
+
+
+def growing_containers(before: dict[int, int], *, limit: int = 3, min_added: int = 4) -> list[ContainerGrowth]:
+    """Containers from ``before`` that gained at least ``min_added`` items, most bytes first; the
+    first one gets a ``who_holds`` line naming the variable or attribute that keeps it."""
+    found: list[tuple[int, Any, int, Any]] = []
+    for obj in gc.get_objects():
+        if type(obj) not in _CONTAINERS:
+            continue
+        was = before.get(id(obj))
+        if was is None:
+            continue
+        try:
+            added = len(obj) - was
+            if added < min_added:
+                continue
+            item = _newest_item(obj)
+            size = sys.getsizeof(item)
+        except Exception:  # noqa: BLE001 - mutated while we looked, odd subclass: skip it
+            continue
+        if type(item).__module__.startswith("gpumemd"):
+            continue  # the agent's own bounded buffers (step ring, census history) fill up at start
+        found.append((added * size, obj, added, item))
+    found.sort(key=lambda f: f[0], reverse=True)
+    out = []
+    for rank, (approx, obj, added, item) in enumerate(found[:limit]):
+        holder = None
+        if rank == 0 and item is not None:
+            from gpumemd.probes.referrers import who_holds
+
+            holder = who_holds(item, time_budget_s=0.5, ignore=(found,))
+        out.append(ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj), holder))
+    found.clear()
+    return out
+
+
+# --- autograd graphs that grow behind one tensor (``total_loss += loss``) ------------------------
+
+_GRAPH_NODE_BUDGET = 200_000  # nodes walked per look, over all graphs
+
+
+@dataclass(frozen=True, slots=True)
+class GraphGrowth:
+    """The largest live autograd graph and how much it grew since the first look."""
+
+    description: str  # "float32[] with grad_fn"
+    nodes: int
+    nodes_added: int
+    holder: str | None
+
+
+def _graph_nodes(fn: Any, limit: int) -> int:
+    # Node wrappers may be created on access: keep them alive during the walk so ids stay unique.
+    seen: dict[int, Any] = {id(fn): fn}
+    stack = [fn]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        for nxt, _ in getattr(node, "next_functions", ()) or ():
+            if nxt is not None and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
+    n = len(seen)
+    seen.clear()
+    return n
+
+
+def _largest_graph() -> tuple[int, Any]:
+    import sys as _sys
+
+    torch = _sys.modules.get("torch")
+    if torch is None:
+        return 0, None
+    tensor_type = torch.Tensor
+    budget = _GRAPH_NODE_BUDGET
+    best, best_tensor = 0, None
+    for obj in gc.get_objects():
+        if budget <= 0:
+            break
+        if not issubclass(type(obj), tensor_type):  # type(): never runs a lazy object's __class__
+            continue
+        try:
+            fn = obj.grad_fn
+        except Exception:  # noqa: BLE001 - odd subclass
+            continue
+        if fn is None:
+            continue
+        n = _graph_nodes(fn, budget)
+        budget -= n
+        if n > best:
+            best, best_tensor = n, obj
+    return best, best_tensor
+
+
+def largest_graph_nodes() -> int:
+    """Nodes in the largest autograd graph that a live tensor keeps (bounded walk)."""
+    n, tensor = _largest_graph()
+    del tensor
+    return n
+
+
+def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
+    """The largest live graph, if it gained at least ``min_added`` nodes since ``before_nodes``."""
+    n, tensor = _largest_graph()
+    if tensor is None or n - before_nodes < min_added:
+        return None
+    from gpumemd.probes.referrers import who_holds
+
+    try:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
+        holder = who_holds(tensor, time_budget_s=0.5)
+    finally:
+        del tensor
+    return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)

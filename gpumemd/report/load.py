@@ -1,0 +1,74 @@
+"""Read report directories back (``gpumemd report``), refusing anything that is not ours.
+
+Every failure is a ``ReportLoadError`` with a one-line message naming the file and what is wrong.
+Snapshots are loaded only through the restricted unpickler (``gpumemd.probes.snapshot``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from gpumemd.report.build import REPORT_KIND, SCHEMA_VERSION
+from gpumemd.report.writer import TEMP_PREFIX
+
+REPORT_FILE = "report.json"
+SNAPSHOT_FILE = "snapshot.pickle"
+
+
+class ReportLoadError(ValueError):
+    """A missing, truncated or foreign report."""
+
+
+def is_report_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, REPORT_FILE))
+
+
+def load_report(directory: str) -> dict[str, Any]:
+    """``directory/report.json``, checked to be a gpumemd OOM report this version can read."""
+    path = os.path.join(directory, REPORT_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ReportLoadError(f"{path} does not exist: not a gpumemd report directory") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportLoadError(f"cannot read {path}: {exc}") from None
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportLoadError(f"{path} is truncated or not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(report, dict) or report.get("kind") != REPORT_KIND:
+        raise ReportLoadError(f"{path} is not a gpumemd OOM report (no kind={REPORT_KIND!r})")
+    version = report.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ReportLoadError(
+            f"{path} has schema_version {version!r}; this gpumemd reads up to {SCHEMA_VERSION}: upgrade gpumemd"
+        )
+    if not isinstance(report.get("breakdown"), dict):
+        raise ReportLoadError(f"{path} has no breakdown section: truncated or edited by hand")
+    report["_dir"] = directory
+    return report
+
+
+def find_report_dirs(root: str, max_depth: int = 2) -> list[str]:
+    """Report directories at or under ``root`` (e.g. an output dir holding every rank's), sorted."""
+    if is_report_dir(root):
+        return [root]
+    found: list[str] = []
+    frontier = [(root, 0)]
+    while frontier:
+        current, depth = frontier.pop()
+        try:
+            entries = sorted(os.scandir(current), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False) or entry.name.startswith(TEMP_PREFIX):
+                continue
+            if is_report_dir(entry.path):
+                found.append(entry.path)
+            elif depth + 1 < max_depth:
+                frontier.append((entry.path, depth + 1))
+    return sorted(found)

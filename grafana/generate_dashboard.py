@@ -1,0 +1,285 @@
+"""Generate grafana/dashboards/gpumemd.json (run: python grafana/generate_dashboard.py).
+
+The JSON is the artifact Grafana loads; this script is how it is edited, so panels stay uniform
+(datasource variable, job/instance/rank matchers, units, descriptions, grid). A test checks the
+committed JSON is what this script produces.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "gpumemd.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+# Matchers every query carries (dashboard-linter: target-job-rule, target-instance-rule).
+SEL = 'job=~"$job", instance=~"$instance", rank=~"$rank"'
+SEL_DEV = SEL + ', device=~"$device"'
+
+
+def sel(metric: str, device: bool = False, extra: str = "") -> str:
+    matchers = SEL_DEV if device else SEL
+    return f"{metric}{{{matchers}{', ' + extra if extra else ''}}}"
+
+
+class Layout:
+    """Places panels on Grafana's 24-column grid, row by row."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self.y = 0
+        self.x = 0
+        self.row_h = 0
+        self.next_id = 1
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self.panels.append(
+            {"type": "row", "id": self._id(), "title": title, "collapsed": False,
+             "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []}
+        )
+        self.y += 1
+
+    def _newline(self) -> None:
+        if self.x:
+            self.y += self.row_h
+            self.x = 0
+            self.row_h = 0
+
+    def add(self, panel: dict[str, Any], w: int, h: int = 8) -> None:
+        if self.x + w > 24:
+            self._newline()
+        panel["id"] = self._id()
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.panels.append(panel)
+        self.x += w
+        self.row_h = max(self.row_h, h)
+
+
+def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
+    return [
+        {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i)}
+        for i, (expr, legend) in enumerate(queries)
+    ]
+
+
+def timeseries(title: str, description: str, unit: str, *queries: tuple[str, str],
+               stack: bool = False, decimals: int | None = None) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": {"fillOpacity": 30 if stack else 10, "stacking": {"mode": "normal" if stack else "none"}},
+    }
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return {
+        "type": "timeseries", "title": title, "description": description, "datasource": DS,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        "targets": targets(*queries),
+    }
+
+
+def stat(title: str, description: str, unit: str, *queries: tuple[str, str],
+         mappings: list[dict[str, Any]] | None = None, thresholds: list[tuple[float | None, str]] | None = None
+         ) -> dict[str, Any]:
+    steps = [{"color": color, "value": value} for value, color in (thresholds or [(None, "green")])]
+    return {
+        "type": "stat", "title": title, "description": description, "datasource": DS,
+        "fieldConfig": {"defaults": {"unit": unit, "mappings": mappings or [],
+                                     "thresholds": {"mode": "absolute", "steps": steps}}, "overrides": []},
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "background", "graphMode": "none", "textMode": "auto"},
+        "targets": targets(*queries),
+    }
+
+
+LEAK_MAPPINGS = [{"type": "value", "options": {
+    "0": {"text": "cleared", "color": "green"},
+    "1": {"text": "suspected", "color": "orange"},
+    "2": {"text": "confirmed", "color": "red"},
+}}]
+
+DEV = "{{instance}} r{{rank}} cuda:{{device}}"
+INST = "{{instance}} r{{rank}}"
+
+
+def build() -> dict[str, Any]:
+    g = Layout()
+    g.row("Overview")
+    g.add(stat(
+        "Device headroom", "Free device memory per GPU as NVML sees it (all processes). Below a few GiB, "
+        "the next larger batch or a new shape can run out of memory.", "bytes",
+        (sel("gpumemd_device_free_bytes", device=True), DEV),
+        thresholds=[(None, "red"), (2 * 1024**3, "orange"), (8 * 1024**3, "green")]), w=6)
+    g.add(stat(
+        "Host memory available", "Memory the host still has for new allocations (DataLoader workers, "
+        "pinned buffers, the Python heap).", "bytes", (sel("gpumemd_host_available_bytes"), INST),
+        thresholds=[(None, "red"), (4 * 1024**3, "orange"), (16 * 1024**3, "green")]), w=6)
+    g.add(stat(
+        "Leak state", "The agent's leak finding per kind: suspected after one window of steady growth, "
+        "confirmed after a long window (alert GpumemdLeakConfirmed). Cleared when growth stops.", "none",
+        (f"max by (instance, rank, kind) ({sel('gpumemd_leak_state')})", "{{instance}} r{{rank}} {{kind}}"),
+        mappings=LEAK_MAPPINGS), w=6)
+    g.add(stat(
+        "Out-of-memory errors", "OOM errors the agent saw since attach, and post-mortem reports written "
+        "(one directory each in the agent's output directory).", "short",
+        (sel("gpumemd_ooms_total"), INST + " OOMs"), (sel("gpumemd_oom_reports_total"), INST + " reports"),
+        thresholds=[(None, "green"), (1, "red")]), w=6)
+    g.add(timeseries(
+        "Memory at step end vs the device", "Allocated bytes after optimizer.step() (the job's baseline: "
+        "a steady rise is a leak), the allocator's reserved bytes, and NVML's used and total for the device.",
+        "bytes",
+        (sel("gpumemd_step_end_allocated_bytes", device=True), DEV + " step-end allocated"),
+        (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved"),
+        (sel("gpumemd_device_used_bytes", device=True), DEV + " NVML used"),
+        (sel("gpumemd_device_total_bytes", device=True), DEV + " total")), w=12)
+    g.add(timeseries(
+        "Leak slope", "Robust (Theil-Sen) growth of each leaking series in bytes per training step, "
+        "from the agent's finding.", "bytes",
+        (sel("gpumemd_leak_slope_bytes_per_step"), "{{instance}} r{{rank}} {{kind}} {{device}}")), w=6)
+    g.add(timeseries(
+        "Projected steps to OOM", "Steps left before out-of-memory at the current leak slope "
+        "(headroom / slope). Multiply by the step time for a deadline (alert GpumemdOOMProjected).", "short",
+        (sel("gpumemd_leak_steps_to_oom"), "{{instance}} r{{rank}} {{kind}} {{device}}")), w=6)
+
+    g.row("Allocator")
+    g.add(timeseries(
+        "Allocated, active and reserved", "The CUDA caching allocator: bytes in live tensors (allocated), "
+        "in active blocks, and held from the driver (reserved = allocated + cache).", "bytes",
+        (sel("gpumemd_allocator_allocated_bytes", device=True), DEV + " allocated"),
+        (sel("gpumemd_allocator_active_bytes", device=True), DEV + " active"),
+        (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved")), w=12)
+    g.add(timeseries(
+        "Peak allocated vs step end", "Peak allocated bytes (per step when reset_peak_each_step is on) "
+        "against the step-end baseline: the gap is activations and temporaries, the OOM risk.", "bytes",
+        (sel("gpumemd_allocator_peak_allocated_bytes", device=True), DEV + " peak"),
+        (sel("gpumemd_step_end_allocated_bytes", device=True), DEV + " step end"),
+        (sel("gpumemd_allocator_requested_bytes", device=True), DEV + " requested")), w=12)
+    g.add(timeseries(
+        "Allocator retries and OOMs", "cudaMalloc failures answered by flushing the cache and retrying, "
+        "and allocator OOMs, per second. Any retries mean the job is at the edge of its memory.", "ops",
+        (f"rate({sel('gpumemd_allocator_alloc_retries_total', device=True)}[$__rate_interval])", DEV + " retries"),
+        (f"rate({sel('gpumemd_allocator_ooms_total', device=True)}[$__rate_interval])", DEV + " OOMs")), w=12)
+    g.add(timeseries(
+        "cudaMalloc and cudaFree calls", "Calls the allocator makes to the driver per second; a steady "
+        "rate after warm-up means the cache thrashes (empty_cache() in the loop, or fragmentation).", "ops",
+        (f"rate({sel('gpumemd_allocator_device_allocs_total', device=True)}[$__rate_interval])", DEV + " malloc"),
+        (f"rate({sel('gpumemd_allocator_device_frees_total', device=True)}[$__rate_interval])", DEV + " free")),
+        w=12)
+
+    g.row("Fragmentation")
+    g.add(timeseries(
+        "Fragmentation ratio", "Inactive split bytes over reserved bytes: cache that empty_cache() cannot "
+        "release (alert GpumemdFragmentationHigh above 30%).", "percentunit",
+        (f"{sel('gpumemd_allocator_inactive_split_bytes', device=True)} / "
+         f"({sel('gpumemd_allocator_reserved_bytes', device=True)} > 0)", DEV)), w=8)
+    g.add(timeseries(
+        "Cache: free and split", "Reserved minus allocated (the allocator's cache, which NVML-only tools "
+        "mistake for use) and the inactive split part of it.", "bytes",
+        (f"{sel('gpumemd_allocator_reserved_bytes', device=True)} - "
+         f"{sel('gpumemd_allocator_allocated_bytes', device=True)}", DEV + " cached free"),
+        (sel("gpumemd_allocator_inactive_split_bytes", device=True), DEV + " inactive split")), w=8)
+    g.add(timeseries(
+        "Memory outside PyTorch", "Device memory NVML attributes to this process minus what PyTorch's "
+        "allocator reserved: CUDA context, NCCL, cuBLAS/cuDNN workspaces (alert GpumemdNonPyTorchMemoryGrowing).",
+        "bytes",
+        (f"{sel('gpumemd_device_process_used_bytes', device=True)} - "
+         f"{sel('gpumemd_allocator_reserved_bytes', device=True)}", DEV)), w=8)
+
+    g.row("Census by category")
+    g.add(timeseries(
+        "Tensor bytes by category", "Live tensors in the last census, by what they are: parameters, "
+        "gradients, optimizer state, buffers, autograd graphs kept alive, other.", "bytes",
+        (f"sum by (category) ({sel('gpumemd_census_bytes')})", "{{category}}"), stack=True), w=12)
+    g.add(timeseries(
+        "Tensor count by category", "Live tensor storages in the last census by category; a count that "
+        "grows every step names the kind of tensor that leaks.", "short",
+        (f"sum by (category) ({sel('gpumemd_census_tensors')})", "{{category}}"), stack=True), w=12)
+
+    g.row("Host")
+    g.add(timeseries(
+        "Process and host memory", "This process's resident set, the host's available memory and torch's "
+        "pinned host memory.", "bytes",
+        (sel("gpumemd_host_rss_bytes"), INST + " RSS"),
+        (sel("gpumemd_host_available_bytes"), INST + " host available"),
+        (sel("gpumemd_host_pinned_bytes"), INST + " pinned")), w=24)
+
+    g.row("Agent")
+    g.add(timeseries(
+        "Agent overhead", "Share of wall time the agent took from the training thread (budget 1% by "
+        "default), and the census part of it.", "percentunit",
+        (sel("gpumemd_agent_overhead_ratio"), INST + " total"),
+        (f"rate({sel('gpumemd_agent_census_seconds_total')}[$__rate_interval])", INST + " census")), w=8)
+    g.add(timeseries(
+        "Step time", "Wall time of the last training step; a jump is often a census, a checkpoint "
+        "or an allocator retry.", "s",
+        (sel("gpumemd_step_duration_seconds"), INST)), w=8)
+    g.add(timeseries(
+        "Probe errors and scrape health", "Failed probe reads per second (logged once per kind by the "
+        "agent) and whether Prometheus can scrape the target (1 = up).", "short",
+        (f"rate({sel('gpumemd_probe_errors_total')}[$__rate_interval])", INST + " {{probe}} errors/s"),
+        ('up{job=~"$job", instance=~"$instance"}', "{{instance}} up")), w=8)
+    g.add(stat(
+        "Training step", "Number of the last completed training step.", "none",
+        (sel("gpumemd_step"), INST)), w=8, h=4)
+    g.add(stat(
+        "Census duration", "Wall time of the last tensor census (the agent spaces censuses to stay in "
+        "its overhead budget).", "s", (sel("gpumemd_census_duration_seconds"), INST)), w=8, h=4)
+    g.add(stat(
+        "Censuses taken", "Tensor censuses taken since attach.", "short",
+        (sel("gpumemd_censuses_total"), INST)), w=8, h=4)
+
+    return {
+        "title": "gpumemd: PyTorch memory",
+        "uid": "gpumemd",
+        "description": "PyTorch memory per rank from gpumemd: allocator, leaks, fragmentation, census, host, agent.",
+        "tags": ["gpumemd", "pytorch", "gpu", "memory"],
+        "editable": False,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "timezone": "",
+        "links": [],
+        "annotations": {"list": []},
+        "templating": {"list": templating()},
+        "panels": g.panels,
+    }
+
+
+def query_var(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+        "refresh": 2, "multi": True, "includeAll": True, "allValue": ".+", "sort": 1,
+        "current": {}, "options": [], "hide": 0, "regex": "",
+    }
+
+
+def templating() -> list[dict[str, Any]]:
+    return [
+        {"name": "datasource", "label": "Data Source", "type": "datasource", "query": "prometheus",
+         "current": {}, "options": [], "hide": 0, "refresh": 1, "regex": ""},
+        query_var("job", "job", "label_values(gpumemd_info, job)"),
+        query_var("instance", "instance", 'label_values(gpumemd_info{job=~"$job"}, instance)'),
+        query_var("rank", "rank", 'label_values(gpumemd_info{job=~"$job", instance=~"$instance"}, rank)'),
+        query_var("device", "device", 'label_values(gpumemd_allocator_reserved_bytes{job=~"$job", '
+                  'instance=~"$instance", rank=~"$rank"}, device)'),
+    ]
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    sys.stdout.write(f"wrote {OUT}\n")

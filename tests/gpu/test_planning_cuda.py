@@ -1,0 +1,63 @@
+"""Phases and find_batch_size on a real CUDA device (skipped without one)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import gpumemd
+from gpumemd.batch_size import find_batch_size
+
+
+def make(device: str = "cuda"):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                          nn.Linear(4096, 10)).to(device)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_phases_on_cuda_read_the_allocator(out_dir: str) -> None:
+    model, opt = make()
+    with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, phases=True,
+                          phase_every_steps=2, sample_interval_s=0) as agent:
+        for _ in range(4):
+            x = torch.randn(256, 1024, device="cuda")
+            y = torch.randint(0, 10, (256,), device="cuda")
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        phases = agent.state().phases
+    assert phases is not None and phases.device.startswith("cuda")
+    assert phases.forward_start_bytes is not None and phases.forward_peak_bytes is not None
+    assert phases.after_backward_bytes is not None and phases.after_step_bytes is not None
+    # the forward rises by at least what it keeps for backward
+    assert phases.forward_peak_bytes - phases.forward_start_bytes >= phases.saved_for_backward_bytes
+    # after backward the gradients exist (set_to_none: none at forward start)
+    assert phases.after_backward_bytes - phases.forward_start_bytes >= phases.gradient_bytes // 2
+    # AdamW's foreach step needs a temporary the size of the parameters
+    transient = phases.optimizer_step_transient_bytes
+    assert transient is not None and transient >= phases.parameter_bytes // 2
+
+
+def test_find_batch_size_under_a_memory_fraction() -> None:
+    model, opt = make()
+    total = torch.cuda.get_device_properties(0).total_memory
+    previous = torch.cuda.get_per_process_memory_fraction(0)
+    cap = 2 * 1024**3
+    torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    try:
+        def step(batch_size: int) -> None:
+            x = torch.randn(batch_size, 1024, device="cuda")
+            y = torch.randint(0, 10, (batch_size,), device="cuda")
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        size, peak = find_batch_size(step, start=64, max=1 << 20)
+        assert peak <= cap
+        assert size > 64
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, 0)
+        torch.cuda.empty_cache()

@@ -1,0 +1,382 @@
+"""Real CPU training loops that leak (or don't), shared by the scenario tests and benchmarks/bench_leak.py.
+
+Each scenario is a small, real PyTorch job: a 2-layer MLP on random data, SGD or Adam, a few hundred
+steps. The leaking ones start leaking at ``ONSET`` (after the detector's warm-up) so the latency from
+onset to each state can be measured. Settings are scaled to the small tensors: a leak of >= 16 KiB
+per step against an effect size of 4 KiB per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import gpumemd
+
+STEPS = 260
+ONSET = 40
+SETTINGS: dict[str, Any] = {
+    "sample_interval_s": 0,  # no sampler thread: the step hook reads everything the detector needs
+    "census_every_steps": 10,
+    "leak_warmup_steps": 20,
+    "leak_window_steps": 100,
+    "leak_check_every_steps": 10,
+    "leak_min_bytes_per_step": 4096,
+}
+SUSPECT_WITHIN = 150  # steps from onset to "suspected" (stated in the README)
+CONFIRM_WITHIN = 200  # steps from onset to "confirmed"
+
+
+def _model(width: int = 128) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int = 32) -> torch.Tensor:
+    x = torch.randn(batch, 16)
+    out = model(x)
+    loss = out.pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return out
+
+
+# --- leaks -----------------------------------------------------------------------------------------
+
+
+def loss_accumulated_with_graph(steps: int) -> None:
+    """A monitoring loss summed without .item() and never backwarded: every graph stays alive."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xv, yv = torch.randn(32, 16), torch.randn(32, 128)
+    monitor_total: Any = 0.0
+    for step in range(steps):
+        _train_step(model, opt)
+        if step >= ONSET:
+            monitor_total += F.mse_loss(model(xv), yv)
+    del monitor_total
+
+
+def outputs_appended_to_list(steps: int) -> None:
+    """Model outputs kept for later analysis, without .detach()."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept_outputs = []
+    for step in range(steps):
+        out = _train_step(model, opt)
+        if step >= ONSET:
+            kept_outputs.append(out)
+    kept_outputs.clear()
+
+
+class ActivationRecorder:
+    """A forward hook that stores every activation (debugging code left in)."""
+
+    def __init__(self) -> None:
+        self.activations: list[torch.Tensor] = []
+        self.enabled = False
+
+    def __call__(self, module: Any, inputs: Any, output: torch.Tensor) -> None:
+        if self.enabled:
+            self.activations.append(output.detach())
+
+
+def forward_hook_storing_activations(steps: int) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    recorder = ActivationRecorder()
+    handle = model[1].register_forward_hook(recorder)
+    try:
+        for step in range(steps):
+            recorder.enabled = step >= ONSET
+            _train_step(model, opt)
+    finally:
+        handle.remove()
+        recorder.activations.clear()
+
+
+def dict_cache_keyed_by_step(steps: int) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prediction_cache: dict[int, torch.Tensor] = {}
+    for step in range(steps):
+        out = _train_step(model, opt)
+        if step >= ONSET:
+            prediction_cache[step] = out.detach().clone()
+    prediction_cache.clear()
+
+
+class Node:
+    """An object in a reference cycle (it points to itself) that owns a tensor."""
+
+    def __init__(self, payload: torch.Tensor) -> None:
+        self.payload = payload
+        self.me = self
+
+
+def reference_cycles_with_gc_disabled(steps: int) -> None:
+    """gc disabled for speed (as some jobs do): tensors in reference cycles are never freed."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for step in range(steps):
+            out = _train_step(model, opt)
+            if step >= ONSET:
+                Node(out.detach().clone())
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
+def retain_graph_misuse(steps: int) -> None:
+    """backward(retain_graph=True) "to be safe", and the loss kept for a plot: every step's graph,
+    saved activations included, stays alive (without retain_graph, backward would have freed them)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_history = []
+    for step in range(steps):
+        out = model(torch.randn(32, 16))
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward(retain_graph=True)
+        opt.step()
+        if step >= ONSET:
+            loss_history.append(loss)
+    loss_history.clear()
+
+
+def host_only_leak(steps: int) -> None:
+    """Raw sample buffers (bytes, not tensors) kept in a list: only host RSS grows."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    raw_samples: list[bytes] = []
+    for step in range(steps):
+        _train_step(model, opt)
+        if step >= ONSET:
+            raw_samples.append(bytes([step % 256]) * (64 * 1024))
+    raw_samples.clear()
+
+
+# --- healthy jobs ----------------------------------------------------------------------------------
+
+
+def steady(steps: int) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(steps):
+        _train_step(model, opt)
+
+
+def first_step_optimizer_state(steps: int) -> None:
+    """Adam allocates exp_avg/exp_avg_sq on its first step: a one-time jump at step 0-1."""
+    model = _model(256)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        _train_step(model, opt)
+
+
+def periodic_eval_under_no_grad(steps: int) -> None:
+    """Every 40 steps, 8 eval batches (4x larger, outputs kept for the eval metric) under no_grad,
+    each ended with mark_step inside gpumemd.phase("eval")."""
+    agent = gpumemd.current()
+    assert agent is not None
+    agent.use_manual_steps()  # this job ends its steps with mark_step, train and eval alike
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        _train_step(model, opt)
+        gpumemd.mark_step()
+        if step % 40 == 39:
+            eval_outputs = []
+            with gpumemd.phase("eval"), torch.no_grad():
+                for _ in range(8):
+                    eval_outputs.append(model(torch.randn(128, 16)))
+                    gpumemd.mark_step()
+            del eval_outputs
+
+
+def variable_batch_and_sequence_lengths(steps: int) -> None:
+    rng = random.Random(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        b, t = rng.randint(4, 48), rng.randint(2, 24)
+        out = model(torch.randn(b, t, 16))
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+class ShapeCache:
+    """Attention-mask style cache keyed by shape: bounded by the number of distinct shapes."""
+
+    def __init__(self) -> None:
+        self.masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, b: int, t: int) -> torch.Tensor:
+        if (b, t) not in self.masks:
+            self.masks[(b, t)] = torch.ones(b, t, 16)
+        return self.masks[(b, t)]
+
+
+def bounded_cache_keyed_by_shape(steps: int) -> None:
+    rng = random.Random(1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cache = ShapeCache()
+    for _ in range(steps):
+        b, t = rng.choice((16, 32)), rng.choice((8, 16, 32))
+        out = model(torch.randn(b, t, 16) * cache.get(b, t))
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def metric_list_reset_every_epoch(steps: int) -> None:
+    """Predictions gathered for an epoch-level metric (AUROC-style), reset every 25-step epoch."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    epoch_predictions: list[torch.Tensor] = []
+    for step in range(steps):
+        out = _train_step(model, opt)
+        epoch_predictions.append(out.detach().clone())
+        if step % 25 == 24:
+            torch.cat(epoch_predictions).mean()  # "compute" the metric
+            epoch_predictions = []
+
+
+def gradient_accumulation(steps: int) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(4):
+            loss = model(torch.randn(8, 16)).pow(2).mean() / 4
+            loss.backward()
+        opt.step()
+
+
+def one_time_jump_checkpoint_load(steps: int) -> None:
+    """At step 120 a checkpoint (an extra 2 MiB of tensors) is loaded and kept."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    buf = io.BytesIO()
+    torch.save({"ema": [torch.randn(256, 256) for _ in range(8)]}, buf)
+    checkpoint = None
+    for step in range(steps):
+        _train_step(model, opt)
+        if step == 120:
+            buf.seek(0)
+            checkpoint = torch.load(buf)
+    del checkpoint
+
+
+# --- the registry ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Callable[[int], None]
+    kind: str | None = None  # expected finding kind (None: healthy, nothing may fire)
+    holder: tuple[str, ...] = ()  # substrings the summary must contain (the holder)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def leak(self) -> bool:
+        return self.kind is not None
+
+
+LEAKS = (
+    Scenario("loss accumulated with its graph", loss_accumulated_with_graph, "graph_leak",
+             ("`monitor_total` in loss_accumulated_with_graph()",)),
+    Scenario("outputs appended to a list", outputs_appended_to_list, "tensor_leak",
+             ("`kept_outputs` in outputs_appended_to_list()",)),
+    Scenario("forward hook storing activations", forward_hook_storing_activations, "tensor_leak",
+             ("ActivationRecorder.activations",)),
+    Scenario("dict cache keyed by step", dict_cache_keyed_by_step, "tensor_leak",
+             ("`prediction_cache` in dict_cache_keyed_by_step()",)),
+    Scenario("tensors kept alive by a reference cycle", reference_cycles_with_gc_disabled, "tensor_leak",
+             ("Node.payload",)),
+    Scenario("retain_graph=True misuse", retain_graph_misuse, "graph_leak",
+             ("`loss_history` in retain_graph_misuse()",)),
+    Scenario("host-only leak (bytes objects)", host_only_leak, "host_leak",
+             ("`raw_samples` in host_only_leak()",)),
+)
+HEALTHY = (
+    Scenario("steady training", steady),
+    Scenario("first-step optimizer state (Adam)", first_step_optimizer_state),
+    Scenario("periodic eval under no_grad", periodic_eval_under_no_grad),
+    Scenario("variable batch and sequence lengths", variable_batch_and_sequence_lengths),
+    Scenario("bounded cache keyed by shape", bounded_cache_keyed_by_shape),
+    Scenario("metric list reset every epoch", metric_list_reset_every_epoch),
+    Scenario("gradient accumulation", gradient_accumulation),
+    Scenario("one-time jump (checkpoint load)", one_time_jump_checkpoint_load),
+)
+
+
+@dataclass
+class Outcome:
+    """What one scenario run produced."""
+
+    events: list[dict[str, Any]]  # the findings file: one record per state change
+    findings: list[Any]  # Agent.findings() at the end
+    steps: int
+    wall_s: float
+    leak_eval_s: float  # time spent in the detector's evaluations
+    leak_step_s: float  # the leak component's total on_step time (feeding + evaluations)
+
+    def first(self, state: str) -> dict[str, Any] | None:
+        return next((e for e in self.events if e["state"] == state), None)
+
+
+class _Timed:
+    """Wraps the leak component's on_step to measure its whole per-step cost."""
+
+    def __init__(self, component: Any) -> None:
+        self.component = component
+        self.seconds = 0.0
+        self._inner = component.on_step
+
+    def __call__(self, record: Any) -> None:
+        start = time.perf_counter()
+        try:
+            self._inner(record)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def run_scenario(scenario: Scenario, output_dir: str, steps: int = STEPS) -> Outcome:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend on a shared machine
+    start = time.perf_counter()
+    with gpumemd.attached(output_dir=output_dir, **{**SETTINGS, **scenario.settings}) as agent:
+        component = agent.component("leak")
+        assert component is not None, "the leak component is not registered"
+        timed = _Timed(component)
+        component.on_step = timed  # type: ignore[method-assign]
+        scenario.run(steps)
+        findings = agent.findings()
+        path = component.findings_path  # type: ignore[attr-defined]
+        eval_s = component.evaluate_seconds  # type: ignore[attr-defined]
+        recorded = agent.state().steps_total
+    events = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            events = [json.loads(line) for line in f]
+    return Outcome(events, findings, recorded, time.perf_counter() - start, eval_s, timed.seconds)

@@ -1,0 +1,121 @@
+"""The census inside real CPU training loops, through ``gpumemd.attach``."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch import nn
+
+import gpumemd
+from gpumemd.components.census import CensusComponent
+
+SETTINGS: dict[str, Any] = {"sample_interval_s": 0, "nvml": False, "leak_detection": False}
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 48), nn.ReLU(), nn.Linear(48, 4))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    out = model(torch.randn(8, 12))
+    loss = out.pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return out
+
+
+def test_censuses_run_on_their_cadence_and_name_what_attach_registered(out_dir: str) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    agent = gpumemd.attach(model=model, optimizer=opt, output_dir=out_dir, census_every_steps=5, **SETTINGS)
+
+    for _ in range(20):
+        _step(model, opt)
+
+    state = agent.state()
+    assert state.censuses_total == 4
+    assert state.census is not None and state.census.step == 19
+    component = agent.component("census")
+    assert isinstance(component, CensusComponent)
+    assert [c.step for c in component.history()] == [4, 9, 14, 19]
+    at = component.at_or_after(6)
+    assert at is not None and at.step == 9
+    census = state.census
+    params = dict(model.named_parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    assert sum(g.nbytes for g in census.groups if g.key.name in params) == param_bytes
+    adam = {f"Adam[{f}].{k}" for f in params for k in ("exp_avg", "exp_avg_sq", "step")}
+    assert sum(g.nbytes for g in census.groups if g.key.name in adam) == 2 * param_bytes + 4 * len(params)
+    assert state.overhead.census_seconds_total > 0
+
+
+def test_agent_census_runs_one_now_and_keeps_it_in_the_state(out_dir: str) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    agent = gpumemd.attach(output_dir=out_dir, census=False, **SETTINGS)
+    for _ in range(3):
+        _step(model, opt)  # the step hook sees the optimizer: its state gets named without register()
+
+    census = agent.census()
+
+    assert agent.state().census is census and agent.state().censuses_total == 1
+    assert census.step == 2
+    momentum = [g for g in census.groups if g.key.name and g.key.name.startswith("SGD[")]
+    assert momentum and all(g.key.name.endswith("].momentum_buffer") for g in momentum)
+    assert sum(g.nbytes for g in momentum) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def _leaky_training(steps: int, agent: Any) -> tuple[Any, Any]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    outputs_seen = []  # the leak: detached outputs kept "for later analysis"
+    for i in range(steps):
+        out = _step(model, opt)
+        outputs_seen.append(out.detach())
+        if i == 4:
+            first = agent.component("census").take_now()
+    last = agent.component("census").take_now()
+    return first, last
+
+
+def test_a_list_held_leak_is_diffed_and_named_by_its_variable(out_dir: str) -> None:
+    agent = gpumemd.attach(output_dir=out_dir, census_every_steps=1000, **SETTINGS)
+
+    first, last = _leaky_training(15, agent)
+
+    deltas = [d for d in last.diff(first) if d.shape == (8, 4)]
+    assert [(d.count_delta, d.bytes_delta, d.category) for d in deltas] == [(10, 10 * 8 * 4 * 4, "other")]
+    holder = deltas[0].holder
+    assert holder is not None and holder.startswith("`outputs_seen` in _leaky_training() at ")
+    assert holder.endswith("→ list of 15 items")
+
+
+def test_a_loss_summed_with_its_graph_is_seen_as_growing_graph_memory(out_dir: str) -> None:
+    gc.collect()
+    torch.manual_seed(0)
+    agent = gpumemd.attach(output_dir=out_dir, census_every_steps=1000, **SETTINGS)
+    component = agent.component("census")
+    assert isinstance(component, CensusComponent)
+    model = nn.Sequential(nn.Linear(12, 256), nn.ReLU(), nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    running = torch.zeros(())
+    for i in range(12):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 12)).pow(2).mean()
+        loss.backward(retain_graph=True)  # the graph survives backward: its saved tensors stay
+        opt.step()
+        running = running + loss  # the classic leak: no .item()
+        if i == 1:
+            early = component.take_now()
+    late = component.take_now()
+
+    growth = late.bytes_by_category()["graph"] - early.bytes_by_category()["graph"]
+    assert growth >= 10 * 16 * 256 * 4  # ten more steps of hidden activations
+    hidden = [d for d in late.diff(early) if d.shape == (16, 256)]
+    assert hidden and hidden[0].category == "graph" and hidden[0].count_delta == 10
+    assert hidden[0].holder is not None and "`running` in test_a_loss_summed" in hidden[0].holder
+    del running

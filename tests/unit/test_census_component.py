@@ -1,0 +1,159 @@
+"""CensusComponent cadence (deterministic: a manual clock and a census that "costs" what we say),
+history and publishing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpumemd.agent import Agent
+from gpumemd.components import build_default
+from gpumemd.components.census import CensusComponent
+from gpumemd.config import Config
+from gpumemd.records.census import Census
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostlyCensus:
+    """Stands in for take_census: advances the clock by ``cost`` and records the steps it ran at."""
+
+    def __init__(self, clock: ManualClock, cost: float) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.steps: list[int | None] = []
+        self.holders: list[int] = []
+        self.fail = False
+
+    def __call__(self, agent: Any, *, step: int | None, holders: int, **kwargs: Any) -> Census:
+        self.clock.now += self.cost
+        if self.fail:
+            raise RuntimeError("census broke")
+        self.steps.append(step)
+        self.holders.append(holders)
+        return Census(step=step, taken_at=self.clock.now, duration_s=self.cost, groups=())
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def _agent(out_dir: str, component: CensusComponent, clock: ManualClock) -> Agent:
+    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, overhead_budget=0.01)
+    return Agent(config, components=[component], clock=clock, wall_clock=clock)
+
+
+@pytest.fixture
+def run_steps(out_dir: str, clock: ManualClock) -> Iterator[Any]:
+    agents: list[Agent] = []
+
+    def run(component: CensusComponent, steps: int, step_seconds: float = 1.0) -> Agent:
+        agent = _agent(out_dir, component, clock)
+        agents.append(agent)
+        agent.start()
+        for _ in range(steps):
+            clock.now += step_seconds
+            agent.mark_step()
+        return agent
+
+    yield run
+    for agent in agents:
+        agent.stop()
+
+
+def test_interval_adapts_so_census_time_stays_within_the_budget(clock: ManualClock, run_steps: Any) -> None:
+    census = CostlyCensus(clock, cost=0.1)
+    component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
+
+    agent = run_steps(component, 200)
+
+    # step 0 measures the cost, step 1 the step time; then N = ceil(0.1 / (0.01 x ~1 s)) = 10..12.
+    assert census.steps[:2] == [0, 1]
+    gaps = [b - a for a, b in zip(census.steps[1:], census.steps[2:])]  # type: ignore[operator]
+    assert gaps and all(10 <= gap <= 12 for gap in gaps), gaps
+    assert component.interval in range(10, 13)
+    overhead = agent.state().overhead
+    steady = (len(census.steps) - 2) * 0.1 / (198 * 1.0)
+    assert steady <= 0.01
+    assert overhead.census_seconds_total == pytest.approx(len(census.steps) * 0.1)
+    assert agent.state().censuses_total == len(census.steps)
+    assert census.holders[0] == 0 and set(census.holders[1:]) == {3}  # holders only with a previous
+
+
+def test_a_costlier_census_spaces_out_further(clock: ManualClock, run_steps: Any) -> None:
+    census = CostlyCensus(clock, cost=0.5)
+    component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
+
+    run_steps(component, 200)
+
+    assert 50 <= component.interval <= 52
+
+
+def test_census_every_steps_forces_the_interval(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=5.0)  # far over budget: ignored when the interval is forced
+    component = CensusComponent(Config(output_dir=out_dir, census_every_steps=3), census_fn=census, clock=clock)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    try:
+        for _ in range(10):
+            clock.now += 1.0
+            agent.mark_step()
+    finally:
+        agent.stop()
+
+    assert census.steps == [2, 5, 8]
+    assert component.interval == 3
+
+
+def test_a_failing_census_never_raises_and_backs_off(clock: ManualClock, run_steps: Any) -> None:
+    census = CostlyCensus(clock, cost=0.01)
+    census.fail = True
+    component = CensusComponent(census_fn=census, clock=clock)
+
+    agent = run_steps(component, 8)
+
+    assert census.steps == []
+    assert agent.state().censuses_total == 0
+    assert component.interval == 8  # doubled after each failure (tried at steps 0, 2 and 6)
+
+
+def test_history_is_bounded_spread_and_searchable(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=0.0)
+    component = CensusComponent(every_steps=1, history=4, census_fn=census, clock=clock)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    try:
+        for _ in range(20):
+            clock.now += 1.0
+            agent.mark_step()
+        kept = [c.step for c in component.history()]
+        assert len(kept) == 4 and kept[0] == 0 and kept[-1] == 19  # oldest and newest survive
+        assert kept == sorted(kept)
+        found = component.at_or_after(5)
+        assert found is not None and found.step is not None and found.step >= 5
+        assert component.at_or_after(20) is None
+        now = component.take_now()
+        assert agent.state().census is now and component.history()[-1] is now
+    finally:
+        agent.stop()
+
+
+def test_census_component_is_registered_first_and_only_when_enabled(out_dir: str) -> None:
+    on = build_default(Config(output_dir=out_dir))
+    assert on and on[0].name == "census" and isinstance(on[0], CensusComponent)
+    off = build_default(Config(output_dir=out_dir, census=False))
+    assert all(c.name != "census" for c in off)
+
+
+def test_history_must_keep_two() -> None:
+    with pytest.raises(ValueError, match="history=1"):
+        CensusComponent(history=1)

@@ -1,0 +1,175 @@
+"""who_holds: from a tensor to the name a human knows, in one line; and the census's holder column."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch
+
+import gpumemd
+from gpumemd.probes.census import take_census
+from gpumemd.probes.referrers import who_holds
+
+CACHE: dict[str, Any] = {}
+
+
+class TrainerState:
+    def __init__(self) -> None:
+        self.history: list[torch.Tensor] = []
+
+
+class SlotCache:
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: dict[str, torch.Tensor] = {}
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.features: dict[str, torch.Tensor] = {}
+
+
+def test_a_list_held_by_a_local_is_named_by_the_variable_with_its_length() -> None:
+    losses = [torch.zeros(3) for _ in range(1204)]
+
+    line = who_holds(losses[-1])
+
+    assert line is not None
+    assert line.startswith("`losses` in test_a_list_held_by_a_local_is_named_by_the_variable_with_its_length()")
+    assert "test_census_referrers.py:" in line
+    assert line.endswith("→ list of 1,204 items")
+
+
+def test_a_direct_local_is_the_shortest_answer() -> None:
+    cached = torch.zeros(5)
+
+    assert who_holds(cached) is not None and who_holds(cached).startswith("`cached` in ")  # type: ignore[union-attr]
+
+
+def test_an_attribute_held_history_is_named_by_class_and_attribute() -> None:
+    state = _make_state()  # no local of this frame holds the list itself
+
+    line = who_holds(state.history[0])
+
+    assert line == "TrainerState.history → list of 2 items"
+
+
+def _make_state() -> TrainerState:
+    state = TrainerState()
+    state.history += [torch.zeros(2), torch.zeros(2)]
+    return state
+
+
+def test_a_dict_inside_an_attribute_names_the_key() -> None:
+    model = Model()
+    model.features["preds"] = torch.zeros(4)
+
+    line = who_holds(model.features["preds"])
+
+    assert line == "Model.features → dict key 'preds'"
+
+
+def test_a_slot_attribute_is_named() -> None:
+    holder = SlotCache()
+    holder.entries["x"] = torch.zeros(1)
+
+    assert who_holds(holder.entries["x"]) == "SlotCache.entries → dict key 'x'"
+
+
+def test_a_module_global_is_named_by_module_and_name() -> None:
+    CACHE["preds"] = torch.zeros(6)
+    try:
+        line = who_holds(CACHE["preds"])
+    finally:
+        CACHE.clear()
+
+    assert line is not None
+    assert line.startswith("module global `") and line.endswith("test_census_referrers.CACHE` → dict key 'preds'")
+
+
+def test_a_closure_variable_names_the_function() -> None:
+    def make() -> Any:
+        kept = [torch.zeros(8)]
+
+        def use() -> int:
+            return len(kept)
+
+        return use
+
+    fn = make()
+    line = who_holds(fn.__closure__[0].cell_contents[0])
+
+    assert line is not None and "make.<locals>.use" in line
+
+
+def test_nothing_recognisable_gives_none_and_never_raises() -> None:
+    assert who_holds(torch.zeros(2) + 1) is None  # a temporary: only the call itself holds it
+    dead_proxy = weakref.proxy(TrainerState())
+    assert who_holds(dead_proxy) is None or isinstance(who_holds(dead_proxy), str)
+
+
+def test_depth_and_time_bounds_are_respected() -> None:
+    deep = _Box(_nest(torch.zeros(1), 12))
+
+    assert who_holds(_innermost(deep.value), max_depth=3) is None
+    assert who_holds(_innermost(deep.value), time_budget_s=0.0) is None
+    assert who_holds(_innermost(deep.value), max_depth=20) == "_Box.value" + " → list of 1 item" * 12
+
+
+def _nest(value: Any, depth: int) -> Any:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class _Box:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _innermost(value: Any) -> Any:
+    while isinstance(value, list):
+        value = value[0]
+    return value
+
+
+def test_reading_frame_locals_does_not_keep_deleted_locals_alive() -> None:
+    big = torch.zeros(1000)
+    ref = weakref.ref(big)
+    other = [torch.zeros(1)]
+    who_holds(other[0])  # reads this frame's locals while `big` is one of them
+
+    del big
+
+    assert ref() is None
+
+
+def test_who_holds_is_exported_lazily() -> None:
+    assert gpumemd.who_holds is who_holds
+    assert "who_holds" in gpumemd.__all__
+    assert "gpumemd.probes.referrers" in sys.modules
+
+
+def test_census_fills_holders_only_for_growing_anonymous_groups() -> None:
+    leak: list[torch.Tensor] = []
+    state = TrainerState()
+    before = take_census(holders=0)
+    for _ in range(5):
+        leak.append(torch.zeros(257, 3))
+        state.history.append(torch.zeros(263, 3))
+
+    after = take_census(holders=3, previous=before)
+
+    [listed] = [g for g in after.groups if g.key.shape == (257, 3)]
+    assert listed.holder is not None and listed.holder.startswith("`leak` in test_census_fills_holders")
+    assert listed.holder.endswith("→ list of 5 items")
+    [attributed] = [g for g in after.groups if g.key.shape == (263, 3)]
+    assert attributed.holder == "TrainerState.history → list of 5 items"
+    deltas = {d.shape: d for d in after.diff(before)}
+    assert deltas[(257, 3)].holder == listed.holder and deltas[(257, 3)].count_delta == 5
+    assert all(g.holder is None for g in after.groups if g.key.name is not None)

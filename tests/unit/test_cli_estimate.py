@@ -1,0 +1,97 @@
+"""``gpumemd estimate``: the documented invocations, --json integers, one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gpumemd.cli import main
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def assert_integer_bytes(doc: dict) -> None:
+    for name, value in doc["per_gpu_bytes"].items():
+        assert type(value) is int, name
+    for key in ("peak_bytes", "host_bytes", "params"):
+        assert type(doc[key]) is int, key
+    for device in doc["devices"]:
+        assert type(device["capacity_bytes"]) is int and type(device["headroom_bytes"]) is int
+
+
+def test_params_invocation_as_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7e9", "--precision", "bf16-mixed", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "7,000,000,000 parameters" in out and "dominant term: optimizer state" in out
+    doc = run_json(capsys, "--params", "7e9", "--precision", "bf16-mixed", "--optimizer", "adamw")
+    assert_integer_bytes(doc)
+    terms = doc["per_gpu_bytes"]
+    assert terms["weights"] + terms["gradients"] + terms["optimizer_state"] == 112_000_000_000
+    assert doc["mode"] == "params" and doc["activations_known"] is False
+
+
+def test_zero_fsdp_and_shape_options(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--params", "7.5e9", "--precision", "fp16-mixed", "--optimizer", "adam",
+                   "--gpus", "64", "--fsdp", "full")
+    assert doc["zero_stage"] == 3
+    t = doc["per_gpu_bytes"]
+    assert t["weights"] + t["gradients"] + t["optimizer_state"] == 1_875_000_000  # ZeRO Figure 1
+    doc = run_json(capsys, "--params", "7e9", "--precision", "bf16-mixed", "--layers", "32", "--hidden",
+                   "4096", "--heads", "32", "--seq", "4096", "--batch", "1", "--flash")
+    assert doc["activations_known"] is True and doc["per_gpu_bytes"]["activations"] > 0
+    assert_integer_bytes(doc)
+
+
+def test_model_invocation_as_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", "estimate_models:mlp", "--input-shape", "32,100",
+                 "--optimizer", "adam"]) == 0
+    out = capsys.readouterr().out
+    assert "traced" in out and "analytic" in out
+    doc = run_json(capsys, "--model", "estimate_models:mlp", "--input-shape", "32,100", "--optimizer", "adam")
+    assert doc["mode"] == "model"
+    traced = doc["traced"]
+    assert traced["saved_for_backward_bytes"] == 4 * (32 * 100 + 3 * 32 * 256)
+    assert all(type(v) is int for k, v in traced.items() if k.endswith("_bytes"))
+    assert traced["peak_bytes"] == (traced["parameter_bytes"] + traced["buffer_bytes"]
+                                    + traced["optimizer_state_bytes"]
+                                    + max(traced["gradient_bytes"] + traced["optimizer_intermediates_bytes"],
+                                          traced["saved_for_backward_bytes"]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "no_such_pkg_xyz.mod:f", "--input-shape", "4,4"], "cannot import 'no_such_pkg_xyz.mod'"),
+        (["--model", "estimate_models:broken", "--input-shape", "4,32"], "failed on the meta device on an input of shape (4, 32)"),
+        (["--model", "estimate_models:mlp", "--input-shape", "32,0"], "input shape '32,0' is not valid"),
+        (["--model", "estimate_models:mlp", "--input-shape", "a,b"], "input shape 'a,b' is not valid"),
+        (["--model", "estimate_models:mlp"], "--model needs --input-shape"),
+        (["--params", "-5"], "--params='-5' is not valid"),
+        (["--params", "lots"], "--params='lots' is not valid"),
+        ([], "give exactly one of --params"),
+        (["--params", "1e9", "--model", "estimate_models:mlp"], "give exactly one of --params"),
+        (["--params", "1e9", "--layers", "2"], "missing --hidden --heads --seq --batch"),
+        (["--params", "1e9", "--gpus", "0"], "--gpus=0 is not valid"),
+        (["--params", "1e9", "--zero", "1", "--fsdp", "full"], "disagree"),
+        (["--params", "1e9", "--offload", "params"], "needs zero_stage=3"),
+    ],
+)
+def test_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(["estimate", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("gpumemd estimate: ") and message in err
+
+
+def test_module_does_not_import_torch() -> None:
+    code = "import sys, gpumemd.cli.estimate, gpumemd.analysis.estimate; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,100 @@
+"""``gpumemd report``: one report, every rank's side by side, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from typing import Any
+
+import pytest
+from oom_snapshot_data import NEW_MESSAGE, MiB, make_snapshot
+
+from gpumemd.analysis.oom_message import parse_oom_message
+from gpumemd.analysis.snapshot_summary import summarize_snapshot
+from gpumemd.cli import main
+from gpumemd.components.oom import render_files
+from gpumemd.records.oom import ObserverCall
+from gpumemd.records.step import Identity
+from gpumemd.report.build import ReportInputs, build_report
+from gpumemd.report.writer import report_dir_name, write_report_dir
+
+
+def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = True) -> str:
+    snap = make_snapshot()
+    inputs = ReportInputs(
+        created_at=created_at, identity=Identity(rank=rank, world_size=2), source="excepthook",
+        exception_type="OutOfMemoryError", exception_message=NEW_MESSAGE, message=parse_oom_message(NEW_MESSAGE),
+        step=step, observer=ObserverCall(0, 8 * MiB, 40 * MiB, 3 * MiB, created_at),
+        snapshot_summaries=summarize_snapshot(snap), snapshot_source="oom_observer",
+        snapshot_file="snapshot.pickle" if snapshot else None,
+    )
+    files = render_files(build_report(inputs), snap if snapshot else None)
+    return write_report_dir(root, report_dir_name(rank, step, created_at), files)
+
+
+def test_one_report(tmp_path: Any, capsys: Any) -> None:
+    path = _write(str(tmp_path), 0, 1763700000.0, 41)
+    assert main(["report", path]) == 0
+    out = capsys.readouterr().out
+    assert "OutOfMemoryError on cuda:0 (rank 0, step 41" in out
+    assert "verdict: fragmentation" in out
+    assert "snapshot:" in out and "largest free block 4.00 MiB" in out
+    assert main(["report", "--json", path]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["snapshot_check"]["devices"][0]["segments"] == 2
+
+
+def test_every_rank_side_by_side(tmp_path: Any, capsys: Any) -> None:
+    _write(str(tmp_path / "rank1"), 1, 1763700000.0, 41)  # rank 1 failed first
+    _write(str(tmp_path / "rank0"), 0, 1763700002.5, 41, snapshot=False)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 OOM reports from 2 rank(s); rank 1 failed first (step 41" in out
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["rank", "step"] and "optimizer_state" in lines[1]
+    assert [ln.split()[0] for ln in lines[2:]] == ["0", "1"]
+    assert main(["report", "--json", str(tmp_path)]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["first"]["rank"] == 1 and view["ranks"] == [0, 1]
+    assert view["reports"][0]["breakdown"]["reserved_unallocated"] is not None
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "truncated", "foreign", "future", "evil_snapshot",
+                                  "truncated_snapshot"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Any, capsys: Any, case: str) -> None:
+    target = str(tmp_path / "r")
+    if case == "missing":
+        target = str(tmp_path / "absent")
+    elif case == "empty":
+        os.makedirs(target)
+    else:
+        target = _write(str(tmp_path), 0, 1763700000.0, 1)
+        report_json = os.path.join(target, "report.json")
+        with open(report_json, encoding="utf-8") as f:
+            text = f.read()
+        replacement = {
+            "truncated": text[: len(text) // 2],
+            "foreign": json.dumps({"hello": "world"}),
+            "future": text.replace('"schema_version": 1', '"schema_version": 99'),
+        }.get(case)
+        if replacement is not None:
+            with open(report_json, "w", encoding="utf-8") as f:
+                f.write(replacement)
+        if case == "evil_snapshot":
+            class Evil:
+                def __reduce__(self) -> tuple[Any, ...]:
+                    return (os.remove, (report_json,))
+
+            with open(os.path.join(target, "snapshot.pickle"), "wb") as f:
+                pickle.dump({"segments": [], "x": Evil()}, f)
+        elif case == "truncated_snapshot":
+            with open(os.path.join(target, "snapshot.pickle"), "rb+") as f:
+                f.truncate(100)
+    assert main(["report", target]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("gpumemd report: ")
+    if case == "evil_snapshot":
+        assert "refused to load posix.remove" in err or "refused to load os.remove" in err
+        assert os.path.exists(os.path.join(target, "report.json"))  # the pickle did not run

@@ -1,0 +1,269 @@
+"""The collector: metric families from hand-built AgentStates (no agent, no server)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumemd.exporter.collector import CounterBaseline, StateCollector, build_families
+from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
+from gpumemd.probes.allocator import sample_from_stats
+from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.findings import Finding
+from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
+from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
+
+GiB = 1024**3
+
+
+def torch_stats(allocated: int, reserved: int, *, retries: int = 0, ooms: int = 0) -> dict[str, int]:
+    """A flattened ``torch.cuda.memory_stats()`` dict, keys as the native allocator writes them."""
+    stats: dict[str, int] = {}
+    for stat in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+                 "active_bytes", "inactive_split_bytes", "requested_bytes"):
+        for pool in ("all", "large_pool", "small_pool"):
+            for kind in ("current", "peak", "allocated", "freed"):
+                stats[f"{stat}.{pool}.{kind}"] = 0
+    stats.update({
+        "allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": allocated + GiB,
+        "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": reserved,
+        "active_bytes.all.current": allocated + 4096, "inactive_split_bytes.all.current": 3 * 1024**2,
+        "requested_bytes.all.current": allocated - 512, "segment.all.current": 7,
+        "num_alloc_retries": retries, "num_ooms": ooms, "num_sync_all_streams": 0,
+        "num_device_alloc": 40, "num_device_free": 2, "max_split_size": -1,
+    })
+    return stats
+
+
+def cuda_sample(device: int, allocated: int = 2 * GiB, reserved: int = 3 * GiB, **kw: int) -> AllocatorSample:
+    sample = sample_from_stats(device, torch_stats(allocated, reserved, **kw))
+    assert sample is not None
+    return sample
+
+
+def full_state(n_devices: int = 2) -> AgentState:
+    allocator = tuple(cuda_sample(d, retries=d) for d in range(n_devices))
+    census = Census(
+        step=40, taken_at=1000.0, duration_s=0.02,
+        groups=(
+            CensusGroup(GroupKey("cuda:0", "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * 1024**2),
+            CensusGroup(GroupKey("cuda:0", "float32", (), "graph", None), 30, 120, graph_bytes=8 * 1024**2),
+        ),
+    )
+    finding = Finding(
+        kind="tensor_leak", series="allocated_bytes{device=0}", state="confirmed",
+        slope_bytes_per_step=1048576.0, slope_low=1e6, slope_high=1.1e6, onset_step=60,
+        growth_bytes=50 * 1024**2, steps_to_oom=1234.0, first_step=100, updated_step=150,
+        summary="allocated grows 1 MiB/step", device=0,
+    )
+    record = StepRecord(step=41, wall_time=1001.0, duration_s=0.25, allocator=allocator)
+    return AgentState(
+        identity=Identity(rank=3, local_rank=1, world_size=8, hostname="node-a", pid=4242, source="torchrun"),
+        attached_at=900.0, updated_at=1001.0, step=41, steps_total=42, last_step=record,
+        allocator=allocator,
+        nvml=tuple(NvmlDeviceSample(d, 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
+        host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
+        census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
+        overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
+                          sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
+        probe_errors={"allocator": 0, "nvml": 2, "host": 0},
+        probes_available={"allocator": True, "nvml": True, "host": True},
+    )
+
+
+def scrape(state: AgentState, baseline: CounterBaseline | None = None) -> tuple[str, dict[str, list]]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StateCollector(lambda: state, baseline))
+    text = generate_latest(registry).decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return text, samples
+
+
+def value(samples: dict[str, list], name: str, **labels: str) -> float:
+    matches = [s.value for s in samples[name] if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(matches) == 1, (name, labels, samples.get(name))
+    return float(matches[0])
+
+
+def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
+    text, samples = scrape(full_state())
+
+    assert set(samples) == {spec.name for spec in SPECS}
+    assert "_created" not in text
+
+
+def test_names_follow_prometheus_conventions() -> None:
+    _, samples = scrape(full_state())
+    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "version", "world_size", "hostname", "launcher"}
+    for spec in SPECS:
+        assert spec.name.startswith("gpumemd_")
+        assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name
+        for sample in samples[spec.name]:
+            assert set(sample.labels) <= allowed, (spec.name, sample.labels)
+            assert sample.labels["rank"] == "3" and sample.labels["local_rank"] == "1"
+    assert not any(label in {"step", "pid", "shape", "file"} for spec in SPECS for label in spec.labels)
+
+
+def test_identity_is_one_info_metric() -> None:
+    _, samples = scrape(full_state())
+
+    [info] = samples["gpumemd_info"]
+    assert info.value == 1
+    assert info.labels["hostname"] == "node-a" and info.labels["launcher"] == "torchrun"
+    assert info.labels["world_size"] == "8"
+    assert "pid" not in info.labels
+
+
+def test_allocator_figures_come_from_pytorch_shaped_stats_per_device() -> None:
+    _, samples = scrape(full_state(n_devices=8))
+
+    assert len(samples["gpumemd_allocator_allocated_bytes"]) == 8
+    assert value(samples, "gpumemd_allocator_allocated_bytes", device="5") == 2 * GiB
+    assert value(samples, "gpumemd_allocator_reserved_bytes", device="5") == 3 * GiB
+    assert value(samples, "gpumemd_allocator_active_bytes", device="0") == 2 * GiB + 4096
+    assert value(samples, "gpumemd_allocator_inactive_split_bytes", device="0") == 3 * 1024**2
+    assert value(samples, "gpumemd_allocator_peak_allocated_bytes", device="0") == 3 * GiB
+    assert value(samples, "gpumemd_allocator_segments", device="0") == 7
+    assert value(samples, "gpumemd_allocator_alloc_retries_total", device="5") == 5
+    assert value(samples, "gpumemd_step_end_allocated_bytes", device="7") == 2 * GiB
+
+
+def test_absent_probes_give_absent_metrics_not_zeros() -> None:
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0)
+
+    _, samples = scrape(state)
+
+    for prefix in ("gpumemd_allocator_", "gpumemd_device_", "gpumemd_host_", "gpumemd_census_",
+                   "gpumemd_leak_", "gpumemd_step_"):
+        assert not [name for name in samples if name.startswith(prefix)], prefix
+    assert "gpumemd_step" not in samples  # no step yet
+    # What is a real count is there from attach, at 0, so increase() sees the first event.
+    for counter in ("gpumemd_steps_total", "gpumemd_ooms_total", "gpumemd_oom_reports_total",
+                    "gpumemd_censuses_total"):
+        assert value(samples, counter) == 0
+
+
+def test_cuda_malloc_async_backend_exports_only_what_it_fills() -> None:
+    sample = AllocatorSample(device=0, allocated_bytes=GiB, reserved_bytes=2 * GiB, active_bytes=GiB)
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, allocator=(sample,))
+
+    _, samples = scrape(state)
+
+    allocator = {name for name in samples if name.startswith("gpumemd_allocator_")}
+    assert allocator == {"gpumemd_allocator_allocated_bytes", "gpumemd_allocator_reserved_bytes",
+                         "gpumemd_allocator_active_bytes"}
+
+
+def test_process_usage_nvml_cannot_attribute_is_absent() -> None:
+    nvml = (NvmlDeviceSample(0, 80 * GiB, 10 * GiB, 70 * GiB, process_used_bytes=None),)
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, nvml=nvml)
+
+    _, samples = scrape(state)
+
+    assert "gpumemd_device_process_used_bytes" not in samples
+    assert value(samples, "gpumemd_device_free_bytes", device="0") == 70 * GiB
+
+
+def test_allocator_counters_start_at_zero_at_attach() -> None:
+    at_attach = cuda_sample(0, retries=5, ooms=1)
+    baseline = CounterBaseline([at_attach])
+    later = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0,
+                       allocator=(cuda_sample(0, retries=7, ooms=1), cuda_sample(1, retries=2)))
+
+    _, samples = scrape(later, baseline)
+
+    assert value(samples, "gpumemd_allocator_alloc_retries_total", device="0") == 2
+    assert value(samples, "gpumemd_allocator_ooms_total", device="0") == 0
+    assert value(samples, "gpumemd_allocator_alloc_retries_total", device="1") == 2  # first touched after attach
+
+
+def test_a_reset_of_torch_counters_reads_as_a_counter_reset() -> None:
+    baseline = CounterBaseline([cuda_sample(0, retries=5)])
+
+    def retries(raw: int) -> float:
+        sample = cuda_sample(0, retries=raw)
+        state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, allocator=(sample,))
+        return value(scrape(state, baseline)[1], "gpumemd_allocator_alloc_retries_total", device="0")
+
+    assert retries(6) == 1
+    assert retries(1) == 1  # reset_accumulated_memory_stats(): raw value from here on
+    assert retries(9) == 9
+
+
+def test_census_bytes_and_counts_per_category() -> None:
+    _, samples = scrape(full_state())
+
+    categories = {s.labels["category"] for s in samples["gpumemd_census_bytes"]}
+    assert categories == {"parameter", "gradient", "optimizer_state", "buffer", "graph", "other"}
+    assert value(samples, "gpumemd_census_bytes", category="parameter") == 4 * 1024**2
+    assert value(samples, "gpumemd_census_bytes", category="graph") == 120 + 8 * 1024**2
+    assert value(samples, "gpumemd_census_tensors", category="graph") == 30
+    assert value(samples, "gpumemd_census_tensors", category="gradient") == 0
+    assert value(samples, "gpumemd_censuses_total") == 2
+
+
+def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_oom: float | None = None) -> Finding:
+    return Finding(kind=kind, series=f"s{device}", state=state, slope_bytes_per_step=slope, slope_low=slope,
+                   slope_high=slope, onset_step=None, growth_bytes=int(slope * 10), steps_to_oom=steps_to_oom,
+                   first_step=1, updated_step=2, summary="", device=device)
+
+
+def test_findings_export_the_most_severe_per_kind_and_device() -> None:
+    findings = (
+        _finding("tensor_leak", "suspected", 5e6, 0, steps_to_oom=10.0),
+        _finding("tensor_leak", "confirmed", 1e6, 0, steps_to_oom=900.0),
+        _finding("host_leak", "cleared", 2e6, None),
+    )
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, findings=findings)
+
+    _, samples = scrape(state)
+
+    assert value(samples, "gpumemd_leak_state", kind="tensor_leak", device="0") == 2
+    assert value(samples, "gpumemd_leak_slope_bytes_per_step", kind="tensor_leak", device="0") == 1e6
+    assert value(samples, "gpumemd_leak_steps_to_oom", kind="tensor_leak", device="0") == 900
+    # A host finding has no device: the label is empty (which Prometheus reads as absent).
+    assert value(samples, "gpumemd_leak_state", kind="host_leak") == 0
+    assert len(samples["gpumemd_leak_steps_to_oom"]) == 1  # None for host_leak: absent
+
+
+def test_oom_reports_overhead_and_probe_errors() -> None:
+    _, samples = scrape(full_state())
+
+    assert value(samples, "gpumemd_ooms_total") == 1
+    assert value(samples, "gpumemd_oom_reports_total") == 1
+    assert value(samples, "gpumemd_agent_overhead_ratio") == pytest.approx(0.005)
+    assert value(samples, "gpumemd_agent_census_seconds_total") == pytest.approx(0.2)
+    assert value(samples, "gpumemd_probe_errors_total", probe="nvml") == 2
+    assert value(samples, "gpumemd_probe_available", probe="host") == 1
+    assert value(samples, "gpumemd_step_duration_seconds") == 0.25
+    assert value(samples, "gpumemd_step") == 41
+    assert value(samples, "gpumemd_steps_total") == 42
+
+
+def test_a_failing_state_read_gives_an_empty_scrape_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> AgentState:
+        raise RuntimeError("no state")
+
+    collector = StateCollector(broken)
+    with caplog.at_level(logging.WARNING, logger="gpumemd"):
+        assert list(collector.collect()) == []
+        assert list(collector.collect()) == []
+    assert len([r for r in caplog.records if "building metrics failed" in r.getMessage()]) == 1
+
+
+def test_build_families_has_no_duplicate_label_sets() -> None:
+    for family in build_families(full_state(n_devices=8)):
+        keys = [(s.name, tuple(sorted(s.labels.items()))) for s in family.samples]
+        assert len(keys) == len(set(keys)), family.name
+
+
+def test_reference_table_lists_every_metric() -> None:
+    table = reference_table()
+    for spec in SPECS:
+        assert f"`{spec.name}`" in table

@@ -1,0 +1,188 @@
+"""The leak detector on generated step series: quiet on null series, fast on leaks, right states."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from gpumemd.analysis.leak import (
+    DetectorConfig,
+    LeakDetector,
+    SeriesSpec,
+    build_finding,
+    culprit_sentence,
+    culprits_from_diff,
+    merge_findings,
+    refine_kind,
+)
+from gpumemd.records.census import GroupDelta, GroupKey
+from gpumemd.records.findings import Culprit
+
+KIB = 1024
+MIB = 1024 * 1024
+BASE = 10 * 1024 * MIB
+CONFIG = DetectorConfig(min_bytes_per_step=64 * KIB)  # short window 500 steps, checks every 50
+
+
+def run(y: np.ndarray, config: DetectorConfig = CONFIG, phases: list[str] | None = None) -> list[tuple[int, str]]:
+    """Feed one series; return the (step, state) changes."""
+    detector = LeakDetector(config)
+    detector.add_series(SeriesSpec("allocated_bytes{device=0}", "tensor_leak", device=0))
+    changes = []
+    for step, value in enumerate(y):
+        detector.observe("allocated_bytes{device=0}", step, float(value), phases[step] if phases else "train")
+        if detector.due(step):
+            changes += [(step, s.state) for s in detector.evaluate(step) if s.changed]
+    return changes
+
+
+def _ar1(rng: np.random.Generator, n: int, phi: float, sd: float) -> np.ndarray:
+    """Autocorrelated wander around a level (allocator caches, data-dependent buffers)."""
+    eps = rng.normal(0, sd * np.sqrt(1 - phi * phi), n)
+    out = np.empty(n)
+    out[0] = rng.normal(0, sd)
+    for i in range(1, n):
+        out[i] = phi * out[i - 1] + eps[i]
+    return out
+
+
+NULL_SERIES: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
+    "flat": lambda rng, n: BASE + rng.normal(0, 2 * MIB, n),
+    "heavy-tailed spikes": lambda rng, n: BASE + rng.pareto(1.2, n) * 4 * MIB,
+    "one-time +300 MiB jump": lambda rng, n: BASE + rng.normal(0, 2 * MIB, n)
+    + np.where(np.arange(n) >= rng.integers(300, n - 300), 300 * MIB, 0),
+    "lazy optimizer state at step 1": lambda rng, n: BASE + rng.normal(0, 2 * MIB, n)
+    + np.where(np.arange(n) >= 1, 2 * 1024 * MIB, 0),
+    "sawtooth resetting every 150 steps": lambda rng, n: BASE + rng.normal(0, 2 * MIB, n)
+    + (np.arange(n) % 150) * 1 * MIB,
+    "slow wander (AR(1), phi=0.98, sd 8 MiB)": lambda rng, n: BASE + _ar1(rng, n, 0.98, 8 * MIB),
+    "eval buffers +500 MiB, 20 of every 200 steps": lambda rng, n: BASE + rng.normal(0, 2 * MIB, n)
+    + np.where(np.arange(n) % 200 < 20, 500 * MIB, 0),
+}
+
+
+@pytest.mark.parametrize("name", list(NULL_SERIES))
+def test_no_false_alarm_on_null_series(name: str) -> None:
+    # 20 independent 3000-step jobs per null model: not one finding may be raised.
+    fired = []
+    for seed in range(20):
+        y = NULL_SERIES[name](np.random.default_rng(seed), 3000)
+        changes = run(y)
+        if changes:
+            fired.append((seed, changes[0]))
+    assert fired == [], f"{name}: false findings {fired}"
+
+
+def test_eval_phase_is_compared_only_with_eval_steps() -> None:
+    # Eval steps recorded with mark_step inside gpumemd.phase("eval") carry +500 MiB each; the
+    # train track never sees them, and the few eval floors never look like a trend.
+    rng = np.random.default_rng(1)
+    n = 3000
+    phases = ["eval" if s % 300 >= 270 else "train" for s in range(n)]
+    y = BASE + rng.normal(0, 2 * MIB, n) + np.array([500 * MIB if p == "eval" else 0 for p in phases])
+    assert run(y, phases=phases) == []
+
+
+@pytest.mark.parametrize("noise_mib", [0.1, 2.0, 8.0])
+@pytest.mark.parametrize("multiple", [2, 4, 16])
+def test_detection_latency_after_onset(noise_mib: float, multiple: int) -> None:
+    # A leak of `multiple` x the effect size, starting at step 1000: suspected within one short
+    # window (500 steps) after onset, confirmed within 3 more checks, never cleared while it grows.
+    onset = 1000
+    rng = np.random.default_rng(multiple)
+    n = 2000
+    y = BASE + rng.normal(0, noise_mib * MIB, n)
+    y[onset:] += np.arange(n - onset) * CONFIG.min_bytes_per_step * multiple
+    changes = run(y)
+    states = [s for _, s in changes]
+    assert states[:2] == ["suspected", "confirmed"], changes
+    assert "cleared" not in states
+    suspected_at, confirmed_at = changes[0][0], changes[1][0]
+    assert onset < suspected_at <= onset + CONFIG.window_steps
+    assert confirmed_at <= suspected_at + CONFIG.confirm_after * CONFIG.check_every_steps
+
+
+def test_leak_below_the_effect_size_is_not_reported() -> None:
+    rng = np.random.default_rng(5)
+    y = BASE + rng.normal(0, 2 * MIB, 3000) + np.arange(3000) * 16 * KIB  # 1/4 of the threshold
+    assert run(y) == []
+
+
+def test_a_leak_that_stops_is_cleared() -> None:
+    rng = np.random.default_rng(2)
+    n = 3000
+    growth = np.clip(np.arange(n) - 500, 0, 1000) * 1 * MIB  # grows from step 500 to 1500, then flat
+    changes = run(BASE + rng.normal(0, 2 * MIB, n) + growth)
+    states = [s for _, s in changes]
+    assert states == ["suspected", "confirmed", "cleared"], changes
+    assert changes[-1][0] > 1500
+
+
+def test_explained_series_does_not_fire() -> None:
+    # host RSS grows exactly as fast as the census of CPU tensors: the growth is the tensors'.
+    detector = LeakDetector(DetectorConfig(min_bytes_per_step=4 * KIB, warmup_steps=10, window_steps=100,
+                                           check_every_steps=10))
+    detector.add_series(SeriesSpec("host_rss_bytes", "host_leak", explained_by=("census_bytes{device=cpu}",)))
+    detector.add_series(SeriesSpec("census_bytes{device=cpu}", "tensor_leak", sparse=True))
+    fired: dict[str, str] = {}
+    for step in range(400):
+        detector.observe("host_rss_bytes", step, 100 * MIB + step * 32 * KIB + (step % 7) * KIB)
+        if step % 10 == 0:
+            detector.observe("census_bytes{device=cpu}", step, 10 * MIB + step * 30 * KIB)
+        if detector.due(step):
+            for status in detector.evaluate(step):
+                fired.setdefault(status.spec.name, status.state or "")
+    assert fired == {"census_bytes{device=cpu}": "suspected"}
+
+
+def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
+    rng = np.random.default_rng(0)
+    detector = LeakDetector(CONFIG)
+    spec = SeriesSpec("allocated_bytes{device=0}", "tensor_leak", device=0)
+    detector.add_series(spec)
+    statuses = []
+    for step in range(1600):
+        value = BASE + rng.normal(0, MIB) + max(0, step - 800) * 512 * KIB
+        detector.observe(spec.name, step, value)
+        if detector.due(step):
+            statuses += [s for s in detector.evaluate(step) if s.changed]
+    status = statuses[0]
+    assert status.state == "suspected"
+    assert status.onset_step is not None and abs(status.onset_step - 800) <= 60
+    key = GroupKey("cpu", "float32", (), "graph", None)
+    culprits = culprits_from_diff([GroupDelta(key, 100, 400, 100 * 3 * MIB, "list `losses` (train.py:57 in main)")])
+    assert refine_kind("tensor_leak", culprits) == "graph_leak"
+    finding = build_finding(status, culprits=culprits, culprit_steps=100, headroom_bytes=1024 * MIB)
+    assert finding.kind == "graph_leak"
+    assert finding.slope_low <= finding.slope_bytes_per_step <= finding.slope_high
+    assert finding.steps_to_oom == pytest.approx(1024 * MIB / finding.slope_bytes_per_step)
+    assert "+1 tensor/step: float32[] with grad_fn, held by list `losses` (train.py:57 in main)" in finding.summary
+    assert "keeping ~3.0 MiB/step of autograd graph alive" in finding.summary
+    # unknown headroom: steps_to_oom is None
+    assert build_finding(status).steps_to_oom is None
+    # a later update of the same series replaces it in the published tuple
+    newer = build_finding(statuses[1])
+    assert merge_findings((finding,), {(newer.series, newer.phase): newer}) == (newer,)
+
+
+def test_culprit_sentence_rates() -> None:
+    c = Culprit("float32[64, 256]", count_delta=5, bytes_delta=5 * 64 * KIB, holder=None)
+    assert culprit_sentence(c, 50) == (
+        "+1 tensor every 10 steps: float32[64, 256] (~6.4 KiB/step), holder not found"
+    )
+    c2 = Culprit("float32[4, 32] with grad_fn", 0, 0, "local `h` in main", graph_bytes_delta=100 * KIB)
+    assert culprit_sentence(c2, 100).startswith("+0 tensors: float32[4, 32] with grad_fn, held by local `h`")
+
+
+def test_detector_memory_is_bounded() -> None:
+    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB, warmup_steps=0, window_steps=50,
+                                           check_every_steps=10))
+    detector.add_series(SeriesSpec("s", "host_leak"))
+    for step in range(20_000):
+        detector.observe("s", step, float(step % 13), f"phase{step % 9}")
+    tracks = detector._tracks
+    assert len(tracks) == DetectorConfig().max_phases  # further phases are ignored, not tracked
+    assert all(len(t.floors) <= t.floors.maxlen for t in tracks.values())  # type: ignore[operator]
+    assert all(t.floors.maxlen is not None for t in tracks.values())

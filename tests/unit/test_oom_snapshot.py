@@ -1,0 +1,142 @@
+"""Snapshots: our summary of PyTorch's format, PyTorch's own _memory_viz on the same data, and the
+restricted unpickler that must never run code from a snapshot someone sent."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch.cuda._memory_viz as memory_viz
+from oom_snapshot_data import SEG_A, MiB, make_snapshot
+
+from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
+from gpumemd.probes.snapshot import SnapshotLoadError, SnapshotProbe, load_snapshot, loads_snapshot
+
+
+def test_summary_reads_segments_blocks_and_the_oom_entry() -> None:
+    s = summarize_snapshot(make_snapshot())[0]
+    assert s.segments == 2
+    assert s.reserved_bytes == 22 * MiB
+    assert s.allocated_bytes == 14 * MiB + 512
+    assert s.inactive_bytes == 8 * MiB - 512
+    assert s.largest_free_block_bytes == 4 * MiB
+    assert s.trace_entries == 6
+    assert (s.oom_requested_bytes, s.oom_device_free_bytes) == (8 * MiB, 3 * MiB)
+    assert s.sites[0].frame == "/job/model.py:40:forward"
+    assert s.sites[0].nbytes == 14 * MiB + 512 and s.sites[0].blocks == 3
+    assert expandable_segments_enabled(make_snapshot()) is False
+
+
+def test_summary_of_a_bare_segment_list_like_memory_snapshot() -> None:
+    s = summarize_snapshot(make_snapshot()["segments"])[0]
+    assert s.reserved_bytes == 22 * MiB and s.trace_entries == 0 and s.oom_requested_bytes is None
+
+
+def test_pytorch_memory_viz_accepts_the_hand_made_snapshot() -> None:
+    data = pickle.loads(pickle.dumps(make_snapshot(history=30)))  # as read back from snapshot.pickle
+    stats = memory_viz.segsum(data)  # "stats": asserts sum(block sizes) == total_size per segment
+    assert "segments: 2" in stats and "total_reserved: 22.0MiB" in stats
+    trace_text = memory_viz.trace(data)
+    assert "raise OutOfMemoryError # 8.0MiB requested, 3.0MiB free in CUDA" in trace_text
+    html = memory_viz.trace_plot(data)
+    assert html.lstrip().startswith("<!DOCTYPE html>") and "local_files" in html
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("touch /tmp/gpumemd-pwned",))
+
+
+def test_restricted_unpickler_refuses_code(tmp_path: Any) -> None:
+    marker = tmp_path / "pwned"
+
+    class _Touch:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (open, (str(marker), "w"))
+
+    for evil in ({"segments": [], "x": _Touch()}, _Boom()):
+        data = pickle.dumps(evil)
+        with pytest.raises(SnapshotLoadError, match="refused to load"):
+            loads_snapshot(data)
+    assert not marker.exists()
+    assert pickle.loads(pickle.dumps({"segments": [], "x": 1})) == {"segments": [], "x": 1}
+
+
+def test_restricted_unpickler_reads_real_and_harmless_data(tmp_path: Any) -> None:
+    snap = make_snapshot(history=6)
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert load_snapshot(str(path)) == snap
+    assert loads_snapshot(pickle.dumps(snap["segments"])) == snap["segments"]
+    ordered = loads_snapshot(pickle.dumps(OrderedDict(segments=[], tags={1, 2})))
+    assert isinstance(ordered, dict) and ordered["tags"] == {1, 2}
+
+
+def test_truncated_foreign_and_missing_snapshots_are_clear_errors(tmp_path: Any) -> None:
+    data = pickle.dumps(make_snapshot())
+    with pytest.raises(SnapshotLoadError, match="truncated"):
+        loads_snapshot(data[: len(data) // 2])
+    with pytest.raises(SnapshotLoadError, match="not a PyTorch memory snapshot"):
+        loads_snapshot(pickle.dumps(42))
+    with pytest.raises(SnapshotLoadError, match="cannot read"):
+        load_snapshot(str(tmp_path / "absent.pickle"))
+
+
+def test_probe_on_a_cpu_build_is_absent_not_raising() -> None:
+    probe = SnapshotProbe()
+    assert probe.cuda_initialized() is False
+    assert probe.capture() is None
+    assert probe.memory_summary(0) is None
+    assert probe.enable_history(10) is False
+    assert probe.attach_oom_observer(lambda *a: None) is False
+    probe.disable_history()
+
+
+class _FakeMemory:
+    def __init__(self, legacy: bool) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.legacy = legacy
+
+    def _snapshot(self) -> dict[str, Any]:
+        return make_snapshot()
+
+    def _record_memory_history(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((args, kwargs))
+
+
+class _FakeTorch:
+    """torch's CUDA surface as the probe uses it (a CUDA build, initialised by the job)."""
+
+    def __init__(self, legacy: bool = False) -> None:
+        memory = _FakeMemory(legacy)
+        if legacy:
+            def _record(enabled: Any = True, trace_alloc_max_entries: int = 1,
+                        trace_alloc_record_context: bool = False) -> None:
+                memory.calls.append(((enabled,), {"trace_alloc_max_entries": trace_alloc_max_entries,
+                                                  "trace_alloc_record_context": trace_alloc_record_context}))
+        else:
+            def _record(enabled: Any = "all", context: Any = "all", stacks: str = "all",  # type: ignore[misc]
+                        max_entries: int = 2**63 - 1) -> None:
+                memory.calls.append(((), {"enabled": enabled, "context": context, "stacks": stacks,
+                                          "max_entries": max_entries}))
+        memory._record_memory_history = _record  # type: ignore[method-assign]
+        self.memory = memory
+        self.cuda = type("cuda", (), {"is_initialized": staticmethod(lambda: True), "memory": memory,
+                                      "memory_summary": staticmethod(lambda d: f"summary of {d}")})
+        self._C = type("C", (), {})
+
+
+def test_history_is_bounded_and_feature_detected() -> None:
+    new = _FakeTorch()
+    probe = SnapshotProbe(torch_module=new)
+    assert probe.enable_history(1234) is True
+    assert new.memory.calls[-1][1] == {"enabled": "all", "context": "all", "stacks": "python", "max_entries": 1234}
+    probe.disable_history()
+    assert new.memory.calls[-1][1]["enabled"] is None
+    old = _FakeTorch(legacy=True)
+    assert SnapshotProbe(torch_module=old).enable_history(99) is True
+    assert old.memory.calls[-1][1]["trace_alloc_max_entries"] == 99
+    assert SnapshotProbe(torch_module=new).capture()["segments"][0]["address"] == SEG_A  # type: ignore[index]
