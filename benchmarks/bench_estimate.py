@@ -46,6 +46,7 @@ MODELS: list[tuple[str, Callable[[], nn.Module], tuple[int, ...], str, Transform
     ("mlp", em.mlp, (32, 100), "float32", None),
     ("cnn", em.cnn, (8, 3, 16, 16), "float32", None),
     ("tied autoencoder", em.tied, (16, 64), "float32", None),
+    ("SDPA attention block", em.sdpa, (8, 256, 64), "float32", None),
     ("tiny GPT (2x64, s=32)", em.gpt, (4, 32), "int64",
      TransformerShape(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=128)),
     ("GPT (4x256, s=128)", gpt_medium, (8, 128), "int64",
@@ -98,11 +99,13 @@ def mib(n: int) -> str:
 
 
 def part1() -> None:
-    print("| model | params | analytic peak, params only (MiB) | analytic peak, shape (MiB) | traced peak (MiB) "
-          "| measured peak (MiB) | traced saved (MiB) | measured saved (MiB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | params | analytic peak, params only (MiB) | analytic peak, shape (MiB) | traced peak, meta (MiB) "
+          "| traced peak, fake-cpu (MiB) | measured peak (MiB) | traced saved, meta / fake-cpu (MiB) "
+          "| measured saved (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, factory, shape, dtype, tshape in MODELS:
         traced = trace_model(factory, shape, input_dtype=dtype, optimizer="adam")
+        fake = trace_model(factory, shape, input_dtype=dtype, optimizer="adam", backend="fake-cpu")
         analytic = estimate(traced.parameters, precision="fp32", optimizer="adam")
         with_shape = (
             estimate(traced.parameters, precision="fp32", optimizer="adam", shape=tshape).peak_bytes
@@ -110,8 +113,9 @@ def part1() -> None:
         )
         peak, saved = measured(factory, shape, dtype)
         print(f"| {name} | {traced.parameters:,} | {mib(analytic.peak_bytes)} | "
-              f"{mib(with_shape) if with_shape is not None else '-'} | {mib(traced.peak_bytes)} | {mib(peak)} | "
-              f"{mib(traced.saved_for_backward_bytes)} | {mib(saved)} |")
+              f"{mib(with_shape) if with_shape is not None else '-'} | {mib(traced.peak_bytes)} | "
+              f"{mib(fake.peak_bytes)} | {mib(peak)} | "
+              f"{mib(traced.saved_for_backward_bytes)} / {mib(fake.saved_for_backward_bytes)} | {mib(saved)} |")
 
 
 def timed_loop(steps: int, **attach: Any) -> tuple[list[float], list[float]]:

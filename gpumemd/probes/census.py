@@ -590,8 +590,10 @@ def _fake_tensor_types() -> set[type]:
     fake = getattr(module, "FakeTensor", None)
     if not isinstance(fake, type):
         return set()
-    out, stack = {fake}, [fake]
+    out: set[type] = {fake}
+    stack: list[type] = [fake]
     while stack:
+        sub: type
         for sub in type.__subclasses__(stack.pop()):
             if sub not in out:
                 out.add(sub)

@@ -266,13 +266,15 @@ def trace_model(
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             stack.enter_context(FakeTensorMode())
-        return _trace(torch, factory, input_shape, input_dtype, optimizer, precision, backend)
+        return _trace(torch, factory, input_shape=input_shape, input_dtype=input_dtype, optimizer=optimizer,
+                      precision=precision, backend=backend)
     raise AssertionError("unreachable")  # pragma: no cover - the with block always returns
 
 
 def _trace(
     torch: Any,
     factory: Callable[[], Any],
+    *,
     input_shape: tuple[int, ...],
     input_dtype: str,
     optimizer: str,

@@ -15,7 +15,7 @@ from gpumemd.probes.census import take_census
 
 @pytest.fixture
 def gloo_world() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
         yield
     finally:

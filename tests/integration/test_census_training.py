@@ -65,7 +65,7 @@ def test_agent_census_runs_one_now_and_keeps_it_in_the_state(out_dir: str) -> No
     assert agent.state().census is census and agent.state().censuses_total == 1
     assert census.step == 2
     momentum = [g for g in census.groups if g.key.name and g.key.name.startswith("SGD[")]
-    assert momentum and all(g.key.name.endswith("].momentum_buffer") for g in momentum)
+    assert momentum and all(str(g.key.name).endswith("].momentum_buffer") for g in momentum)
     assert sum(g.nbytes for g in momentum) == sum(p.numel() * 4 for p in model.parameters())
 
 

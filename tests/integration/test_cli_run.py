@@ -88,7 +88,7 @@ def test_script_runs_as_main_with_its_argv_and_directory(script: Path, tmp_path:
 
 
 @pytest.mark.parametrize(("action", "expected"), [("exit", 3), ("exit-none", 0), ("exit-message", 1)])
-def test_exit_codes_pass_through(script: Path, tmp_path: Path, out_dir: str, action: str, expected: int,
+def test_exit_codes_pass_through(script: Path, tmp_path: Path, out_dir: str, *, action: str, expected: int,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     extra = ["3"] if action == "exit" else []
     assert _run(out_dir, str(script), str(tmp_path / "s.json"), action, *extra) == expected
@@ -126,7 +126,7 @@ def test_keyboard_interrupt_exits_130(script: Path, tmp_path: Path, out_dir: str
         (["--bind", "localhost:9"], "--bind='localhost:9' is not valid"),
     ],
 )
-def test_bad_option_is_one_line_and_exit_2(script: Path, tmp_path: Path, out_dir: str, argv: list[str],
+def test_bad_option_is_one_line_and_exit_2(script: Path, tmp_path: Path, out_dir: str, *, argv: list[str],
                                            message: str, capsys: pytest.CaptureFixture[str]) -> None:
     seen = tmp_path / "s.json"
     assert _run(out_dir, *argv, str(script), str(seen)) == 2

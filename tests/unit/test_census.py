@@ -164,7 +164,9 @@ def test_sparse_coo_and_csr_count_their_component_storages() -> None:
 
 
 def test_nested_and_quantized_tensors_are_counted() -> None:
-    nested = torch.nested.nested_tensor([torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)])
+    parts = [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)]
+    nested = torch.nested.nested_tensor(parts)
+    del parts
     quantized = torch.quantize_per_tensor(torch.zeros(1009), 0.1, 0, torch.qint8)
 
     census = take_census(holders=0)
