@@ -9,7 +9,8 @@ The loop every tutorial writes ("start large, halve on OOM"), done properly:
    (fixed model state + per-sample activations), so after ``start`` and ``2·start`` the size whose
    peak reaches ``(1 - margin)·capacity`` is predicted from the line through the two largest
    sizes that ran, and **verified** by running it. A verified size refines the line; a failure
-   bounds the search from above and the next guess bisects. At most ``max_tries`` runs.
+   bounds the search from above and the next guess bisects. A guess is never more than
+   ``MAX_GROWTH`` (4) times the largest size that ran. At most ``max_tries`` runs.
 3. Return the **largest size that ran** within the budget, with its **measured** peak.
 
 Capacity and measurement:
@@ -29,7 +30,6 @@ Any exception that is not an out-of-memory error propagates unchanged.
 
 from __future__ import annotations
 
-import builtins
 import gc
 import logging
 import traceback
@@ -40,6 +40,11 @@ from typing import Any
 log = logging.getLogger("gpumemd")
 
 _CPU_OOM_MARKERS = ("can't allocate memory", "out of memory", "not enough memory")
+# At most this factor above the largest size that ran, per try. Peak memory is linear in the batch
+# size only once activations outgrow the optimizer step's temporaries (below that it is flat), so a
+# line through two small sizes can overshoot by orders of magnitude; on CPU, where the budget is
+# checked after the try, an unbounded overshoot could exhaust the host's real memory.
+MAX_GROWTH = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +84,10 @@ class _Runner:
         self.device = device
         self.budget = budget
         self.cpu_offset = 0  # CPU: bytes earlier tries left allocated (lazy optimizer state)
-        self.tries: list[Try] = []
 
     def run(self, batch_size: int) -> Try:
         ran, peak = self._run_cuda(batch_size) if self.device.startswith("cuda") else self._run_cpu(batch_size)
         result = Try(batch_size, ran, peak, ran and peak is not None and peak <= self.budget)
-        self.tries.append(result)
         log.debug("gpumemd.find_batch_size: batch %d -> %s", batch_size, result)
         return result
 
@@ -179,50 +182,71 @@ def find_batch_size(
         budget_bytes = _cuda_capacity(device)
     if budget_bytes < 1:
         raise ValueError(f"find_batch_size(budget_bytes={budget_bytes!r}) is not valid: expected bytes >= 1")
-    target = budget_bytes * (1 - margin)
     runner = _Runner(step_fn, device, budget_bytes)
-    start = _round_down(start, multiple_of)
-    max = _round_down(max, multiple_of)
+    return search(runner.run, start=start, max_size=max, budget_bytes=budget_bytes, margin=margin,
+                  max_tries=max_tries, multiple_of=multiple_of)
 
+
+def search(
+    run: Callable[[int], Try],
+    *,
+    start: int,
+    max_size: int,
+    budget_bytes: int,
+    margin: float = 0.1,
+    max_tries: int = 12,
+    multiple_of: int = 1,
+) -> tuple[int, int]:
+    """The search itself, over any ``run(batch_size) -> Try`` (pure: tests feed it synthetic peaks)."""
+    target = budget_bytes * (1 - margin)
+    tries: list[Try] = []
+
+    def attempt(size: int) -> Try:
+        result = run(size)
+        tries.append(result)
+        return result
+
+    start = _round_down(start, multiple_of)
+    max_size = _round_down(max_size, multiple_of)
     good: dict[int, int] = {}  # batch size -> measured peak, for sizes that fit
     hi: int | None = None  # smallest size known not to fit
 
     # 1. the first probe; halve until something fits
     size = start
     while True:
-        attempt = runner.run(size)
-        if attempt.fits and attempt.peak_bytes is not None:
-            good[size] = attempt.peak_bytes
+        first = attempt(size)
+        if first.fits and first.peak_bytes is not None:
+            good[size] = first.peak_bytes
             break
         hi = size
         if size <= multiple_of:
             raise RuntimeError(
                 f"find_batch_size: batch size {size} does not fit in {budget_bytes} bytes "
-                f"(tries: {runner.tries}); reduce the model or raise the budget"
+                f"(tries: {tries}); reduce the model or raise the budget"
             )
+        if len(tries) >= max_tries:
+            raise RuntimeError(f"find_batch_size: nothing fit in {max_tries} tries: {tries}")
         size = _round_down(size // 2, multiple_of)
-        if len(runner.tries) >= max_tries:
-            raise RuntimeError(f"find_batch_size: nothing fit in {max_tries} tries: {runner.tries}")
 
     # 2. the second probe, then extrapolate and verify
-    while len(runner.tries) < max_tries:
-        lo = builtins.max(good)
-        if lo >= max or (hi is not None and hi - lo <= multiple_of):
+    while len(tries) < max_tries:
+        lo = max(good)
+        if lo >= max_size or (hi is not None and hi - lo <= multiple_of):
             break
-        guess = _next_guess(good, hi, target, max, multiple_of)
+        guess = _next_guess(good, hi, target, max_size, multiple_of)
         if guess is None or guess <= lo:
             break
-        attempt = runner.run(guess)
-        if attempt.fits and attempt.peak_bytes is not None:
-            good[guess] = attempt.peak_bytes
+        verified = attempt(guess)
+        if verified.fits and verified.peak_bytes is not None:
+            good[guess] = verified.peak_bytes
         else:
             hi = guess if hi is None else min(hi, guess)
-    best = builtins.max(good)
+    best = max(good)
     return best, good[best]
 
 
 def _next_guess(good: dict[int, int], hi: int | None, target: float, cap: int, multiple_of: int) -> int | None:
-    lo = builtins.max(good)
+    lo = max(good)
     upper = cap if hi is None else hi - multiple_of
     if len(good) < 2:
         guess = 2 * lo  # the second probe
@@ -237,6 +261,6 @@ def _next_guess(good: dict[int, int], hi: int | None, target: float, cap: int, m
                 return None  # the line says lo is already the largest within the margin
     if hi is not None and guess >= hi:
         guess = (lo + hi) // 2  # the line overshot a known failure: bisect
-    guess = min(guess, upper)
+    guess = min(guess, upper, MAX_GROWTH * lo)
     guess = guess - guess % multiple_of
     return guess if guess > lo else None

@@ -274,6 +274,10 @@ class LeakDetector:
         if verdict.passed:
             track.consecutive_pass += 1
             track.consecutive_fail = 0
+        elif previous in ("suspected", "confirmed") and verdict.reason == "not a ramp":
+            # Significant growth above the effect size that rises in bursts (host RSS grows by heap
+            # or arena chunks): not evidence for a new finding, but no evidence that it stopped.
+            pass
         else:
             track.consecutive_fail += 1
             track.consecutive_pass = 0

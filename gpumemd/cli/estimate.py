@@ -131,6 +131,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     shape = _shape(args)
     stage = _stage(args)
     traced: TraceResult | None = None
+    params: int | None
     if args.model is not None:
         if args.input_shape is None:
             raise CliError("--model needs --input-shape, e.g. --input-shape 32,100")
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             raise CliError(str(err)) from None
         params = traced.parameters
     else:
-        params = _parse_params(args.params) if args.params is not None else None  # type: ignore[assignment]
+        params = _parse_params(args.params) if args.params is not None else None
     try:
         est = estimate(params, precision=args.precision, optimizer=args.optimizer, gpus=args.gpus,
                        zero_stage=stage, offload=args.offload, shape=shape)

@@ -448,9 +448,46 @@ def _holder_of_group(key: GroupKey) -> str | None:
     if sample is None:
         return None
     try:
-        return who_holds(sample, time_budget_s=max(0.05, deadline - time.monotonic()))
+        return who_holds(sample, time_budget_s=max(0.05, deadline - time.monotonic())) or _cycle_holder(sample)
     finally:
         del sample
+
+
+def _cycle_holder(obj: Any, max_objects: int = 32) -> str | None:
+    """``Node.payload, in a reference cycle nothing else refers to`` when ``obj`` is an attribute of
+    an object whose referrers close into a small cycle: garbage the collector has not freed (gc
+    disabled, frozen, or not run yet). ``who_holds`` finds no name for it: there is none."""
+    import gc
+    import types
+
+    refs = gc.get_referrers(obj)
+    owner, attr = None, None
+    for ref in refs:
+        attrs = getattr(ref, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(ref, type):
+            attr = next((k for k, v in attrs.items() if v is obj), None)
+            if attr is not None:
+                owner = ref
+                break
+    refs.clear()
+    if owner is None:
+        return None
+    closure: dict[int, Any] = {id(owner): owner}
+    frontier = [owner]
+    while frontier:
+        current = frontier.pop()
+        found = gc.get_referrers(current)
+        for ref in found:
+            if ref is frontier or ref is closure or ref is found or id(ref) in closure:
+                continue
+            if isinstance(ref, (types.FrameType, types.ModuleType)):
+                return None  # a running frame or a module holds it: not garbage
+            closure[id(ref)] = ref
+            if len(closure) > max_objects:
+                return None  # reachable from something larger: not an isolated cycle
+            frontier.append(ref)
+        found.clear()
+    return f"{type(owner).__name__}.{attr}, in a reference cycle nothing else refers to (garbage gc has not freed)"
 
 
 def _jsonable(value: Any) -> Any:

@@ -178,6 +178,12 @@ class PhasesComponent:
     def on_step(self, record: StepRecord) -> None:
         if self._state == _IDLE:
             return
+        try:
+            self._finish(record)
+        except Exception as exc:  # noqa: BLE001 - the job comes first
+            self._fail("step end", exc)
+
+    def _finish(self, record: StepRecord) -> None:
         if self._state == _FORWARD and self._counter is not None:
             self._counter.stop()  # the forward never returned to us; keep the hooks bounded
         t0 = time.perf_counter()

@@ -92,8 +92,9 @@ def take_census(
 ) -> Census:
     """Count every live tensor storage once, classify and name it; see the module docstring.
 
-    ``agent`` contributes its registered/seen models and optimizers, its step number and its last
-    allocator reading (for invisible bytes); ``models``/``optimizers`` add more. ``holders`` is how
+    ``agent`` contributes its registered/seen models and optimizers, its step number, its last
+    allocator reading (for invisible bytes) and its last census (``previous``, for holders);
+    ``models``/``optimizers`` add more. ``holders`` is how
     many groups get a ``who_holds`` line: the largest growing anonymous groups since ``previous``,
     or the largest anonymous groups when there is no ``previous``.
     """
@@ -103,14 +104,14 @@ def take_census(
     if agent is not None:
         models.extend(m for m in list(agent.models) if m not in models)
         optimizers.extend(o for o in list(agent.optimizers) if o not in optimizers)
-        if step is None or allocator is None:
-            try:
-                state = agent.state()
-            except RuntimeError:  # an agent that was never started has no state yet
-                state = None
-            if state is not None:
-                step = state.step if step is None else step
-                allocator = state.allocator if allocator is None else allocator
+        try:
+            state = agent.state()
+        except RuntimeError:  # an agent that was never started has no state yet
+            state = None
+        if state is not None:
+            step = state.step if step is None else step
+            allocator = state.allocator if allocator is None else allocator
+            previous = state.census if previous is None else previous
     census = _Pass(graph_max_nodes)
     census.run(models, optimizers, graph=graph)
     groups, samples, owners = census.groups()
@@ -159,7 +160,7 @@ class _Pass:
         self.errors = 0
         self.kinds = _kinds(torch)
         self.plain = {torch.Tensor, torch.nn.Parameter}
-        self.fake_types = _fake_tensor_types()
+        self.no_memory_types = _no_memory_types(torch)
         self.strided = torch.strided
         self.layouts_coo = torch.sparse_coo
         self.layouts_compressed_rows = {torch.sparse_csr, torch.sparse_bsr}
@@ -290,6 +291,7 @@ class _Pass:
         """The hot loop: every scanned tensor not claimed by name. Plain strided tensors inline."""
         storages, records, roots, claimed = self.storages, self.records, self.roots, self.claimed
         devices, plain, strided = self.devices, self.plain, self.strided
+        leaves: list[Any] = []
         for t in tensors:
             if id(t) in claimed:
                 continue
@@ -306,6 +308,8 @@ class _Pass:
                 st = t.untyped_storage()
                 key = (dev, st.data_ptr())
                 grad_fn = t.grad_fn
+                if grad_fn is None and t.requires_grad:
+                    leaves.append(t)  # a raw leaf optimised by hand: its .grad is not gc-visible
                 record = storages.get(key)
                 if record is None:
                     nbytes = st.nbytes()
@@ -322,13 +326,22 @@ class _Pass:
                     roots.append((record, grad_fn))
             except Exception as exc:  # noqa: BLE001 - a tensor torch cannot describe is skipped
                 self._error(f"a {type(t).__name__}", exc)
+        for leaf in leaves:
+            try:
+                grad = leaf.grad
+            except Exception as exc:  # noqa: BLE001
+                self._error("a leaf's .grad", exc)
+                continue
+            if grad is not None:
+                self._claim(grad, "gradient", None)
+        leaves.clear()
 
     def _components(self, t: Any, depth: int) -> list[tuple[tuple[Any, int], int]]:
         """The storages behind ``t`` as ((device, data_ptr), nbytes); [] for no memory."""
         tp = type(t)
         if tp not in self.plain:
-            if tp in self.fake_types:
-                return []  # FakeTensor: a size, no memory (and data_ptr() on it warns)
+            if tp in self.no_memory_types:
+                return []  # FakeTensor, lazy modules' uninitialized parameters: no memory yet
             is_wrapper = self.wrapper_types.get(tp)
             if is_wrapper is None:
                 is_wrapper = hasattr(tp, "__tensor_flatten__") and hasattr(tp, "__tensor_unflatten__")
@@ -584,14 +597,14 @@ def _kinds(torch: Any) -> dict[type, int]:
     return kinds
 
 
-def _fake_tensor_types() -> set[type]:
-    """FakeTensor and its subclasses, if torch has loaded them (never imported just for this)."""
+def _no_memory_types(torch: Any) -> set[type]:
+    """Tensor types that have a size but no memory: FakeTensor (if torch has loaded it; never imported
+    just for this: its data_ptr() warns) and lazy modules' UninitializedParameter/Buffer (any torch
+    call on them raises), with their subclasses."""
     module = sys.modules.get("torch._subclasses.fake_tensor")
-    fake = getattr(module, "FakeTensor", None)
-    if not isinstance(fake, type):
-        return set()
-    out: set[type] = {fake}
-    stack: list[type] = [fake]
+    bases = [getattr(module, "FakeTensor", None), getattr(torch.nn.parameter, "UninitializedTensorMixin", None)]
+    out: set[type] = {b for b in bases if isinstance(b, type)}
+    stack: list[type] = list(out)
     while stack:
         sub: type
         for sub in type.__subclasses__(stack.pop()):

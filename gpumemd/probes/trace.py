@@ -11,6 +11,13 @@ forward and backward on a meta input, and counts:
 
 and from them the peak with the same rule as the analytic estimate
 (``params + optimizer state + max(gradients + intermediates, saved for backward)``).
+
+Two ways to build without memory (``backend``): ``"meta"`` (the default) and ``"fake-cpu"``
+(``FakeTensorMode`` with CPU tensors, so kernel choices — SDPA's flash kernel, autocast — are those
+of a CPU run; mixed precision always uses it). Known limits: dedupe is by storage identity, which
+only a storage freed *during* the forward could confuse; a model whose forward reads tensor values
+(``.item()``, data-dependent control flow) cannot be traced; allocator rounding and kernel
+temporaries are not part of the terms.
 """
 
 from __future__ import annotations

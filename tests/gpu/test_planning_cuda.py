@@ -13,7 +13,7 @@ def make(device: str = "cuda"):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                           nn.Linear(4096, 10)).to(device)
-    return model, torch.optim.AdamW(model.parameters())
+    return model, torch.optim.AdamW(model.parameters(), foreach=True)
 
 
 def test_phases_on_cuda_read_the_allocator(out_dir: str) -> None:
@@ -21,19 +21,20 @@ def test_phases_on_cuda_read_the_allocator(out_dir: str) -> None:
     with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, phases=True,
                           phase_every_steps=2, sample_interval_s=0) as agent:
         for _ in range(4):
+            opt.zero_grad(set_to_none=True)  # no gradients at forward start
             x = torch.randn(256, 1024, device="cuda")
             y = torch.randint(0, 10, (256,), device="cuda")
             loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
         phases = agent.state().phases
     assert phases is not None and phases.device.startswith("cuda")
     assert phases.forward_start_bytes is not None and phases.forward_peak_bytes is not None
     assert phases.after_backward_bytes is not None and phases.after_step_bytes is not None
-    # the forward rises by at least what it keeps for backward
-    assert phases.forward_peak_bytes - phases.forward_start_bytes >= phases.saved_for_backward_bytes
+    # the forward rises by at least what it keeps for backward (less the input, allocated before it)
+    assert phases.forward_peak_bytes - phases.forward_start_bytes >= phases.saved_for_backward_bytes - x.nbytes
     # after backward the gradients exist (set_to_none: none at forward start)
+    assert phases.gradient_bytes == phases.parameter_bytes
     assert phases.after_backward_bytes - phases.forward_start_bytes >= phases.gradient_bytes // 2
     # AdamW's foreach step needs a temporary the size of the parameters
     transient = phases.optimizer_step_transient_bytes

@@ -14,7 +14,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,16 @@ SETTINGS: dict[str, Any] = {
 }
 SUSPECT_WITHIN = 150  # steps from onset to "suspected" (stated in the README)
 CONFIRM_WITHIN = 200  # steps from onset to "confirmed"
+
+
+_STOP = [False]  # set once the leak is confirmed: the rest of a leaking run would add nothing
+
+
+def _steps(n: int) -> Iterator[int]:
+    for step in range(n):
+        if _STOP[0]:
+            return
+        yield step
 
 
 def _model(width: int = 128) -> torch.nn.Module:
@@ -60,7 +70,7 @@ def loss_accumulated_with_graph(steps: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     xv, yv = torch.randn(32, 16), torch.randn(32, 128)
     monitor_total: Any = 0.0
-    for step in range(steps):
+    for step in _steps(steps):
         _train_step(model, opt)
         if step >= ONSET:
             monitor_total += F.mse_loss(model(xv), yv)
@@ -72,7 +82,7 @@ def outputs_appended_to_list(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept_outputs = []
-    for step in range(steps):
+    for step in _steps(steps):
         out = _train_step(model, opt)
         if step >= ONSET:
             kept_outputs.append(out)
@@ -97,7 +107,7 @@ def forward_hook_storing_activations(steps: int) -> None:
     recorder = ActivationRecorder()
     handle = model[1].register_forward_hook(recorder)
     try:
-        for step in range(steps):
+        for step in _steps(steps):
             recorder.enabled = step >= ONSET
             _train_step(model, opt)
     finally:
@@ -109,7 +119,7 @@ def dict_cache_keyed_by_step(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     prediction_cache: dict[int, torch.Tensor] = {}
-    for step in range(steps):
+    for step in _steps(steps):
         out = _train_step(model, opt)
         if step >= ONSET:
             prediction_cache[step] = out.detach().clone()
@@ -131,7 +141,7 @@ def reference_cycles_with_gc_disabled(steps: int) -> None:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for step in range(steps):
+        for step in _steps(steps):
             out = _train_step(model, opt)
             if step >= ONSET:
                 Node(out.detach().clone())
@@ -147,7 +157,7 @@ def retain_graph_misuse(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_history = []
-    for step in range(steps):
+    for step in _steps(steps):
         out = model(torch.randn(32, 16))
         loss = out.pow(2).mean()
         opt.zero_grad()
@@ -163,10 +173,10 @@ def host_only_leak(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     raw_samples: list[bytes] = []
-    for step in range(steps):
+    for step in _steps(steps):
         _train_step(model, opt)
         if step >= ONSET:
-            raw_samples.append(bytes([step % 256]) * (64 * 1024))
+            raw_samples.append(bytes([step % 256]) * (256 * 1024))
     raw_samples.clear()
 
 
@@ -176,7 +186,7 @@ def host_only_leak(steps: int) -> None:
 def steady(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for _ in range(steps):
+    for _ in _steps(steps):
         _train_step(model, opt)
 
 
@@ -184,7 +194,7 @@ def first_step_optimizer_state(steps: int) -> None:
     """Adam allocates exp_avg/exp_avg_sq on its first step: a one-time jump at step 0-1."""
     model = _model(256)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(steps):
+    for _ in _steps(steps):
         _train_step(model, opt)
 
 
@@ -196,7 +206,7 @@ def periodic_eval_under_no_grad(steps: int) -> None:
     agent.use_manual_steps()  # this job ends its steps with mark_step, train and eval alike
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(steps):
+    for step in _steps(steps):
         _train_step(model, opt)
         gpumemd.mark_step()
         if step % 40 == 39:
@@ -212,7 +222,7 @@ def variable_batch_and_sequence_lengths(steps: int) -> None:
     rng = random.Random(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
+    for _ in _steps(steps):
         b, t = rng.randint(4, 48), rng.randint(2, 24)
         out = model(torch.randn(b, t, 16))
         loss = out.pow(2).mean()
@@ -238,7 +248,7 @@ def bounded_cache_keyed_by_shape(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cache = ShapeCache()
-    for _ in range(steps):
+    for _ in _steps(steps):
         b, t = rng.choice((16, 32)), rng.choice((8, 16, 32))
         out = model(torch.randn(b, t, 16) * cache.get(b, t))
         loss = out.pow(2).mean()
@@ -252,7 +262,7 @@ def metric_list_reset_every_epoch(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     epoch_predictions: list[torch.Tensor] = []
-    for step in range(steps):
+    for step in _steps(steps):
         out = _train_step(model, opt)
         epoch_predictions.append(out.detach().clone())
         if step % 25 == 24:
@@ -263,7 +273,7 @@ def metric_list_reset_every_epoch(steps: int) -> None:
 def gradient_accumulation(steps: int) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
+    for _ in _steps(steps):
         opt.zero_grad()
         for _ in range(4):
             loss = model(torch.randn(8, 16)).pow(2).mean() / 4
@@ -278,7 +288,7 @@ def one_time_jump_checkpoint_load(steps: int) -> None:
     buf = io.BytesIO()
     torch.save({"ema": [torch.randn(256, 256) for _ in range(8)]}, buf)
     checkpoint = None
-    for step in range(steps):
+    for step in _steps(steps):
         _train_step(model, opt)
         if step == 120:
             buf.seek(0)
@@ -346,12 +356,14 @@ class Outcome:
 
 
 class _Timed:
-    """Wraps the leak component's on_step to measure its whole per-step cost."""
+    """Wraps the leak component's on_step to measure its whole per-step cost (and, for leaking runs,
+    to end the run once the leak is confirmed)."""
 
-    def __init__(self, component: Any) -> None:
-        self.component = component
+    def __init__(self, agent: Any, component: Any, stop_when_confirmed: bool) -> None:
+        self.agent = agent
         self.seconds = 0.0
         self._inner = component.on_step
+        self._stop = stop_when_confirmed
 
     def __call__(self, record: Any) -> None:
         start = time.perf_counter()
@@ -359,18 +371,26 @@ class _Timed:
             self._inner(record)
         finally:
             self.seconds += time.perf_counter() - start
+        if self._stop and any(f.state == "confirmed" for f in self.agent.state().findings):
+            _STOP[0] = True
 
 
-def run_scenario(scenario: Scenario, output_dir: str, steps: int = STEPS) -> Outcome:
+def run_scenario(scenario: Scenario, output_dir: str, steps: int = STEPS, *, stop_when_confirmed: bool = True,
+                 ) -> Outcome:
+    """Run one scenario under a fresh agent; a leaking one stops once its leak is confirmed."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend on a shared machine
+    _STOP[0] = False
     start = time.perf_counter()
     with gpumemd.attached(output_dir=output_dir, **{**SETTINGS, **scenario.settings}) as agent:
         component = agent.component("leak")
         assert component is not None, "the leak component is not registered"
-        timed = _Timed(component)
+        timed = _Timed(agent, component, stop_when_confirmed and scenario.leak)
         component.on_step = timed  # type: ignore[method-assign]
-        scenario.run(steps)
+        try:
+            scenario.run(steps)
+        finally:
+            _STOP[0] = False
         findings = agent.findings()
         path = component.findings_path  # type: ignore[attr-defined]
         eval_s = component.evaluate_seconds  # type: ignore[attr-defined]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 import gpumemd
 from gpumemd.components.census import CensusComponent
+from gpumemd.probes import census as census_probe
 
 SETTINGS: dict[str, Any] = {"sample_interval_s": 0, "nvml": False, "leak_detection": False}
 
@@ -82,7 +84,8 @@ def _leaky_training(steps: int, agent: Any) -> tuple[Any, Any]:
     return first, last
 
 
-def test_a_list_held_leak_is_diffed_and_named_by_its_variable(out_dir: str) -> None:
+def test_a_list_held_leak_is_diffed_and_named_by_its_variable(out_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(census_probe, "HOLDERS_TIME_BUDGET_S", 60.0)  # no timing assumptions
     agent = gpumemd.attach(output_dir=out_dir, census_every_steps=1000, **SETTINGS)
 
     first, last = _leaky_training(15, agent)
@@ -94,7 +97,10 @@ def test_a_list_held_leak_is_diffed_and_named_by_its_variable(out_dir: str) -> N
     assert holder.endswith("→ list of 15 items")
 
 
-def test_a_loss_summed_with_its_graph_is_seen_as_growing_graph_memory(out_dir: str) -> None:
+def test_a_loss_summed_with_its_graph_is_seen_as_growing_graph_memory(
+    out_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(census_probe, "HOLDERS_TIME_BUDGET_S", 60.0)  # no timing assumptions
     gc.collect()
     torch.manual_seed(0)
     agent = gpumemd.attach(output_dir=out_dir, census_every_steps=1000, **SETTINGS)

@@ -44,7 +44,7 @@ def _named(findings: list[Any], holder: str) -> bool:
 
 
 def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1) -> tuple[Any, Any, Any]:
-    # The `frameworks` extra (CI installs it); without it this import fails saying what to install.
+    # The `frameworks` extra; CI installs it, so a missing framework fails here rather than skips.
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 

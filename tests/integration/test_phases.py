@@ -75,7 +75,8 @@ def test_live_count_matches_an_independent_counter(out_dir: str) -> None:
 def test_root_model_discovered_without_registration(out_dir: str) -> None:
     model, opt = make()
     criterion = nn.CrossEntropyLoss()  # parameterless: must not be taken for the model
-    with gpumemd.attached(output_dir=out_dir, phases=True, phase_every_steps=2, sample_interval_s=0) as agent:
+    saved: list[int] = []
+    with gpumemd.attached(output_dir=out_dir, phases=True, phase_every_steps=1, sample_interval_s=0) as agent:
         for _ in range(4):
             x, y = torch.randn(32, 100), torch.randint(0, 10, (32,))
             loss = criterion(model(x), y)
@@ -83,9 +84,11 @@ def test_root_model_discovered_without_registration(out_dir: str) -> None:
             loss.backward()
             opt.step()
             assert not torch.nn.modules.module._global_forward_pre_hooks  # discovery hook removed
-        phases = agent.state().phases
-    assert phases is not None and phases.step == 3
-    assert phases.saved_for_backward_bytes == expected_saved()
+            phases = agent.state().phases
+            assert phases is not None
+            saved.append(phases.saved_for_backward_bytes)
+    # the very first forward (where the model is discovered) is measured too
+    assert saved == [expected_saved()] * 4
 
 
 def test_hooks_only_on_sampled_steps_and_removed_on_detach(out_dir: str) -> None:
@@ -130,3 +133,22 @@ def test_off_by_default(out_dir: str) -> None:
         assert agent.component("phases") is None
     with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, phases=True) as agent:
         assert agent.component("phases") is not None
+
+
+def test_a_failing_measurement_turns_phases_off_not_the_job(out_dir: str, caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = make()
+    with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, phases=True,
+                          phase_every_steps=1, sample_interval_s=0) as agent:
+        component = agent.component("phases")
+
+        def broken(*, reset_peak: bool) -> int:
+            raise RuntimeError("allocator went away")
+
+        monkeypatch.setattr(component, "_allocated", broken)
+        for _ in range(3):
+            train_step(model, opt)  # nothing raises into the loop
+            assert not hooks_active()
+        assert agent.state().phases is None
+        assert agent.state().steps_total == 3
+    assert "phases are off for this run" in caplog.text

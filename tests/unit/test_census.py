@@ -339,3 +339,24 @@ def test_diff_names_the_group_that_grew_with_its_deltas() -> None:
     assert [(d.count_delta, d.bytes_delta, d.category) for d in grown] == [(5, 5 * 7 * 1021 * 4, "other")]
     assert deltas[0].bytes_delta >= grown[0].bytes_delta
     del keep
+
+
+def test_gradients_of_raw_leaf_tensors_are_reached_through_the_leaves() -> None:
+    weight = torch.zeros(29, 3, requires_grad=True)  # optimised by hand: no Module, no Optimizer
+    (weight * 2).sum().backward()
+
+    census = take_census(holders=0)
+
+    groups = sorted((g.key.category, g.nbytes) for g in census.groups if g.key.shape == (29, 3))
+    assert groups == [("gradient", 29 * 3 * 4), ("other", 29 * 3 * 4)]
+    del weight
+
+
+def test_lazy_modules_uninitialized_parameters_have_no_memory_yet() -> None:
+    lazy = nn.LazyLinear(4)
+
+    census = take_census(models=[lazy], holders=0)
+
+    assert census.errors == 0
+    assert not census.groups_named("weight")
+    del lazy

@@ -68,7 +68,8 @@ def test_model_invocation_as_documented(capsys: pytest.CaptureFixture[str]) -> N
     ("argv", "message"),
     [
         (["--model", "no_such_pkg_xyz.mod:f", "--input-shape", "4,4"], "cannot import 'no_such_pkg_xyz.mod'"),
-        (["--model", "estimate_models:broken", "--input-shape", "4,32"], "failed on the meta device on an input of shape (4, 32)"),
+        (["--model", "estimate_models:broken", "--input-shape", "4,32"],
+         "failed on the meta device on an input of shape (4, 32)"),
         (["--model", "estimate_models:mlp", "--input-shape", "32,0"], "input shape '32,0' is not valid"),
         (["--model", "estimate_models:mlp", "--input-shape", "a,b"], "input shape 'a,b' is not valid"),
         (["--model", "estimate_models:mlp"], "--model needs --input-shape"),
@@ -95,3 +96,16 @@ def test_module_does_not_import_torch() -> None:
     code = "import sys, gpumemd.cli.estimate, gpumemd.analysis.estimate; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_params_from_shape_and_mixed_precision_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--layers", "12", "--hidden", "768", "--heads", "12", "--seq", "1024", "--batch", "1",
+                   "--vocab", "50257")
+    assert doc["params"] == 124_439_808  # GPT-2 small
+    doc = run_json(capsys, "--model", "estimate_models:sdpa", "--input-shape", "2,64,64", "--precision",
+                   "bf16-mixed", "--optimizer", "adamw")
+    assert doc["traced"]["precision"] == "bf16-mixed"
+    meta = run_json(capsys, "--model", "estimate_models:sdpa", "--input-shape", "2,64,64")
+    fake = run_json(capsys, "--model", "estimate_models:sdpa", "--input-shape", "2,64,64",
+                    "--trace-backend", "fake-cpu")
+    assert fake["traced"]["saved_for_backward_bytes"] < meta["traced"]["saved_for_backward_bytes"]

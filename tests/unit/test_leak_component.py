@@ -1,0 +1,145 @@
+"""The leak component on the CUDA path, fed allocator stats, NVML and snapshots in torch's exact shapes.
+
+No GPU here: the allocator probe reads a flattened ``memory_stats`` dict (TORCH_MEMORY_API.md §1.1),
+NVML is a fake module with pynvml's call shapes, and snapshots are ``_snapshot()`` dicts (§2.2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gpumemd.agent import Agent
+from gpumemd.components.leak import LeakComponent
+from gpumemd.config import Config
+from gpumemd.probes.allocator import AllocatorProbe
+from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.records.step import Identity
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+ONSET = 60
+
+
+class FakeNvml:
+    """pynvml's call shapes for one 80 GiB device."""
+
+    def __init__(self) -> None:
+        self.used = 12 * GIB
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return SimpleNamespace(total=80 * GIB, used=self.used, free=80 * GIB - self.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        return []
+
+
+class FakeDevice:
+    """A job whose step-end allocated bytes grow by ``leak`` per step from ONSET (and/or whose
+    cache fragments by ``frag`` per step); ``snapshot()`` shows the leaked blocks at train.py:57."""
+
+    def __init__(self, leak: int = 0, frag: int = 0) -> None:
+        self.step = 0
+        self.leak = leak
+        self.frag = frag
+
+    def leaked_blocks(self) -> int:
+        return max(0, self.step - ONSET)
+
+    def stats(self, device: int) -> dict[str, int]:
+        allocated = 4 * GIB + self.leaked_blocks() * self.leak + (self.step % 3) * 512 * 1024
+        reserved = 6 * GIB + self.leaked_blocks() * (self.leak + self.frag)
+        return {
+            "allocated_bytes.all.current": allocated,
+            "allocated_bytes.all.peak": allocated + GIB,
+            "reserved_bytes.all.current": reserved,
+            "reserved_bytes.all.peak": reserved,
+            "inactive_split_bytes.all.current": self.leaked_blocks() * self.frag,
+            "segment.all.current": 10,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        frames = [
+            {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+            {"filename": "/job/train.py", "line": 57, "name": "main"},
+        ]
+        params = {"address": 0, "size": 4 * GIB, "requested_size": 4 * GIB, "state": "active_allocated", "frames": []}
+        leaked = [{"address": 0, "size": self.leak, "requested_size": self.leak, "state": "active_allocated",
+                   "frames": frames} for _ in range(self.leaked_blocks())]
+        blocks = [params, *leaked]
+        total = sum(b["size"] for b in blocks)
+        return {"segments": [{"device": 0, "address": 1 << 40, "total_size": total, "allocated_size": total,
+                              "active_size": total, "requested_size": total, "stream": 0, "segment_type": "large",
+                              "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks}],
+                "device_traces": [[]]}
+
+
+def run(device: FakeDevice, out_dir: str, steps: int = 300, **config: Any) -> tuple[Agent, LeakComponent, list[int]]:
+    enabled: list[int] = []
+    component = LeakComponent(snapshot_fn=device.snapshot, enable_history_fn=enabled.append)
+    agent = Agent(
+        Config(output_dir=out_dir, sample_interval_s=0, census=False, leak_warmup_steps=20,
+               leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024, **config),
+        allocator_probe=AllocatorProbe(stats_fn=device.stats, is_initialized=lambda: True, device_count=lambda: 1),
+        nvml_probe=NvmlProbe(nvml=FakeNvml(), visible=""),
+        identity=Identity(rank=3, world_size=4),
+        components=[component],
+    )
+    agent.start()
+    try:
+        for step in range(steps):
+            device.step = step
+            agent.mark_step(step)
+        return agent, component, enabled
+    finally:
+        agent.stop()
+
+
+def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: str) -> None:
+    device = FakeDevice(leak=2 * MIB)
+    agent, component, enabled = run(device, out_dir, leak_history_on_suspect=True, history_max_entries=5000)
+    assert enabled == [5000]  # switched on once, when the leak was first suspected
+    findings = agent.findings()
+    assert [(f.kind, f.series, f.state) for f in findings] == [("tensor_leak", "allocated_bytes{device=0}",
+                                                               "confirmed")]
+    f = findings[0]
+    assert f.slope_bytes_per_step == pytest.approx(2 * MIB, rel=0.05)
+    assert f.device == 0 and abs((f.onset_step or 0) - ONSET) <= 15
+    # headroom = NVML free + allocator cache beyond the step's peak; OOM when the leak has eaten it
+    state = agent.state()
+    sample = state.allocator[0]
+    headroom = state.nvml[0].free_bytes + max(0, sample.reserved_bytes - sample.allocated_peak_bytes)
+    assert f.steps_to_oom == pytest.approx(headroom / f.slope_bytes_per_step)
+    assert f.sites and f.sites[0].startswith("train.py:57 in main (+")
+    assert "allocated at train.py:57 in main" in f.summary
+    # the findings file carries the rank in its name and one line per state change
+    path = os.path.join(out_dir, "leak-findings-rank3.jsonl")
+    assert component.findings_path == path
+    with open(path, encoding="utf-8") as fh:
+        states = [json.loads(line)["state"] for line in fh]
+    assert states == ["suspected", "confirmed"]
+
+
+def test_growing_cache_is_fragmentation_not_a_tensor_leak(out_dir: str) -> None:
+    agent, _, enabled = run(FakeDevice(frag=1 * MIB), out_dir)
+    kinds = {(f.kind, f.series) for f in agent.findings()}
+    assert kinds == {("fragmentation", "reserved_minus_allocated_bytes{device=0}")}
+    assert enabled == []  # history is only for tensor leaks, and off by default
+
+
+def test_flat_device_raises_nothing(out_dir: str) -> None:
+    agent, _, _ = run(FakeDevice(), out_dir)
+    assert agent.findings() == []
+    assert not os.path.exists(os.path.join(out_dir, "leak-findings-rank3.jsonl"))
