@@ -30,7 +30,8 @@ import gpumemd
 
 AgentOptions = dict[str, Any] | None
 Hooks = tuple[float, float] | None  # (per step in step hooks, one-time attach)
-Run = Callable[[int, AgentOptions], tuple[list[float], float | None, Hooks]]
+AgentCost = tuple[float, int, float]  # (agent's own s/step, censuses, census seconds)
+Run = Callable[[int, AgentOptions], tuple[list[float], AgentCost | None, Hooks]]
 
 _HOOKS = ("on_fit_start", "on_train_start", "on_train_batch_end", "on_validation_start", "on_validation_end",
           "teardown", "on_train_begin", "on_step_end", "on_prediction_step", "on_evaluate", "on_train_end")
@@ -60,11 +61,16 @@ def timed(callback: Any, spent: list[float]) -> Any:
     return callback
 
 
+def _agent_cost(agent: Any) -> AgentCost:
+    state = agent.state()
+    return state.overhead.seconds_per_step, state.censuses_total, state.overhead.census_seconds_total
+
+
 def _medians(times: list[float]) -> float:
     return statistics.median(times[5:] if len(times) > 10 else times)  # skip the first steps' warm-up
 
 
-def lightning_run(steps: int, options: AgentOptions) -> tuple[list[float], float | None, Hooks]:
+def lightning_run(steps: int, options: AgentOptions) -> tuple[list[float], AgentCost | None, Hooks]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -83,7 +89,7 @@ def lightning_run(steps: int, options: AgentOptions) -> tuple[list[float], float
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     ends: list[float] = []
-    agent_cost: list[float] = []
+    agent_cost: list[AgentCost] = []
 
     class Timer(pl.Callback):  # type: ignore[misc,name-defined]
         def on_train_batch_end(self, *args: Any) -> None:
@@ -92,7 +98,7 @@ def lightning_run(steps: int, options: AgentOptions) -> tuple[list[float], float
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             agent = gpumemd.current()
             if agent is not None:
-                agent_cost.append(agent.state().overhead.seconds_per_step)
+                agent_cost.append(_agent_cost(agent))
 
     callbacks: list[Any] = [Timer()]
     spent = [0.0, 0.0]
@@ -108,7 +114,7 @@ def lightning_run(steps: int, options: AgentOptions) -> tuple[list[float], float
             (spent[0] / steps, spent[1]) if options is not None else None)
 
 
-def transformers_run(steps: int, options: AgentOptions) -> tuple[list[float], float | None, Hooks]:
+def transformers_run(steps: int, options: AgentOptions) -> tuple[list[float], AgentCost | None, Hooks]:
     import transformers
 
     from gpumemd.integrations.transformers import GpumemdCallback
@@ -143,9 +149,9 @@ def transformers_run(steps: int, options: AgentOptions) -> tuple[list[float], fl
         dataloader_num_workers=0,
     )
     transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks).train()
-    cost = None
+    cost: AgentCost | None = None
     if gpumemd_cb is not None and gpumemd_cb.agent is not None:
-        cost = gpumemd_cb.agent.state().overhead.seconds_per_step
+        cost = _agent_cost(gpumemd_cb.agent)
     gpumemd.detach()
     in_hooks = (spent[0] / steps, spent[1]) if options is not None else None
     return [b - a for a, b in itertools.pairwise(ends)], cost, in_hooks
@@ -171,8 +177,8 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     print(f"torch {torch.__version__}, {args.steps} steps x {args.rounds} rounds, 1 thread\n")
     print("| framework | gpumemd | median step (µs) | Δ median vs off (µs) | in gpumemd's step hooks (µs/step) "
-          "| agent's own (µs/step) | attach hook (ms, once) |")
-    print("|---|---|---|---|---|---|---|")
+          "| agent's own (µs/step) | attach hook (ms, once) | censuses (all rounds) | ms per census |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for framework, run in RUNS.items():
         if args.only and framework != args.only:
             continue
@@ -180,13 +186,18 @@ def main() -> None:
         own: dict[str, list[float]] = {k: [] for k in CONFIGS}
         hooks: dict[str, list[float]] = {k: [] for k in CONFIGS}
         attach: dict[str, list[float]] = {k: [] for k in CONFIGS}
+        censuses: dict[str, list[int]] = {k: [] for k in CONFIGS}
+        per_census: dict[str, list[float]] = {k: [] for k in CONFIGS}
         run(20, None)  # warm the framework's imports and caches before anything is timed
         for _ in range(args.rounds):
             for label, options in CONFIGS.items():
                 step_times, cost, in_hooks = run(args.steps, options)
                 times[label].append(_medians(step_times))
                 if cost is not None:
-                    own[label].append(cost)
+                    own[label].append(cost[0])
+                    censuses[label].append(cost[1])
+                    if cost[1]:
+                        per_census[label].append(cost[2] / cost[1])
                 if in_hooks is not None:
                     hooks[label].append(in_hooks[0])
                     attach[label].append(in_hooks[1])
@@ -201,7 +212,7 @@ def main() -> None:
         for label in CONFIGS:
             med = statistics.median(times[label])
             print(f"| {framework} | {label} | {med * 1e6:.0f} | {(med - base) * 1e6:+.0f} | {us(hooks[label])} "
-                  f"| {us(own[label])} | {ms(attach[label])} |")
+                  f"| {us(own[label])} | {ms(attach[label])} | {sum(censuses[label])} | {ms(per_census[label])} |")
 
 if __name__ == "__main__":
     main()

@@ -203,6 +203,14 @@ def build() -> dict[str, Any]:
         "grows every step names the kind of tensor that leaks.", "short",
         (f"sum by (category) ({sel('gpumemd_census_tensors')})", "{{category}}"), stack=True), w=12)
 
+    g.row("Step phases")
+    g.add(timeseries(
+        "Memory by step phase", "One sampled step in phase_every_steps, phase by phase (only with "
+        "attach(phases=True)): allocated bytes at forward start, forward peak, after backward, after "
+        "optimizer.step() and its peak (CUDA only), bytes saved for backward (activations), and the exact "
+        "parameter, gradient and optimizer-state bytes. The forward peak is where an OOM usually strikes.",
+        "bytes", (sel("gpumemd_phase_bytes"), INST + " {{phase}}")), w=24)
+
     g.row("Host")
     g.add(timeseries(
         "Process and host memory", "This process's resident set, the host's available memory and torch's "

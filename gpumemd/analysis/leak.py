@@ -45,6 +45,7 @@ class SeriesSpec:
     sparse: bool = False  # one point per observation (census) instead of block floors of every step
     alarm: bool = True  # False: tracked for attribution only, never raises a finding itself
     explained_by: tuple[str, ...] = ()  # series whose growth, when as fast, accounts for this one's
+    min_bytes_per_step: float | None = None  # this series' own effect size (default: the detector's)
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:
@@ -187,6 +188,14 @@ class LeakDetector:
     def series(self) -> list[SeriesSpec]:
         return list(self._specs.values())
 
+    def buffer_ids(self) -> set[int]:
+        """ids of the detector's own bounded buffers, so a heap search for growing containers
+        never blames them (they fill up over the first long window)."""
+        out: set[int] = set()
+        for track in self._tracks.values():
+            out.update((id(track.floors), id(track.resets)))
+        return out
+
     def observe(self, name: str, step: int, value: float, phase: str = "train") -> None:
         spec = self._specs.get(name)
         if spec is None or step < self.config.warmup_steps or not math.isfinite(value):
@@ -240,34 +249,49 @@ class LeakDetector:
             steps = max(steps, 2.5 * max(track.resets))
         return min(steps, float(self.config.long_window_steps))
 
-    def _assess(self, xs: Sequence[float], ys: Sequence[float]) -> Verdict:
+    def _assess(self, xs: Sequence[float], ys: Sequence[float], min_slope: float, p_max: float | None = None,
+                ) -> Verdict:
         c = self.config
-        return assess(xs, ys, min_slope=c.min_bytes_per_step, p_max=c.p_max, min_points=c.min_points,
+        return assess(xs, ys, min_slope=min_slope, p_max=p_max or c.p_max, min_points=c.min_points,
                       max_pairs=c.max_pairs)
 
     def _evaluate_track(self, track: _Track, phase: str, step: int) -> TrackStatus | None:
         c = self.config
         spec = track.spec
+        min_slope = spec.min_bytes_per_step or c.min_bytes_per_step
         if not spec.alarm or len(track.floors) < c.min_points:
             return None
         if track.state is None and track.floors[-1][0] - track.floors[0][0] < 0.9 * c.window_steps - c.block:
             # Until the history covers one short window, a rise cannot be told from the first half
             # of a sawtooth (a metric list, an epoch cache) that is about to reset.
             return None
-        xs, ys = track.window(step, self._window_steps(track), c.min_points)
-        if track.state in (None, "cleared") and floor_growth(ys) < 0.4 * c.min_bytes_per_step * (xs[-1] - xs[0]):
+        # The window, and its newer half: a leak that began inside the window fails the ramp test on
+        # the whole window (its first half is flat) but passes on the half, so strong leaks are
+        # found in about half the window. Sawtooths are safe: once one reset was seen the window
+        # spans 2.5 periods, so the half still holds a reset.
+        steps = self._window_steps(track)
+        xs, ys = track.window(step, steps, c.min_points)
+        hx, hy = track.window(step, steps / 2, c.min_points)
+        has_half = len(hx) < len(xs)
+        if track.state in (None, "cleared"):
             # Cheap necessary condition of ``assess`` (slope >= min and floor growth >= 0.4 slope
             # span): flat series, the common case, skip the O(n²) tests.
-            return None
-        if track.state in (None, "cleared"):
+            if not any(floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0]) for x, y in ((xs, ys), (hx, hy))):
+                return None
             self.rising.add((spec.name, phase))
-        verdict = self._assess(xs, ys)
+        verdict = self._assess(xs, ys, min_slope)
+        if not verdict.passed and has_half:
+            # The half window must clear a 100x stricter p: fewer, more autocorrelated floors make
+            # slow wander look like a trend more often than in the whole window.
+            half_verdict = self._assess(hx, hy, min_slope, p_max=c.p_max / 100)
+            if half_verdict.passed:
+                verdict, xs, ys = half_verdict, hx, hy
         if verdict.passed and spec.explained_by and self._explained(spec, phase, xs[0], verdict):
             verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
         confirmed_long = False
         if verdict.passed and track.floors[0][0] <= step - 0.9 * c.long_window_steps:
             lx, ly = track.window(step, c.long_window_steps, c.min_points)
-            long_verdict = self._assess(lx, ly)
+            long_verdict = self._assess(lx, ly, min_slope)
             if long_verdict.passed:
                 confirmed_long = True
         previous = track.state

@@ -1,13 +1,13 @@
 """Tensor censuses at step ends, spaced so the agent stays inside its overhead budget.
 
-A census holds the GIL for tens to hundreds of milliseconds, so it cannot run every step. After
-each census the component sets the interval N (in steps) so that, on average,
-
-    census seconds / job seconds  <=  overhead_budget - (the agent's other training-thread share)
-
-that is ``N = ceil(cost / (share x seconds per step))``. Step time is measured between step ends
-with the census itself left out. ``census_every_steps > 0`` forces N instead. The first census runs
-at the first step end (it measures the cost).
+A census holds the GIL for tens to hundreds of milliseconds, so it cannot run every step. The next
+census is due once the job has run ``cost / share`` seconds since the last one, where ``cost`` is
+what the last census took and ``share = overhead_budget - (the agent's other training-thread
+share)`` (at least a quarter of the budget). In steps that is ``N = ceil(cost / (share x seconds
+per step))``, adapting as the heap (cost) or the step time changes; counting job time instead of
+steps keeps the budget even when step times vary. Job time is measured between step ends with the
+census itself left out. ``census_every_steps > 0`` forces N instead. The first census runs at the
+first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
 
 The component keeps a small history of earlier censuses (thinned so it spans the whole run, not just
 the last few intervals) for the leak detector and the OOM report: ``history()``, ``at_or_after(step)``
@@ -71,9 +71,10 @@ class CensusComponent:
         self._agent: Agent | None = None
         self._lock = threading.Lock()  # take_now() may come from another component or thread
         self._history: list[Census] = []
-        self._interval = 1
         self._steps_since = 0
         self._job_seconds_since = 0.0
+        self._seconds_per_step: float | None = None  # moving average of the job's step time
+        self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
         self._last_clock: float | None = None
         self._last_cost: float | None = None
 
@@ -92,19 +93,39 @@ class CensusComponent:
 
     @property
     def interval(self) -> int:
-        """Steps between censuses, as currently chosen."""
-        return self._every if self._every > 0 else self._interval
+        """Steps between censuses: forced, or what the budget allows at the current step time."""
+        if self._every > 0:
+            return self._every
+        if self._last_cost is None or not self._seconds_per_step:
+            return 1
+        steps = math.ceil(self._last_cost / (self._share() * self._seconds_per_step))
+        return max(1, min(MAX_INTERVAL, steps))
 
     def on_step(self, record: StepRecord) -> None:
         now = self._clock()
         if self._last_clock is not None:
-            self._job_seconds_since += max(0.0, now - self._last_clock)
+            step_seconds = max(0.0, now - self._last_clock)
+            self._job_seconds_since += step_seconds
+            average = self._seconds_per_step
+            self._seconds_per_step = step_seconds if average is None else 0.8 * average + 0.2 * step_seconds
         self._last_clock = now
         self._steps_since += 1
-        if self._steps_since < self.interval:
+        if not self._due():
             return
         self._take(record.step, record.allocator)
         self._last_clock = self._clock()  # the census is not part of the next step's job time
+
+    def _due(self) -> bool:
+        if self._steps_since < self._retry_after:
+            return False
+        if self._every > 0:
+            return self._steps_since >= self._every
+        if self._last_cost is None or self._steps_since >= MAX_INTERVAL:
+            return True  # the first census measures the cost
+        return self._job_seconds_since >= self._last_cost / self._share()
+
+    def _share(self) -> float:
+        return max(self._budget * _MIN_SHARE, self._budget - _other_share(self._agent))
 
     def take_now(self) -> Census:
         """Run a census now (outside the cadence), keep it in the history and publish it."""
@@ -122,17 +143,15 @@ class CensusComponent:
             try:
                 census = self._run(agent, step, allocator, previous)
             except Exception as exc:  # noqa: BLE001 - the job comes first: back off and carry on
-                cost = self._clock() - started
-                log.warning("gpumemd: census failed at step %s (%s: %s); next try in %d steps",
-                            step, type(exc).__name__, exc, self._interval * 2)
-                self._account(agent, cost)
-                self._interval = min(MAX_INTERVAL, self._interval * 2)
-                self._steps_since, self._job_seconds_since = 0, 0.0
+                self._account(agent, self._clock() - started)
+                self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
+                level = logging.WARNING if self._retry_after == 2 else logging.DEBUG  # said once
+                log.log(level, "gpumemd: census failed at step %s (%s: %s); next try in %d steps",
+                        step, type(exc).__name__, exc, self._retry_after)
                 return None
-            cost = self._clock() - started
             self._remember(census)
-            self._account(agent, cost)
-            self._interval = self._next_interval(cost, agent)
+            self._account(agent, self._clock() - started)
+            self._retry_after = 0
         if agent is not None:
             agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
         return census
@@ -149,17 +168,9 @@ class CensusComponent:
 
     def _account(self, agent: Agent | None, cost: float) -> None:
         self._last_cost = cost
+        self._steps_since, self._job_seconds_since = 0, 0.0
         if agent is not None:
             agent.add_census_seconds(cost)
-
-    def _next_interval(self, cost: float, agent: Agent | None) -> int:
-        steps, job_seconds = self._steps_since, self._job_seconds_since
-        self._steps_since, self._job_seconds_since = 0, 0.0
-        if steps == 0 or job_seconds <= 0:
-            return max(1, self._interval)  # no step time yet (first step): ask again next step
-        seconds_per_step = job_seconds / steps
-        share = max(self._budget * _MIN_SHARE, self._budget - _other_share(agent))
-        return max(1, min(MAX_INTERVAL, math.ceil(cost / (share * seconds_per_step))))
 
     # --- history -----------------------------------------------------------------------------
 

@@ -363,7 +363,7 @@ class LeakComponent:
                 return self._snapshot_fn()
             import torch
 
-            return torch.cuda.memory._snapshot()  # type: ignore[no-any-return]
+            return torch.cuda.memory._snapshot()
         except (RuntimeError, AttributeError) as exc:
             log.info("gpumemd: no CUDA snapshot for allocation sites (%s)", exc)
             return None

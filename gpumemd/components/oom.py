@@ -301,6 +301,7 @@ class OomComponent:
             host=state.host,
             allocator=state.allocator,
             nvml=state.nvml,
+            phases=state.phases,
         )
         device = oom_device(inputs)
         summary = capture.memory_summary if capture and capture.memory_summary else (

@@ -141,6 +141,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None) -
     _host(out, state)
     _steps(out, state)
     _census(out, state)
+    _phases(out, state)
     _findings(out, state.findings)
     _agent(out, state)
     return out.result()
@@ -196,6 +197,23 @@ def _census(out: _Families, state: AgentState) -> None:
     for category, count in census.count_by_category().items():
         out.add("gpumemd_census_tensors", count, category=category)
     out.add("gpumemd_census_duration_seconds", census.duration_s)
+    # Keys are "cuda:N" (the census's device names); the label is N, as on every allocator series.
+    for device, nbytes in sorted(census.invisible_bytes_by_device.items()):
+        out.add("gpumemd_census_invisible_bytes", nbytes, device=_device_label(device))
+
+
+def _device_label(device: str) -> str:
+    return device[len("cuda:"):] if device.startswith("cuda:") else device
+
+
+def _phases(out: _Families, state: AgentState) -> None:
+    phases = state.phases
+    if phases is None:
+        return
+    out.add("gpumemd_phase_step", phases.step)
+    # figures() leaves out what was not measured (allocator phases on CPU): absent, never 0.
+    for phase, nbytes in phases.figures().items():
+        out.add("gpumemd_phase_bytes", nbytes, phase=phase)
 
 
 def _findings(out: _Families, findings: Iterable[Finding]) -> None:

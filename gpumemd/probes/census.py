@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 import logging
 import sys
 import time
@@ -183,7 +184,8 @@ class _Pass:
         objects = gc.get_objects()
         self.objects_scanned = len(objects)
         try:
-            found = [o for o in objects if type(o) in kinds]
+            # The same as [o for o in objects if type(o) in kinds], iterated in C: about twice as fast.
+            found = list(itertools.compress(objects, map(kinds.__contains__, map(type, objects))))
         except TypeError:  # a metaclass that makes types unhashable: check one object at a time
             found = [o for o in objects if _kind_of(o, kinds) is not None]
         del objects
@@ -289,33 +291,30 @@ class _Pass:
 
     def _count_scanned(self, tensors: list[Any]) -> None:
         """The hot loop: every scanned tensor not claimed by name. Plain strided tensors inline."""
-        storages, records, roots, claimed = self.storages, self.records, self.roots, self.claimed
-        devices, plain, strided = self.devices, self.plain, self.strided
+        storages, records, roots, claimed, plain = self.storages, self.records, self.roots, self.claimed, self.plain
         leaves: list[Any] = []
         for t in tensors:
             if id(t) in claimed:
                 continue
+            if type(t) not in plain:
+                self._claim(t, "other", None)  # subclasses: wrappers, fakes, lazy parameters
+                continue
             try:
-                if type(t) not in plain or t.layout is not strided:
-                    self._claim(t, "other", None)
-                    continue
-                dev = t.device
-                info = devices.get(dev)
-                if info is None:
-                    info = self._device(dev)
-                if info[1]:
-                    continue  # meta: no memory
                 st = t.untyped_storage()
-                key = (dev, st.data_ptr())
+            except Exception:  # noqa: BLE001 - sparse layouts have no storage: count their components
+                self._claim(t, "other", None)
+                continue
+            try:
+                ptr = st.data_ptr()
+                if ptr == 0:
+                    continue  # empty, or meta (a size but no memory)
+                key = (t.device, ptr)
                 grad_fn = t.grad_fn
                 if grad_fn is None and t.requires_grad:
                     leaves.append(t)  # a raw leaf optimised by hand: its .grad is not gc-visible
                 record = storages.get(key)
                 if record is None:
-                    nbytes = st.nbytes()
-                    if key[1] == 0:
-                        continue  # empty, or fake (a size but no memory)
-                    record = _Storage(nbytes, "other" if grad_fn is None else "graph", None, t)
+                    record = _Storage(st.nbytes(), "other" if grad_fn is None else "graph", None, t)
                     storages[key] = record
                     records.append(record)
                 elif grad_fn is not None and record.category == "other":
@@ -380,6 +379,10 @@ class _Pass:
         for part in parts:
             out.extend(self._components(part, depth + 1))
         return out
+
+    def _dtype(self, dt: Any) -> str:
+        name = self.dtypes[dt] = str(dt).removeprefix("torch.")
+        return name
 
     def _device(self, dev: Any) -> tuple[str, bool]:
         info = (str(dev), dev.type == "meta")
@@ -482,8 +485,21 @@ class _Pass:
         that sample, the tensor keeping the graph alive (both for holder lookups)."""
         # Plain tuples as keys while aggregating: the dataclass __hash__/__eq__ run in Python.
         acc: dict[tuple[Any, ...], list[Any]] = {}
+        devices, dtypes = self.devices, self.dtypes
         for record in self.records:
-            key = record.gkey = self._group_key(record)
+            t = record.tensor
+            try:  # _group_key inlined: this runs once per storage
+                dev, dt = t.device, t.dtype
+                key = (
+                    (devices.get(dev) or self._device(dev))[0],
+                    dtypes.get(dt) or self._dtype(dt),
+                    t.shape,  # a torch.Size hashes and compares like the tuple it becomes below
+                    record.category,
+                    record.name,
+                )
+            except Exception:  # noqa: BLE001 - nested tensors have no sizes()
+                key = self._group_key(record)
+            record.gkey = key
             size = record.nbytes + record.graph_bytes
             counts = acc.get(key)
             if counts is None:
@@ -498,7 +514,7 @@ class _Pass:
         samples: dict[GroupKey, Any] = {}
         owners: dict[GroupKey, Any] = {}
         for key, c in acc.items():
-            group_key = GroupKey(*key)
+            group_key = GroupKey(key[0], key[1], tuple(key[2]), key[3], key[4])
             groups.append(CensusGroup(group_key, c[0], c[1], c[2]))
             samples[group_key] = c[3].tensor
             if c[3].kept_by is not None:
@@ -516,7 +532,7 @@ class _Pass:
             dev = t.device
             device = (self.devices.get(dev) or self._device(dev))[0]
             dt = t.dtype
-            dtype = self.dtypes.get(dt) or self.dtypes.setdefault(dt, str(dt).removeprefix("torch."))
+            dtype = self.dtypes.get(dt) or self._dtype(dt)
             shape = tuple(t.shape)
         except Exception:  # noqa: BLE001 - nested tensors have no sizes(); keep what was read
             pass
@@ -530,7 +546,7 @@ class _Pass:
             out.append(
                 TensorEntry(
                     nbytes=record.nbytes,
-                    shape=shape,
+                    shape=tuple(shape),
                     dtype=dtype,
                     device=device,
                     category=category,

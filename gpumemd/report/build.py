@@ -17,6 +17,7 @@ from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, ObserverCall, OomMessage, SnapshotSummary
+from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import Identity, StepRecord
 
@@ -26,6 +27,20 @@ TOP_TENSORS = 500  # in report.json; the Markdown and HTML show the first TOP_TE
 TOP_TENSORS_SHOWN = 25
 TOP_GROUPS = 100
 TIMELINE_STEPS = 500
+# PhaseBreakdown.figures() names -> what the report calls them (in figures() order).
+PHASE_LABELS: dict[str, str] = {
+    "forward_start": "forward start",
+    "forward_peak": "forward peak",
+    "after_backward": "after backward",
+    "after_step": "after optimizer step",
+    "optimizer_step_peak": "optimizer step peak",
+    "saved_for_backward": "saved for backward (activations)",
+    "parameters": "parameters + buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "forward_transient": "forward rise above its start",
+    "optimizer_step_transient": "optimizer step temporaries",
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,7 @@ class ReportInputs:
     nvml: Sequence[NvmlDeviceSample] = ()
     environment: Mapping[str, Any] = field(default_factory=dict)
     memory_summary: str | None = None
+    phases: PhaseBreakdown | None = None  # the last sampled step's phases (attach(phases=True))
 
 
 def oom_device(inputs: ReportInputs) -> int | None:
@@ -129,6 +145,20 @@ def _tensors(census: Census | None, note: str | None) -> dict[str, Any] | None:
     }
 
 
+def _phases(phases: PhaseBreakdown | None) -> dict[str, Any] | None:
+    """The last phase breakdown; figures it could not measure (allocator phases on CPU) are left out."""
+    if phases is None:
+        return None
+    return {
+        "step": phases.step,
+        "device": phases.device,
+        "saved_tensors": phases.saved_tensors,
+        "overhead_s": phases.overhead_s,
+        "figures": [{"name": name, "label": PHASE_LABELS.get(name, name), "nbytes": nbytes}
+                    for name, nbytes in phases.figures().items()],
+    }
+
+
 def build_report(inputs: ReportInputs) -> dict[str, Any]:
     """The report as a JSON-ready dict (finite floats, lists, str keys)."""
     breakdown = compute_breakdown(inputs)
@@ -153,6 +183,7 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "peak_bytes": _peak(timeline, breakdown, device is None),
         "suggestions": [dataclasses.asdict(s) for s in suggestions],
         "tensors": _tensors(inputs.census, inputs.census_note),
+        "phases": _phases(inputs.phases),  # optional (None without attach(phases=True)); added in schema 1
         "timeline": timeline,
         "findings": [dataclasses.asdict(f) for f in inputs.findings],
         "snapshot": {

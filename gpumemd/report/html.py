@@ -10,7 +10,7 @@ from typing import Any
 
 from gpumemd.report.build import TOP_TENSORS_SHOWN
 from gpumemd.report.fmt import fmt_bytes, fmt_shape, fmt_time
-from gpumemd.report.markdown import headline
+from gpumemd.report.markdown import headline, phases_note
 from gpumemd.report.svg import breakdown_bar, legend, timeline_chart
 
 _STYLE = """
@@ -66,6 +66,12 @@ def render_html(report: dict[str, Any]) -> str:
             for s in suggestions) + "</ol>")
     else:
         parts.append("<p>No suggestion: the measurements point at no single cause.</p>")
+    phases = report.get("phases")
+    if isinstance(phases, dict):  # only with attach(phases=True)
+        parts.append("<h2>Step phases</h2>")
+        parts.append(f"<p>{_e(phases_note(phases))}</p>")
+        parts.append(_table(["phase", "bytes"], [[(f.get("label"), False), (fmt_bytes(f.get("nbytes")), True)]
+                                                 for f in phases.get("figures", [])]))
     timeline = report.get("timeline") or []
     parts.append("<h2>Timeline</h2>")
     chart = timeline_chart(timeline, [("allocated_bytes", "allocated"), ("allocated_peak_bytes", "peak"),

@@ -29,6 +29,20 @@ def headline(report: dict[str, Any]) -> str:
             f"verdict: {b.get('verdict', 'unknown')}")
 
 
+def phases_note(phases: dict[str, Any]) -> str:
+    """Which step the phase figures come from (shared with the HTML)."""
+    return (f"Measured on step {phases.get('step')} on {phases.get('device')} (the last sampled step); "
+            f"{phases.get('saved_tensors')} tensors saved for backward. Phases this device cannot measure "
+            "are left out.")
+
+
+def _phases(phases: Any) -> list[str]:
+    if not isinstance(phases, dict):
+        return []  # not measured (attach(phases=True) turns it on)
+    rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in phases.get("figures", [])]
+    return ["", "## Step phases", "", phases_note(phases), "", *_table(["phase", "bytes"], rows)]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
     total = b.get("total_bytes") or 0
@@ -50,6 +64,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += [f"{n}. **{s['title']}** — saves about {fmt_bytes(s['saving_bytes'])}. {s['why']}"]
         if s.get("how"):
             out += [f"   `{s['how']}`"]
+    out += _phases(report.get("phases"))
     out += ["", "## Largest tensors", ""]
     tensors = report.get("tensors") or {}
     if tensors.get("available"):

@@ -47,7 +47,7 @@ def _steps(n: int) -> Iterator[int]:
         yield step
 
 
-def _model(width: int = 128) -> torch.nn.Module:
+def _model(width: int = 128) -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
 
 

@@ -13,6 +13,7 @@ from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
 from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.findings import Finding
+from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 
@@ -44,6 +45,16 @@ def cuda_sample(device: int, allocated: int = 2 * GiB, reserved: int = 3 * GiB, 
     return sample
 
 
+def cuda_phases(step: int = 39) -> PhaseBreakdown:
+    """A sampled CUDA step: every figure measured."""
+    return PhaseBreakdown(
+        step=step, device="cuda:0", forward_start_bytes=2 * GiB, forward_peak_bytes=5 * GiB,
+        after_backward_bytes=3 * GiB, after_step_bytes=2 * GiB + 1024, saved_for_backward_bytes=2 * GiB - 4096,
+        saved_tensors=120, optimizer_step_peak_bytes=3 * GiB + 512, parameter_bytes=GiB,
+        gradient_bytes=GiB, optimizer_state_bytes=2 * GiB,
+    )
+
+
 def full_state(n_devices: int = 2) -> AgentState:
     allocator = tuple(cuda_sample(d, retries=d) for d in range(n_devices))
     census = Census(
@@ -52,6 +63,7 @@ def full_state(n_devices: int = 2) -> AgentState:
             CensusGroup(GroupKey("cuda:0", "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * 1024**2),
             CensusGroup(GroupKey("cuda:0", "float32", (), "graph", None), 30, 120, graph_bytes=8 * 1024**2),
         ),
+        invisible_bytes_by_device={f"cuda:{d}": (d + 1) * 1024**2 for d in range(n_devices)},
     )
     finding = Finding(
         kind="tensor_leak", series="allocated_bytes{device=0}", state="confirmed",
@@ -67,6 +79,7 @@ def full_state(n_devices: int = 2) -> AgentState:
         nvml=tuple(NvmlDeviceSample(d, 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
         census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
+        phases=cuda_phases(),
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
                           sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
         probe_errors={"allocator": 0, "nvml": 2, "host": 0},
@@ -100,7 +113,8 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state())
-    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "version", "world_size", "hostname", "launcher"}
+    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "phase", "version", "world_size", "hostname",
+               "launcher"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
         assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name
@@ -140,7 +154,7 @@ def test_absent_probes_give_absent_metrics_not_zeros() -> None:
     _, samples = scrape(state)
 
     for prefix in ("gpumemd_allocator_", "gpumemd_device_", "gpumemd_host_", "gpumemd_census_",
-                   "gpumemd_leak_", "gpumemd_step_"):
+                   "gpumemd_leak_", "gpumemd_step_", "gpumemd_phase_"):
         assert not [name for name in samples if name.startswith(prefix)], prefix
     assert "gpumemd_step" not in samples  # no step yet
     # What is a real count is there from attach, at 0, so increase() sees the first event.
@@ -206,6 +220,52 @@ def test_census_bytes_and_counts_per_category() -> None:
     assert value(samples, "gpumemd_census_tensors", category="graph") == 30
     assert value(samples, "gpumemd_census_tensors", category="gradient") == 0
     assert value(samples, "gpumemd_censuses_total") == 2
+
+
+def test_census_invisible_bytes_per_device_index() -> None:
+    _, samples = scrape(full_state(n_devices=3))
+
+    assert {s.labels["device"] for s in samples["gpumemd_census_invisible_bytes"]} == {"0", "1", "2"}
+    assert value(samples, "gpumemd_census_invisible_bytes", device="2") == 3 * 1024**2
+
+
+def test_a_cpu_census_has_no_invisible_bytes_series() -> None:
+    census = Census(step=3, taken_at=1.0, duration_s=0.01,
+                    groups=(CensusGroup(GroupKey("cpu", "float32", (8,), "parameter", "w"), 1, 32),))
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, census=census)
+
+    _, samples = scrape(state)
+
+    assert value(samples, "gpumemd_census_bytes", category="parameter") == 32
+    assert "gpumemd_census_invisible_bytes" not in samples
+
+
+def test_phase_bytes_one_series_per_measured_phase() -> None:
+    _, samples = scrape(full_state())
+
+    phases = {s.labels["phase"]: s.value for s in samples["gpumemd_phase_bytes"]}
+    assert phases == {
+        "forward_start": 2 * GiB, "forward_peak": 5 * GiB, "after_backward": 3 * GiB, "after_step": 2 * GiB + 1024,
+        "optimizer_step_peak": 3 * GiB + 512, "saved_for_backward": 2 * GiB - 4096, "parameters": GiB,
+        "gradients": GiB, "optimizer_state": 2 * GiB, "forward_transient": 3 * GiB,
+        "optimizer_step_transient": 512,
+    }
+    assert value(samples, "gpumemd_phase_step") == 39
+
+
+def test_cpu_phases_leave_allocator_phases_absent_not_zero() -> None:
+    # On CPU the component measures saved-for-backward and the exact tensor terms, nothing else;
+    # a zero saved_for_backward is a measurement (no graph), so it is exported.
+    cpu = PhaseBreakdown(step=9, device="cpu", forward_start_bytes=None, forward_peak_bytes=None,
+                         after_backward_bytes=None, after_step_bytes=None, saved_for_backward_bytes=0,
+                         parameter_bytes=4096, gradient_bytes=4096, optimizer_state_bytes=None)
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, phases=cpu)
+
+    _, samples = scrape(state)
+
+    phases = {s.labels["phase"]: s.value for s in samples["gpumemd_phase_bytes"]}
+    assert phases == {"saved_for_backward": 0, "parameters": 4096, "gradients": 4096}
+    assert value(samples, "gpumemd_phase_step") == 9
 
 
 def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_oom: float | None = None) -> Finding:

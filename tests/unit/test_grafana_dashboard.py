@@ -95,7 +95,7 @@ def test_dashboard_is_not_editable_in_the_ui() -> None:  # template-uneditable-r
 
 def test_rows_cover_the_story() -> None:
     assert [r["title"] for r in ROWS] == ["Overview", "Allocator", "Fragmentation", "Census by category",
-                                         "Host", "Agent"]
+                                         "Step phases", "Host", "Agent"]
 
 
 def test_every_panel_titled_described_and_on_the_datasource_variable() -> None:

@@ -72,13 +72,14 @@ class FakeDevice:
 
     def snapshot(self) -> dict[str, Any]:
         frames = [
-            {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+            {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125,
+             "name": "forward"},
             {"filename": "/job/train.py", "line": 57, "name": "main"},
         ]
         params = {"address": 0, "size": 4 * GIB, "requested_size": 4 * GIB, "state": "active_allocated", "frames": []}
         leaked = [{"address": 0, "size": self.leak, "requested_size": self.leak, "state": "active_allocated",
                    "frames": frames} for _ in range(self.leaked_blocks())]
-        blocks = [params, *leaked]
+        blocks: list[dict[str, Any]] = [params, *leaked]
         total = sum(b["size"] for b in blocks)
         return {"segments": [{"device": 0, "address": 1 << 40, "total_size": total, "allocated_size": total,
                               "active_size": total, "requested_size": total, "stream": 0, "segment_type": "large",
@@ -120,8 +121,8 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
     # headroom = NVML free + allocator cache beyond the step's peak; OOM when the leak has eaten it
     state = agent.state()
     sample = state.allocator[0]
-    headroom = state.nvml[0].free_bytes + max(0, sample.reserved_bytes - sample.allocated_peak_bytes)
-    assert f.steps_to_oom == pytest.approx(headroom / f.slope_bytes_per_step)
+    headroom = state.nvml[0].free_bytes + max(0, (sample.reserved_bytes or 0) - (sample.allocated_peak_bytes or 0))
+    assert f.steps_to_oom == pytest.approx(headroom / f.slope_bytes_per_step, rel=0.01)  # read 9 steps earlier
     assert f.sites and f.sites[0].startswith("train.py:57 in main (+")
     assert "allocated at train.py:57 in main" in f.summary
     # the findings file carries the rank in its name and one line per state change

@@ -26,7 +26,9 @@ BASE = 10 * 1024 * MIB
 CONFIG = DetectorConfig(min_bytes_per_step=64 * KIB)  # short window 500 steps, checks every 50
 
 
-def run(y: np.ndarray, config: DetectorConfig = CONFIG, phases: list[str] | None = None) -> list[tuple[int, str]]:
+def run(
+    y: np.ndarray, config: DetectorConfig = CONFIG, phases: list[str] | None = None
+) -> list[tuple[int, str | None]]:
     """Feed one series; return the (step, state) changes."""
     detector = LeakDetector(config)
     detector.add_series(SeriesSpec("allocated_bytes{device=0}", "tensor_leak", device=0))
