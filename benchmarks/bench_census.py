@@ -6,9 +6,10 @@ The floor is what any live-tensor scan pays at least, measured in the same proce
 ``[o for o in gc.get_objects() if isinstance(o, torch.Tensor)]``. The census is
 ``take_census(models=[model], optimizers=opts, holders=0)`` over the same heap: a small MLP with
 gradients, 10k loose CPU tensors (a fifth of them views, to exercise storage dedup) and, from the
-second size on, Adam state (creating the first optimizer imports torch._dynamo, ~0.12M objects, so
-the 0.2M heap is measured before it exists). The holder chain is ``who_holds`` on a tensor in a
-list that a function's local holds, and on a tensor in a list that an object attribute holds.
+second size on, Adam state (creating the first optimizer imports torch._dynamo, which alone takes
+the heap past 0.2M objects, so the 0.2M heap is measured before it exists). The holder chain is
+``who_holds`` on a tensor in a list that a function's local holds, and on a tensor in a list that
+an object attribute holds.
 Medians of ``--repeat`` runs (floor and census alternate, so load changes hit both alike); prints
 a markdown table.
 """
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     model(torch.randn(4, 64)).sum().backward()
-    # Creating the first optimizer imports torch._dynamo (~0.12M objects): the smallest heap is
+    # Creating the first optimizer imports torch._dynamo (a large import): the smallest heap is
     # measured before that, without optimizer state; the optimizer is made before the next size.
     opts: list[Any] = []
     bases = [torch.randn(16) for _ in range(args.tensors * 4 // 5)]

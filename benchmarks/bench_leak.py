@@ -1,6 +1,6 @@
 """Leak detection: latency, false findings and cost (the figures in the README come from here).
 
-    /work/venv/bin/python benchmarks/bench_leak.py            # everything (~2-3 minutes on 2 cores)
+    /work/venv/bin/python benchmarks/bench_leak.py            # everything (~3 minutes on 2 cores)
     /work/venv/bin/python benchmarks/bench_leak.py --quick    # fewer seeds for the statistical tables
 
 1. Scenario suite: the real CPU training loops of tests/integration/leak_scenarios.py, under a fresh
@@ -33,7 +33,7 @@ KIB, MIB = 1024, 1024 * 1024
 BASE = 10 * 1024 * MIB
 
 
-def scenario_table() -> None:
+def scenario_table(repeats: int) -> None:
     import leak_scenarios as ls
 
     logging.getLogger("gpumemd").setLevel(logging.ERROR)
@@ -53,12 +53,15 @@ def scenario_table() -> None:
     false = 0
     costs = []
     for s in ls.HEALTHY:
-        out = ls.run_scenario(s, tempfile.mkdtemp(prefix="bench-leak-"))
-        false += len(out.events)
-        costs.append(out.leak_step_s / max(out.steps, 1) * 1e6)
-        print(f"| {s.name} | healthy | {','.join(sorted({e['kind'] for e in out.events})) or 'nothing'} | - | - | - | "
-              f"{costs[-1]:.0f} |")
-    print(f"\nFalse findings over all {len(ls.HEALTHY)} healthy jobs: **{false}**. "
+        kinds: set[str] = set()
+        for _ in range(repeats):
+            out = ls.run_scenario(s, tempfile.mkdtemp(prefix="bench-leak-"))
+            false += len(out.events)
+            kinds.update(e["kind"] for e in out.events)
+            costs.append(out.leak_step_s / max(out.steps, 1) * 1e6)
+        print(f"| {s.name} (x{repeats}) | healthy | {','.join(sorted(kinds)) or 'nothing'} | - | - | - | "
+              f"{statistics.median(costs[-repeats:]):.0f} |")
+    print(f"\nFalse findings (state changes) over {len(ls.HEALTHY)} healthy jobs x {repeats} runs: **{false}**. "
           f"Leak component on healthy jobs: median {statistics.median(costs):.0f} µs/step "
           f"(feeding + evaluations every {ls.SETTINGS['leak_check_every_steps']} steps, "
           f"including heap scans for culprit evidence when host RSS rises).\n")
@@ -177,10 +180,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds for the generated-series tables")
     parser.add_argument("--skip-scenarios", action="store_true", help="only the generated-series tables")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each healthy job (default 3)")
     args = parser.parse_args()
     seeds = 5 if args.quick else 20
     if not args.skip_scenarios:
-        scenario_table()
+        scenario_table(args.repeats)
     generated_table(seeds)
     latency_table(max(3, seeds // 4))
     cost_table()

@@ -79,6 +79,10 @@ class Config:
     leak_warmup_steps: int = 50
     """Steps ignored by the leak detector at the start (optimizer state, compile, first eval)."""
 
+    leak_host_min_bytes_per_step: int = 512 * 1024
+    """Effect size for host RSS: RSS grows in malloc-arena and page-sized bursts and drifts while heaps
+    warm up (variable shapes), so it needs a larger threshold than the allocator's exact counters."""
+
     leak_window_steps: int = 500
     """The leak detector's short window in steps (the long one is 5x); widened automatically to 2.5x
     the period of accumulations it has seen reset (metric lists, epoch caches)."""
@@ -156,6 +160,12 @@ class Config:
             "a number of bytes per step >= 1",
         )
         _require(self.leak_warmup_steps >= 0, "leak_warmup_steps", self.leak_warmup_steps, "an integer >= 0")
+        _require(
+            self.leak_host_min_bytes_per_step >= 1,
+            "leak_host_min_bytes_per_step",
+            self.leak_host_min_bytes_per_step,
+            "a number of bytes per step >= 1",
+        )
         _require(self.leak_window_steps >= 20, "leak_window_steps", self.leak_window_steps, "an integer >= 20")
         _require(
             self.leak_check_every_steps >= 1, "leak_check_every_steps", self.leak_check_every_steps, "an integer >= 1"

@@ -7,7 +7,7 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
 2. Phases: each (series, phase) pair is its own track, so eval steps are compared with eval steps
    and never make the training baseline look like it grows.
 3. Block floors: the minimum of every ``block`` samples (dense series); sparse series such as the
-   census give one point per census.
+   census give one point per census (the minimum of it and the previous census).
 4. Every ``check_every_steps`` the short window (``window_steps``, widened to 2.5 reset periods
    once the track has shown sawtooth resets) and, when the history covers it, the long window
    (``long_window_factor`` x) are assessed: Mann-Kendall p, Theil-Sen lower bound >= the effect
@@ -109,7 +109,7 @@ class TrackStatus:
 class _Track:
     __slots__ = (
         "block_min", "block_n", "block_xsum", "consecutive_fail", "consecutive_pass", "first_step",
-        "floors", "peak", "resets", "spec", "state", "trough", "trough_x",
+        "floors", "peak", "previous", "resets", "spec", "state", "trough", "trough_x",
     )
 
     def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
@@ -118,6 +118,7 @@ class _Track:
         self.block_min = math.inf
         self.block_n = 0
         self.block_xsum = 0.0
+        self.previous = math.inf  # sparse series: the previous observation
         self.state: str | None = None
         self.first_step: int | None = None
         self.consecutive_pass = 0
@@ -204,6 +205,11 @@ class LeakDetector:
         if track is None:
             return
         block = 1 if spec.sparse else self.config.block
+        if spec.sparse:
+            # One point per census, and a census sees whatever the step left alive (this batch's
+            # output, its graph): the minimum with the previous census removes such one-off highs
+            # while a leak, present in both, only lags by one census.
+            value, track.previous = min(value, track.previous), value
         track.block_min = min(track.block_min, value)
         track.block_n += 1
         track.block_xsum += step
@@ -281,9 +287,9 @@ class LeakDetector:
             self.rising.add((spec.name, phase))
         verdict = self._assess(xs, ys, min_slope)
         if not verdict.passed and has_half:
-            # The half window must clear a 100x stricter p: fewer, more autocorrelated floors make
+            # The half window must clear a 1000x stricter p: fewer, more autocorrelated floors make
             # slow wander look like a trend more often than in the whole window.
-            half_verdict = self._assess(hx, hy, min_slope, p_max=c.p_max / 100)
+            half_verdict = self._assess(hx, hy, min_slope, p_max=c.p_max / 1000)
             if half_verdict.passed:
                 verdict, xs, ys = half_verdict, hx, hy
         if verdict.passed and spec.explained_by and self._explained(spec, phase, xs[0], verdict):

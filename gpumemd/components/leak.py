@@ -70,11 +70,13 @@ class LeakComponent:
         self._known: set[str] = set()
         self._findings: dict[tuple[str, str], Finding] = {}
         self._culprits: dict[tuple[str, str], _Evidence] = {}
+        self._attempts: dict[tuple[str, str], int] = {}  # step of the last culprit search per finding
         self._last_census: Census | None = None
         self._host_baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
         self._sites_before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}
         self._history_enabled_by_us = False
         self._path = ""
+        self._host_spec = SeriesSpec("host_rss_bytes", "host_leak")
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -88,6 +90,8 @@ class LeakComponent:
             window_steps=c.leak_window_steps,
             check_every_steps=c.leak_check_every_steps,
         ))
+        self._host_spec = SeriesSpec("host_rss_bytes", "host_leak", explained_by=("census_bytes{device=cpu}",),
+                                     min_bytes_per_step=c.leak_host_min_bytes_per_step)
         rank = agent.state().identity.rank
         self._path = os.path.join(agent.output_dir, f"leak-findings-rank{rank}.jsonl")
 
@@ -150,7 +154,7 @@ class LeakComponent:
                 self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
                               used - a.reserved_bytes, phase)
         if record.host is not None:
-            self._observe(_HOST_SPEC, step, record.host.rss_bytes, phase)
+            self._observe(self._host_spec, step, record.host.rss_bytes, phase)
         assert self._agent is not None
         census = self._agent.state().census
         if census is not None and census is not self._last_census:
@@ -175,13 +179,14 @@ class LeakComponent:
     def _evaluate(self, step: int) -> None:
         assert self._detector is not None and self._agent is not None
         statuses = self._detector.evaluate(step)
-        if any(name == _HOST_SPEC.name for name, _ in self._detector.rising):
+        if any(name == self._host_spec.name for name, _ in self._detector.rising):
             self._host_look(step)
         if not statuses:
             return
         for status in statuses:
             key = (status.spec.name, status.phase)
-            if status.state in ("suspected", "confirmed") and (status.changed or not self._has_culprits(key)):
+            if status.state in ("suspected", "confirmed") and (status.changed or self._retry_culprits(key, step)):
+                self._attempts[key] = step
                 self._culprits[key] = self._find_culprits(status)
             evidence = self._culprits.get(key, _NO_EVIDENCE)
             culprits = evidence.culprits
@@ -196,9 +201,15 @@ class LeakComponent:
                 self._culprits.pop(key, None)
         self._agent.publish(findings=tuple(self._findings.values()))
 
-    def _has_culprits(self, key: tuple[str, str]) -> bool:
+    def _retry_culprits(self, key: tuple[str, str], step: int) -> bool:
+        """No culprit yet: look again, but at most once per window (each look scans the heap or takes
+        a census, which must not happen every check of a finding that lasts for days)."""
         entry = self._culprits.get(key)
-        return bool(entry and entry.culprits)
+        if entry is not None and entry.culprits:
+            return False
+        assert self._agent is not None
+        last = self._attempts.get(key)
+        return last is None or step - last >= self._agent.config.leak_window_steps // 2
 
     def _kind(self, status: TrackStatus, evidence: _Evidence) -> str:
         previous = self._findings.get((status.spec.name, status.phase))
@@ -298,7 +309,7 @@ class LeakComponent:
         since, lengths, graph_nodes = baseline
         steps = float(status.step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
-        grown = growing_containers(lengths)
+        grown = growing_containers(lengths, ignore=self._detector.buffer_ids() if self._detector else set())
         contained = sum(g.approx_bytes for g in grown)
         graph = growing_graph(graph_nodes, min_added=max(1, int(steps) // 2))
         if graph is not None and contained < 0.5 * growth:
@@ -393,7 +404,6 @@ class _Evidence:
 
 
 _NO_EVIDENCE = _Evidence()
-_HOST_SPEC = SeriesSpec("host_rss_bytes", "host_leak", explained_by=("census_bytes{device=cpu}",))
 _SPECS: dict[tuple[str, bool, bool], SeriesSpec] = {}
 
 

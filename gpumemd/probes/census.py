@@ -95,16 +95,17 @@ def take_census(
 
     ``agent`` contributes its registered/seen models and optimizers, its step number, its last
     allocator reading (for invisible bytes) and its last census (``previous``, for holders);
-    ``models``/``optimizers`` add more. ``holders`` is how
-    many groups get a ``who_holds`` line: the largest growing anonymous groups since ``previous``,
-    or the largest anonymous groups when there is no ``previous``.
+    ``models``/``optimizers`` add more. ``holders`` is how many groups get a ``who_holds`` line:
+    the anonymous groups that grew most since ``previous``, or the largest anonymous groups when
+    there is no ``previous``; all lookups together stop after ``HOLDERS_TIME_BUDGET_S``.
     """
     start = clock()
     models = list(models)
     optimizers = list(optimizers)
     if agent is not None:
-        models.extend(m for m in list(agent.models) if m not in models)
-        optimizers.extend(o for o in list(agent.optimizers) if o not in optimizers)
+        # identity, not ==: a model may define __eq__ (and a tensor-valued one cannot be a bool)
+        models.extend(m for m in list(agent.models) if not any(m is x for x in models))
+        optimizers.extend(o for o in list(agent.optimizers) if not any(o is x for x in optimizers))
         try:
             state = agent.state()
         except RuntimeError:  # an agent that was never started has no state yet
@@ -172,8 +173,7 @@ class _Pass:
     def run(self, models: list[Any], optimizers: list[Any], *, graph: bool) -> None:
         tensors, parameters, modules, found_optimizers = self._scan()
         optimizers = optimizers + [o for o in found_optimizers if not any(o is p for p in optimizers)]
-        names = self._claim_named(models, modules, optimizers, parameters)
-        del names
+        self._claim_named(models, modules, optimizers, parameters)
         self._count_scanned(tensors)
         tensors.clear()
         if graph and self.roots:
@@ -201,7 +201,7 @@ class _Pass:
 
     def _claim_named(
         self, models: list[Any], modules: list[Any], optimizers: list[Any], loose_parameters: list[Any]
-    ) -> dict[int, str]:
+    ) -> None:
         """Parameters, gradients, optimizer state and buffers, claimed (and named) before the scan."""
         named_models: list[tuple[str, Any]] = [("", m) for m in models]
         named_models.extend(_root_modules(modules, models))
@@ -243,7 +243,6 @@ class _Pass:
             self._claim_optimizer_state(opt, param_names)
         for b, name in buffers:
             self._claim(b, "buffer", name)
-        return param_names
 
     def _claim_optimizer_state(self, opt: Any, param_names: dict[int, str]) -> None:
         cls = type(opt).__name__

@@ -59,12 +59,15 @@ def _newest_item(obj: Any) -> Any:
     return next(iter(obj), None) if obj else None
 
 
-def growing_containers(before: dict[int, int], *, limit: int = 3, min_added: int = 4) -> list[ContainerGrowth]:
+def growing_containers(
+    before: dict[int, int], *, limit: int = 3, min_added: int = 4, ignore: set[int] | frozenset[int] = frozenset(),
+) -> list[ContainerGrowth]:
     """Containers from ``before`` that gained at least ``min_added`` items, most bytes first; the
-    first one gets a ``who_holds`` line naming the variable or attribute that keeps it."""
+    first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
+    ids of containers that are the caller's own bounded buffers."""
     found: list[tuple[int, Any, int, Any]] = []
     for obj in gc.get_objects():
-        if type(obj) not in _CONTAINERS:
+        if type(obj) not in _CONTAINERS or id(obj) in ignore:
             continue
         was = before.get(id(obj))
         if was is None:

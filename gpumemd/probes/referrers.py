@@ -79,8 +79,8 @@ class _Climb:
                 following: list[Any] = []
                 for ref in referrers:
                     rid = id(ref)
-                    if rid in self.own or rid in self.nodes or isinstance(ref, types.FrameType):
-                        continue  # running frames are read directly; finished ones are not holders
+                    if rid in self.own or rid in self.nodes:
+                        continue
                     child = _held_child(ref, frontier_ids)
                     if child is None:
                         continue
@@ -127,6 +127,20 @@ class _Climb:
 
     def _classify(self, ref: Any, child: Any) -> tuple[str, str, bool] | None:
         """("local"|"global"|"attribute"|"other", terminal text) or ("step", container text)."""
+        if isinstance(ref, types.FrameType):
+            # Running frames are no gc referrers of their locals (they are read directly): this is a
+            # finished frame that a traceback (a stored exception) still keeps, with all its locals.
+            if _is_ours(ref):
+                return None
+            f_locals = ref.f_locals
+            name = next((k for k, v in list(f_locals.items()) if v is child), None)
+            # frame.clear() (traceback.clear_frames) does not clear that snapshot: drop it now
+            _drop_locals_snapshot(ref, f_locals)
+            del f_locals
+            if name is None:
+                return None
+            where = f"{_short_path(ref.f_code.co_filename)}:{ref.f_lineno}"
+            return "local", f"`{name}` in {ref.f_code.co_name}() at {where} (a finished frame a traceback keeps)", False
         if isinstance(ref, dict):
             key = _key_for(ref, child)
             module = self.module_dicts.get(id(ref))
@@ -181,15 +195,24 @@ class _Climb:
 def _live_frames() -> list[tuple[types.FrameType, dict[str, Any]]]:
     """Every running frame of every thread with its locals, gpumemd's own frames left out."""
     out: list[tuple[types.FrameType, dict[str, Any]]] = []
-    for top in list(sys._current_frames().values()):
-        frame: types.FrameType | None = top
+    # This frame is among the tops: a local still referring to it when it returns would make a
+    # cycle that keeps the caller frames (and their locals, the target included) alive until the
+    # next gc. Both locals are empty at the end.
+    tops: list[types.FrameType] = list(sys._current_frames().values())
+    frame: types.FrameType | None = None
+    while tops:
+        frame = tops.pop()
         while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if not (isinstance(name, str) and name.startswith("gpumemd")):
+            if not _is_ours(frame):
                 with contextlib.suppress(Exception):  # a frame torn down under us
                     out.append((frame, frame.f_locals))
             frame = frame.f_back
     return out
+
+
+def _is_ours(frame: types.FrameType) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return isinstance(name, str) and name.startswith("gpumemd")
 
 
 def _drop_locals_snapshot(frame: types.FrameType, f_locals: dict[str, Any]) -> None:

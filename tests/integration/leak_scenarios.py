@@ -32,6 +32,7 @@ SETTINGS: dict[str, Any] = {
     "leak_window_steps": 100,
     "leak_check_every_steps": 10,
     "leak_min_bytes_per_step": 4096,
+    "leak_host_min_bytes_per_step": 64 * 1024,
 }
 SUSPECT_WITHIN = 150  # steps from onset to "suspected" (stated in the README)
 CONFIRM_WITHIN = 200  # steps from onset to "confirmed"

@@ -120,7 +120,41 @@ def test_two_rank_ddp_job_under_torchrun(tmp_path: Path) -> None:
     assert any("leaky_cache" in " ".join(filter(None, holders)) for *_, holders in ranks[1]["findings"]), \
         ranks[1]["findings"]
 
+    findings_files = sorted(p.name for p in out.glob("leak-findings-rank*.jsonl"))
+    assert findings_files == ["leak-findings-rank1.jsonl"], findings_files
+
     # Rank 0's allocation failure left rank 0's report, and only rank 0's.
     reports = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("oom-"))
     assert len(reports) == 1 and reports[0].startswith("oom-rank0-"), (reports, log)
     assert "can't allocate memory" in proc.stderr  # the traceback still reached the user
+
+
+@pytest.mark.slow
+def test_torchrun_no_python_runs_the_gpumemd_command(tmp_path: Path) -> None:
+    """`torchrun --no-python gpumemd run train.py`: torchrun execs the console script as given."""
+    gpumemd_cmd = Path(sys.executable).parent / "gpumemd"  # installed with the package (pip install -e .)
+    assert gpumemd_cmd.exists(), f"{gpumemd_cmd} missing: install the package so its console script exists"
+    worker = tmp_path / "train.py"
+    worker.write_text(textwrap.dedent(
+        """
+        import json, os, sys
+        import gpumemd
+        agent = gpumemd.current()
+        ident = agent.state().identity
+        with open(sys.argv[1], "w") as f:
+            json.dump({"argv": sys.argv[2:], "rank": [ident.rank, ident.world_size, ident.source],
+                       "history_steps": agent.config.history_steps}, f)
+        """
+    ))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMEMD_", "RANK", "LOCAL_RANK"))}
+    seen_path = tmp_path / "seen.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         "--monitor-interval", "0.1", "--no-python", str(gpumemd_cmd), "run", "--history-steps", "9",
+         "--sample-interval-s", "0", "--output-dir", str(tmp_path / "out"),
+         str(worker), str(seen_path), "--lr", "3e-4"],
+        capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = json.loads(seen_path.read_text())
+    assert seen == {"argv": ["--lr", "3e-4"], "rank": [0, 1, "torchrun"], "history_steps": 9}

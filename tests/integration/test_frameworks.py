@@ -43,7 +43,8 @@ def _named(findings: list[Any], holder: str) -> bool:
 # --- Lightning ---------------------------------------------------------------------------------
 
 
-def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1) -> tuple[Any, Any, Any]:
+def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1,
+                   oom_at: int | None = None) -> tuple[Any, Any, Any]:
     # The `frameworks` extra; CI installs it, so a missing framework fails here rather than skips.
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -59,6 +60,8 @@ def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
+            if batch_idx == oom_at:
+                torch.empty(2**60, dtype=torch.uint8)  # a CPU allocation failure inside the fit
             if leak and batch_idx % accumulate == 0:
                 self.leaky_cache.append(torch.ones(LEAK_NUMEL))
             return torch.nn.functional.cross_entropy(self.net(x), y)
@@ -111,6 +114,19 @@ def test_lightning_planted_leak_is_named(out_dir: str) -> None:
     findings = agent.findings()
     assert findings, [r.census_total_bytes for r in agent.steps()]
     assert _named(findings, "leaky_cache"), findings
+
+
+@pytest.mark.slow
+def test_lightning_oom_in_fit_keeps_the_agent_for_the_report(out_dir: str) -> None:
+    """Lightning calls on_exception (not teardown) on a crash: the agent must still be there when
+    the OOM reaches the user's guard (or the excepthook of `gpumemd run`)."""
+    guard = gpumemd.oom_guard()
+    with pytest.raises(RuntimeError, match="can't allocate memory"), guard:
+        _lightning_fit(out_dir, leak=False, steps=30, oom_at=5)
+
+    assert guard.last_report is not None and "oom-rank0-" in guard.last_report
+    agent = gpumemd.current()
+    assert agent is not None and agent.current_phase == "train"
 
 
 # --- Hugging Face Trainer ----------------------------------------------------------------------

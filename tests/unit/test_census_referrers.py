@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import gc
 import sys
+import traceback
 import weakref
 from typing import Any
 
@@ -114,6 +116,35 @@ def test_a_closure_variable_names_the_function() -> None:
     line = _holds(fn.__closure__[0].cell_contents[0])
 
     assert line is not None and "make.<locals>.use" in line
+
+
+def test_a_stored_exception_keeps_the_locals_of_the_frame_that_raised() -> None:
+    def fails() -> None:
+        activations = torch.zeros(77)
+        raise ValueError(f"bad batch of {activations.numel()}")
+
+    saved: list[BaseException] = []
+    try:
+        fails()
+    except ValueError as exc:
+        saved.append(exc)  # the classic: an exception kept "for the report" keeps the frame
+    frame = saved[0].__traceback__.tb_next.tb_frame  # type: ignore[union-attr]
+    freed = weakref.ref(_tensor_local(frame))
+
+    line = _holds(_tensor_local(frame))  # no local of this frame holds it
+
+    assert line is not None
+    assert line.startswith("`activations` in fails() at ") and "finished frame" in line
+    del frame
+    traceback.clear_frames(saved[0].__traceback__)
+    gc.collect()
+    assert freed() is None  # reading the finished frame's locals left nothing that keeps them
+
+
+def _tensor_local(frame: Any) -> torch.Tensor:
+    # not frame.f_locals: that would leave a snapshot of the locals on the frame
+    [tensor] = [o for o in gc.get_referents(frame) if isinstance(o, torch.Tensor)]
+    return tensor
 
 
 def test_nothing_recognisable_gives_none_and_never_raises() -> None:

@@ -1,0 +1,38 @@
+"""The host-side culprit probes: Python containers that gain items, autograd graphs that gain nodes."""
+
+from __future__ import annotations
+
+import torch
+
+from gpumemd.probes.host_objects import container_lengths, growing_containers, growing_graph, largest_graph_nodes
+
+
+def test_growing_list_of_bytes_is_found_and_named() -> None:
+    raw_buffers = [b"x" * 1000 for _ in range(10)]
+    steady = list(range(50))
+    before = container_lengths()
+    raw_buffers.extend(b"y" * 4096 for _ in range(20))
+    steady[0] = -1
+    grown = growing_containers(before)
+    top = grown[0]
+    assert (top.type_name, top.item_type, top.items_added) == ("list", "bytes", 20)
+    assert top.approx_bytes >= 20 * 4096
+    assert top.holder is not None and "raw_buffers" in top.holder
+    assert all(g.items_added >= 4 for g in grown)  # the list that only changed an item is not there
+    # the caller's own buffers can be left out
+    assert all(g.type_name != "list" or g.item_type != "bytes"
+               for g in growing_containers(before, ignore={id(raw_buffers)}))
+
+
+def test_graph_that_gains_nodes_behind_one_tensor() -> None:
+    w = torch.randn(4, requires_grad=True)
+    running_total = (w * 2).sum()
+    before = largest_graph_nodes()
+    for _ in range(30):
+        running_total = running_total + (w * 3).sum()  # total += loss, without .item()
+    graph = growing_graph(before, min_added=30)
+    assert graph is not None
+    assert graph.description == "float32[] with grad_fn"
+    assert graph.nodes_added >= 60  # an add and a sum (and a mul) per iteration
+    assert graph.holder is not None and "running_total" in graph.holder
+    assert growing_graph(graph.nodes, min_added=1) is None  # nothing grew since
