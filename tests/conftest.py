@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -10,12 +11,19 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _no_agent_left_behind() -> Iterator[None]:
+    excepthook, thread_excepthook = sys.excepthook, threading.excepthook
     yield
     import gpumemd
 
     gpumemd.detach()
     leftovers = [t.name for t in threading.enumerate() if t.name.startswith("gpumemd")]
     assert not leftovers, f"gpumemd threads left running: {leftovers}"
+    if sys.excepthook is not excepthook and sys.excepthook.__name__ == "_distributed_excepthook":
+        # torch.distributed.init_process_group installs a "[rankN]:" excepthook and never removes it;
+        # tests that start an in-process group must not change how later tests' tracebacks look.
+        sys.excepthook = excepthook
+    assert sys.excepthook is excepthook, f"sys.excepthook left replaced by {sys.excepthook!r}"
+    assert threading.excepthook is thread_excepthook, "threading.excepthook left replaced"
 
 
 @pytest.fixture

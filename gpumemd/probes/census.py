@@ -476,6 +476,11 @@ class _Pass:
                 owner = roots[find(i)][0]
                 if owner is not record and record.kept_by is None:
                     record.kept_by = owner
+                if record.category == "other":
+                    # An anonymous tensor an autograd graph saves (its Python wrapper outlived the call
+                    # by PyObject preservation) is graph memory, not "other": `total += loss` must show
+                    # up as graph growth whether or not the saved inputs happen to be gc-visible.
+                    record.category = "graph"
 
     # --- results -------------------------------------------------------------------------------
 
