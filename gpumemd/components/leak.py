@@ -75,7 +75,6 @@ class LeakComponent:
         self._host_baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
         self._sites_before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}
         self._history_enabled_by_us = False
-        self._path = ""
         self._host_spec = SeriesSpec("host_rss_bytes", "host_leak")
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
 
@@ -92,8 +91,7 @@ class LeakComponent:
         ))
         self._host_spec = SeriesSpec("host_rss_bytes", "host_leak", explained_by=("census_bytes{device=cpu}",),
                                      min_bytes_per_step=c.leak_host_min_bytes_per_step)
-        rank = agent.state().identity.rank
-        self._path = os.path.join(agent.output_dir, f"leak-findings-rank{rank}.jsonl")
+
 
     def stop(self) -> None:
         if self._history_enabled_by_us:
@@ -110,8 +108,11 @@ class LeakComponent:
 
     @property
     def findings_path(self) -> str:
-        """The append-only JSON-lines file (created on the first state change)."""
-        return self._path
+        """The append-only JSON-lines file (created on the first state change). Named from the rank
+        known when it is written: jobs often call ``init_process_group`` after attach."""
+        assert self._agent is not None
+        rank = self._agent.state().identity.rank
+        return os.path.join(self._agent.output_dir, f"leak-findings-rank{rank}.jsonl")
 
     # --- per step ------------------------------------------------------------------------------
 
@@ -261,6 +262,11 @@ class LeakComponent:
             now = take_now()
         at_or_after = getattr(component, "at_or_after", None)
         earlier = at_or_after(int(status.window_start)) if at_or_after is not None else None
+        if earlier is None or earlier is now:
+            # No census inside the window (a slow cadence on a big heap): the newest one before it.
+            history = getattr(component, "history", None)
+            older = [c for c in (history() if history is not None else []) if c is not now and c.step is not None]
+            earlier = older[-1] if older else earlier
         sites = self._sites(status)
         if now is None or earlier is None or earlier is now or now.step is None or earlier.step is None:
             return _Evidence(sites=sites)
@@ -301,6 +307,17 @@ class LeakComponent:
     def _host_culprits(self, status: TrackStatus) -> _Evidence:
         from gpumemd.probes.host_objects import growing_containers, growing_graph
 
+        # CPU tensors first: when a census taken now shows tensor/graph bytes growing at least half as
+        # fast as RSS, the host leak is theirs, and the census diff names them and who holds them.
+        census = self._census_culprits(status)
+        if census.culprits and census.steps > 0:
+            # The census interval may start before the onset: compare what the census saw grow with
+            # what RSS gained over the part of that interval where the leak ran.
+            grown = sum(max(0, c.bytes_delta) + max(0, c.graph_bytes_delta) for c in census.culprits)
+            onset = status.onset_step if status.onset_step is not None else status.window_start
+            leak_steps = min(census.steps, max(1.0, status.step - onset))
+            if grown >= 0.5 * status.verdict.slope.slope * leak_steps:
+                return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)
         baseline = self._host_baseline
         if baseline is None or baseline[0] >= status.step:
             self._host_baseline = None
@@ -383,13 +400,14 @@ class LeakComponent:
 
     def _report(self, finding: Finding) -> None:
         log.warning("gpumemd: %s", finding.summary)
+        path = self.findings_path
         try:
-            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             line = json.dumps({"time": self._wall(), **_jsonable(dataclasses.asdict(finding))}, sort_keys=True)
-            with open(self._path, "a", encoding="utf-8") as f:
+            with open(path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
         except OSError as exc:
-            log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", self._path, exc)
+            log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", path, exc)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -210,9 +210,13 @@ def _live_frames() -> list[tuple[types.FrameType, dict[str, Any]]]:
     return out
 
 
+# The demo's training loop is user code that happens to ship with gpumemd: its locals are holders.
+_USER_MODULES = frozenset({"gpumemd.cli.demo"})
+
+
 def _is_ours(frame: types.FrameType) -> bool:
     name = frame.f_globals.get("__name__", "")
-    return isinstance(name, str) and name.startswith("gpumemd")
+    return isinstance(name, str) and name.startswith("gpumemd") and name not in _USER_MODULES
 
 
 def _drop_locals_snapshot(frame: types.FrameType, f_locals: dict[str, Any]) -> None:
