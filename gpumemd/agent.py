@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumemd.config import Config
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
+from gpumemd.records.samples import HostSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 
 if TYPE_CHECKING:
@@ -102,6 +103,11 @@ class Agent:
         self._census_seconds = 0.0
         self._sampler_seconds = 0.0
         self._phase = "train"
+        self._steps_total = 0
+        self._pending: tuple[StepRecord, int] | None = None  # the newest step, not yet in a built state
+        self._view: tuple[AgentState, tuple[StepRecord, int] | None, AgentState] | None = None
+        self._health_key: tuple[Any, ...] = ()
+        self._health: tuple[dict[str, int], dict[str, bool]] = ({}, {})
         # Jobs often attach before init_process_group: re-read the rank on the first steps (issue 8).
         self._identity_checks_left = 0 if identity is not None else _IDENTITY_REFRESH_STEPS
         self._log_filter = RankLogFilter(lambda: self._state.identity if self._state is not None else None)
@@ -175,6 +181,8 @@ class Agent:
         log.removeFilter(self._log_filter)
         if self._nvml is not None:
             self._nvml.close()
+        if self._host is not None:
+            self._host.close()
         atexit.unregister(self.stop)
 
     @property
@@ -265,11 +273,11 @@ class Agent:
         previous = self._state
         host = None
         if rss is not None:
-            base = previous.host
+            base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
             host = (
-                dataclasses.replace(base, rss_bytes=rss)
+                HostSample(rss, base.available_bytes, base.total_bytes, base.pinned_bytes)
                 if base is not None
-                else self._host.read(full=False)
+                else HostSample(rss_bytes=rss)
             )
         record = StepRecord(
             step=number,
@@ -282,6 +290,10 @@ class Agent:
         )
         self._ring.append(record)
         self._last_step = number
+        self._steps_total += 1
+        # One reference assignment makes the step visible to state() readers (components below,
+        # scrapes on other threads); the state object itself is built only when someone reads it.
+        self._pending = (record, self._steps_total)
         if self._identity_checks_left:
             self._refresh_identity()
         for component in self._components:
@@ -294,13 +306,6 @@ class Agent:
         end = self._clock()
         self._thread_seconds += end - start
         self._last_step_clock = end
-        self.publish(
-            step=number,
-            steps_total=previous.steps_total + 1,
-            last_step=record,
-            allocator=allocator or previous.allocator,
-            host=host or previous.host,
-        )
         return record
 
     def _refresh_identity(self) -> None:
@@ -342,45 +347,93 @@ class Agent:
     # --- state ---------------------------------------------------------------------------------
 
     def publish(self, **changes: Any) -> AgentState:
-        """Swap in a new immutable state with ``changes`` applied (plus fresh overhead/probe health)."""
+        """Swap in a new immutable state with ``changes`` applied (plus fresh overhead/probe health).
+
+        Components and the sampler call this; the per-step path does not (see ``state``)."""
         with self._publish_lock:
             current = self._state
             assert current is not None, "agent not started"
-            now_clock = self._clock()
-            overhead = Overhead(
-                training_thread_seconds_total=self._thread_seconds,
-                census_seconds_total=self._census_seconds,
-                sampler_seconds_total=self._sampler_seconds,
-                wall_seconds=now_clock - self._attached_clock,
-                steps=changes.get("steps_total", current.steps_total),
-            )
-            new = dataclasses.replace(
+            errors, available = self._probe_health()
+            self._state = dataclasses.replace(  # one reference assignment: readers see old or new
                 current,
                 updated_at=self._wall(),
-                overhead=overhead,
-                probe_errors=self._probe_errors(),
-                probes_available=self._probes_available(),
+                overhead=self.overhead(),
+                probe_errors=errors,
+                probes_available=available,
                 phase=self._phase,
                 **changes,
             )
-            self._state = new  # a single reference assignment: readers see old or new, never half
-            return new
+        return self.state()
+
+    def overhead(self) -> Overhead:
+        """The agent's own cost so far (cheap: no state is built)."""
+        return Overhead(
+            training_thread_seconds_total=self._thread_seconds,
+            census_seconds_total=self._census_seconds,
+            sampler_seconds_total=self._sampler_seconds,
+            wall_seconds=self._clock() - self._attached_clock,
+            steps=self._steps_total,
+        )
+
+    @property
+    def published(self) -> AgentState:
+        """The last published state, without building one for the newest step: for per-step readers
+        of what components publish (census, findings), which must not pay for ``state()``."""
+        base = self._state
+        if base is None:
+            raise RuntimeError("gpumemd: the agent has not been started; use gpumemd.attach()")
+        return base
+
+    @property
+    def steps_total(self) -> int:
+        """Steps recorded since attach (cheap: no state is built)."""
+        return self._steps_total
 
     def _probes(self) -> dict[str, Any]:
         return {"allocator": self._allocator, "host": self._host, "nvml": self._nvml}
 
-    def _probe_errors(self) -> dict[str, int]:
-        return {name: p.health.errors for name, p in self._probes().items() if p is not None}
-
-    def _probes_available(self) -> dict[str, bool]:
-        return {name: bool(p.health.available) for name, p in self._probes().items() if p is not None}
+    def _probe_health(self) -> tuple[dict[str, int], dict[str, bool]]:
+        """Errors and availability per probe; the same dicts are reused while nothing changes, so
+        the per-step publish allocates nothing for them."""
+        probes = [(name, p.health) for name, p in self._probes().items() if p is not None]
+        key = tuple((name, h.errors, h.available) for name, h in probes)
+        if key != self._health_key:
+            self._health_key = key
+            self._health = ({n: h.errors for n, h in probes}, {n: bool(h.available) for n, h in probes})
+        return self._health
 
     def state(self) -> AgentState:
-        """The latest immutable state."""
-        state = self._state
-        if state is None:
+        """The latest immutable state.
+
+        The step path only records the newest step (one reference assignment); the state that
+        includes it is built here, on first read, and cached until the next step or publish. So a
+        step costs no state construction, and a reader never takes a lock the training thread holds.
+        """
+        base, pending = self._state, self._pending
+        if base is None:
             raise RuntimeError("gpumemd: the agent has not been started; use gpumemd.attach()")
+        view = self._view
+        if view is not None and view[0] is base and view[1] is pending:
+            return view[2]
+        state = base if pending is None else self._with_step(base, *pending)
+        self._view = (base, pending, state)
         return state
+
+    def _with_step(self, base: AgentState, record: StepRecord, steps_total: int) -> AgentState:
+        sampler_newer = base.updated_at > record.wall_time  # the sampler read after this step ended
+        allocator = base.allocator if sampler_newer and base.allocator else (record.allocator or base.allocator)
+        host = base.host if sampler_newer and base.host else (record.host or base.host)
+        return dataclasses.replace(
+            base,
+            updated_at=max(base.updated_at, record.wall_time),
+            step=record.step,
+            steps_total=steps_total,
+            last_step=record,
+            allocator=allocator,
+            host=host,
+            overhead=self.overhead(),
+            phase=self._phase,
+        )
 
     def steps(self) -> list[StepRecord]:
         """The recorded step records, oldest first (at most ``history_steps``)."""

@@ -206,10 +206,7 @@ def _other_share(agent: Agent | None) -> float:
     """The agent's training-thread share spent on things other than censuses."""
     if agent is None:
         return 0.0
-    try:
-        overhead = agent.state().overhead
-    except RuntimeError:
-        return 0.0
+    overhead = agent.overhead()
     if overhead.wall_seconds <= 0:
         return 0.0
     other = overhead.training_thread_seconds_total - overhead.census_seconds_total

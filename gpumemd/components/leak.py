@@ -157,7 +157,7 @@ class LeakComponent:
         if record.host is not None:
             self._observe(self._host_spec, step, record.host.rss_bytes, phase)
         assert self._agent is not None
-        census = self._agent.state().census
+        census = self._agent.published.census
         if census is not None and census is not self._last_census:
             self._last_census = census
             self._feed_census(census, record)

@@ -121,7 +121,7 @@ class PhasesComponent:
         if agent is None or self._failed or not agent.running:
             return False
         every = self._every or 1
-        return (agent.state().steps_total + 1) % every == 0
+        return (agent.steps_total + 1) % every == 0
 
     def _on_forward_start(self, module: Any, args: Any) -> None:
         if self._state != _IDLE or not self._sampled():
