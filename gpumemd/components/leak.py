@@ -313,10 +313,10 @@ class LeakComponent:
         if census.culprits and census.steps > 0:
             # The census interval may start before the onset: compare what the census saw grow with
             # what RSS gained over the part of that interval where the leak ran.
-            grown = sum(max(0, c.bytes_delta) + max(0, c.graph_bytes_delta) for c in census.culprits)
+            in_census = sum(max(0, c.bytes_delta) + max(0, c.graph_bytes_delta) for c in census.culprits)
             onset = status.onset_step if status.onset_step is not None else status.window_start
             leak_steps = min(census.steps, max(1.0, status.step - onset))
-            if grown >= 0.5 * status.verdict.slope.slope * leak_steps:
+            if in_census >= 0.5 * status.verdict.slope.slope * leak_steps:
                 return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)
         baseline = self._host_baseline
         if baseline is None or baseline[0] >= status.step:
