@@ -104,7 +104,7 @@ def diff_sites(old: Mapping[str, SiteBytes], new: Mapping[str, SiteBytes], *, li
 
 def site_sentence(delta: SiteDelta, steps: float) -> str:
     """``train.py:57 in main (+2 blocks, +64.0 KiB/step)``."""
-    from gpumemd.analysis.leak import format_bytes  # same units everywhere
+    from gpumemd.analysis.units import format_bytes  # same units everywhere
 
     steps = max(steps, 1.0)
     return f"{delta.site} (+{delta.count_delta} blocks, +{format_bytes(delta.bytes_delta / steps)}/step)"

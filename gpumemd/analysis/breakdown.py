@@ -6,6 +6,7 @@ taken inside the OOM observer, the observer's arguments, the OOM message, the la
 
 from __future__ import annotations
 
+from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import Census
 from gpumemd.records.oom import Breakdown, BreakdownItem, ObserverCall, OomMessage, SnapshotSummary
 from gpumemd.records.samples import AllocatorSample, HostSample
@@ -41,15 +42,8 @@ def census_bytes_on(census: Census | None, device: str) -> dict[str, int]:
 
 
 def fmt(n: int | None) -> str:
-    """Bytes for people: ``8388608`` -> ``"8.00 MiB"``."""
-    if n is None:
-        return "unknown"
-    value = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{n} bytes" if unit == "bytes" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} PiB"  # pragma: no cover
+    """Bytes in verdicts and suggestions: ``8388608`` -> ``"8.00 MiB"``."""
+    return format_bytes(n, digits=2, missing="unknown")
 
 
 def _first(*values: int | None) -> int | None:

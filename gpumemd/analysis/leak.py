@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpumemd.analysis.trend import Verdict, assess, cusum_onset, floor_growth, theil_sen
+from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import GroupDelta
 from gpumemd.records.findings import FINDING_KINDS, Culprit, Finding
 
@@ -435,18 +436,6 @@ def refine_kind(kind: str, culprits: Sequence[Culprit]) -> str:
                 for c in culprits)
     own = sum(max(0, c.bytes_delta) for c in culprits if not kept_by_graph(c))
     return "graph_leak" if graph > own else kind
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units, like torch's memory_viz)."""
-    value = float(n)
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.1f} {unit}"
-        value /= 1024
-    return f"{sign}{value:.1f} TiB"  # pragma: no cover - the loop returns
 
 
 def culprit_sentence(c: Culprit, steps: float) -> str:

@@ -7,6 +7,8 @@ import sys
 import tempfile
 from typing import Any, TextIO
 
+from gpumemd.analysis.units import format_bytes
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="run a small real training loop with the agent attached")
@@ -17,16 +19,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--output-dir", default=None, help="where findings go (default: a temporary directory)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run)
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -95,7 +87,7 @@ def _print_row(agent: Any, out: TextIO) -> None:
     latest = next((f for f in reversed(state.findings)), None)
     note = f"{latest.kind} {latest.state}" if latest else ""
     print(
-        f"{state.step:>5} {_fmt_bytes(rec.host.rss_bytes if rec and rec.host else None):>11} "
-        f"{_fmt_bytes(alloc):>11} {_fmt_bytes(census):>11} {state.overhead.ratio * 100:>8.2f}%  {note}",
+        f"{state.step:>5} {format_bytes(rec.host.rss_bytes if rec and rec.host else None):>11} "
+        f"{format_bytes(alloc):>11} {format_bytes(census):>11} {state.overhead.ratio * 100:>8.2f}%  {note}",
         file=out,
     )

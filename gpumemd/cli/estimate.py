@@ -26,6 +26,7 @@ from gpumemd.analysis.estimate import (
     dominant_term,
     estimate,
 )
+from gpumemd.analysis.units import format_bytes
 
 if TYPE_CHECKING:
     from gpumemd.probes.trace import TraceResult
@@ -197,14 +198,7 @@ def _traced_dominant(traced: TraceResult) -> str:
 
 
 def _fmt(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"  # pragma: no cover - loop always returns
+    return format_bytes(n, digits=2)
 
 
 def render(est: Estimate, traced: TraceResult | None = None) -> str:

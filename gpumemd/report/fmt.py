@@ -5,17 +5,12 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from gpumemd.analysis.units import format_bytes
+
 
 def fmt_bytes(n: Any) -> str:
-    """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
-    if not isinstance(n, (int, float)) or isinstance(n, bool):
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} PiB"  # pragma: no cover - the loop always returns
+    """``1536`` -> ``"1.50 KiB"``; None -> ``"-"``."""
+    return format_bytes(n, digits=2)
 
 
 def fmt_time(epoch: Any) -> str:
