@@ -69,18 +69,13 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="gpumemd-bench-")
     for i in range(args.rounds):
         # alternate which half goes first, so a trend within a round hits both alike
+        if i % 2:
+            b = time_steps(step, args.steps)
         with gpumemd.attached(output_dir=out, census=args.census) as agent:
-            first_attached = i % 2 == 0
-            if not first_attached:
-                gpumemd.detach()
-                b = time_steps(step, args.steps)
-                agent = gpumemd.attach(output_dir=out, census=args.census)
-                a = time_steps(step, args.steps)
-            else:
-                a = time_steps(step, args.steps)
+            a = time_steps(step, args.steps)
             oh = agent.state().overhead
             agent_per_step.append(oh.training_thread_seconds_total / max(1, oh.steps))
-        if first_attached:
+        if not i % 2:
             b = time_steps(step, args.steps)
         bare += b
         attached += a

@@ -38,7 +38,7 @@ def render(text: str) -> str:
         pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"README.md has no <!-- {name}:start --> ... <!-- {name}:end --> markers")
-        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
 

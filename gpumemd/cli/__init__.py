@@ -57,6 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `gpumemd report ... | head`: the reader left; say nothing more (and let the interpreter's
+        # final flush of stdout go nowhere instead of raising again).
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def console_main() -> None:
