@@ -1,0 +1,33 @@
+"""The agent must not itself leak: its memory stays flat however many steps the job runs."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import gpumemd
+
+
+def _traced_bytes() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def test_agent_memory_is_flat_over_many_steps(out_dir: str) -> None:
+    with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, census=False, history_steps=200,
+                          leak_window_steps=100, leak_check_every_steps=10):
+        for _ in range(2_000):  # fill the ring buffer and the detector's windows first
+            gpumemd.mark_step()
+        tracemalloc.start()
+        try:
+            for _ in range(1_000):
+                gpumemd.mark_step()
+            after_warm = _traced_bytes()
+            for _ in range(10_000):
+                gpumemd.mark_step()
+            after_many = _traced_bytes()
+        finally:
+            tracemalloc.stop()
+    # 10,000 more steps may not keep more than a few KiB (no per-step growth): a leak of even one
+    # small object per step would show up as hundreds of KiB here.
+    assert after_many - after_warm < 32 * 1024, (after_warm, after_many)
