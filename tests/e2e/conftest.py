@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_server import Prometheus, require_binary
+from prom_binaries import require_binary
+from prometheus_server import Prometheus
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -19,17 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-
-
-def require_binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("GPUMEMD_REQUIRE_PROMETHEUS"):
-            pytest.fail(f"GPUMEMD_REQUIRE_PROMETHEUS is set but `{name}` is not on PATH (apt-get install prometheus)")
-        pytest.skip(f"`{name}` not installed (apt-get install -y prometheus); CI sets GPUMEMD_REQUIRE_PROMETHEUS=1")
-    return path
 
 
 def _free_port() -> int:

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_server import Prometheus, require_binary
+from prom_binaries import require_binary
+from prometheus_server import Prometheus
 
 from gpumemd.agent import Agent
 from gpumemd.config import Config

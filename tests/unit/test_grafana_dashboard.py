@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from prom_binaries import require_binary
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_collector import full_state
@@ -163,15 +162,6 @@ def test_unique_ids_and_panels_inside_the_grid() -> None:
         cells |= covered
 
 
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("GPUMEMD_REQUIRE_PROMETHEUS"):
-            pytest.fail("GPUMEMD_REQUIRE_PROMETHEUS is set but promtool is not on PATH (apt-get install prometheus)")
-        pytest.skip("promtool not installed (apt-get install -y prometheus): PromQL not parsed")
-    return path
-
-
 def substitute(expr: str) -> str:
     """Grafana's variables as a Prometheus would see them with everything selected."""
     return expr.replace("$__rate_interval", "1m").replace("$job", ".+").replace("$instance", ".+") \
@@ -189,12 +179,13 @@ def test_every_query_parses_as_promql(tmp_path: Path) -> None:  # target-promql-
         {"record": f"dashboard_query_{i}", "expr": expr} for i, expr in enumerate(exprs)]}]}
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump(rules))
-    result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, timeout=60, check=False)
+    result = subprocess.run([require_binary("promtool"), "check", "rules", str(path)],
+                            capture_output=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
 def test_a_broken_query_would_be_caught(tmp_path: Path) -> None:
-    tool = promtool()
+    tool = require_binary("promtool")
     path = tmp_path / "bad.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
         {"record": "x", "expr": 'rate(gpumemd_steps_total{job=~".+"}[1m]'}]}]}))

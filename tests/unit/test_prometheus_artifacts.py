@@ -6,13 +6,13 @@ promtool comes with Debian's ``prometheus`` package. Without it these tests skip
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from prom_binaries import require_binary
 from prometheus_client import CollectorRegistry, generate_latest
 from test_exporter_collector import full_state
 
@@ -23,26 +23,17 @@ PROM = ROOT / "exporters" / "prometheus"
 RULES = PROM / "rules" / "gpumemd.rules.yml"
 
 
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("GPUMEMD_REQUIRE_PROMETHEUS"):
-            pytest.fail("GPUMEMD_REQUIRE_PROMETHEUS is set but promtool is not on PATH (apt-get install prometheus)")
-        pytest.skip("promtool not installed (apt-get install -y prometheus); CI sets GPUMEMD_REQUIRE_PROMETHEUS=1")
-    return path
-
-
 def run(*args: str, stdin: bytes | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(args, input=stdin, cwd=cwd, capture_output=True, timeout=60, check=False)
 
 
 def test_rules_pass_promtool_check() -> None:
-    result = run(promtool(), "check", "rules", str(RULES))
+    result = run(require_binary("promtool"), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
 def test_rule_unit_tests_pass() -> None:
-    result = run(promtool(), "test", "rules", "gpumemd.rules.test.yml", cwd=RULES.parent)
+    result = run(require_binary("promtool"), "test", "rules", "gpumemd.rules.test.yml", cwd=RULES.parent)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
@@ -52,13 +43,13 @@ def test_a_wrong_expectation_fails_the_rule_unit_tests(tmp_path: Path) -> None:
     text = (RULES.parent / "gpumemd.rules.test.yml").read_text()
     assert "33m 20s" in text
     (tmp_path / "t.yml").write_text(text.replace("33m 20s", "33m 21s"))
-    result = run(promtool(), "test", "rules", "t.yml", cwd=tmp_path)
+    result = run(require_binary("promtool"), "test", "rules", "t.yml", cwd=tmp_path)
     assert result.returncode != 0
 
 
 @pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-file-sd.yml"])
 def test_scrape_configs_pass_promtool_check(config: str) -> None:
-    result = run(promtool(), "check", "config", config, cwd=PROM)
+    result = run(require_binary("promtool"), "check", "config", config, cwd=PROM)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
@@ -105,7 +96,7 @@ def test_exposition_passes_promtool_check_metrics() -> None:
     registry.register(StateCollector(full_state))
     exposition = generate_latest(registry)
 
-    result = run(promtool(), "check", "metrics", stdin=exposition)
+    result = run(require_binary("promtool"), "check", "metrics", stdin=exposition)
 
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert result.stdout.strip() == b"" and result.stderr.strip() == b"", "promtool had lint remarks"
@@ -114,5 +105,5 @@ def test_exposition_passes_promtool_check_metrics() -> None:
 def test_promtool_check_metrics_does_complain_about_bad_names() -> None:
     # The check above can fail: a counter without _total is a lint remark.
     bad = b"# HELP gpumemd_bad A counter.\n# TYPE gpumemd_bad counter\ngpumemd_bad 1\n"
-    result = run(promtool(), "check", "metrics", stdin=bad)
+    result = run(require_binary("promtool"), "check", "metrics", stdin=bad)
     assert result.returncode != 0 or (result.stdout + result.stderr).strip()
