@@ -14,6 +14,7 @@ import functools
 import inspect
 import ipaddress
 import itertools
+import math
 import os
 import types
 import typing
@@ -73,15 +74,21 @@ class Config:
     leak_detection: bool = True
     """Run the leak detector on the per-step series."""
 
-    leak_min_bytes_per_step: int = 256 * 1024
-    """Smallest growth, in bytes per step, that counts as a leak (the detector's effect size)."""
+    leak_horizon_hours: float = 168.0
+    """A growth is reported when, at the job's measured step rate, it would exhaust the memory it draws
+    on (device, or host RAM) within this many hours; below that it is immaterial. Default: a week."""
+
+    leak_min_bytes_per_step: int | None = None
+    """Fixed effect size in bytes per step for allocator and census series, instead of the one derived
+    from ``leak_horizon_hours`` (unset: headroom / steps in the horizon, never below the noise floor)."""
 
     leak_warmup_steps: int = 50
     """Steps ignored by the leak detector at the start (optimizer state, compile, first eval)."""
 
-    leak_host_min_bytes_per_step: int = 512 * 1024
-    """Effect size for host RSS: RSS grows in malloc-arena and page-sized bursts and drifts while heaps
-    warm up (variable shapes), so it needs a larger threshold than the allocator's exact counters."""
+    leak_host_min_bytes_per_step: int | None = None
+    """Fixed effect size in bytes per step for host RSS, instead of the one derived from
+    ``leak_horizon_hours`` (unset: host RAM available / steps in the horizon, never below RSS's noise
+    floor)."""
 
     leak_window_steps: int = 500
     """The leak detector's short window in steps (the long one is 5x); widened automatically to 2.5x
@@ -154,17 +161,23 @@ class Config:
         )
         _require(self.census_every_steps >= 0, "census_every_steps", self.census_every_steps, "an integer >= 0")
         _require(
-            self.leak_min_bytes_per_step >= 1,
+            self.leak_min_bytes_per_step is None or self.leak_min_bytes_per_step >= 1,
             "leak_min_bytes_per_step",
             self.leak_min_bytes_per_step,
-            "a number of bytes per step >= 1",
+            "a number of bytes per step >= 1, or unset",
+        )
+        _require(
+            0 < self.leak_horizon_hours <= 24 * 366 and math.isfinite(self.leak_horizon_hours),
+            "leak_horizon_hours",
+            self.leak_horizon_hours,
+            "a number of hours in (0, 8784], e.g. 168 for a week",
         )
         _require(self.leak_warmup_steps >= 0, "leak_warmup_steps", self.leak_warmup_steps, "an integer >= 0")
         _require(
-            self.leak_host_min_bytes_per_step >= 1,
+            self.leak_host_min_bytes_per_step is None or self.leak_host_min_bytes_per_step >= 1,
             "leak_host_min_bytes_per_step",
             self.leak_host_min_bytes_per_step,
-            "a number of bytes per step >= 1",
+            "a number of bytes per step >= 1, or unset",
         )
         _require(self.leak_window_steps >= 20, "leak_window_steps", self.leak_window_steps, "an integer >= 20")
         _require(

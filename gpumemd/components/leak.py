@@ -20,6 +20,7 @@ appends the finding to ``leak-findings-rank<R>.jsonl`` in the output directory a
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -29,15 +30,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
-from gpumemd.analysis.leak import (
-    DetectorConfig,
-    LeakDetector,
-    SeriesSpec,
-    TrackStatus,
-    build_finding,
-    culprits_from_diff,
-    refine_kind,
-)
+from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
+from gpumemd.analysis.leak_wording import build_finding, culprits_from_diff, refine_kind
+from gpumemd.analysis.units import format_bytes
 from gpumemd.records.findings import Culprit, Finding
 
 if TYPE_CHECKING:
@@ -48,6 +43,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpumemd")
 
 _HOLDER_BUDGET_S = 0.5  # one holder look-up (heap scans) per state change, at most this long
+
+# Noise floors: the smallest growth per step each kind of series can tell from its own noise, whatever
+# the materiality. The allocator's and the census's counters are exact; host RSS moves in pages and
+# malloc chunks; reserved-minus-allocated and NVML move in allocator segments.
+NOISE_FLOOR_BYTES = {
+    "allocated": 1024.0,
+    "census": 1024.0,
+    "host": 2048.0,
+    "fragmentation": 256 * 1024.0,
+    "non_pytorch": 256 * 1024.0,
+}
+COUNT_FLOOR = 0.1
+"""Long-lived tensors per step below which a count series never fires (one per 10 steps)."""
+
+SCAN_EVERY = 10
+"""Steps between survivor scans (and count-series observations)."""
+
+MAX_COUNT_SERIES = 16
+"""Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
+
+_COUNT_MIN = 8
 
 
 class LeakComponent:
@@ -77,6 +93,11 @@ class LeakComponent:
         self._history_enabled_by_us = False
         self._host_spec = SeriesSpec("host_rss_bytes", "host_leak")
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
+        self.scan_seconds = 0.0  # time spent in survivor scans (benchmarks read it)
+        self._tracker: Any = None
+        self._count_specs: dict[Any, SeriesSpec] = {}  # survivor group key -> its count series
+        self._seconds_per_step: float | None = None
+        self._own_record_bytes: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -84,16 +105,31 @@ class LeakComponent:
         c = agent.config
         self._agent = agent
         self._detector = LeakDetector(DetectorConfig(
-            min_bytes_per_step=c.leak_min_bytes_per_step,
+            min_bytes_per_step=c.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
             warmup_steps=c.leak_warmup_steps,
             window_steps=c.leak_window_steps,
             check_every_steps=c.leak_check_every_steps,
         ))
-        self._host_spec = SeriesSpec("host_rss_bytes", "host_leak", explained_by=("census_bytes{device=cpu}",),
-                                     min_bytes_per_step=c.leak_host_min_bytes_per_step)
+        self._host_spec = SeriesSpec(
+            "host_rss_bytes", "host_leak",
+            explained_by=("census_bytes{device=cpu}", "long_lived_bytes{device=cpu}", "tensors{device=cpu,*"))
+        self._seconds_per_step = None
+        self._own_record_bytes = None
+        try:
+            from gpumemd.probes.survivors import SurvivorTracker
+
+            self._tracker = SurvivorTracker()
+            self._tracker.install()
+        except Exception as exc:  # noqa: BLE001 - no count evidence then; bytes series still run
+            log.info("gpumemd: long-lived tensor tracking is off (%s: %s)", type(exc).__name__, exc)
+            self._tracker = None
 
 
     def stop(self) -> None:
+        if self._tracker is not None:
+            self._tracker.uninstall()
+            self._tracker = None
+        self._count_specs.clear()
         if self._history_enabled_by_us:
             self._history_enabled_by_us = False
             try:
@@ -121,6 +157,12 @@ class LeakComponent:
         if detector is None:
             return
         self._feed(record)
+        if self._tracker is not None and record.step % SCAN_EVERY == 0:
+            start = time.perf_counter()
+            try:
+                self._feed_counts(record)
+            finally:
+                self.scan_seconds += time.perf_counter() - start
         if detector.due(record.step):
             start = time.perf_counter()
             try:
@@ -141,7 +183,8 @@ class LeakComponent:
         for a in record.allocator:
             d = a.device
             if a.allocated_bytes is not None:
-                self._observe(_spec(f"allocated_bytes{{device={d}}}", "tensor_leak", d), step,
+                self._observe(_spec(f"allocated_bytes{{device={d}}}", "tensor_leak", d, explained_by=(
+                    f"long_lived_bytes{{device=cuda:{d}}}", f"tensors{{device=cuda:{d},*")), step,
                               a.allocated_bytes, phase)
                 if a.reserved_bytes is not None:
                     self._observe(_spec(f"reserved_minus_allocated_bytes{{device={d}}}", "fragmentation", d),
@@ -154,13 +197,71 @@ class LeakComponent:
                 used = n.process_used_bytes if n.process_used_bytes is not None else n.used_bytes
                 self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
                               used - a.reserved_bytes, phase)
+        if record.duration_s is not None and record.duration_s > 0:
+            avg = self._seconds_per_step
+            self._seconds_per_step = record.duration_s if avg is None else 0.98 * avg + 0.02 * record.duration_s
         if record.host is not None:
-            self._observe(self._host_spec, step, record.host.rss_bytes, phase)
+            # The agent's own step history grows until the ring buffer is full: not the job's memory.
+            self._observe(self._host_spec, step, record.host.rss_bytes - self._own_bytes(record), phase)
         assert self._agent is not None
         census = self._agent.published.census
         if census is not None and census is not self._last_census:
             self._last_census = census
             self._feed_census(census, record)
+
+    def _own_bytes(self, record: StepRecord) -> float:
+        if self._own_record_bytes is None:
+            self._own_record_bytes = float(_deep_size(record))
+        assert self._agent is not None
+        return self._own_record_bytes * min(self._agent.steps_total, self._agent.config.history_steps)
+
+    def _feed_counts(self, record: StepRecord) -> None:
+        """Scan for long-lived tensors and feed the count series (every ``SCAN_EVERY`` steps)."""
+        tracker = self._tracker
+        tracker.scan()
+        _, by_device = tracker.total()
+        for device, nbytes in by_device.items():
+            self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", _cuda_index(device),
+                                sparse=True, alarm=False), record.step, nbytes, record.phase)
+        specs = self._count_specs
+        for group in tracker.groups():
+            spec = specs.get(group.key)
+            if spec is None:
+                if group.count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
+                    continue
+                spec = specs[group.key] = SeriesSpec(
+                    f"tensors{{device={group.device},group={group.describe()}}}",
+                    "graph_leak" if group.graph else "tensor_leak", _cuda_index(group.device),
+                    sparse=True, unit="tensors")
+            self._observe(spec, record.step, group.count, record.phase)
+        for key, spec in specs.items():
+            if tracker.count(key) == 0:
+                self._observe(spec, record.step, 0, record.phase)  # all died: the series drops to 0
+
+    def _min_slopes(self) -> dict[str, float]:
+        """Per series, the growth per step that matters: what would exhaust the headroom it draws on
+        within ``leak_horizon_hours`` at the measured step rate, never below its noise floor (or the
+        fixed effect size the user set)."""
+        assert self._agent is not None and self._detector is not None
+        c = self._agent.config
+        horizon_steps = None
+        if self._seconds_per_step:
+            horizon_steps = c.leak_horizon_hours * 3600 / self._seconds_per_step
+        out: dict[str, float] = {}
+        for spec in self._detector.series():
+            if spec.unit == "tensors":
+                out[spec.name] = COUNT_FLOOR
+                continue
+            family = _family(spec.name)
+            fixed = c.leak_host_min_bytes_per_step if family == "host" else c.leak_min_bytes_per_step
+            if fixed is not None:
+                out[spec.name] = float(fixed)
+                continue
+            floor = NOISE_FLOOR_BYTES.get(family, NOISE_FLOOR_BYTES["allocated"])
+            headroom = self._headroom(spec)
+            material = headroom / horizon_steps if headroom is not None and horizon_steps else 0.0
+            out[spec.name] = max(floor, material)
+        return out
 
     def _feed_census(self, census: Census, record: StepRecord) -> None:
         step = census.step if census.step is not None else record.step
@@ -168,7 +269,8 @@ class LeakComponent:
         for dev, nbytes in census.bytes_by_device().items():
             index = _cuda_index(dev)
             # On CUDA the allocator's step-end bytes are the alarm; the census only attributes.
-            alarm = index is None or index not in cuda_devices
+            # CPU tensors are watched by the count series and host RSS; the census attributes.
+            alarm = False if index is None else index not in cuda_devices
             self._observe(_spec(f"census_bytes{{device={dev}}}", "tensor_leak", index, sparse=True, alarm=alarm),
                           step, nbytes, record.phase)
         for dev, nbytes in census.invisible_bytes_by_device.items():
@@ -179,28 +281,59 @@ class LeakComponent:
 
     def _evaluate(self, step: int) -> None:
         assert self._detector is not None and self._agent is not None
-        statuses = self._detector.evaluate(step)
-        if any(name == self._host_spec.name for name, _ in self._detector.rising):
+        statuses = self._detector.evaluate(step, self._min_slopes())
+        if any(name == self._host_spec.name for name, _ in self._detector.rising) and not self._counts_active():
             self._host_look(step)
         if not statuses:
             return
         for status in statuses:
             key = (status.spec.name, status.phase)
-            if status.state in ("suspected", "confirmed") and (status.changed or self._retry_culprits(key, step)):
+            active = status.state is not None and status.state.active
+            if active and (status.changed or self._retry_culprits(key, step)):
                 self._attempts[key] = step
                 self._culprits[key] = self._find_culprits(status)
+        # Tensors that only an autograd graph keeps (saved inputs whose wrapper torch preserved) grow
+        # with the graph tensors a Python container holds: one leak, reported once, by the latter.
+        held_graphs = any(e.kind == "graph_leak" and not e.graph_kept and key in self._findings_or(statuses)
+                          for key, e in self._culprits.items())
+        for status in statuses:
+            key = (status.spec.name, status.phase)
+            active = status.state is not None and status.state.active
             evidence = self._culprits.get(key, _NO_EVIDENCE)
-            culprits = evidence.culprits
+            if (evidence.graph_kept and held_graphs) or evidence.garbage:
+                if status.changed:
+                    log.debug("gpumemd: %s grows, but %s", status.spec.name, "cyclic garbage the collector will free"
+                              if evidence.garbage else "it is kept by a graph already reported")
+                continue
+            if evidence.onset_step is not None and status.onset_step is not None:
+                status = dataclasses.replace(status, onset_step=min(status.onset_step, evidence.onset_step))
             finding = build_finding(
-                status, kind=self._kind(status, evidence), culprits=culprits if status.state != "cleared" else (),
+                status, kind=self._kind(status, evidence), culprits=evidence.culprits if active else (),
                 culprit_steps=evidence.steps, headroom_bytes=self._headroom(status.spec), sites=evidence.sites,
+                bytes_per_unit=evidence.bytes_per_unit, seconds_per_step=self._seconds_per_step,
+                holder_sentence=evidence.sentence,
             )
             self._findings[key] = finding
             if status.changed:
                 self._report(finding)
-            if status.state == "cleared":
+            if not active:
                 self._culprits.pop(key, None)
         self._agent.publish(findings=tuple(self._findings.values()))
+
+    def _findings_or(self, statuses: list[TrackStatus]) -> set[tuple[str, str]]:
+        """Keys of the findings that are active now or in this evaluation."""
+        keys = {k for k, f in self._findings.items() if f.state != "cleared"}
+        keys.update((s.spec.name, s.phase) for s in statuses if s.state is not None and s.state.active)
+        return keys
+
+    def _counts_active(self) -> bool:
+        """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
+        the heap scans that look for other culprits are not worth their cost."""
+        assert self._detector is not None
+        names = {spec.name for spec in self._count_specs.values()}
+        if any(name in names for name, _ in self._detector.rising):
+            return True
+        return any(f.series in names and f.state != "cleared" for f in self._findings.values())
 
     def _retry_culprits(self, key: tuple[str, str], step: int) -> bool:
         """No culprit yet: look again, but at most once per window (each look scans the heap or takes
@@ -214,7 +347,7 @@ class LeakComponent:
 
     def _kind(self, status: TrackStatus, evidence: _Evidence) -> str:
         previous = self._findings.get((status.spec.name, status.phase))
-        if status.state == "cleared" and previous is not None:
+        if status.state is LeakState.CLEARED and previous is not None:
             return previous.kind
         kind = evidence.kind if evidence.kind is not None else refine_kind(status.spec.kind, evidence.culprits)
         if kind == "tensor_leak" and status.spec.device is not None and self._detector is not None:
@@ -248,9 +381,68 @@ class LeakComponent:
         kind = status.spec.kind
         if kind == "host_leak":
             return self._host_culprits(status)
+        if status.spec.unit == "tensors":
+            return self._count_culprits(status)
         if kind in ("tensor_leak", "graph_leak"):
             return self._census_culprits(status)
         return _NO_EVIDENCE
+
+    def _count_culprits(self, status: TrackStatus) -> _Evidence:
+        """Who holds the tensors of a growing count series: a sample of the group, looked up now (so
+        the container's size is the one when the sentence is written), and what one of them costs."""
+        from gpumemd.probes.referrers import who_holds
+
+        key = next((k for k, spec in self._count_specs.items() if spec is status.spec), None)
+        tracker = self._tracker
+        if key is None or tracker is None:
+            return _NO_EVIDENCE
+        group = next((g for g in tracker.groups() if g.key == key), None)
+        sample = tracker.sample(key)
+        holder = None
+        graph_bytes = 0
+        graph_kept = garbage = False
+        try:
+            if sample is not None:
+                cycle = _cycle_holder(sample)
+                # Cyclic garbage while the collector runs is freed at its next collection (a burst),
+                # not leaked; with gc disabled nothing will ever free it: that is the leak.
+                garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
+                holder = cycle or who_holds(sample, time_budget_s=_HOLDER_BUDGET_S, ignore=(self._count_specs,))
+                if holder is None:
+                    # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it
+                    # (torch preserves the Python wrapper of saved tensors). Name the root of the
+                    # largest live graph and its holder.
+                    from gpumemd.probes.host_objects import growing_graph
+
+                    root = growing_graph(0, min_added=1)
+                    if root is not None and root.holder is not None:
+                        graph_kept = True
+                        holder = (f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
+                                  f"held by {root.holder}")
+                if status.spec.kind == "graph_leak":
+                    from gpumemd.probes.host_objects import saved_bytes
+
+                    graph_bytes = saved_bytes(sample)
+        finally:
+            del sample
+        own = group.nbytes / group.count if group is not None and group.count else 0.0
+        per_tensor = own + graph_bytes
+        rate = status.verdict.slope.slope
+        desc = (group.describe() if group is not None else status.spec.name)
+        n = f"{rate:.0f}" if rate >= 0.95 else f"{rate:.2g}"
+        sentence = f"+{n} tensor{'s' if n != '1' else ''}/step: {desc} (~{format_bytes(rate * own)}/step"
+        if graph_bytes:
+            sentence += f", keeping ~{format_bytes(rate * graph_bytes)}/step of autograd graph alive"
+        sentence += ")"
+        sentence += f", held by {holder}" if holder else ", holder not found"
+        kind = "graph_leak" if graph_kept or (status.spec.kind == "graph_leak" and graph_bytes >= own) else "tensor_leak"
+        culprit = Culprit(description=desc, count_delta=int(round(status.growth_bytes)),
+                          bytes_delta=int(round(status.growth_bytes * own)), holder=holder,
+                          graph_bytes_delta=int(round(status.growth_bytes * graph_bytes)),
+                          category="graph" if group is not None and group.graph else "other")
+        return _Evidence((culprit,), status.step - (status.onset_step or status.step), (), kind,
+                         bytes_per_unit=max(per_tensor, 1.0), sentence=sentence, graph_kept=graph_kept,
+                         garbage=garbage)
 
     def _census_culprits(self, status: TrackStatus) -> _Evidence:
         assert self._agent is not None
@@ -345,7 +537,13 @@ class LeakComponent:
                     noun=f"{g.item_type} object")
             for g in grown
         )
-        return _Evidence(culprits, steps)
+        # RSS lags a leak (freed heap is reused first); the container dates it: its length at the
+        # rate it grew says when it started growing.
+        top = grown[0]
+        onset = None
+        if top.items_added > 0 and steps > 0:
+            onset = int(status.step - top.length * steps / top.items_added)
+        return _Evidence(culprits, steps, onset_step=onset)
 
     def _sites(self, status: TrackStatus) -> tuple[str, ...]:
         """CUDA allocation sites that grew since the leak was suspected (with allocation history)."""
@@ -354,7 +552,7 @@ class LeakComponent:
         if d is None:
             return ()
         config = self._agent.config
-        if status.state == "suspected" and status.changed:
+        if status.state is LeakState.SUSPECTED and status.changed:
             history_on = config.record_history or self._history_enabled_by_us or (
                 config.leak_history_on_suspect and self._enable_history(config.history_max_entries))
             if not history_on:
@@ -419,18 +617,52 @@ class _Evidence:
     steps: float = 0.0
     sites: tuple[str, ...] = ()
     kind: str | None = None
+    bytes_per_unit: float = 1.0  # count series: bytes one tensor costs (its storage and its graph)
+    sentence: str | None = None  # count series: the culprit sentence, written from the tensors
+    graph_kept: bool = False  # count series: no Python holder; an autograd graph keeps them
+    garbage: bool = False  # count series: unreachable cycles the (enabled) collector will free
+    onset_step: int | None = None  # when the evidence dates the start (a container's length / its rate)
 
 
 _NO_EVIDENCE = _Evidence()
 _SPECS: dict[tuple[str, bool, bool], SeriesSpec] = {}
 
 
-def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, alarm: bool = True) -> SeriesSpec:
+def _family(name: str) -> str:
+    """The noise-floor family of a series name."""
+    if name.startswith("host_"):
+        return "host"
+    if name.startswith(("reserved_minus", "inactive_split")):
+        return "fragmentation"
+    if name.startswith("non_pytorch"):
+        return "non_pytorch"
+    if name.startswith(("census", "invisible", "long_lived")):
+        return "census"
+    return "allocated"
+
+
+def _deep_size(obj: Any, depth: int = 4) -> int:
+    """sys.getsizeof of an object and what its fields and tuples hold (bounded depth): the memory
+    one step record costs in the agent's ring buffer."""
+    import sys
+
+    size = sys.getsizeof(obj)
+    if depth <= 0:
+        return size
+    if isinstance(obj, (tuple, list)):
+        return size + sum(_deep_size(v, depth - 1) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return size + sum(_deep_size(getattr(obj, f.name), depth - 1) for f in dataclasses.fields(obj))
+    return size
+
+
+def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, alarm: bool = True,
+          explained_by: tuple[str, ...] = ()) -> SeriesSpec:
     # Specs are immutable and few: cache them so the per-step path builds nothing.
     key = (name, sparse, alarm)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = SeriesSpec(name, kind, device, sparse=sparse, alarm=alarm)
+        spec = SeriesSpec(name, kind, device, sparse=sparse, alarm=alarm, explained_by=explained_by)
         if len(_SPECS) < 1024:
             _SPECS[key] = spec
     return spec

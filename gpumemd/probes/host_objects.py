@@ -98,7 +98,7 @@ def growing_containers(
 
 # --- autograd graphs that grow behind one tensor (``total_loss += loss``) ------------------------
 
-_GRAPH_NODE_BUDGET = 200_000  # nodes walked per look, over all graphs
+_GRAPH_NODE_BUDGET = 50_000  # nodes walked per look, over all graphs
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +174,45 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     finally:
         del tensor
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
+
+
+def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
+    """Bytes of the tensors that ``tensor``'s autograd graph saved (each storage once; a bounded
+    walk): what keeping this one tensor alive costs beyond its own storage."""
+    from gpumemd.probes.census import _saved_attrs, _tensors_in
+
+    torch = sys.modules.get("torch")
+    fn = getattr(tensor, "grad_fn", None)
+    if torch is None or fn is None:
+        return 0
+    seen: dict[int, Any] = {id(fn): fn}
+    storages: set[int] = set()
+    total = 0
+    stack = [fn]
+    try:
+        while stack and len(seen) < max_nodes:
+            node = stack.pop()
+            for attr in _saved_attrs(type(node)):
+                try:
+                    value = getattr(node, attr)
+                except Exception:  # noqa: BLE001 - freed by backward(): nothing kept
+                    continue
+                for saved in _tensors_in(value, torch.Tensor):
+                    try:
+                        base = saved._base if saved._base is not None else saved
+                        if base.requires_grad and base.grad_fn is None:
+                            continue  # a parameter (or its view): alive anyway, not this graph's cost
+                        st = saved.untyped_storage()
+                        ptr = st.data_ptr()
+                        if ptr and ptr not in storages:
+                            storages.add(ptr)
+                            total += st.nbytes()
+                    except Exception:  # noqa: BLE001
+                        continue
+            for nxt, _ in getattr(node, "next_functions", ()) or ():
+                if nxt is not None and id(nxt) not in seen:
+                    seen[id(nxt)] = nxt
+                    stack.append(nxt)
+    finally:
+        seen.clear()
+    return total

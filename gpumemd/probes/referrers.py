@@ -121,8 +121,7 @@ class _Climb:
                         # a closure's view of an outer frame's variable (the outer frame is named
                         # instead), or a compiler-made slot such as pytest's `@py_assert1`
                         continue
-                    where = f"{_short_path(code.co_filename)}:{frame.f_lineno}"
-                    return f"`{name}` in {code.co_name}() at {where}", id(value)
+                    return f"`{name}` in {code.co_name}() {_where_assigned(code, name, frame.f_lineno)}", id(value)
         return None
 
     def _classify(self, ref: Any, child: Any) -> tuple[str, str, bool] | None:
@@ -290,6 +289,35 @@ def _attribute_of(obj: Any, child: Any, child_dict_key: str | None) -> tuple[str
             except Exception:  # noqa: BLE001 - an unset slot
                 continue
     return None
+
+
+_ASSIGNED: dict[tuple[Any, str], int | None] = {}
+_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+
+
+def _where_assigned(code: types.CodeType, name: str, running_line: int | None) -> str:
+    """``at train.py:12`` (the line that first assigns the variable in that function), or, when the
+    bytecode does not say, the line running when it was looked up, labelled as such."""
+    key = (code, name)
+    if key not in _ASSIGNED:
+        import dis
+
+        line = None
+        try:
+            for ins in dis.get_instructions(code):
+                if ins.opname in _STORES and ins.argval == name:
+                    line = ins.positions.lineno if ins.positions is not None else None
+                    break
+        except Exception:  # noqa: BLE001 - odd code objects: fall back to the running line
+            line = None
+        if len(_ASSIGNED) < 4096:
+            _ASSIGNED[key] = line
+    else:
+        line = _ASSIGNED[key]
+    path = _short_path(code.co_filename)
+    if line is not None:
+        return f"at {path}:{line}"
+    return f"at {path}:{running_line} (the line running when it was looked up)"
 
 
 def _short_path(path: str) -> str:

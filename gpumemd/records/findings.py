@@ -42,3 +42,6 @@ class Finding:
     phase: str = "train"  # the phase whose steps the series was compared across
     p_value: float | None = None  # Mann-Kendall one-sided p of the window that decided
     sites: tuple[str, ...] = ()  # CUDA allocation sites (first user frame) that grew, largest first
+    tensors_per_step: float | None = None  # count evidence: long-lived tensors gained per step
+    hours_to_oom: float | None = None  # steps_to_oom at the job's measured step rate
+    severity: str | None = None  # "critical" (out of memory within a day), "warning", or None when cleared

@@ -1,9 +1,9 @@
 """Real CPU training loops that leak (or don't), shared by the scenario tests and benchmarks/bench_leak.py.
 
-Each scenario is a small, real PyTorch job: a 2-layer MLP on random data, SGD or Adam, a few hundred
-steps. The leaking ones start leaking at ``ONSET`` (after the detector's warm-up) so the latency from
-onset to each state can be measured. Settings are scaled to the small tensors: a leak of >= 16 KiB
-per step against an effect size of 4 KiB per step.
+Each scenario is a small, real PyTorch job: a 2-layer MLP on random data, SGD or Adam, 2,000 to
+4,000 steps, under ``gpumemd.attach()`` at its DEFAULT settings (only ``output_dir`` is set): what a
+user gets. The leaking ones start leaking at ``ONSET`` (or later, for late-onset patterns), at
+realistic sizes from 2 KiB to 256 KiB per step, so the latency from onset to each state is measured.
 """
 
 from __future__ import annotations
@@ -23,19 +23,13 @@ import torch.nn.functional as F
 
 import gpumemd
 
-STEPS = 260
-ONSET = 40
-SETTINGS: dict[str, Any] = {
-    "sample_interval_s": 0,  # no sampler thread: the step hook reads everything the detector needs
-    "census_every_steps": 10,
-    "leak_warmup_steps": 20,
-    "leak_window_steps": 100,
-    "leak_check_every_steps": 10,
-    "leak_min_bytes_per_step": 4096,
-    "leak_host_min_bytes_per_step": 64 * 1024,
-}
-SUSPECT_WITHIN = 150  # steps from onset to "suspected" (stated in the README)
-CONFIRM_WITHIN = 200  # steps from onset to "confirmed"
+STEPS = 2_000  # healthy jobs
+LEAK_STEPS = 3_000  # leaking jobs stop earlier, once the leak is confirmed
+ONSET = 300
+LATE_ONSET = 800
+SETTINGS: dict[str, Any] = {}  # the defaults: the product is what attach() does with no options
+SUSPECT_WITHIN = 1_500  # steps from onset to "suspected" (the README states these)
+SUSPECT_WITHIN_LARGE = 500  # ... for leaks of >= 64 KiB/step
 
 
 _STOP = [False]  # set once the leak is confirmed: the rest of a leaking run would add nothing
@@ -79,14 +73,14 @@ def loss_accumulated_with_graph(steps: int) -> None:
 
 
 def outputs_appended_to_list(steps: int) -> None:
-    """Model outputs kept for later analysis, without .detach()."""
+    """A few rows of each batch's outputs kept for later analysis: 2 KiB per step."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept_outputs = []
     for step in _steps(steps):
         out = _train_step(model, opt)
         if step >= ONSET:
-            kept_outputs.append(out)
+            kept_outputs.append(out[:4].detach().clone())
     kept_outputs.clear()
 
 
@@ -116,14 +110,15 @@ def forward_hook_storing_activations(steps: int) -> None:
         recorder.activations.clear()
 
 
-def dict_cache_keyed_by_step(steps: int) -> None:
+def dict_cache_keyed_by_sample_id(steps: int) -> None:
+    """Predictions cached per sample id, switched on late (step ``LATE_ONSET``): ids never repeat."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     prediction_cache: dict[int, torch.Tensor] = {}
     for step in _steps(steps):
         out = _train_step(model, opt)
-        if step >= ONSET:
-            prediction_cache[step] = out.detach().clone()
+        if step >= LATE_ONSET:
+            prediction_cache[step * 32] = out[0].detach().clone()
     prediction_cache.clear()
 
 
@@ -177,7 +172,7 @@ def host_only_leak(steps: int) -> None:
     for step in _steps(steps):
         _train_step(model, opt)
         if step >= ONSET:
-            raw_samples.append(bytes([step % 256]) * (256 * 1024))
+            raw_samples.append(bytes([step % 256]) * (128 * 1024))
     raw_samples.clear()
 
 
@@ -220,7 +215,7 @@ def periodic_eval_under_no_grad(steps: int) -> None:
 
 
 def variable_batch_and_sequence_lengths(steps: int) -> None:
-    rng = random.Random(0)
+    rng = random.Random(torch.initial_seed())
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in _steps(steps):
@@ -245,7 +240,7 @@ class ShapeCache:
 
 
 def bounded_cache_keyed_by_shape(steps: int) -> None:
-    rng = random.Random(1)
+    rng = random.Random(torch.initial_seed() + 1)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cache = ShapeCache()
@@ -259,14 +254,14 @@ def bounded_cache_keyed_by_shape(steps: int) -> None:
 
 
 def metric_list_reset_every_epoch(steps: int) -> None:
-    """Predictions gathered for an epoch-level metric (AUROC-style), reset every 25-step epoch."""
+    """Predictions gathered for an epoch-level metric (AUROC-style), reset every 200-step epoch."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     epoch_predictions: list[torch.Tensor] = []
     for step in _steps(steps):
         out = _train_step(model, opt)
         epoch_predictions.append(out.detach().clone())
-        if step % 25 == 24:
+        if step % 200 == 199:
             torch.cat(epoch_predictions).mean()  # "compute" the metric
             epoch_predictions = []
 
@@ -282,8 +277,23 @@ def gradient_accumulation(steps: int) -> None:
         opt.step()
 
 
+def cyclic_garbage_freed_in_bursts(steps: int) -> None:
+    """Each step leaves a tensor in a reference cycle (garbage at once); a raised gc threshold, as
+    some jobs set for speed, frees it in bursts when a collection finally runs."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    old = gc.get_threshold()
+    gc.set_threshold(5_000, *old[1:])
+    try:
+        for _ in _steps(steps):
+            out = _train_step(model, opt)
+            Node(out[:4].detach().clone())
+    finally:
+        gc.set_threshold(*old)
+
+
 def one_time_jump_checkpoint_load(steps: int) -> None:
-    """At step 120 a checkpoint (an extra 2 MiB of tensors) is loaded and kept."""
+    """At step 900 a checkpoint (an extra 2 MiB of tensors) is loaded and kept."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     buf = io.BytesIO()
@@ -291,7 +301,7 @@ def one_time_jump_checkpoint_load(steps: int) -> None:
     checkpoint = None
     for step in _steps(steps):
         _train_step(model, opt)
-        if step == 120:
+        if step == 900:
             buf.seek(0)
             checkpoint = torch.load(buf)
     del checkpoint
@@ -307,6 +317,9 @@ class Scenario:
     kind: str | None = None  # expected finding kind (None: healthy, nothing may fire)
     holder: tuple[str, ...] = ()  # substrings the summary must contain (the holder)
     settings: dict[str, Any] = field(default_factory=dict)
+    onset: int = ONSET
+    bytes_per_step: int = 0  # the leak's size (decides the latency it must be found within)
+    one_tensor_per_step: bool = False  # the summary must say "+1 tensor/step"
 
     @property
     def leak(self) -> bool:
@@ -315,19 +328,20 @@ class Scenario:
 
 LEAKS = (
     Scenario("loss accumulated with its graph", loss_accumulated_with_graph, "graph_leak",
-             ("`monitor_total` in loss_accumulated_with_graph()",)),
-    Scenario("outputs appended to a list", outputs_appended_to_list, "tensor_leak",
-             ("`kept_outputs` in outputs_appended_to_list()",)),
+             ("`monitor_total` in loss_accumulated_with_graph()",), bytes_per_step=16 * 1024),
+    Scenario("list of outputs (2 KiB/step)", outputs_appended_to_list, "tensor_leak",
+             ("`kept_outputs` in outputs_appended_to_list()",), bytes_per_step=2048, one_tensor_per_step=True),
     Scenario("forward hook storing activations", forward_hook_storing_activations, "tensor_leak",
-             ("ActivationRecorder.activations",)),
-    Scenario("dict cache keyed by step", dict_cache_keyed_by_step, "tensor_leak",
-             ("`prediction_cache` in dict_cache_keyed_by_step()",)),
-    Scenario("tensors kept alive by a reference cycle", reference_cycles_with_gc_disabled, "tensor_leak",
-             ("Node.payload",)),
+             ("ActivationRecorder.activations",), bytes_per_step=16 * 1024, one_tensor_per_step=True),
+    Scenario("dict cache keyed by sample id, late onset", dict_cache_keyed_by_sample_id, "tensor_leak",
+             ("`prediction_cache` in dict_cache_keyed_by_sample_id()",), onset=LATE_ONSET, bytes_per_step=512,
+             one_tensor_per_step=True),
+    Scenario("tensors kept alive by reference cycles", reference_cycles_with_gc_disabled, "tensor_leak",
+             ("Node.payload",), bytes_per_step=16 * 1024, one_tensor_per_step=True),
     Scenario("retain_graph=True misuse", retain_graph_misuse, "graph_leak",
-             ("`loss_history` in retain_graph_misuse()",)),
-    Scenario("host-only leak (bytes objects)", host_only_leak, "host_leak",
-             ("`raw_samples` in host_only_leak()",)),
+             ("`loss_history` in retain_graph_misuse()",), bytes_per_step=16 * 1024, one_tensor_per_step=True),
+    Scenario("host-only Python buffer (128 KiB/step)", host_only_leak, "host_leak",
+             ("`raw_samples` in host_only_leak()",), bytes_per_step=128 * 1024),
 )
 HEALTHY = (
     Scenario("steady training", steady),
@@ -338,6 +352,7 @@ HEALTHY = (
     Scenario("metric list reset every epoch", metric_list_reset_every_epoch),
     Scenario("gradient accumulation", gradient_accumulation),
     Scenario("one-time jump (checkpoint load)", one_time_jump_checkpoint_load),
+    Scenario("cyclic garbage freed in bursts", cyclic_garbage_freed_in_bursts),
 )
 
 
@@ -376,10 +391,12 @@ class _Timed:
             _STOP[0] = True
 
 
-def run_scenario(scenario: Scenario, output_dir: str, steps: int = STEPS, *, stop_when_confirmed: bool = True,
-                 ) -> Outcome:
-    """Run one scenario under a fresh agent; a leaking one stops once its leak is confirmed."""
-    torch.manual_seed(0)
+def run_scenario(scenario: Scenario, output_dir: str, steps: int | None = None, *, stop_when_confirmed: bool = True,
+                 seed: int = 0) -> Outcome:
+    """Run one scenario under a fresh agent at default settings; a leaking one stops once its leak is
+    confirmed."""
+    steps = steps if steps is not None else (LEAK_STEPS if scenario.leak else STEPS)
+    torch.manual_seed(seed)
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend on a shared machine
     _STOP[0] = False
     start = time.perf_counter()

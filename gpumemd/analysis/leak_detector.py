@@ -1,5 +1,7 @@
 """The leak detector: named per-step series in, state changes out (pure: no torch, no I/O, no clock).
 
+The wording of findings lives in ``analysis.leak_wording``; this module only decides.
+
 How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md for the evidence):
 
 1. Warm-up: samples before ``warmup_steps`` are ignored (optimizer state appears at step 1,
@@ -10,10 +12,14 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
    census give one point per census (the minimum of it and the previous census).
 4. Every ``check_every_steps`` the short window (``window_steps``, widened to 2.5 reset periods
    once the track has shown sawtooth resets) and, when the history covers it, the long window
-   (``long_window_factor`` x) are assessed: Mann-Kendall p, Theil-Sen lower bound >= the effect
-   size, floor growth, ramp consistency.
-5. States: a short pass -> ``suspected``; a long pass or ``confirm_after`` short passes in a row ->
-   ``confirmed``; ``clear_after`` failures in a row -> ``cleared``. Only state changes are reported.
+   (``long_window_factor`` x) are assessed: Mann-Kendall p, Theil-Sen lower bound >= the series'
+   threshold, floor growth, ramp consistency. The threshold is given per evaluation (``min_slopes``):
+   the component derives it from the job (headroom / steps in the horizon, never below the series'
+   noise floor), so the detector stays pure.
+5. States (``LeakState``): a short pass -> suspected; a long pass or ``confirm_after`` short passes in
+   a row -> confirmed; cleared only once the growth has stopped: ``clear_after`` failures in a row
+   whose recent slope is below a quarter of the episode's (a leak that goes on is never cleared,
+   whatever its p-value does). Only state changes are reported.
 6. A series may be "explained by" others (host RSS by the census of CPU tensors): when they grow at
    least half as fast over the same window, the growth is theirs and the series does not fire.
 """
@@ -21,19 +27,38 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpumemd.analysis.trend import Verdict, assess, cusum_onset, floor_growth, theil_sen
-from gpumemd.analysis.units import format_bytes
-from gpumemd.records.census import GroupDelta
-from gpumemd.records.findings import FINDING_KINDS, Culprit, Finding
+from gpumemd.analysis.trend import Verdict, assess, floor_growth, theil_sen
+from gpumemd.records.findings import FINDING_KINDS
 
 _MAX_TRACKS = 256  # bounded: a week-long job must not grow the detector (series x phases)
 _MAX_RESETS = 8
+_CONFIRMED_EVERY = 4  # confirmed tracks are re-tested every this many checks
 _MAX_WINDOW_POINTS = 64  # points per assessed window (O(n²) rank test): ~5 ms worst case in pure Python
+
+
+class LeakState(enum.Enum):
+    """Where one (series, phase) stands; ``severity`` is the number the exporter serves."""
+
+    SUSPECTED = "suspected"
+    CONFIRMED = "confirmed"
+    CLEARED = "cleared"
+
+    @property
+    def severity(self) -> int:
+        return _SEVERITY[self]
+
+    @property
+    def active(self) -> bool:
+        return self is not LeakState.CLEARED
+
+
+_SEVERITY = {LeakState.CLEARED: 0, LeakState.SUSPECTED: 1, LeakState.CONFIRMED: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +72,7 @@ class SeriesSpec:
     alarm: bool = True  # False: tracked for attribution only, never raises a finding itself
     explained_by: tuple[str, ...] = ()  # series whose growth, when as fast, accounts for this one's
     min_bytes_per_step: float | None = None  # this series' own effect size (default: the detector's)
+    unit: str = "bytes"  # what the values count: "bytes", or "tensors" (count evidence)
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:
@@ -97,20 +123,25 @@ class TrackStatus:
 
     spec: SeriesSpec
     phase: str
-    state: str | None  # None (never fired), "suspected", "confirmed" or "cleared"
+    state: LeakState | None  # None: never fired
     changed: bool  # the state changed at this evaluation
     step: int
     first_step: int | None  # when the current episode was first raised
     verdict: Verdict  # the short window's (or the long one's when it confirmed)
     window_start: float  # first step in the assessed window
     onset_step: int | None
-    growth_bytes: float  # floor now minus floor at onset
+    growth_bytes: float  # floor now minus floor at onset (in the series' unit)
+    min_slope: float = 0.0  # the threshold this evaluation used
+
+    @property
+    def state_name(self) -> str | None:
+        return self.state.value if self.state is not None else None
 
 
 class _Track:
     __slots__ = (
-        "block_min", "block_n", "block_xsum", "consecutive_fail", "consecutive_pass", "first_step",
-        "floors", "peak", "previous", "resets", "spec", "state", "trough", "trough_x",
+        "block_min", "block_n", "block_xsum", "consecutive_fail", "consecutive_pass", "episode_slope",
+        "first_step", "last_status", "onset", "floors", "peak", "previous", "resets", "spec", "state", "trough", "trough_x",
     )
 
     def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
@@ -120,8 +151,11 @@ class _Track:
         self.block_n = 0
         self.block_xsum = 0.0
         self.previous = math.inf  # sparse series: the previous observation
-        self.state: str | None = None
+        self.state: LeakState | None = None
         self.first_step: int | None = None
+        self.episode_slope = 0.0  # the slope when the current episode was last passed
+        self.last_status: TrackStatus | None = None
+        self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
         self.consecutive_pass = 0
         self.consecutive_fail = 0
         # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
@@ -239,13 +273,17 @@ class LeakDetector:
             return False
         return self._last_check is None or step - self._last_check >= self.config.check_every_steps
 
-    def evaluate(self, step: int) -> list[TrackStatus]:
-        """Assess every track; returns the status of each track that has ever fired (changed or not)."""
+    def evaluate(self, step: int, min_slopes: Mapping[str, float] | None = None) -> list[TrackStatus]:
+        """Assess every track; returns the status of each track that has ever fired (changed or not).
+        ``min_slopes``: per series name, the growth per step that matters now (default: the series'
+        own ``min_bytes_per_step``, else the detector's)."""
         self._last_check = step
         self.rising.clear()
         out: list[TrackStatus] = []
-        for (_name, phase), track in self._tracks.items():
-            status = self._evaluate_track(track, phase, step)
+        for (name, phase), track in self._tracks.items():
+            spec = track.spec
+            min_slope = (min_slopes or {}).get(name) or spec.min_bytes_per_step or self.config.min_bytes_per_step
+            status = self._evaluate_track(track, phase, step, min_slope)
             if status is not None:
                 out.append(status)
         return out
@@ -262,12 +300,17 @@ class LeakDetector:
         return assess(xs, ys, min_slope=min_slope, p_max=p_max or c.p_max, min_points=c.min_points,
                       max_pairs=c.max_pairs)
 
-    def _evaluate_track(self, track: _Track, phase: str, step: int) -> TrackStatus | None:
+    def _evaluate_track(self, track: _Track, phase: str, step: int, min_slope: float) -> TrackStatus | None:
         c = self.config
         spec = track.spec
-        min_slope = spec.min_bytes_per_step or c.min_bytes_per_step
         if not spec.alarm or len(track.floors) < c.min_points:
             return None
+        last = track.last_status
+        if (track.state is LeakState.CONFIRMED and last is not None
+                and step - last.step < _CONFIRMED_EVERY * c.check_every_steps):
+            # A confirmed leak is re-tested less often: the O(n²) tests on every check of a finding
+            # that lasts for days would be the detector's main cost.
+            return dataclasses.replace(last, changed=False)
         if track.state is None and track.floors[-1][0] - track.floors[0][0] < 0.9 * c.window_steps - c.block:
             # Until the history covers one short window, a rise cannot be told from the first half
             # of a sawtooth (a metric list, an epoch cache) that is about to reset.
@@ -280,7 +323,8 @@ class LeakDetector:
         xs, ys = track.window(step, steps, c.min_points)
         hx, hy = track.window(step, steps / 2, c.min_points)
         has_half = len(hx) < len(xs)
-        if track.state in (None, "cleared"):
+        active = track.state is not None and track.state.active
+        if not active:
             # Cheap necessary condition of ``assess`` (slope >= min and floor growth >= 0.4 slope
             # span): flat series, the common case, skip the O(n²) tests.
             if not any(floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0]) for x, y in ((xs, ys), (hx, hy))):
@@ -305,31 +349,45 @@ class LeakDetector:
         if verdict.passed:
             track.consecutive_pass += 1
             track.consecutive_fail = 0
-        elif previous in ("suspected", "confirmed") and verdict.reason == "not a ramp":
-            # Significant growth above the effect size that rises in bursts (host RSS grows by heap
-            # or arena chunks): not evidence for a new finding, but no evidence that it stopped.
+            track.episode_slope = verdict.slope.slope
+        elif active and not verdict.reason.startswith("explained") and self._still_growing(track, hx, hy):
+            # A finding that fails one window (a noisy stretch, a burst, a threshold that rose with
+            # the step rate) is not evidence that the leak stopped: it stays, neither passing nor
+            # failing. Only growth that has really slowed counts towards clearing.
             pass
         else:
             track.consecutive_fail += 1
             track.consecutive_pass = 0
         state = previous
         if verdict.passed:
-            if previous in (None, "cleared"):
-                state = "suspected"
+            if not active:
+                state = LeakState.SUSPECTED
                 track.first_step = step
-            if state == "suspected" and (confirmed_long or track.consecutive_pass >= c.confirm_after):
-                state = "confirmed"
-        elif previous in ("suspected", "confirmed") and track.consecutive_fail >= c.clear_after:
-            state = "cleared"
+            if state is LeakState.SUSPECTED and (confirmed_long or track.consecutive_pass >= c.confirm_after):
+                state = LeakState.CONFIRMED
+        elif active and track.consecutive_fail >= c.clear_after:
+            state = LeakState.CLEARED
         track.state = state
         if state is None:
             return None
+        if state is not previous and state is LeakState.SUSPECTED:
+            track.onset = None  # a new episode
         onset_step, growth = self._onset(track)
-        return TrackStatus(
-            spec=spec, phase=phase, state=state, changed=state != previous, step=step,
+        status = TrackStatus(
+            spec=spec, phase=phase, state=state, changed=state is not previous, step=step,
             first_step=track.first_step, verdict=verdict, window_start=xs[0],
-            onset_step=onset_step, growth_bytes=growth,
+            onset_step=onset_step, growth_bytes=growth, min_slope=min_slope,
         )
+        track.last_status = status
+        return status
+
+    @staticmethod
+    def _still_growing(track: _Track, hx: Sequence[float], hy: Sequence[float]) -> bool:
+        """Does the newer half window still rise at a quarter of the episode's slope or more?"""
+        if len(hx) < 3 or track.episode_slope <= 0:
+            return False
+        recent = theil_sen(hx, hy, max_pairs=2000).slope
+        return recent >= 0.25 * track.episode_slope
 
     def slope_since(self, name: str, phase: str, since: float) -> float | None:
         """Theil-Sen slope of a series' floors from step ``since`` on (None: fewer than 3 points)."""
@@ -343,8 +401,15 @@ class LeakDetector:
 
     def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict) -> bool:
         for other in spec.explained_by:
+            if other.endswith("*"):
+                # a family of series (the count series of one device): any of them reporting
+                prefix = other[:-1]
+                if any(name.startswith(prefix) and p == phase and t.state is not None and t.state.active
+                       for (name, p), t in self._tracks.items()):
+                    return True
+                continue
             track = self._tracks.get((other, phase))
-            if track is not None and track.state in ("suspected", "confirmed"):
+            if track is not None and track.state is not None and track.state.active:
                 return True  # already reported as that series' finding
             # Host bytes per tensor byte run well above 1 (allocator overhead, autograd nodes), so a
             # quarter of the slope is enough to say the tensors are the story.
@@ -357,189 +422,60 @@ class LeakDetector:
         floors = list(track.floors)
         if len(floors) < 3:
             return None, 0.0
+        xs = [p[0] for p in floors]
         ys = [p[1] for p in floors]
-        i = cusum_onset(ys)
+        i = hinge_onset(xs, ys)
         before = min(ys[: i + 1])
         now = min(ys[-max(1, len(ys) // 20):])
-        return int(floors[i][0]), max(0.0, now - before)
+        if i > 0 or track.onset is None:
+            # i == 0: the flat start has left the bounded history; the onset found while it was
+            # there stays (never later than the data says).
+            track.onset = int(xs[i]) if i > 0 or track.onset is None else track.onset
+        growth = max(0.0, now - before)
+        return track.onset, growth
+
+
+def hinge_onset(xs: Sequence[float], ys: Sequence[float]) -> int:
+    """Index where a flat series turns into a ramp: the breakpoint of the least-squares fit of
+    ``y = a + s * max(0, x - x[i])`` (flat, then linear), found in O(n) with suffix sums.
+
+    A CUSUM of differences marks where the *average* slope is first exceeded, which drifts towards
+    the window's start on a long ramp; the hinge fit puts the knee where the data bends."""
+    n = len(xs)
+    if n < 3:
+        return 0
+    sum_y = sum(ys)
+    sum_yy = sum(y * y for y in ys)
+    # suffix sums of 1, x, x², y, x·y over j >= i
+    best, arg = math.inf, 0
+    s1 = sx = sxx = sy = sxy = 0.0
+    suffix: list[tuple[float, float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0, 0.0)] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        x, y = xs[j], ys[j]
+        s1 += 1
+        sx += x
+        sxx += x * x
+        sy += y
+        sxy += x * y
+        suffix[j] = (s1, sx, sxx, sy, sxy)
+    mean_y = sum_y / n
+    syy_centered = sum_yy - n * mean_y * mean_y
+    for i in range(n - 1):
+        b = xs[i]
+        c1, cx, cxx, cy, cxy = suffix[i]
+        # z = x - b on the suffix, 0 before it
+        sz = cx - b * c1
+        szz = cxx - 2 * b * cx + b * b * c1
+        szy = cxy - b * cy
+        var_z = szz - sz * sz / n
+        if var_z <= 0:
+            continue
+        cov = szy - sz * sum_y / n
+        sse = syy_centered - cov * cov / var_z
+        if cov > 0 and sse < best - 1e-9 * abs(best if math.isfinite(best) else 1.0):
+            best, arg = sse, i
+    return arg
 
 
 def _with_reason(v: Verdict, reason: str) -> Verdict:
     return Verdict(False, reason, v.n, v.slope, v.p_increasing, v.growth, v.onset_index)
-
-
-# --- findings: turning a track status and its culprits into the record users read --------------
-
-
-def describe_group(delta: GroupDelta) -> str:
-    """``float32[64, 256] with grad_fn`` / ``Adam[fc.weight].exp_avg float32[64, 256]``."""
-    dtype = delta.dtype.removeprefix("torch.")
-    shape = "[" + ", ".join(str(d) for d in delta.shape) + "]"
-    text = f"{dtype}{shape}"
-    if delta.category == "graph":
-        text += " with grad_fn"
-    elif delta.category not in ("other",):
-        text += f" ({delta.category})"
-    if delta.name:
-        text = f"{delta.name} {text}"
-    return text
-
-
-def fold_graph_groups(deltas: Iterable[GroupDelta]) -> list[GroupDelta]:
-    """Charge tensors that only an autograd graph keeps (category graph, no Python holder: saved
-    activations whose wrapper torch preserved) to the held graph tensor that grew in count — the
-    loss kept in a list — as its graph bytes: "+1 tensor/step: float32[] with grad_fn, held by list
-    `losses`, keeping ~3 MiB/step of autograd graph alive"."""
-    deltas = list(deltas)
-    kept = [d for d in deltas if _graph_kept(d.category, d.holder) and d.bytes_delta > 0]
-    roots = [d for d in deltas if d.category == "graph" and not _graph_kept(d.category, d.holder)
-             and d.count_delta > 0]
-    if not kept or not roots:
-        return deltas
-    root = max(roots, key=lambda d: (d.count_delta, d.bytes_delta))
-    extra = sum(d.bytes_delta + d.graph_bytes_delta for d in kept)
-    folded = dataclasses.replace(root, graph_bytes_delta=root.graph_bytes_delta + extra)
-    return [folded, *(d for d in deltas if d is not root and d not in kept)]
-
-
-def culprits_from_diff(deltas: Iterable[GroupDelta], *, limit: int = 3) -> tuple[Culprit, ...]:
-    """The groups that grew most (own bytes plus graph bytes), as culprits."""
-    ranked = sorted(
-        (d for d in fold_graph_groups(deltas) if d.bytes_delta + d.graph_bytes_delta > 0),
-        key=lambda d: (d.bytes_delta + d.graph_bytes_delta, d.count_delta), reverse=True,
-    )
-    return tuple(
-        Culprit(description=describe_group(d), count_delta=d.count_delta, bytes_delta=d.bytes_delta,
-                holder=d.holder, graph_bytes_delta=d.graph_bytes_delta, category=d.category)
-        for d in ranked[:limit]
-    )
-
-
-_GRAPH_HOLDERS = ("autograd graph of ", "an autograd graph")  # how the census names graph-kept tensors
-
-
-def _graph_kept(category: str | None, holder: str | None) -> bool:
-    return category == "graph" and (holder is None or holder.startswith(_GRAPH_HOLDERS))
-
-
-def kept_by_graph(c: Culprit) -> bool:
-    """Tensors with a grad_fn that no Python object holds: autograd keeps them (saved activations
-    whose Python wrapper torch preserved), so their bytes are graph bytes."""
-    return _graph_kept(c.category, c.holder)
-
-
-def refine_kind(kind: str, culprits: Sequence[Culprit]) -> str:
-    """A tensor leak whose growth is mostly autograd graph kept alive is a graph leak."""
-    if kind != "tensor_leak" or not culprits:
-        return kind
-    graph = sum(max(0, c.graph_bytes_delta) + (max(0, c.bytes_delta) if kept_by_graph(c) else 0)
-                for c in culprits)
-    own = sum(max(0, c.bytes_delta) for c in culprits if not kept_by_graph(c))
-    return "graph_leak" if graph > own else kind
-
-
-def culprit_sentence(c: Culprit, steps: float) -> str:
-    """'+1 tensor/step: float32[] with grad_fn, held by list `losses` (...), keeping ~3.1 MiB/step of
-    autograd graph alive' — rates over the ``steps`` the census diff spans."""
-    steps = max(steps, 1.0)
-    rate = c.count_delta / steps
-    if c.count_delta <= 0:
-        head = f"+0 {c.noun}s"
-    elif rate >= 0.5:
-        n = max(1, round(rate))
-        head = f"+{n} {c.noun}{'s' if n != 1 else ''}/step"
-    else:
-        head = f"+1 {c.noun} every {steps / c.count_delta:.0f} steps"
-    if kept_by_graph(c):
-        # saved activations: what matters is the graph that keeps them and who holds its root
-        holder = c.holder or "an autograd graph (its root's holder was not found)"
-        return (f"{head.replace(c.noun, 'saved ' + c.noun, 1)}: {c.description} "
-                f"(~{format_bytes(c.bytes_delta / steps)}/step), kept alive by {_the(holder)}")
-    text = f"{head}: {c.description}"
-    if c.bytes_delta < c.graph_bytes_delta:
-        pass  # the graph is the story; the tensors' own bytes would only distract
-    elif c.bytes_delta > 0 and c.count_delta > 0:
-        text += f" (~{format_bytes(c.bytes_delta / steps)}/step)"
-    elif c.bytes_delta > 0:
-        text += f" growing ~{format_bytes(c.bytes_delta / steps)}/step"
-    text += f", held by {c.holder}" if c.holder else ", holder not found"
-    if c.graph_bytes_delta / steps >= 1:
-        text += f", keeping ~{format_bytes(c.graph_bytes_delta / steps)}/step of autograd graph alive"
-    return text
-
-
-def _the(holder: str) -> str:
-    return "the " + holder if holder.startswith("autograd graph") else holder
-
-
-_KIND_WORDS = {
-    "tensor_leak": "tensor leak",
-    "graph_leak": "retained autograd graph",
-    "fragmentation": "allocator fragmentation",
-    "non_pytorch": "memory outside PyTorch's allocator",
-    "host_leak": "host memory leak",
-}
-
-
-def build_finding(
-    status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
-    culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
-) -> Finding:
-    """The user-facing record for one track status; ``summary`` is the one-line sentence."""
-    v = status.verdict
-    kind = kind or refine_kind(status.spec.kind, culprits)
-    slope = v.slope.slope
-    steps_to_oom = None
-    if headroom_bytes is not None and slope > 0 and status.state != "cleared":
-        steps_to_oom = max(0.0, headroom_bytes) / slope
-    parts = [f"{_KIND_WORDS.get(kind, kind)} {status.state} on {status.spec.name}"]
-    if status.phase != "train":
-        parts[0] += f" (phase {status.phase})"
-    if status.state == "cleared":
-        parts.append(f"growth stopped ({v.reason})")
-    else:
-        low = v.slope.low if math.isfinite(v.slope.low) else 0.0
-        parts.append(f"+{format_bytes(slope)}/step (>= {format_bytes(low)}/step at 95%)")
-        if status.onset_step is not None:
-            parts.append(f"since step {status.onset_step}")
-        parts.append(f"+{format_bytes(status.growth_bytes)} so far")
-        if steps_to_oom is not None:
-            parts.append(f"out of memory in ~{steps_to_oom:,.0f} steps")
-    summary = ", ".join(parts)
-    if culprits and status.state != "cleared":
-        summary += "; " + culprit_sentence(culprits[0], culprit_steps)
-        if len(culprits) > 1:
-            summary += f" (+{len(culprits) - 1} more group{'s' if len(culprits) > 2 else ''})"
-    if sites and status.state != "cleared":
-        summary += "; allocated at " + sites[0]
-    return Finding(
-        kind=kind,
-        series=status.spec.name,
-        state=status.state or "suspected",
-        slope_bytes_per_step=slope,
-        slope_low=v.slope.low,
-        slope_high=v.slope.high,
-        onset_step=status.onset_step,
-        growth_bytes=int(status.growth_bytes),
-        steps_to_oom=steps_to_oom,
-        first_step=status.first_step if status.first_step is not None else status.step,
-        updated_step=status.step,
-        summary=summary,
-        device=status.spec.device,
-        culprits=tuple(culprits),
-        phase=status.phase,
-        p_value=v.p_increasing,
-        sites=tuple(sites),
-    )
-
-
-def merge_findings(previous: Iterable[Finding], updates: Mapping[tuple[str, str], Finding]) -> tuple[Finding, ...]:
-    """Replace findings of the same (series, phase) by their update; keep the rest in order."""
-    out: list[Finding] = []
-    seen: set[tuple[str, str]] = set()
-    for f in previous:
-        key = (f.series, f.phase)
-        out.append(updates.get(key, f))
-        seen.add(key)
-    out.extend(f for key, f in updates.items() if key not in seen)
-    return tuple(out)

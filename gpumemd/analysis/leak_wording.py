@@ -1,0 +1,247 @@
+"""The wording of leak findings: a track status and its culprits in, the record users read out.
+
+Pure (no torch, no I/O). ``analysis.leak_detector`` decides; this module only says it: the
+one-line summary, the culprit sentence ("+1 tensor/step: float32[4, 128], held by `kept` in main() at
+train.py:12 → list of 1,204 items"), the kind refined by the evidence, and the severity from the
+projected time to out-of-memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from gpumemd.analysis.leak_detector import LeakState, TrackStatus
+from gpumemd.analysis.units import format_bytes
+from gpumemd.records.census import GroupDelta
+from gpumemd.records.findings import Culprit, Finding
+
+CRITICAL_HOURS = 24.0
+"""A finding projected to run out of memory sooner than this is critical; later ones are warnings."""
+
+# --- findings: turning a track status and its culprits into the record users read --------------
+
+
+def describe_group(delta: GroupDelta) -> str:
+    """``float32[64, 256] with grad_fn`` / ``Adam[fc.weight].exp_avg float32[64, 256]``."""
+    dtype = delta.dtype.removeprefix("torch.")
+    shape = "[" + ", ".join(str(d) for d in delta.shape) + "]"
+    text = f"{dtype}{shape}"
+    if delta.category == "graph":
+        text += " with grad_fn"
+    elif delta.category not in ("other",):
+        text += f" ({delta.category})"
+    if delta.name:
+        text = f"{delta.name} {text}"
+    return text
+
+
+def fold_graph_groups(deltas: Iterable[GroupDelta]) -> list[GroupDelta]:
+    """Charge tensors that only an autograd graph keeps (category graph, no Python holder: saved
+    activations whose wrapper torch preserved) to the held graph tensor that grew in count — the
+    loss kept in a list — as its graph bytes: "+1 tensor/step: float32[] with grad_fn, held by list
+    `losses`, keeping ~3 MiB/step of autograd graph alive"."""
+    deltas = list(deltas)
+    kept = [d for d in deltas if _graph_kept(d.category, d.holder) and d.bytes_delta > 0]
+    roots = [d for d in deltas if d.category == "graph" and not _graph_kept(d.category, d.holder)
+             and d.count_delta > 0]
+    if not kept or not roots:
+        return deltas
+    root = max(roots, key=lambda d: (d.count_delta, d.bytes_delta))
+    extra = sum(d.bytes_delta + d.graph_bytes_delta for d in kept)
+    folded = dataclasses.replace(root, graph_bytes_delta=root.graph_bytes_delta + extra)
+    return [folded, *(d for d in deltas if d is not root and d not in kept)]
+
+
+def culprits_from_diff(deltas: Iterable[GroupDelta], *, limit: int = 3) -> tuple[Culprit, ...]:
+    """The groups that grew most (own bytes plus graph bytes), as culprits."""
+    ranked = sorted(
+        (d for d in fold_graph_groups(deltas) if d.bytes_delta + d.graph_bytes_delta > 0),
+        key=lambda d: (d.bytes_delta + d.graph_bytes_delta, d.count_delta), reverse=True,
+    )
+    return tuple(
+        Culprit(description=describe_group(d), count_delta=d.count_delta, bytes_delta=d.bytes_delta,
+                holder=d.holder, graph_bytes_delta=d.graph_bytes_delta, category=d.category)
+        for d in ranked[:limit]
+    )
+
+
+_GRAPH_HOLDERS = ("autograd graph of ", "an autograd graph")  # how the census names graph-kept tensors
+
+
+def _graph_kept(category: str | None, holder: str | None) -> bool:
+    return category == "graph" and (holder is None or holder.startswith(_GRAPH_HOLDERS))
+
+
+def kept_by_graph(c: Culprit) -> bool:
+    """Tensors with a grad_fn that no Python object holds: autograd keeps them (saved activations
+    whose Python wrapper torch preserved), so their bytes are graph bytes."""
+    return _graph_kept(c.category, c.holder)
+
+
+def refine_kind(kind: str, culprits: Sequence[Culprit]) -> str:
+    """A tensor leak whose growth is mostly autograd graph kept alive is a graph leak."""
+    if kind != "tensor_leak" or not culprits:
+        return kind
+    graph = sum(max(0, c.graph_bytes_delta) + (max(0, c.bytes_delta) if kept_by_graph(c) else 0)
+                for c in culprits)
+    own = sum(max(0, c.bytes_delta) for c in culprits if not kept_by_graph(c))
+    return "graph_leak" if graph > own else kind
+
+
+def culprit_sentence(c: Culprit, steps: float) -> str:
+    """'+1 tensor/step: float32[] with grad_fn, held by list `losses` (...), keeping ~3.1 MiB/step of
+    autograd graph alive' — rates over the ``steps`` the census diff spans."""
+    if steps < 1:
+        # No interval to divide by (both censuses at one step): a count, never a made-up rate.
+        text = f"+{c.count_delta:,} {c.noun}s: {c.description}, {format_bytes(c.bytes_delta + c.graph_bytes_delta)}"
+        return text + (f", held by {c.holder}" if c.holder else ", holder not found")
+    rate = c.count_delta / steps
+    if c.count_delta <= 0:
+        head = f"+0 {c.noun}s"
+    elif rate >= 0.5:
+        n = max(1, round(rate))
+        head = f"+{n} {c.noun}{'s' if n != 1 else ''}/step"
+    else:
+        head = f"+1 {c.noun} every {steps / c.count_delta:.0f} steps"
+    if kept_by_graph(c):
+        # saved activations: what matters is the graph that keeps them and who holds its root
+        holder = c.holder or "an autograd graph (its root's holder was not found)"
+        return (f"{head.replace(c.noun, 'saved ' + c.noun, 1)}: {c.description} "
+                f"(~{format_bytes(c.bytes_delta / steps)}/step), kept alive by {_the(holder)}")
+    text = f"{head}: {c.description}"
+    if c.bytes_delta < c.graph_bytes_delta:
+        pass  # the graph is the story; the tensors' own bytes would only distract
+    elif c.bytes_delta > 0 and c.count_delta > 0:
+        text += f" (~{format_bytes(c.bytes_delta / steps)}/step)"
+    elif c.bytes_delta > 0:
+        text += f" growing ~{format_bytes(c.bytes_delta / steps)}/step"
+    text += f", held by {c.holder}" if c.holder else ", holder not found"
+    if c.graph_bytes_delta / steps >= 1:
+        text += f", keeping ~{format_bytes(c.graph_bytes_delta / steps)}/step of autograd graph alive"
+    return text
+
+
+def _the(holder: str) -> str:
+    return "the " + holder if holder.startswith("autograd graph") else holder
+
+
+_KIND_WORDS = {
+    "tensor_leak": "tensor leak",
+    "graph_leak": "retained autograd graph",
+    "fragmentation": "allocator fragmentation",
+    "non_pytorch": "memory outside PyTorch's allocator",
+    "host_leak": "host memory leak",
+}
+
+
+def severity(hours_to_oom: float | None, state: LeakState | None) -> str | None:
+    if state is None or not state.active:
+        return None
+    return "critical" if hours_to_oom is not None and hours_to_oom < CRITICAL_HOURS else "warning"
+
+
+def _duration(hours: float) -> str:
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    if hours < 48:
+        return f"{hours:.1f} h"
+    return f"{hours / 24:,.0f} days"
+
+
+def build_finding(
+    status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
+    culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
+    bytes_per_unit: float = 1.0, seconds_per_step: float | None = None, holder_sentence: str | None = None,
+) -> Finding:
+    """The user-facing record for one track status; ``summary`` is the one-line sentence.
+
+    For count series (``spec.unit == "tensors"``) the slope is tensors per step and
+    ``bytes_per_unit`` converts it to bytes; ``holder_sentence`` is the culprit sentence when the
+    component wrote it from the tensors themselves."""
+    v = status.verdict
+    kind = kind or refine_kind(status.spec.kind, culprits)
+    counts = status.spec.unit == "tensors"
+    per_step = v.slope.slope
+    slope = per_step * bytes_per_unit if counts else per_step
+    active = status.state is not None and status.state.active
+    steps_to_oom = hours_to_oom = None
+    if headroom_bytes is not None and slope > 0 and active:
+        steps_to_oom = max(0.0, headroom_bytes) / slope
+        if seconds_per_step:
+            hours_to_oom = steps_to_oom * seconds_per_step / 3600
+    name = status.spec.name
+    parts = [f"{_KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
+    if status.phase != "train":
+        parts[0] += f" (phase {status.phase})"
+    if not active:
+        parts.append(f"growth stopped ({v.reason})")
+    else:
+        if counts:
+            rate = f"+{_count(per_step)} tensor{'s' if round(per_step) != 1 else ''}/step"
+            parts.append(f"{rate} (~{format_bytes(slope)}/step)")
+        else:
+            low = v.slope.low if math.isfinite(v.slope.low) else 0.0
+            parts.append(f"+{format_bytes(slope)}/step (>= {format_bytes(low)}/step at 95%)")
+        if status.onset_step is not None:
+            parts.append(f"since step {status.onset_step}")
+        grown = status.growth_bytes * bytes_per_unit if counts else status.growth_bytes
+        parts.append(f"+{format_bytes(grown)} so far")
+        if hours_to_oom is not None:
+            parts.append(f"out of memory in ~{_duration(hours_to_oom)} (~{steps_to_oom:,.0f} steps)")
+        elif steps_to_oom is not None:
+            parts.append(f"out of memory in ~{steps_to_oom:,.0f} steps")
+    summary = ", ".join(parts)
+    if active and holder_sentence:
+        summary += "; " + holder_sentence
+    elif culprits and active:
+        summary += "; " + culprit_sentence(culprits[0], culprit_steps)
+        if len(culprits) > 1:
+            summary += f" (+{len(culprits) - 1} more group{'s' if len(culprits) > 2 else ''})"
+    if sites and active:
+        summary += "; allocated at " + sites[0]
+    low, high = (v.slope.low, v.slope.high)
+    if counts:
+        low, high = low * bytes_per_unit, high * bytes_per_unit
+    return Finding(
+        kind=kind,
+        series=name,
+        state=status.state_name or "suspected",
+        slope_bytes_per_step=slope,
+        slope_low=low,
+        slope_high=high,
+        onset_step=status.onset_step,
+        growth_bytes=int(status.growth_bytes * (bytes_per_unit if counts else 1)),
+        steps_to_oom=steps_to_oom,
+        first_step=status.first_step if status.first_step is not None else status.step,
+        updated_step=status.step,
+        summary=summary,
+        device=status.spec.device,
+        culprits=tuple(culprits),
+        phase=status.phase,
+        p_value=v.p_increasing,
+        sites=tuple(sites),
+        tensors_per_step=per_step if counts else None,
+        hours_to_oom=hours_to_oom,
+        severity=severity(hours_to_oom, status.state),
+    )
+
+
+def _count(per_step: float) -> str:
+    """1 for 0.98 tensors/step (a count series is exact up to its sampling), 0.5 for 0.5."""
+    if per_step >= 0.95:
+        return f"{round(per_step):,}"
+    return f"{per_step:.2g}"
+
+
+def merge_findings(previous: Iterable[Finding], updates: Mapping[tuple[str, str], Finding]) -> tuple[Finding, ...]:
+    """Replace findings of the same (series, phase) by their update; keep the rest in order."""
+    out: list[Finding] = []
+    seen: set[tuple[str, str]] = set()
+    for f in previous:
+        key = (f.series, f.phase)
+        out.append(updates.get(key, f))
+        seen.add(key)
+    out.extend(f for key, f in updates.items() if key not in seen)
+    return tuple(out)

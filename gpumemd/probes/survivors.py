@@ -1,0 +1,240 @@
+"""Long-lived tensors, counted per group between censuses, from the garbage collector's young generations.
+
+Why this design (issue 11, "cheap per-step evidence"): a census scans the whole heap (tens of ms), so
+under a 1% budget it runs every few thousand steps on a fast job, and a list gaining one 2 KiB tensor
+per step is invisible in host RSS (freed heap chunks absorb it). What is cheap is where new objects
+live: CPython keeps every gc-tracked object allocated since the last collection in generation 0, and
+in a training loop, whose allocations and frees balance, it stays small (a collection runs once it
+exceeds ``threshold0``, 700 by default). Every ``scan_every`` steps the tracker lists the tensors there and takes *weak* references to them; a tensor still alive at the next
+scan has outlived a step boundary by ``scan_every`` steps: it is counted in its group (device, dtype,
+shape, has grad_fn) and a weakref callback uncounts it when it dies. A tensor that a collection moves
+to an older generation between two scans is caught by a ``gc.callbacks`` hook that lists the young
+tensors of generation 0 when any collection starts. So ``groups()`` gives the number of long-lived
+tensors per group, exact to ``scan_every`` steps, with no heap scan and no strong reference: object
+lifetimes never change. benchmarks/bench_leak.py measures the cost per step.
+
+What it cannot see: tensors only C++ holds (saved activations without a Python wrapper: the census's
+graph walk covers those) and tensors that were already old at attach (the baseline). Under
+``gc.disable()`` the young generation holds everything allocated since; the scan spaces itself out
+when it gets slow.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("gpumemd")
+
+MAX_TRACKED = 200_000
+"""Long-lived tensors tracked at most (one weakref each, ~100 bytes); beyond it new ones are not counted."""
+
+MAX_GROUPS = 256
+"""Distinct (device, dtype, shape, graph) groups at most; further shapes share one overflow group."""
+
+OVERFLOW = ("*", "*", (), False)
+_MAX_PENDING = 100_000  # candidates between two scans (a job that makes tensors faster is sampled)
+_SAMPLES = 4  # newest members kept (weakly) per group, for holder look-ups
+
+GroupKey = tuple[str, str, tuple[int, ...], bool]  # device, dtype, shape, has grad_fn
+
+
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    __slots__ = ("key", "nbytes", "tid")
+
+
+@dataclass(frozen=True, slots=True)
+class SurvivorGroup:
+    key: GroupKey
+    count: int
+    nbytes: int
+
+    @property
+    def device(self) -> str:
+        return self.key[0]
+
+    @property
+    def graph(self) -> bool:
+        return self.key[3]
+
+    def describe(self) -> str:
+        device, dtype, shape, graph = self.key
+        if self.key == OVERFLOW:
+            return "tensors of other shapes"
+        text = f"{dtype}[{', '.join(str(d) for d in shape)}]"
+        return text + " with grad_fn" if graph else text
+
+
+class SurvivorTracker:
+    """Counts tensors promoted to the oldest gc generation, per group; see the module docstring."""
+
+    def __init__(self, *, max_tracked: int = MAX_TRACKED, max_groups: int = MAX_GROUPS) -> None:
+        import torch
+
+        self._tensor_types = frozenset({torch.Tensor})  # exact type: parameters are not the leak
+        self._max_tracked = max_tracked
+        self._max_groups = max_groups
+        self._refs: dict[int, _Ref] = {}
+        self._counts: dict[GroupKey, int] = {}
+        self._bytes: dict[GroupKey, int] = {}
+        self._samples: dict[GroupKey, deque[_Ref]] = {}
+        # Candidates listed at the last scan (counted at the next one if alive) and those the gc
+        # callback listed since (they become candidates at the next scan, so that a tensor is
+        # counted only once it has outlived at least one whole scan interval).
+        self._pending: list[weakref.ref[Any]] = []
+        self._listed: list[weakref.ref[Any]] = []
+        self._installed = False
+        self.collections = 0  # collections seen
+        self.young_objects = 0  # objects in the young generations at the last look
+        self.truncated = False  # MAX_TRACKED was reached: counts are lower bounds
+        self.errors = 0
+        self._dtypes: dict[Any, str] = {}
+        self._devices: dict[Any, str] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._on_gc)
+            self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            try:
+                gc.callbacks.remove(self._on_gc)
+            except ValueError:
+                pass
+            self._installed = False
+        self._pending.clear()
+        self._listed.clear()
+        self._refs.clear()  # the weakrefs die with the dict: their callbacks never run
+        self._counts.clear()
+        self._bytes.clear()
+        self._samples.clear()
+
+    # --- reading (training thread, every few steps) ------------------------------------------
+
+    def groups(self) -> list[SurvivorGroup]:
+        return [SurvivorGroup(k, c, self._bytes.get(k, 0)) for k, c in list(self._counts.items())]
+
+    def count(self, key: GroupKey) -> int:
+        return self._counts.get(key, 0)
+
+    def total(self) -> tuple[int, dict[str, int]]:
+        """(tensors, bytes per device) of everything tracked."""
+        by_device: dict[str, int] = {}
+        for key, nbytes in list(self._bytes.items()):
+            by_device[key[0]] = by_device.get(key[0], 0) + nbytes
+        return len(self._refs), by_device
+
+    def sample(self, key: GroupKey) -> Any:
+        """The newest live member of a group (a strong reference: the caller drops it soon)."""
+        for ref in reversed(self._samples.get(key, ())):
+            obj = ref()
+            if obj is not None:
+                return obj
+        return None
+
+    # --- scanning (training thread) and the gc callback (any thread) ---------------------------
+
+    def scan(self) -> None:
+        """Count the candidates of the last scan that are still alive, then list the young tensors
+        as the next candidates. Called at step ends, every ``scan_every`` steps."""
+        try:
+            self._count_survivors()
+            listed, self._listed = self._listed, []
+            self._pending = listed + self._young()
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
+            self.errors += 1
+            self._pending.clear()
+            if self.errors == 1:
+                log.info("gpumemd: survivor scan failed (%s: %s)", type(exc).__name__, exc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # A collection moves generation 0's survivors to an older generation, where no scan looks:
+        # list them as candidates first (weakly: holding them would keep cyclic garbage
+        # alive through the very collection that is about to free it).
+        if phase != "start":
+            return
+        try:
+            self.collections += 1
+            if len(self._listed) < _MAX_PENDING:
+                self._listed.extend(self._young())
+        except Exception:  # noqa: BLE001 - never disturb the collector
+            self.errors += 1
+
+    def _young(self) -> list[weakref.ref[Any]]:
+        if len(self._refs) >= self._max_tracked:
+            self.truncated = True
+            return []
+        types = self._tensor_types
+        # Generation 0 only: every collection (the callback above) lists it before moving its
+        # survivors on, so a tensor is seen in generation 0 at least once whatever happens to it.
+        young = gc.get_objects(generation=0)
+        self.young_objects = len(young)
+        found = list(itertools.compress(young, map(types.__contains__, map(type, young))))
+        young.clear()
+        refs = self._refs
+        out = [weakref.ref(t) for t in found if id(t) not in refs]
+        found.clear()
+        return out
+
+    def _count_survivors(self) -> None:
+        pending, self._pending = self._pending, []
+        died = self._died
+        t = None
+        for ref in pending:
+            t = ref()
+            if t is None or id(t) in self._refs:
+                continue
+            if len(self._refs) >= self._max_tracked:
+                self.truncated = True
+                break
+            try:
+                key, nbytes = self._describe(t)
+            except Exception:  # noqa: BLE001 - an exotic tensor: not counted
+                self.errors += 1
+                continue
+            if key not in self._counts and len(self._counts) >= self._max_groups:
+                key = OVERFLOW
+            r = _Ref(t, died)
+            r.key, r.nbytes, r.tid = key, nbytes, id(t)
+            self._refs[r.tid] = r
+            self._counts[key] = self._counts.get(key, 0) + 1
+            self._bytes[key] = self._bytes.get(key, 0) + nbytes
+            samples = self._samples.get(key)
+            if samples is None:
+                samples = self._samples[key] = deque(maxlen=_SAMPLES)
+            samples.append(r)
+        del t
+
+    def _describe(self, t: Any) -> tuple[GroupKey, int]:
+        dev, dt = t.device, t.dtype
+        device = self._devices.get(dev)
+        if device is None:
+            device = self._devices[dev] = str(dev)
+        dtype = self._dtypes.get(dt)
+        if dtype is None:
+            dtype = self._dtypes[dt] = str(dt).removeprefix("torch.")
+        st = t.untyped_storage()
+        return (device, dtype, tuple(t.shape), t.grad_fn is not None), int(st.nbytes())
+
+    def _died(self, ref: Any) -> None:
+        if self._refs.get(ref.tid) is not ref:
+            return  # uninstalled, or an id reused after a reset
+        del self._refs[ref.tid]
+        key = ref.key
+        n = self._counts.get(key, 0) - 1
+        if n > 0:
+            self._counts[key] = n
+            self._bytes[key] = self._bytes.get(key, 0) - ref.nbytes
+        else:
+            self._counts.pop(key, None)
+            self._bytes.pop(key, None)
+            self._samples.pop(key, None)
+
