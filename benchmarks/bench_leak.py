@@ -27,7 +27,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 
-from gpumemd.analysis.leak import DetectorConfig, LeakDetector, SeriesSpec  # noqa: E402
+from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
 BASE = 10 * 1024 * MIB
@@ -37,34 +37,37 @@ def scenario_table(repeats: int) -> None:
     import leak_scenarios as ls
 
     logging.getLogger("gpumemd").setLevel(logging.ERROR)
-    print("## Scenario suite (real CPU training loops)\n")
-    print(f"Settings: {ls.SETTINGS}; leak onset at step {ls.ONSET}; {ls.STEPS} steps per job.\n")
-    print("| scenario | expected | found | onset → suspected | onset → confirmed | holder named | "
-          "leak component µs/step |")
-    print("|---|---|---|---|---|---|---|")
+    print("## Scenario suite (real CPU training loops, default settings)\n")
+    print(f"Settings: attach() defaults (only output_dir); leak onset at step {ls.ONSET} "
+          f"({ls.LATE_ONSET} for the late one); healthy jobs run {ls.STEPS} steps.\n")
+    print("| scenario | expected | found | onset → suspected | onset → confirmed | onset error | holder named | "
+          "leak component µs/step | survivor scan µs/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for s in ls.LEAKS:
         out = ls.run_scenario(s, tempfile.mkdtemp(prefix="bench-leak-"))
         sus, conf = out.first("suspected"), out.first("confirmed")
         kinds = ",".join(sorted({e["kind"] for e in out.events})) or "-"
         named = conf is not None and all(h in conf["summary"] for h in s.holder)
-        print(f"| {s.name} | {s.kind} | {kinds} | {sus['updated_step'] - ls.ONSET if sus else 'missed'} | "
-              f"{conf['updated_step'] - ls.ONSET if conf else 'missed'} | {'yes' if named else 'no'} | "
-              f"{out.leak_step_s / max(out.steps, 1) * 1e6:.0f} |")
+        err = conf["onset_step"] - s.onset if conf and conf["onset_step"] is not None else "-"
+        print(f"| {s.name} | {s.kind} | {kinds} | {sus['updated_step'] - s.onset if sus else 'missed'} | "
+              f"{conf['updated_step'] - s.onset if conf else 'missed'} | {err} | {'yes' if named else 'no'} | "
+              f"{out.leak_step_s / max(out.steps, 1) * 1e6:.0f} | {out.scan_s / max(out.steps, 1) * 1e6:.1f} |")
     false = 0
     costs = []
     for s in ls.HEALTHY:
         kinds: set[str] = set()
-        for _ in range(repeats):
-            out = ls.run_scenario(s, tempfile.mkdtemp(prefix="bench-leak-"))
+        scans = []
+        for seed in range(repeats):
+            out = ls.run_scenario(s, tempfile.mkdtemp(prefix="bench-leak-"), seed=seed)
             false += len(out.events)
             kinds.update(e["kind"] for e in out.events)
             costs.append(out.leak_step_s / max(out.steps, 1) * 1e6)
-        print(f"| {s.name} (x{repeats}) | healthy | {','.join(sorted(kinds)) or 'nothing'} | - | - | - | "
-              f"{statistics.median(costs[-repeats:]):.0f} |")
-    print(f"\nFalse findings (state changes) over {len(ls.HEALTHY)} healthy jobs x {repeats} runs: **{false}**. "
+            scans.append(out.scan_s / max(out.steps, 1) * 1e6)
+        print(f"| {s.name} (seeds 0-{repeats - 1}) | healthy | {','.join(sorted(kinds)) or 'nothing'} | - | - | - | - | "
+              f"{statistics.median(costs[-repeats:]):.0f} | {statistics.median(scans):.1f} |")
+    print(f"\nFalse findings (state changes) over {len(ls.HEALTHY)} healthy jobs x {repeats} seeds: **{false}**. "
           f"Leak component on healthy jobs: median {statistics.median(costs):.0f} µs/step "
-          f"(feeding + evaluations every {ls.SETTINGS['leak_check_every_steps']} steps, "
-          f"including heap scans for culprit evidence when host RSS rises).\n")
+          "(feeding, survivor scans every 10 steps, evaluations every 50 steps).\n")
 
 
 def _run(y: np.ndarray, config: DetectorConfig) -> list[tuple[int, str | None]]:
@@ -74,7 +77,7 @@ def _run(y: np.ndarray, config: DetectorConfig) -> list[tuple[int, str | None]]:
     for step, v in enumerate(y):
         d.observe("s", step, float(v))
         if d.due(step):
-            changes += [(step, st.state) for st in d.evaluate(step) if st.changed]
+            changes += [(step, st.state_name) for st in d.evaluate(step) if st.changed]
     return changes
 
 
@@ -180,11 +183,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds for the generated-series tables")
     parser.add_argument("--skip-scenarios", action="store_true", help="only the generated-series tables")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each healthy job (default 3)")
+    parser.add_argument("--scenarios-only", action="store_true", help="only the scenario suite")
+    parser.add_argument("--repeats", type=int, default=3, help="seeds of each healthy job (default 3)")
     args = parser.parse_args()
     seeds = 5 if args.quick else 20
     if not args.skip_scenarios:
         scenario_table(args.repeats)
+    if args.scenarios_only:
+        return
     generated_table(seeds)
     latency_table(max(3, seeds // 4))
     cost_table()

@@ -140,8 +140,23 @@ class TrackStatus:
 
 class _Track:
     __slots__ = (
-        "block_min", "block_n", "block_xsum", "consecutive_fail", "consecutive_pass", "episode_slope",
-        "first_step", "last_status", "onset", "floors", "peak", "previous", "resets", "spec", "state", "trough", "trough_x",
+        "block_min",
+        "block_n",
+        "block_xsum",
+        "consecutive_fail",
+        "consecutive_pass",
+        "episode_slope",
+        "first_step",
+        "floors",
+        "last_status",
+        "onset",
+        "peak",
+        "previous",
+        "resets",
+        "spec",
+        "state",
+        "trough",
+        "trough_x",
     )
 
     def __init__(self, spec: SeriesSpec, max_floors: int) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpumemd._version import __version__
+from gpumemd.analysis.leak_detector import LeakState
 from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, LEAK_STATE_VALUES
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import AgentState
@@ -43,7 +44,7 @@ _ALLOCATOR_GAUGES: dict[str, str] = {
     "reserved_peak_bytes": "gpumemd_allocator_peak_reserved_bytes",
     "segment_count": "gpumemd_allocator_segments",
 }
-_SEVERITY = {"confirmed": 2, "suspected": 1, "cleared": 0}
+_SEVERITY = {state.value: state.severity for state in LeakState}
 
 
 class CounterBaseline:

@@ -302,11 +302,12 @@ def _where_assigned(code: types.CodeType, name: str, running_line: int | None) -
     if key not in _ASSIGNED:
         import dis
 
-        line = None
+        line = current = None
         try:
             for ins in dis.get_instructions(code):
+                current = ins.starts_line or current  # set on the first instruction of each line
                 if ins.opname in _STORES and ins.argval == name:
-                    line = ins.positions.lineno if ins.positions is not None else None
+                    line = current
                     break
         except Exception:  # noqa: BLE001 - odd code objects: fall back to the running line
             line = None

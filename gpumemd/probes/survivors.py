@@ -5,7 +5,8 @@ under a 1% budget it runs every few thousand steps on a fast job, and a list gai
 per step is invisible in host RSS (freed heap chunks absorb it). What is cheap is where new objects
 live: CPython keeps every gc-tracked object allocated since the last collection in generation 0, and
 in a training loop, whose allocations and frees balance, it stays small (a collection runs once it
-exceeds ``threshold0``, 700 by default). Every ``scan_every`` steps the tracker lists the tensors there and takes *weak* references to them; a tensor still alive at the next
+exceeds ``threshold0``, 700 by default). Every ``scan_every`` steps the tracker lists the tensors
+there and takes *weak* references to them; a tensor still alive at the next
 scan has outlived a step boundary by ``scan_every`` steps: it is counted in its group (device, dtype,
 shape, has grad_fn) and a weakref callback uncounts it when it dies. A tensor that a collection moves
 to an older generation between two scans is caught by a ``gc.callbacks`` hook that lists the young
@@ -21,6 +22,7 @@ when it gets slow.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -44,8 +46,11 @@ _SAMPLES = 4  # newest members kept (weakly) per group, for holder look-ups
 GroupKey = tuple[str, str, tuple[int, ...], bool]  # device, dtype, shape, has grad_fn
 
 
-class _Ref(weakref.ref):  # type: ignore[type-arg]
+class _Ref(weakref.ref[Any]):
     __slots__ = ("key", "nbytes", "tid")
+    key: GroupKey
+    nbytes: int
+    tid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +68,7 @@ class SurvivorGroup:
         return self.key[3]
 
     def describe(self) -> str:
-        device, dtype, shape, graph = self.key
+        _, dtype, shape, graph = self.key
         if self.key == OVERFLOW:
             return "tensors of other shapes"
         text = f"{dtype}[{', '.join(str(d) for d in shape)}]"
@@ -105,10 +110,8 @@ class SurvivorTracker:
 
     def uninstall(self) -> None:
         if self._installed:
-            try:
+            with contextlib.suppress(ValueError):
                 gc.callbacks.remove(self._on_gc)
-            except ValueError:
-                pass
             self._installed = False
         self._pending.clear()
         self._listed.clear()
@@ -224,7 +227,7 @@ class SurvivorTracker:
         st = t.untyped_storage()
         return (device, dtype, tuple(t.shape), t.grad_fn is not None), int(st.nbytes())
 
-    def _died(self, ref: Any) -> None:
+    def _died(self, ref: _Ref) -> None:
         if self._refs.get(ref.tid) is not ref:
             return  # uninstalled, or an id reused after a reset
         del self._refs[ref.tid]

@@ -29,7 +29,7 @@ ONSET = 300
 LATE_ONSET = 800
 SETTINGS: dict[str, Any] = {}  # the defaults: the product is what attach() does with no options
 SUSPECT_WITHIN = 1_500  # steps from onset to "suspected" (the README states these)
-SUSPECT_WITHIN_LARGE = 500  # ... for leaks of >= 64 KiB/step
+SUSPECT_WITHIN_LARGE = 600  # ... for leaks of >= 64 KiB/step (500 idle; one check later on a loaded box)
 
 
 _STOP = [False]  # set once the leak is confirmed: the rest of a leaking run would add nothing
@@ -366,6 +366,7 @@ class Outcome:
     wall_s: float
     leak_eval_s: float  # time spent in the detector's evaluations
     leak_step_s: float  # the leak component's total on_step time (feeding + evaluations)
+    scan_s: float = 0.0  # of which survivor scans (long-lived tensor counts)
 
     def first(self, state: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e["state"] == state), None)
@@ -412,9 +413,10 @@ def run_scenario(scenario: Scenario, output_dir: str, steps: int | None = None, 
         findings = agent.findings()
         path = component.findings_path  # type: ignore[attr-defined]
         eval_s = component.evaluate_seconds  # type: ignore[attr-defined]
+        scan_s = component.scan_seconds  # type: ignore[attr-defined]
         recorded = agent.state().steps_total
     events = []
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             events = [json.loads(line) for line in f]
-    return Outcome(events, findings, recorded, time.perf_counter() - start, eval_s, timed.seconds)
+    return Outcome(events, findings, recorded, time.perf_counter() - start, eval_s, timed.seconds, scan_s)

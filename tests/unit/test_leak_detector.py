@@ -7,10 +7,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from gpumemd.analysis.leak import (
-    DetectorConfig,
-    LeakDetector,
-    SeriesSpec,
+from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, hinge_onset
+from gpumemd.analysis.leak_wording import (
     build_finding,
     culprit_sentence,
     culprits_from_diff,
@@ -36,7 +34,7 @@ def run(
     for step, value in enumerate(y):
         detector.observe("allocated_bytes{device=0}", step, float(value), phases[step] if phases else "train")
         if detector.due(step):
-            changes += [(step, s.state) for s in detector.evaluate(step) if s.changed]
+            changes += [(step, s.state_name) for s in detector.evaluate(step) if s.changed]
     return changes
 
 
@@ -135,7 +133,7 @@ def test_explained_series_does_not_fire() -> None:
             detector.observe("census_bytes{device=cpu}", step, 10 * MIB + step * 30 * KIB)
         if detector.due(step):
             for status in detector.evaluate(step):
-                fired.setdefault(status.spec.name, status.state or "")
+                fired.setdefault(status.spec.name, status.state_name or "")
     assert fired == {"census_bytes{device=cpu}": "suspected"}
 
 
@@ -151,7 +149,7 @@ def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
         if detector.due(step):
             statuses += [s for s in detector.evaluate(step) if s.changed]
     status = statuses[0]
-    assert status.state == "suspected"
+    assert status.state is LeakState.SUSPECTED
     assert status.onset_step is not None and abs(status.onset_step - 800) <= 60
     key = GroupKey("cpu", "float32", (), "graph", None)
     culprits = culprits_from_diff([GroupDelta(key, 100, 400, 100 * 3 * MIB, "list `losses` (train.py:57 in main)")])
@@ -188,3 +186,30 @@ def test_detector_memory_is_bounded() -> None:
     assert len(tracks) == DetectorConfig().max_phases  # further phases are ignored, not tracked
     assert all(len(t.floors) <= t.floors.maxlen for t in tracks.values())  # type: ignore[operator]
     assert all(t.floors.maxlen is not None for t in tracks.values())
+
+
+def test_hinge_onset_finds_the_knee_not_the_window_start() -> None:
+    xs = [float(x) for x in range(0, 3000, 10)]
+    ys = [1e6 if x < 600 else 1e6 + 2048 * (x - 600) for x in xs]
+    assert xs[hinge_onset(xs, ys)] == 600
+    noisy = [y + ((i * 7919) % 13 - 6) * 10_000 for i, y in enumerate(ys)]
+    assert abs(xs[hinge_onset(xs, noisy)] - 600) <= 30
+    assert hinge_onset(xs, [5.0] * len(xs)) == 0  # flat: no knee
+
+
+def test_a_leak_that_goes_on_is_never_cleared_even_when_its_windows_fail() -> None:
+    """A steady leak whose windows stop passing (the threshold rose with the step rate) stays."""
+    rng = np.random.default_rng(3)
+    steps = np.arange(6000)
+    y = BASE + rng.normal(0, 2 * MIB, steps.size) + np.where(steps > 500, (steps - 500) * 256 * KIB, 0)
+    detector = LeakDetector(CONFIG)
+    detector.add_series(SeriesSpec("s", "tensor_leak"))
+    states = []
+    for step, v in enumerate(y):
+        detector.observe("s", step, float(v))
+        if detector.due(step):
+            # after step 3000 the threshold is far above the slope: every window fails
+            threshold = 64 * KIB if step < 3000 else 10 * MIB
+            states += [s.state_name for s in detector.evaluate(step, {"s": threshold}) if s.changed]
+    assert states[:2] == ["suspected", "confirmed"]
+    assert "cleared" not in states
