@@ -63,7 +63,8 @@ def scenario_table(repeats: int) -> None:
             kinds.update(e["kind"] for e in out.events)
             costs.append(out.leak_step_s / max(out.steps, 1) * 1e6)
             scans.append(out.scan_s / max(out.steps, 1) * 1e6)
-        print(f"| {s.name} (seeds 0-{repeats - 1}) | healthy | {','.join(sorted(kinds)) or 'nothing'} | - | - | - | - | "
+        found = ",".join(sorted(kinds)) or "nothing"
+        print(f"| {s.name} (seeds 0-{repeats - 1}) | healthy | {found} | - | - | - | - | "
               f"{statistics.median(costs[-repeats:]):.0f} | {statistics.median(scans):.1f} |")
     print(f"\nFalse findings (state changes) over {len(ls.HEALTHY)} healthy jobs x {repeats} seeds: **{false}**. "
           f"Leak component on healthy jobs: median {statistics.median(costs):.0f} µs/step "
