@@ -445,7 +445,7 @@ class LeakDetector:
         if i > 0 or track.onset is None:
             # i == 0: the flat start has left the bounded history; the onset found while it was
             # there stays (never later than the data says).
-            track.onset = int(xs[i]) if i > 0 or track.onset is None else track.onset
+            track.onset = int(xs[i])
         growth = max(0.0, now - before)
         return track.onset, growth
 

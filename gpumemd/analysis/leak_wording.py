@@ -179,7 +179,8 @@ def build_finding(
         parts.append(f"growth stopped ({v.reason})")
     else:
         if counts:
-            rate = f"+{_count(per_step)} tensor{'s' if round(per_step) != 1 else ''}/step"
+            n = _count(per_step)
+            rate = f"+{n} tensor{'' if n == '1' else 's'}/step"
             parts.append(f"{rate} (~{format_bytes(slope)}/step)")
         else:
             low = v.slope.low if math.isfinite(v.slope.low) else 0.0
@@ -226,6 +227,17 @@ def build_finding(
         hours_to_oom=hours_to_oom,
         severity=severity(hours_to_oom, status.state),
     )
+
+
+def count_sentence(per_step: float, description: str, own_bytes: float, graph_bytes: float,
+                   holder: str | None) -> str:
+    """The culprit sentence of a count series, written from the tensors themselves: '+1 tensor/step:
+    float32[4, 128] (~2.0 KiB/step), held by `kept` in main() at train.py:12 → list of 1,204 items'."""
+    n = _count(per_step)
+    text = f"+{n} tensor{'' if n == '1' else 's'}/step: {description} (~{format_bytes(per_step * own_bytes)}/step"
+    if graph_bytes:
+        text += f", keeping ~{format_bytes(per_step * graph_bytes)}/step of autograd graph alive"
+    return text + ")" + (f", held by {holder}" if holder else ", holder not found")
 
 
 def _count(per_step: float) -> str:

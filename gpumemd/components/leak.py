@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
-from gpumemd.analysis.leak_wording import build_finding, culprits_from_diff, refine_kind
-from gpumemd.analysis.units import format_bytes
+from gpumemd.analysis.leak_wording import build_finding, count_sentence, culprits_from_diff, refine_kind
 from gpumemd.records.findings import Culprit, Finding
 
 if TYPE_CHECKING:
@@ -429,14 +428,8 @@ class LeakComponent:
             del sample
         own = group.nbytes / group.count if group is not None and group.count else 0.0
         per_tensor = own + graph_bytes
-        rate = status.verdict.slope.slope
-        desc = (group.describe() if group is not None else status.spec.name)
-        n = f"{rate:.0f}" if rate >= 0.95 else f"{rate:.2g}"
-        sentence = f"+{n} tensor{'s' if n != '1' else ''}/step: {desc} (~{format_bytes(rate * own)}/step"
-        if graph_bytes:
-            sentence += f", keeping ~{format_bytes(rate * graph_bytes)}/step of autograd graph alive"
-        sentence += ")"
-        sentence += f", held by {holder}" if holder else ", holder not found"
+        desc = group.describe() if group is not None else status.spec.name
+        sentence = count_sentence(status.verdict.slope.slope, desc, own, graph_bytes, holder)
         graphy = graph_kept or (status.spec.kind == "graph_leak" and graph_bytes >= own)
         kind = "graph_leak" if graphy else "tensor_leak"
         culprit = Culprit(description=desc, count_delta=round(status.growth_bytes),

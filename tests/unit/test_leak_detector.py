@@ -10,6 +10,7 @@ import pytest
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, hinge_onset
 from gpumemd.analysis.leak_wording import (
     build_finding,
+    count_sentence,
     culprit_sentence,
     culprits_from_diff,
     merge_findings,
@@ -24,17 +25,23 @@ BASE = 10 * 1024 * MIB
 CONFIG = DetectorConfig(min_bytes_per_step=64 * KIB)  # short window 500 steps, checks every 50
 
 
+SERIES = "allocated_bytes{device=0}"
+
+
 def run(
-    y: np.ndarray, config: DetectorConfig = CONFIG, phases: list[str] | None = None
+    y: np.ndarray, config: DetectorConfig = CONFIG, phases: list[str] | None = None,
+    threshold: Callable[[int], float] | None = None,
 ) -> list[tuple[int, str | None]]:
-    """Feed one series; return the (step, state) changes."""
+    """Feed one series; return the (step, state) changes. ``threshold(step)``: the min slope the
+    component would pass at that evaluation (default: the config's)."""
     detector = LeakDetector(config)
-    detector.add_series(SeriesSpec("allocated_bytes{device=0}", "tensor_leak", device=0))
+    detector.add_series(SeriesSpec(SERIES, "tensor_leak", device=0))
     changes = []
     for step, value in enumerate(y):
-        detector.observe("allocated_bytes{device=0}", step, float(value), phases[step] if phases else "train")
+        detector.observe(SERIES, step, float(value), phases[step] if phases else "train")
         if detector.due(step):
-            changes += [(step, s.state_name) for s in detector.evaluate(step) if s.changed]
+            slopes = {SERIES: threshold(step)} if threshold is not None else None
+            changes += [(step, s.state_name) for s in detector.evaluate(step, slopes) if s.changed]
     return changes
 
 
@@ -202,14 +209,16 @@ def test_a_leak_that_goes_on_is_never_cleared_even_when_its_windows_fail() -> No
     rng = np.random.default_rng(3)
     steps = np.arange(6000)
     y = BASE + rng.normal(0, 2 * MIB, steps.size) + np.where(steps > 500, (steps - 500) * 256 * KIB, 0)
-    detector = LeakDetector(CONFIG)
-    detector.add_series(SeriesSpec("s", "tensor_leak"))
-    states = []
-    for step, v in enumerate(y):
-        detector.observe("s", step, float(v))
-        if detector.due(step):
-            # after step 3000 the threshold is far above the slope: every window fails
-            threshold = 64 * KIB if step < 3000 else 10 * MIB
-            states += [s.state_name for s in detector.evaluate(step, {"s": threshold}) if s.changed]
+    # after step 3000 the threshold is far above the slope: every window fails
+    states = [state for _, state in run(y, threshold=lambda step: 64 * KIB if step < 3000 else 10 * MIB)]
     assert states[:2] == ["suspected", "confirmed"]
     assert "cleared" not in states
+
+
+def test_count_sentence_says_one_tensor_per_step_and_who_holds_them() -> None:
+    text = count_sentence(0.98, "float32[4, 128]", 2048, 0, "`kept` in main() at train.py:12 → list of 600 items")
+    assert text == ("+1 tensor/step: float32[4, 128] (~2.0 KiB/step), "
+                    "held by `kept` in main() at train.py:12 → list of 600 items")
+    graph = count_sentence(0.5, "float32[] with grad_fn", 4, 32 * KIB, None)
+    assert graph.startswith("+0.5 tensors/step: float32[] with grad_fn")
+    assert "keeping ~16.0 KiB/step of autograd graph alive" in graph and graph.endswith("holder not found")
