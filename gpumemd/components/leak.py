@@ -53,6 +53,11 @@ NOISE_FLOOR_BYTES = {
     "fragmentation": 256 * 1024.0,
     "non_pytorch": 256 * 1024.0,
 }
+RSS_BURST_BYTES = 8 * 1024 * 1024
+"""Host RSS rises in malloc-arena bursts of a few MiB while heaps warm up (measured: 3-6 MiB in the demo
+and a Hugging Face Trainer fit). Over a short window one burst looks like a slope, so the host floor is
+at least this much per window: 16 KiB/step at the default 500-step window, more for shorter ones."""
+
 COUNT_FLOOR = 0.1
 """Long-lived tensors per step below which a count series never fires (one per 10 steps)."""
 
@@ -257,6 +262,8 @@ class LeakComponent:
                 out[spec.name] = float(fixed)
                 continue
             floor = NOISE_FLOOR_BYTES.get(family, NOISE_FLOOR_BYTES["allocated"])
+            if family == "host":
+                floor = max(floor, RSS_BURST_BYTES / c.leak_window_steps)
             headroom = self._headroom(spec)
             material = headroom / horizon_steps if headroom is not None and horizon_steps else 0.0
             out[spec.name] = max(floor, material)
@@ -303,6 +310,13 @@ class LeakComponent:
                 if status.changed:
                     log.debug("gpumemd: %s grows, but %s", status.spec.name, "cyclic garbage the collector will free"
                               if evidence.garbage else "it is kept by a graph already reported")
+                continue
+            if not active and status.verdict.reason.startswith("explained"):
+                # The growth goes on, as another series' finding: withdraw this one, never say it stopped.
+                self._findings.pop(key, None)
+                self._culprits.pop(key, None)
+                if status.changed:
+                    log.info("gpumemd: %s growth is %s; reported there", status.spec.name, status.verdict.reason)
                 continue
             dated = status
             if evidence.onset_step is not None and status.onset_step is not None:

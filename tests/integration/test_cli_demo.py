@@ -24,6 +24,8 @@ def test_demo_finds_and_names_the_planted_leak(tmp_path) -> None:  # type: ignor
     verdict = lines[-1]
     assert verdict.startswith("[confirmed] retained autograd graph confirmed")
     assert "held by `history` in run() at cli/demo.py" in verdict
+    # one leak, one finding: host RSS growth that the tensor counts explain is never "cleared"
+    assert [line for line in lines if line.startswith("[")] == [verdict]
     assert (tmp_path / "leak-findings-rank0.jsonl").exists()
 
 
