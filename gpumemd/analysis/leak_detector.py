@@ -72,7 +72,7 @@ class SeriesSpec:
     alarm: bool = True  # False: tracked for attribution only, never raises a finding itself
     explained_by: tuple[str, ...] = ()  # series whose growth, when as fast, accounts for this one's
     min_bytes_per_step: float | None = None  # this series' own effect size (default: the detector's)
-    unit: str = "bytes"  # what the values count: "bytes", or "tensors" (count evidence)
+    unit: str = "bytes"  # what the values count: "bytes", "tensors" or "nodes" (autograd nodes chained)
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:

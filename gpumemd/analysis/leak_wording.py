@@ -127,6 +127,8 @@ def _the(holder: str) -> str:
     return "the " + holder if holder.startswith("autograd graph") else holder
 
 
+_UNIT_NOUNS = {"tensors": "tensor", "nodes": "autograd node"}
+
 _KIND_WORDS = {
     "tensor_leak": "tensor leak",
     "graph_leak": "retained autograd graph",
@@ -162,7 +164,8 @@ def build_finding(
     component wrote it from the tensors themselves."""
     v = status.verdict
     kind = kind or refine_kind(status.spec.kind, culprits)
-    counts = status.spec.unit == "tensors"
+    counts = status.spec.unit != "bytes"
+    noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
     per_step = v.slope.slope
     slope = per_step * bytes_per_unit if counts else per_step
     active = status.state is not None and status.state.active
@@ -180,15 +183,18 @@ def build_finding(
     else:
         if counts:
             n = _count(per_step)
-            rate = f"+{n} tensor{'' if n == '1' else 's'}/step"
-            parts.append(f"{rate} (~{format_bytes(slope)}/step)")
+            rate = f"+{n} {noun}{'' if n == '1' else 's'}/step"
+            parts.append(f"{rate} (~{format_bytes(slope)}/step)" if slope >= 1 else rate)
         else:
             low = v.slope.low if math.isfinite(v.slope.low) else 0.0
             parts.append(f"+{format_bytes(slope)}/step (>= {format_bytes(low)}/step at 95%)")
         if status.onset_step is not None:
             parts.append(f"since step {status.onset_step}")
         grown = status.growth_bytes * bytes_per_unit if counts else status.growth_bytes
-        parts.append(f"+{format_bytes(grown)} so far")
+        if counts and grown < 1:
+            parts.append(f"+{status.growth_bytes:,.0f} {noun}s so far")
+        else:
+            parts.append(f"+{format_bytes(grown)} so far")
         if hours_to_oom is not None:
             parts.append(f"out of memory in ~{_duration(hours_to_oom)} (~{steps_to_oom:,.0f} steps)")
         elif steps_to_oom is not None:
@@ -223,7 +229,7 @@ def build_finding(
         phase=status.phase,
         p_value=v.p_increasing,
         sites=tuple(sites),
-        tensors_per_step=per_step if counts else None,
+        tensors_per_step=per_step if status.spec.unit == "tensors" else None,
         hours_to_oom=hours_to_oom,
         severity=severity(hours_to_oom, status.state),
     )
@@ -238,6 +244,19 @@ def count_sentence(per_step: float, description: str, own_bytes: float, graph_by
     if graph_bytes:
         text += f", keeping ~{format_bytes(per_step * graph_bytes)}/step of autograd graph alive"
     return text + ")" + (f", held by {holder}" if holder else ", holder not found")
+
+
+def chain_sentence(description: str, graph_nodes: int, saved_per_step: float, holder: str | None) -> str:
+    """The culprit sentence of a graph chain: 'every step's graph stays chained to float32[] held by
+    `epoch_loss` in train() at train.py:57 (graph of 3,001 nodes now; backward() freed their saved
+    tensors, the nodes stay): accumulate `.item()` or `.detach()`, not the tensor with its graph'."""
+    text = (f"every step's graph stays chained to {description}"
+            f"{f' held by {holder}' if holder else ' (holder not found)'} (graph of {graph_nodes:,} nodes now; ")
+    if saved_per_step >= 1:
+        text += f"its saved tensors grow ~{format_bytes(saved_per_step)}/step)"
+    else:
+        text += "backward() freed their saved tensors, the nodes stay)"
+    return text + ": accumulate `.item()` or `.detach()`, not the tensor with its graph"
 
 
 def _count(per_step: float) -> str:

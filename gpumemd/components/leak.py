@@ -100,6 +100,8 @@ class LeakComponent:
         self.scan_seconds = 0.0  # time spent in survivor scans (benchmarks read it)
         self._tracker: Any = None
         self._count_specs: dict[Any, SeriesSpec] = {}  # survivor group key -> its count series
+        self._chains: Any = None
+        self._chain_specs: dict[Any, SeriesSpec] = {}  # chain group key -> its node-count series
         self._seconds_per_step: float | None = None
         self._own_record_bytes: float | None = None
 
@@ -116,24 +118,33 @@ class LeakComponent:
         ))
         self._host_spec = SeriesSpec(
             "host_rss_bytes", "host_leak",
-            explained_by=("census_bytes{device=cpu}", "long_lived_bytes{device=cpu}", "tensors{device=cpu,*"))
+            explained_by=("census_bytes{device=cpu}", "long_lived_bytes{device=cpu}", "tensors{device=cpu,*",
+                          "graph_nodes{device=cpu,*"))
         self._seconds_per_step = None
         self._own_record_bytes = None
         try:
             from gpumemd.probes.survivors import SurvivorTracker
 
+            from gpumemd.probes.graph_chains import GraphChainTracker
+
             self._tracker = SurvivorTracker()
             self._tracker.install()
+            self._chains = GraphChainTracker()
         except Exception as exc:  # noqa: BLE001 - no count evidence then; bytes series still run
             log.info("gpumemd: long-lived tensor tracking is off (%s: %s)", type(exc).__name__, exc)
             self._tracker = None
+            self._chains = None
 
 
     def stop(self) -> None:
         if self._tracker is not None:
             self._tracker.uninstall()
             self._tracker = None
+        if self._chains is not None:
+            self._chains.clear()
+            self._chains = None
         self._count_specs.clear()
+        self._chain_specs.clear()
         if self._history_enabled_by_us:
             self._history_enabled_by_us = False
             try:
@@ -161,6 +172,8 @@ class LeakComponent:
         if detector is None:
             return
         self._feed(record)
+        if self._chains is not None and (record.step + 1) % SCAN_EVERY == 0:
+            self._chains.mark_step()  # the next scan's roots are new if made after this
         if self._tracker is not None and record.step % SCAN_EVERY == 0:
             start = time.perf_counter()
             try:
@@ -241,6 +254,32 @@ class LeakComponent:
         for key, spec in specs.items():
             if tracker.count(key) == 0:
                 self._observe(spec, record.step, 0, record.phase)  # all died: the series drops to 0
+        if self._chains is not None:
+            self._feed_chains(record)
+
+    def _feed_chains(self, record: StepRecord) -> None:
+        """Follow autograd graphs chained across steps and feed their node counts."""
+        from gpumemd.probes.graph_chains import MAX_ROOTS
+
+        chains = self._chains
+        roots = self._tracker.new_graph_roots(MAX_ROOTS)
+        try:
+            chains.scan(roots)
+        finally:
+            roots.clear()
+        specs = self._chain_specs
+        for group in chains.groups():
+            spec = specs.get(group.key)
+            if spec is None:
+                if group.nodes < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
+                    continue
+                spec = specs[group.key] = SeriesSpec(
+                    f"graph_nodes{{device={group.device},group={group.describe()}}}", "graph_leak",
+                    _cuda_index(group.device), sparse=True, unit="nodes")
+            self._observe(spec, record.step, group.nodes, record.phase)
+        for key, spec in specs.items():
+            if chains.nodes(key) == 0:
+                self._observe(spec, record.step, 0, record.phase)  # the chain ended
 
     def _min_slopes(self) -> dict[str, float]:
         """Per series, the growth per step that matters: what would exhaust the headroom it draws on
@@ -253,7 +292,7 @@ class LeakComponent:
             horizon_steps = c.leak_horizon_hours * 3600 / self._seconds_per_step
         out: dict[str, float] = {}
         for spec in self._detector.series():
-            if spec.unit == "tensors":
+            if spec.unit != "bytes":
                 out[spec.name] = COUNT_FLOOR
                 continue
             family = _family(spec.name)
@@ -344,7 +383,7 @@ class LeakComponent:
         """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
         the heap scans that look for other culprits are not worth their cost."""
         assert self._detector is not None
-        names = {spec.name for spec in self._count_specs.values()}
+        names = {spec.name for spec in (*self._count_specs.values(), *self._chain_specs.values())}
         if any(name in names for name, _ in self._detector.rising):
             return True
         return any(f.series in names and f.state != "cleared" for f in self._findings.values())
@@ -397,6 +436,8 @@ class LeakComponent:
             return self._host_culprits(status)
         if status.spec.unit == "tensors":
             return self._count_culprits(status)
+        if status.spec.unit == "nodes":
+            return self._chain_culprits(status)
         if kind in ("tensor_leak", "graph_leak"):
             return self._census_culprits(status)
         return _NO_EVIDENCE
@@ -453,6 +494,38 @@ class LeakComponent:
         return _Evidence((culprit,), status.step - (status.onset_step or status.step), (), kind,
                          bytes_per_unit=max(per_tensor, 1.0), sentence=sentence, graph_kept=graph_kept,
                          garbage=garbage)
+
+    def _chain_culprits(self, status: TrackStatus) -> _Evidence:
+        """Who holds the newest tensor of a growing graph chain, how large the graph it reaches is,
+        and what its saved tensors cost (zero once backward() freed them: the nodes alone grow)."""
+        from gpumemd.analysis.leak_wording import chain_sentence
+        from gpumemd.probes.host_objects import graph_size, saved_bytes
+        from gpumemd.probes.referrers import who_holds
+
+        key = next((k for k, spec in self._chain_specs.items() if spec is status.spec), None)
+        sample = self._chains.sample(key) if key is not None and self._chains is not None else None
+        if sample is None:
+            return _NO_EVIDENCE
+        try:
+            holder = who_holds(sample, time_budget_s=_HOLDER_BUDGET_S, ignore=(self._chain_specs,))
+            nodes = graph_size(sample)
+            saved = saved_bytes(sample)
+        finally:
+            del sample
+        per_step = status.verdict.slope.slope
+        since = status.onset_step if status.onset_step is not None else status.window_start
+        saved_per_step = saved / max(1.0, status.step - since)
+        desc = key[1] + "[" + ", ".join(str(d) for d in key[2]) + "]" if key is not None else status.spec.name
+        sentence = chain_sentence(desc, nodes, saved_per_step, holder)
+        culprit = Culprit(description=f"{desc} with grad_fn (autograd graph of {nodes:,} nodes)",
+                          count_delta=round(status.growth_bytes), bytes_delta=0, holder=holder,
+                          graph_bytes_delta=round(saved_per_step * (status.step - since)), category="graph",
+                          noun="autograd node")
+        # What a node itself costs is not measurable from Python: bytes (and a time to OOM) only
+        # when the chain also keeps saved tensors worth a noise floor.
+        material = saved_per_step >= NOISE_FLOOR_BYTES["census"] and per_step > 0
+        return _Evidence((culprit,), status.step - since, (), "graph_leak",
+                         bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence)
 
     def _census_culprits(self, status: TrackStatus) -> _Evidence:
         assert self._agent is not None

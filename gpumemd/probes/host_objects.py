@@ -176,6 +176,12 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
 
 
+def graph_size(tensor: Any, *, max_nodes: int = 200_000) -> int:
+    """Nodes in the autograd graph ``tensor`` keeps (a bounded walk: at most ``max_nodes``)."""
+    fn = getattr(tensor, "grad_fn", None)
+    return 0 if fn is None else _graph_nodes(fn, max_nodes)
+
+
 def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
     """Bytes of the tensors that ``tensor``'s autograd graph saved (each storage once; a bounded
     walk): what keeping this one tensor alive costs beyond its own storage."""

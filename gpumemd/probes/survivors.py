@@ -143,6 +143,18 @@ class SurvivorTracker:
                 return obj
         return None
 
+    def new_graph_roots(self, limit: int) -> list[Any]:
+        """Up to ``limit`` tensors with a ``grad_fn`` made since the last scan and still alive, newest
+        first (strong references: the caller drops them soon). Read right after ``scan()``."""
+        out: list[Any] = []
+        for ref in reversed(self._pending):
+            t = ref()
+            if t is not None and t.grad_fn is not None:
+                out.append(t)
+                if len(out) >= limit:
+                    break
+        return out
+
     # --- scanning (training thread) and the gc callback (any thread) ---------------------------
 
     def scan(self) -> None:

@@ -72,6 +72,47 @@ def loss_accumulated_with_graph(steps: int) -> None:
     del monitor_total
 
 
+def epoch_loss_summed_after_backward(steps: int) -> None:
+    """The PyTorch FAQ pattern: ``epoch_loss = epoch_loss + loss`` after backward. Backward freed the
+    saved tensors; every step's graph nodes stay chained to ``epoch_loss`` (a few hundred bytes/step)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    epoch_loss: Any = 0.0
+    for step in _steps(steps):
+        x = torch.randn(32, 16)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step >= ONSET:
+            epoch_loss = epoch_loss + loss
+    del epoch_loss
+
+
+class LossTracker:
+    """A smoothed loss for the progress bar, kept as a tensor (no .item()): an EMA of graphs."""
+
+    def __init__(self) -> None:
+        self.ema: Any = None
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.ema = loss if self.ema is None else 0.98 * self.ema + 0.02 * loss
+
+
+def ema_tensor_attribute(steps: int) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tracker = LossTracker()
+    for step in _steps(steps):
+        loss = model(torch.randn(32, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step >= ONSET:
+            tracker.update(loss)
+    tracker.ema = None
+
+
 def outputs_appended_to_list(steps: int) -> None:
     """A few rows of each batch's outputs kept for later analysis: 2 KiB per step."""
     model = _model()
@@ -277,6 +318,36 @@ def gradient_accumulation(steps: int) -> None:
         opt.step()
 
 
+def micro_batch_losses_summed(steps: int) -> None:
+    """Micro-batch losses summed as tensors and backwarded once per step: a graph chain, within a step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in _steps(steps):
+        total: Any = 0.0
+        for _ in range(4):
+            total = total + model(torch.randn(8, 16)).pow(2).mean() / 4
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+
+
+def epoch_loss_as_item(steps: int) -> None:
+    """The FAQ's fix: ``epoch_loss += loss.item()``, and a tensor running loss detached each step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    epoch_loss = 0.0
+    running = torch.zeros(())
+    for step in _steps(steps):
+        loss = model(torch.randn(32, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        epoch_loss += loss.item()
+        running = 0.98 * running + 0.02 * loss.detach()
+        if step % 200 == 199:
+            epoch_loss = 0.0
+
+
 def cyclic_garbage_freed_in_bursts(steps: int) -> None:
     """Each step leaves a tensor in a reference cycle (garbage at once); a raised gc threshold, as
     some jobs set for speed, frees it in bursts when a collection finally runs."""
@@ -329,6 +400,10 @@ class Scenario:
 LEAKS = (
     Scenario("loss accumulated with its graph", loss_accumulated_with_graph, "graph_leak",
              ("`monitor_total` in loss_accumulated_with_graph()",), bytes_per_step=16 * 1024),
+    Scenario("epoch_loss + loss after backward (FAQ)", epoch_loss_summed_after_backward, "graph_leak",
+             ("`epoch_loss` in epoch_loss_summed_after_backward()",), bytes_per_step=0),
+    Scenario("EMA of the loss kept as a tensor attribute", ema_tensor_attribute, "graph_leak",
+             ("LossTracker.ema",), bytes_per_step=0),
     Scenario("list of outputs (2 KiB/step)", outputs_appended_to_list, "tensor_leak",
              ("`kept_outputs` in outputs_appended_to_list()",), bytes_per_step=2048, one_tensor_per_step=True),
     Scenario("forward hook storing activations", forward_hook_storing_activations, "tensor_leak",
@@ -351,6 +426,8 @@ HEALTHY = (
     Scenario("bounded cache keyed by shape", bounded_cache_keyed_by_shape),
     Scenario("metric list reset every epoch", metric_list_reset_every_epoch),
     Scenario("gradient accumulation", gradient_accumulation),
+    Scenario("micro-batch losses summed, one backward", micro_batch_losses_summed),
+    Scenario("epoch loss as .item(), detached running loss", epoch_loss_as_item),
     Scenario("one-time jump (checkpoint load)", one_time_jump_checkpoint_load),
     Scenario("cyclic garbage freed in bursts", cyclic_garbage_freed_in_bursts),
 )

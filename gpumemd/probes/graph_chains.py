@@ -1,0 +1,226 @@
+"""Autograd graphs chained across steps: the ``total_loss += loss`` leak, counted in graph nodes.
+
+Why this exists (issue 11): after ``backward()`` frees a graph's saved tensors, a tensor that keeps
+accumulating the loss (``epoch_loss = epoch_loss + loss``, an EMA kept as a tensor attribute) holds
+every step's graph *nodes*: C++ objects that no tensor count, census or allocator counter sees, and
+that grow host memory by a few hundred bytes per step (below RSS noise for hours). What does show is
+the graph's structure. Every autograd node carries a sequence number, increasing as the training
+thread makes nodes (``Node._sequence_nr()``; ``torch._C._autograd._get_sequence_nr()`` reads the
+next one for 0.1 µs). The tracker notes it at the end of the step before each scan. At a scan it
+takes the tensors made since the last scan that are alive and have a ``grad_fn`` (the roots) and
+searches each root's graph, smallest sequence number first, for a node made before that mark: a
+healthy step's graph has none (its parameters' ``AccumulateGrad`` nodes aside), and stops the
+search after a few nodes; a chain's previous link is one or two nodes below its root. A root that
+spans steps is then followed down to the root the chain had at the last scan (nodes older than
+that root cannot lead to it, so the search only walks the links made since); the nodes walked
+extend the chain. ``groups()`` gives the nodes chained per tensor group, growing by the links made
+per step. A chain whose last root is no longer reached (``epoch_loss = 0`` at an epoch's start)
+ends and its series falls: a bounded sawtooth, not a leak.
+
+Nothing here holds a node or a tensor strongly between scans (nodes cannot be weakly referenced; the
+chain is remembered by sequence number, its newest root tensor weakly). Sequence numbers are per
+thread: a graph built on another thread may be misread as spanning steps, which starts no growth by
+itself, because growth needs the same chain to be reached again scan after scan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("gpumemd")
+
+MAX_ROOTS = 16
+"""Roots looked at per scan (newest first): a step leaves a handful of tensors with a grad_fn alive."""
+
+SPAN_BUDGET = 8
+"""Nodes popped per root to decide whether its graph reaches into an earlier step. A chain's previous
+link is the first or second node popped (``total + loss``: one, ``0.9 * ema + 0.1 * loss``: two)."""
+
+FOLLOW_BUDGET = 2_048
+"""Nodes popped to follow a spanning root down to its chain's previous root (the links since the last
+scan: 1-3 per step, times the steps between scans)."""
+
+MAX_CHAINS = 8
+"""Chains tracked at once; a further one is not followed until one ends."""
+
+_LEAF_SEQ = 2**64 - 1  # AccumulateGrad: parameters' grad accumulators, shared by every step
+
+ChainKey = tuple[str, str, tuple[int, ...]]  # device, dtype, shape of the chain's root tensor
+
+
+@dataclass(slots=True)
+class _Chain:
+    key: ChainKey
+    root_seq: int  # sequence number of the newest root's grad_fn
+    root: weakref.ref[Any]
+    nodes: int  # nodes walked along the chain since it was found
+
+
+@dataclass(frozen=True, slots=True)
+class ChainGroup:
+    key: ChainKey
+    nodes: int  # nodes chained (over every chain of this group)
+    chains: int
+
+    @property
+    def device(self) -> str:
+        return self.key[0]
+
+    def describe(self) -> str:
+        _, dtype, shape = self.key
+        return f"{dtype}[{', '.join(str(d) for d in shape)}] with grad_fn"
+
+
+def _next_sequence_nr() -> int | None:
+    try:
+        import torch
+
+        return int(torch._C._autograd._get_sequence_nr())
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+class GraphChainTracker:
+    """Follows autograd graphs that reach back across steps; see the module docstring."""
+
+    def __init__(self, *, max_chains: int = MAX_CHAINS) -> None:
+        self._max_chains = max_chains
+        self._mark: int | None = None  # the next sequence number at the end of the last step noted
+        self._chains: list[_Chain] = []
+        self.errors = 0
+        self.popped = 0  # nodes popped over all searches (benchmarks read it)
+        self.available = _next_sequence_nr() is not None
+
+    def groups(self) -> list[ChainGroup]:
+        by_key: dict[ChainKey, list[_Chain]] = {}
+        for c in self._chains:
+            by_key.setdefault(c.key, []).append(c)
+        return [ChainGroup(k, sum(c.nodes for c in cs), len(cs)) for k, cs in by_key.items()]
+
+    def nodes(self, key: ChainKey) -> int:
+        return sum(c.nodes for c in self._chains if c.key == key)
+
+    def sample(self, key: ChainKey) -> Any:
+        """The newest live root of a chain in this group (a strong reference: drop it soon)."""
+        for c in reversed(self._chains):
+            if c.key == key:
+                t = c.root()
+                if t is not None:
+                    return t
+        return None
+
+    def clear(self) -> None:
+        self._chains.clear()
+        self._mark = None
+
+    def mark_step(self) -> None:
+        """Note where the step that ends now stands in the sequence (call it on the training
+        thread, at the end of the step before a scan): nodes below it were made in earlier steps."""
+        self._mark = _next_sequence_nr()
+
+    def scan(self, roots: Iterable[Any]) -> None:
+        """Follow the chains from the tensors made since the last scan (newest first)."""
+        try:
+            self._scan(roots)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
+            self.errors += 1
+            self._chains.clear()
+            if self.errors == 1:
+                log.info("gpumemd: graph chain scan failed (%s: %s)", type(exc).__name__, exc)
+
+    def _scan(self, roots: Iterable[Any]) -> None:
+        mark = self._mark
+        if mark is None:
+            return
+        targets = {c.root_seq: c for c in self._chains}
+        extended: set[int] = set()
+        for t in roots:
+            fn = t.grad_fn
+            if fn is None:
+                continue
+            seq = fn._sequence_nr()
+            chain = targets.get(seq)
+            if chain is not None:  # the same root as at the last scan: the chain did not move
+                extended.add(id(chain))
+                continue
+            if seq < mark or seq == _LEAF_SEQ or not self._spans(fn, mark):
+                continue
+            hit, walked = self._follow(fn, targets)
+            chain = targets.get(hit) if hit is not None else None
+            if chain is not None:
+                if id(chain) in extended:
+                    continue  # two roots on one chain: counted once
+                chain.nodes += walked
+                chain.root_seq, chain.root = seq, weakref.ref(t)
+            elif len(self._chains) < self._max_chains:
+                key = (str(t.device), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                chain = _Chain(key, seq, weakref.ref(t), 1)
+                self._chains.append(chain)
+            else:
+                continue
+            extended.add(id(chain))
+        # A chain not reached this scan ended (its root was replaced by something that does not
+        # reach it), unless its root is alive and unchanged (a tensor updated less often than we scan).
+        self._chains = [c for c in self._chains if id(c) in extended or self._unchanged(c)]
+
+    @staticmethod
+    def _unchanged(chain: _Chain) -> bool:
+        t = chain.root()
+        fn = t.grad_fn if t is not None else None
+        return fn is not None and fn._sequence_nr() == chain.root_seq
+
+    def _spans(self, fn: Any, mark: int) -> bool:
+        """Whether ``fn``'s graph reaches a node made before ``mark`` within ``SPAN_BUDGET`` pops."""
+        heap: list[tuple[int, int, Any]] = []
+        seen: set[int] = set()
+        popped = 0
+        try:
+            self._push_children(heap, fn, -1, seen)
+            while heap and popped < SPAN_BUDGET:
+                s, _, node = heapq.heappop(heap)
+                popped += 1
+                if s < mark:
+                    return True
+                self._push_children(heap, node, -1, seen)
+            return False
+        finally:
+            self.popped += popped
+            heap.clear()  # the nodes (and the graph they keep) are not ours to hold
+
+    def _follow(self, fn: Any, targets: dict[int, _Chain]) -> tuple[int | None, int]:
+        """(the tracked root that ``fn`` reaches, or None; nodes popped on the way). Smallest
+        sequence number first, never below the oldest target: those nodes cannot lead to one."""
+        if not targets:
+            return None, 0
+        floor = min(targets)
+        heap: list[tuple[int, int, Any]] = []
+        seen: set[int] = set()
+        popped = 0
+        try:
+            self._push_children(heap, fn, floor, seen)
+            while heap and popped < FOLLOW_BUDGET:
+                s, _, node = heapq.heappop(heap)
+                popped += 1
+                if s in targets:
+                    return s, popped
+                self._push_children(heap, node, floor, seen)
+            return None, popped
+        finally:
+            self.popped += popped
+            heap.clear()
+
+    @staticmethod
+    def _push_children(heap: list[tuple[int, int, Any]], node: Any, floor: int, seen: set[int]) -> None:
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            s = child._sequence_nr()
+            if s == _LEAF_SEQ or s < floor or s in seen:
+                continue
+            seen.add(s)
+            heapq.heappush(heap, (s, id(child), child))
