@@ -123,9 +123,8 @@ class LeakComponent:
         self._seconds_per_step = None
         self._own_record_bytes = None
         try:
-            from gpumemd.probes.survivors import SurvivorTracker
-
             from gpumemd.probes.graph_chains import GraphChainTracker
+            from gpumemd.probes.survivors import SurvivorTracker
 
             self._tracker = SurvivorTracker()
             self._tracker.install()

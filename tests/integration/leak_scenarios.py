@@ -390,7 +390,7 @@ class Scenario:
     settings: dict[str, Any] = field(default_factory=dict)
     onset: int = ONSET
     bytes_per_step: int = 0  # the leak's size (decides the latency it must be found within)
-    one_tensor_per_step: bool = False  # the summary must say "+1 tensor/step"
+    rate: str = ""  # what the summary must say per step, e.g. "+1 tensor/step" when one leaks per step
 
     @property
     def leak(self) -> bool:
@@ -401,20 +401,20 @@ LEAKS = (
     Scenario("loss accumulated with its graph", loss_accumulated_with_graph, "graph_leak",
              ("`monitor_total` in loss_accumulated_with_graph()",), bytes_per_step=16 * 1024),
     Scenario("epoch_loss + loss after backward (FAQ)", epoch_loss_summed_after_backward, "graph_leak",
-             ("`epoch_loss` in epoch_loss_summed_after_backward()",), bytes_per_step=0),
+             ("`epoch_loss` in epoch_loss_summed_after_backward()",), rate="+1 autograd node/step"),
     Scenario("EMA of the loss kept as a tensor attribute", ema_tensor_attribute, "graph_leak",
-             ("LossTracker.ema",), bytes_per_step=0),
+             ("LossTracker.ema",), rate="+2 autograd nodes/step"),
     Scenario("list of outputs (2 KiB/step)", outputs_appended_to_list, "tensor_leak",
-             ("`kept_outputs` in outputs_appended_to_list()",), bytes_per_step=2048, one_tensor_per_step=True),
+             ("`kept_outputs` in outputs_appended_to_list()",), bytes_per_step=2048, rate="+1 tensor/step"),
     Scenario("forward hook storing activations", forward_hook_storing_activations, "tensor_leak",
-             ("ActivationRecorder.activations",), bytes_per_step=16 * 1024, one_tensor_per_step=True),
+             ("ActivationRecorder.activations",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
     Scenario("dict cache keyed by sample id, late onset", dict_cache_keyed_by_sample_id, "tensor_leak",
              ("`prediction_cache` in dict_cache_keyed_by_sample_id()",), onset=LATE_ONSET, bytes_per_step=512,
-             one_tensor_per_step=True),
+             rate="+1 tensor/step"),
     Scenario("tensors kept alive by reference cycles", reference_cycles_with_gc_disabled, "tensor_leak",
-             ("Node.payload",), bytes_per_step=16 * 1024, one_tensor_per_step=True),
+             ("Node.payload",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
     Scenario("retain_graph=True misuse", retain_graph_misuse, "graph_leak",
-             ("`loss_history` in retain_graph_misuse()",), bytes_per_step=16 * 1024, one_tensor_per_step=True),
+             ("`loss_history` in retain_graph_misuse()",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
     Scenario("host-only Python buffer (128 KiB/step)", host_only_leak, "host_leak",
              ("`raw_samples` in host_only_leak()",), bytes_per_step=128 * 1024),
 )

@@ -32,8 +32,7 @@ def test_leak_is_found_with_kind_and_holder(scenario: Scenario, out_dir: str, ca
     for event in (suspected, confirmed):
         for text in scenario.holder:
             assert text in event["summary"], event["summary"]
-        if scenario.one_tensor_per_step:
-            assert "+1 tensor/step" in event["summary"], event["summary"]
+        assert scenario.rate in event["summary"], event["summary"]
     # the onset is where the leak began: within 10% of the steps elapsed, or 100 steps
     elapsed = confirmed["updated_step"] - scenario.onset
     assert confirmed["onset_step"] is not None

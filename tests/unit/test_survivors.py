@@ -1,0 +1,108 @@
+"""SurvivorTracker: long-lived tensors counted per group from the young gc generation."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from gpumemd.probes.survivors import SurvivorTracker
+
+
+def _tracker() -> SurvivorTracker:
+    t = SurvivorTracker()
+    t.install()
+    return t
+
+
+def test_kept_tensors_are_counted_once_per_group_and_temporaries_never() -> None:
+    tracker = _tracker()
+    try:
+        kept = []
+        for step in range(50):
+            torch.randn(64) * 2  # a temporary: dies within the step
+            kept.append(torch.zeros(4, 8))
+            if step % 10 == 0:
+                tracker.scan()
+        tracker.scan()
+        key = ("cpu", "float32", (4, 8), False)
+        # Counted once it outlived a whole scan interval: those made up to the scan at step 40.
+        assert tracker.count(key) == 41
+        tracker.scan()
+        assert tracker.count(key) == 50
+        groups = {g.key: g for g in tracker.groups()}
+        assert groups[key].nbytes == 50 * 4 * 8 * 4
+        assert ("cpu", "float32", (64,), False) not in groups
+        assert tracker.sample(key) is kept[-1]
+    finally:
+        tracker.uninstall()
+
+
+def test_dead_tensors_are_uncounted_by_their_weakref() -> None:
+    tracker = _tracker()
+    try:
+        kept = [torch.zeros(3) for _ in range(10)]
+        tracker.scan()
+        tracker.scan()
+        key = ("cpu", "float32", (3,), False)
+        assert tracker.count(key) == 10
+        del kept[:6]
+        assert tracker.count(key) == 4
+        kept.clear()
+        assert tracker.count(key) == 0 and tracker.groups() == []
+    finally:
+        tracker.uninstall()
+
+
+def test_tensors_moved_to_an_older_generation_between_scans_are_still_counted() -> None:
+    tracker = _tracker()
+    try:
+        tracker.scan()
+        kept = [torch.zeros(5) for _ in range(10)]
+        gc.collect(0)  # moves them out of generation 0 before the next scan looks
+        tracker.scan()
+        tracker.scan()
+        assert tracker.count(("cpu", "float32", (5,), False)) == 10
+        assert tracker.collections >= 1
+        del kept
+    finally:
+        tracker.uninstall()
+
+
+def test_holds_no_strong_reference() -> None:
+    tracker = _tracker()
+    try:
+        kept = [torch.zeros(7)]
+        ref = weakref.ref(kept[0])
+        tracker.scan()
+        tracker.scan()
+        assert tracker.count(("cpu", "float32", (7,), False)) == 1
+        kept.clear()
+        assert ref() is None
+    finally:
+        tracker.uninstall()
+
+
+def test_graph_roots_are_the_newest_tensors_with_a_grad_fn() -> None:
+    tracker = _tracker()
+    try:
+        w = torch.ones(3, requires_grad=True)
+        tracker.scan()
+        a = w * 2
+        b = a + 1
+        plain = torch.zeros(2)
+        tracker.scan()
+        roots = tracker.new_graph_roots(8)
+        assert roots[:2] == [b, a] or [id(r) for r in roots[:2]] == [id(b), id(a)]
+        assert all(r.grad_fn is not None for r in roots) and not any(r is plain for r in roots)
+        assert len(tracker.new_graph_roots(1)) == 1
+    finally:
+        tracker.uninstall()
+
+
+def test_uninstall_removes_the_gc_callback() -> None:
+    tracker = _tracker()
+    assert tracker._on_gc in gc.callbacks
+    tracker.uninstall()
+    assert tracker._on_gc not in gc.callbacks
