@@ -122,6 +122,8 @@ class CensusComponent:
             return self._steps_since >= self._every
         if self._last_cost is None or self._steps_since >= MAX_INTERVAL:
             return True  # the first census measures the cost
+        if self._job_seconds_since < self._last_cost / self._budget:
+            return False  # not due even with the whole budget: skip reading the agent's overhead
         return self._job_seconds_since >= self._last_cost / self._share()
 
     def _share(self) -> float:

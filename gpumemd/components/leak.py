@@ -69,6 +69,10 @@ MAX_COUNT_SERIES = 16
 
 _COUNT_MIN = 8
 
+HOST_LOOK_SHARE = 0.25
+"""Share of ``overhead_budget`` that the heap scans looking for a host leak's culprit may use while
+host RSS merely rises (not yet a finding)."""
+
 
 class LeakComponent:
     """Runs the leak detector on the training thread; see the module docstring."""
@@ -93,6 +97,8 @@ class LeakComponent:
         self._attempts: dict[tuple[str, str], int] = {}  # step of the last culprit search per finding
         self._last_census: Census | None = None
         self._host_baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
+        self._host_look_at: float | None = None  # monotonic time of the last host look
+        self._host_look_cost = 0.0  # seconds it took
         self._sites_before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}
         self._history_enabled_by_us = False
         self._host_spec = SeriesSpec("host_rss_bytes", "host_leak")
@@ -568,15 +574,25 @@ class LeakComponent:
         holder = _holder_of_group(top.key) if top is not None else None
         return dataclasses.replace(culprit, holder=holder) if holder is not None else culprit
 
-    def _host_look(self, step: int) -> None:
+    def _host_look(self, step: int, *, force: bool = False) -> None:
         """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
-        while host RSS is rising (two heap scans, once per window at most)."""
+        while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap). At most once per two
+        windows, and, unless ``force`` (a state change), within ``HOST_LOOK_SHARE`` of the overhead
+        budget: RSS rises while a healthy job warms up, and a look every 1,000 steps of 1 ms would
+        cost a quarter of the job."""
         from gpumemd.probes.host_objects import container_lengths, largest_graph_nodes
 
         assert self._agent is not None
-        if self._host_baseline is not None and step - self._host_baseline[0] < 2 * self._agent.config.leak_window_steps:
+        config = self._agent.config
+        if self._host_baseline is not None and step - self._host_baseline[0] < 2 * config.leak_window_steps:
             return
+        now = time.monotonic()
+        if not force and self._host_look_at is not None and (
+                (now - self._host_look_at) * config.overhead_budget * HOST_LOOK_SHARE < self._host_look_cost):
+            return  # the last look cost more than this share of the budget allows yet
         self._host_baseline = (step, container_lengths(), largest_graph_nodes())
+        self._host_look_at = time.monotonic()
+        self._host_look_cost = self._host_look_at - now
 
     def _host_culprits(self, status: TrackStatus) -> _Evidence:
         from gpumemd.probes.host_objects import growing_containers, growing_graph
@@ -595,7 +611,7 @@ class LeakComponent:
         baseline = self._host_baseline
         if baseline is None or baseline[0] >= status.step:
             self._host_baseline = None
-            self._host_look(status.step)  # the next evaluation can compare
+            self._host_look(status.step, force=True)  # the next evaluation can compare
             return _NO_EVIDENCE
         since, lengths, graph_nodes = baseline
         steps = float(status.step - since)
@@ -611,7 +627,7 @@ class LeakComponent:
             return _Evidence((culprit,), steps, (), "graph_leak")
         if not grown:
             self._host_baseline = None
-            self._host_look(status.step)
+            self._host_look(status.step, force=True)
             return _NO_EVIDENCE
         culprits = tuple(
             Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",

@@ -43,6 +43,15 @@ OVERFLOW = ("*", "*", (), False)
 _MAX_PENDING = 100_000  # candidates between two scans (a job that makes tensors faster is sampled)
 _SAMPLES = 4  # newest members kept (weakly) per group, for holder look-ups
 
+YOUNG_COLLECT_AT = 2_000
+"""Objects in generation 0 beyond which a scan runs the young collection itself. CPython collects
+generation 0 when allocations minus deallocations of tracked objects pass ``threshold0``; a job in
+steady state (and the agent's own ring of step records, once full) frees an old object for each new
+one, so that count stays low while generation 0's list grows by the survivors of every step: 20,000
+objects after 10,000 steps, a 300 µs scan (measured). A young collection is what CPython would have
+run had the count seen them: it only moves survivors on (and frees young cyclic garbage a little
+sooner). Never under ``gc.disable()`` or a zero threshold."""
+
 GroupKey = tuple[str, str, tuple[int, ...], bool]  # device, dtype, shape, has grad_fn
 
 
@@ -94,6 +103,7 @@ class SurvivorTracker:
         self._pending: list[weakref.ref[Any]] = []
         self._listed: list[weakref.ref[Any]] = []
         self._installed = False
+        self._collecting = False  # our own young collection: its callback has nothing new to list
         self.collections = 0  # collections seen
         self.young_objects = 0  # objects in the young generations at the last look
         self.truncated = False  # MAX_TRACKED was reached: counts are lower bounds
@@ -174,7 +184,7 @@ class SurvivorTracker:
         # A collection moves generation 0's survivors to an older generation, where no scan looks:
         # list them as candidates first (weakly: holding them would keep cyclic garbage
         # alive through the very collection that is about to free it).
-        if phase != "start":
+        if phase != "start" or self._collecting:
             return
         try:
             self.collections += 1
@@ -194,6 +204,12 @@ class SurvivorTracker:
         self.young_objects = len(young)
         found = list(itertools.compress(young, map(types.__contains__, map(type, young))))
         young.clear()
+        if self.young_objects > YOUNG_COLLECT_AT and gc.isenabled() and gc.get_threshold()[0] > 0:
+            self._collecting = True
+            try:
+                gc.collect(0)
+            finally:
+                self._collecting = False
         refs = self._refs
         out = [weakref.ref(t) for t in found if id(t) not in refs]
         found.clear()
