@@ -237,7 +237,7 @@ def overhead_table(rounds: int) -> None:
     logging.getLogger("gpumemd").setLevel(logging.ERROR)
     print("## The agent's step-time overhead at defaults (interleaved in one process)\n")
     print(f"3-layer MLP with AdamW, 1 thread, width chosen for the step time; {rounds} rounds, each a block of "
-          "steps the agent follows and a block of an identical job it does not (alternating order); "
+          "steps of the job the agent follows and of two identical jobs it does not (rotating order); "
           "overhead = mean followed − mean not followed.\n")
     print("| step time | target | overhead (mean over rounds) | rounds' IQR | noise floor | agent's own figure | "
           "censuses | first census (once) |")
