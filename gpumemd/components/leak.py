@@ -267,7 +267,10 @@ class LeakComponent:
         from gpumemd.probes.graph_chains import MAX_ROOTS
 
         chains = self._chains
-        roots = self._tracker.new_graph_roots(MAX_ROOTS)
+        tracker = self._tracker
+        roots = tracker.new_graph_roots(MAX_ROOTS)
+        seen = {id(t) for t in roots}
+        roots.extend(t for t in tracker.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
         try:
             chains.scan(roots)
         finally:

@@ -165,6 +165,22 @@ class SurvivorTracker:
                     break
         return out
 
+    def long_lived_graph_samples(self, limit: int) -> list[Any]:
+        """The newest live members of the groups that have a ``grad_fn`` (strong references: drop
+        them soon). An accumulator updated in place (``total += loss``) stays one long-lived tensor
+        whose ``grad_fn`` changes every step: it is never a new tensor, so look at these too."""
+        out: list[Any] = []
+        for key, samples in list(self._samples.items()):
+            if not key[3]:
+                continue
+            for ref in reversed(samples):
+                t = ref()
+                if t is not None:
+                    out.append(t)
+                    if len(out) >= limit:
+                        return out
+        return out
+
     # --- scanning (training thread) and the gc callback (any thread) ---------------------------
 
     def scan(self) -> None:

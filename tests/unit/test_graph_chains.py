@@ -62,6 +62,23 @@ def test_faq_total_plus_loss_grows_one_node_per_step() -> None:
     assert tracker.sample(group.key) is state["total"]
 
 
+def test_in_place_accumulator_is_followed_through_its_changing_grad_fn() -> None:
+    """``total += loss``: one tensor object whose grad_fn is replaced every step."""
+    tracker = GraphChainTracker()
+    state: dict[str, Any] = {"total": None}
+
+    def accumulate(loss: torch.Tensor) -> torch.Tensor:
+        if state["total"] is None:
+            state["total"] = loss * 1
+        else:
+            state["total"] += loss
+        return state["total"]
+
+    sizes = _Loop(tracker).run(301, accumulate)
+    assert sizes[-1] - sizes[-11] == 100
+    assert tracker.sample(tracker.groups()[0].key) is state["total"]
+
+
 def test_ema_kept_as_tensor_grows_two_nodes_per_step() -> None:
     tracker = GraphChainTracker()
     state: dict[str, Any] = {"ema": None}
