@@ -445,6 +445,7 @@ class Outcome:
     leak_eval_s: float  # time spent in the detector's evaluations
     leak_step_s: float  # the leak component's total on_step time (feeding + evaluations)
     scan_s: float = 0.0  # of which survivor scans (long-lived tensor counts)
+    warnings: list[str] = field(default_factory=list)  # gpumemd's WARNING lines (isolated runs only)
 
     def first(self, state: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e["state"] == state), None)
@@ -498,3 +499,36 @@ def run_scenario(scenario: Scenario, output_dir: str, steps: int | None = None, 
         with open(path, encoding="utf-8") as f:
             events = [json.loads(line) for line in f]
     return Outcome(events, findings, recorded, time.perf_counter() - start, eval_s, timed.seconds, scan_s)
+
+
+def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0) -> Outcome:
+    """``run_scenario`` in a fresh interpreter: host-RSS scenarios measure the process's memory, which a
+    test session's earlier tests have grown and fragmented (freed heap absorbs the first megabytes of
+    a leak). Findings come back as namespaces with the ``Finding`` fields; WARNING lines in ``warnings``."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    result_path = os.path.join(output_dir, "outcome.json")
+    code = (
+        "import dataclasses, json, logging, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import leak_scenarios as ls\n"
+        "lines = []\n"
+        "class H(logging.Handler):\n"
+        "    def emit(self, r):\n"
+        "        if r.levelno == logging.WARNING: lines.append(r.getMessage())\n"
+        "logging.getLogger('gpumemd').addHandler(H())\n"
+        f"s = next(x for x in ls.LEAKS + ls.HEALTHY if x.name == {scenario.name!r})\n"
+        f"o = ls.run_scenario(s, {output_dir!r}, seed={seed})\n"
+        "out = dict(events=o.events, findings=[dataclasses.asdict(f) for f in o.findings], steps=o.steps,\n"
+        "           wall_s=o.wall_s, leak_eval_s=o.leak_eval_s, leak_step_s=o.leak_step_s, scan_s=o.scan_s,\n"
+        "           warnings=lines)\n"
+        f"json.dump(out, open({result_path!r}, 'w'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+    with open(result_path, encoding="utf-8") as f:
+        data = json.load(f)
+    os.remove(result_path)
+    data["findings"] = [SimpleNamespace(**f) for f in data["findings"]]
+    return Outcome(**data)
