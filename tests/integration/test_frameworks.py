@@ -44,7 +44,8 @@ def _named(findings: list[Any], holder: str) -> bool:
 
 
 def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1,
-                   oom_at: int | None = None) -> tuple[Any, Any, Any]:
+                   oom_at: int | None = None, settings: dict[str, Any] | None = None,
+                   seed: int = 0) -> tuple[Any, Any, Any]:
     # The `frameworks` extra; CI installs it, so a missing framework fails here rather than skips.
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -79,10 +80,10 @@ def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1,
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             seen["agent"] = gpumemd.current()
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     data = TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,)))
     module = Classifier()
-    callback = GpumemdCallback(output_dir=out_dir, **AGENT)
+    callback = GpumemdCallback(output_dir=out_dir, **(AGENT if settings is None else settings))
     trainer = pl.Trainer(
         max_steps=steps, accumulate_grad_batches=accumulate, val_check_interval=20, check_val_every_n_epoch=None,
         limit_val_batches=2,
@@ -132,12 +133,13 @@ def test_lightning_oom_in_fit_keeps_the_agent_for_the_report(out_dir: str) -> No
 # --- Hugging Face Trainer ----------------------------------------------------------------------
 
 
-def _hf_train_evaluate(out_dir: str, *, leak: bool, steps: int) -> tuple[Any, Any, Any]:
+def _hf_train_evaluate(out_dir: str, *, leak: bool, steps: int, settings: dict[str, Any] | None = None,
+                       seed: int = 0) -> tuple[Any, Any, Any]:
     import transformers
 
     from gpumemd.integrations.transformers import GpumemdCallback
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
                                      bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
@@ -170,7 +172,7 @@ def _hf_train_evaluate(out_dir: str, *, leak: bool, steps: int) -> tuple[Any, An
         save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    callback = GpumemdCallback(output_dir=out_dir, **AGENT)
+    callback = GpumemdCallback(output_dir=out_dir, **(AGENT if settings is None else settings))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
                                    callbacks=[callback, Spy()])
     trainer.train()
@@ -198,3 +200,23 @@ def test_hf_trainer_planted_leak_is_named(out_dir: str) -> None:
     findings = agent.findings()
     assert findings, [r.census_total_bytes for r in agent.steps()]
     assert _named(findings, "leaky_cache"), findings
+
+
+# --- the leak scenario suite's framework jobs: healthy fits at the DEFAULT settings -----------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lightning_fit_at_defaults_raises_nothing(out_dir: str, seed: int) -> None:
+    """A 2,000-step Lightning fit (validation every 20 steps) under the callback with only
+    ``output_dir`` set: what a user gets. No leak finding may fire."""
+    agent, _, trainer = _lightning_fit(out_dir, leak=False, steps=2000, settings={}, seed=seed)
+    assert trainer.global_step == 2000 and agent is not None
+    assert agent.findings() == [], [f.summary for f in agent.findings()]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hf_trainer_fit_at_defaults_raises_nothing(out_dir: str, seed: int) -> None:
+    """A 2,000-step Hugging Face Trainer fit (evaluation every 25 steps) at the defaults."""
+    agent, trainer, _ = _hf_train_evaluate(out_dir, leak=False, steps=2000, settings={}, seed=seed)
+    assert trainer.state.global_step == 2000 and agent is not None
+    assert agent.findings() == [], [f.summary for f in agent.findings()]
