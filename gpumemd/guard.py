@@ -21,6 +21,7 @@ report from): it re-raises, or suppresses when asked, exactly as it would with a
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
 from types import TracebackType
 
@@ -42,6 +43,14 @@ class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextli
     ) -> bool:
         if exc is None:
             return False
+        try:
+            return self._on_exception(exc, tb)
+        except Exception as err:  # noqa: BLE001 - the job's exception propagates unchanged, always
+            _log_once(f"gpumemd: oom_guard could not handle {type(exc).__name__} ({type(err).__name__}: {err}); "
+                      "it propagates unchanged")
+            return False
+
+    def _on_exception(self, exc: BaseException, tb: TracebackType | None) -> bool:
         from gpumemd.analysis.oom_message import classify_exception
 
         if classify_exception(exc) is None:
@@ -68,5 +77,18 @@ def oom_report(exc: BaseException | None = None) -> str | None:
     write = getattr(component, "write_report", None)
     if write is None:
         return None
-    result = write(exc, source="request")
+    try:
+        result = write(exc, source="request")
+    except Exception as err:  # noqa: BLE001 - a diagnostic must not raise into the job's handler
+        _log_once(f"gpumemd: oom_report failed ({type(err).__name__}: {err})")
+        return None
     return result if isinstance(result, str) else None
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED and len(_LOGGED) < 100:
+        _LOGGED.add(message)
+        logging.getLogger("gpumemd").warning(message)

@@ -17,7 +17,10 @@ import re
 
 from gpumemd.records.oom import OomMessage
 
-_SIZE = r"(\d+(?:\.\d+)?) (bytes|KiB|MiB|GiB|TiB)"
+# Bounded digit runs, never preceded by another digit: a message is outside input (a user's exception
+# can say anything), and ``\d+`` without a literal prefix makes ``search`` quadratic on a long digit
+# run (issue 15: 7.6 s for 20k digits inside an excepthook). Real sizes have at most ~20 digits.
+_SIZE = r"(?<![\d.])(\d{1,20}(?:\.\d{1,6})?) (bytes|KiB|MiB|GiB|TiB)"
 _NEW = re.compile(
     r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of "
     + _SIZE + r" of which " + _SIZE + r" is free\."
@@ -33,7 +36,7 @@ _PT = re.compile(
 )
 _PROCESS = re.compile(r"this process has " + _SIZE + r" memory in use")
 _ALLOWED = re.compile(_SIZE + r" allowed; ")
-_CPU = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+_CPU = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d{1,25}) bytes")
 _MPS = re.compile(r"MPS backend out of memory")
 _MPS_SIZE = re.compile(r"Tried to allocate " + _SIZE)
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
@@ -98,6 +101,19 @@ def _is_torch_oom_class(exc: BaseException) -> bool:
 
 
 def classify_exception(exc: BaseException) -> OomMessage | None:
+    """``_classify`` that never raises: an exception whose ``__str__`` raises, or any other surprise,
+    is "not recognised" (or an unparsed OOM when its class says OOM), so that code which classifies
+    inside an ``except`` or an excepthook never replaces the job's own exception."""
+    try:
+        return _classify(exc)
+    except Exception:  # noqa: BLE001 - outside input: a broken __str__, a pathological message
+        try:
+            return OomMessage(kind="device", format="unparsed") if _is_torch_oom_class(exc) else None
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def _classify(exc: BaseException) -> OomMessage | None:
     """An ``OomMessage`` when ``exc`` is an out-of-memory error, else None.
 
     OOMs are ``torch.OutOfMemoryError`` (any device), a plain ``RuntimeError`` carrying a CUDA OOM
