@@ -149,9 +149,14 @@ class Config:
     """Read device totals and this process's use from NVML (creates no CUDA context)."""
 
     def __post_init__(self) -> None:
-        _require(self.history_steps >= 1, "history_steps", self.history_steps, "an integer >= 1")
+        # Every number is bounded above too (issue 15): a value that passes here must not fail later
+        # inside the job (``deque(maxlen=2**63)``, a sampler thread that waits ``inf`` or spins).
+        _require(1 <= self.history_steps <= 10_000_000, "history_steps", self.history_steps,
+                 "an integer from 1 to 10,000,000")
         _require(
-            self.sample_interval_s >= 0, "sample_interval_s", self.sample_interval_s, "a number of seconds >= 0"
+            self.sample_interval_s == 0 or 0.01 <= self.sample_interval_s <= 3600,
+            "sample_interval_s", self.sample_interval_s,
+            "0 (no sampler thread) or a number of seconds from 0.01 to 3600",
         )
         _require(
             0 < self.overhead_budget <= 0.5,
@@ -159,12 +164,13 @@ class Config:
             self.overhead_budget,
             "a fraction in (0, 0.5], e.g. 0.01 for 1%",
         )
-        _require(self.census_every_steps >= 0, "census_every_steps", self.census_every_steps, "an integer >= 0")
+        _require(0 <= self.census_every_steps <= _MAX_STEPS, "census_every_steps", self.census_every_steps,
+                 f"an integer from 0 to {_MAX_STEPS:,}")
         _require(
-            self.leak_min_bytes_per_step is None or self.leak_min_bytes_per_step >= 1,
+            self.leak_min_bytes_per_step is None or 1 <= self.leak_min_bytes_per_step <= _MAX_BYTES,
             "leak_min_bytes_per_step",
             self.leak_min_bytes_per_step,
-            "a number of bytes per step >= 1, or unset",
+            "a number of bytes per step from 1 to 2**50, or unset",
         )
         _require(
             0 < self.leak_horizon_hours <= 24 * 366 and math.isfinite(self.leak_horizon_hours),
@@ -172,17 +178,18 @@ class Config:
             self.leak_horizon_hours,
             "a number of hours in (0, 8784], e.g. 168 for a week",
         )
-        _require(self.leak_warmup_steps >= 0, "leak_warmup_steps", self.leak_warmup_steps, "an integer >= 0")
+        _require(0 <= self.leak_warmup_steps <= _MAX_STEPS, "leak_warmup_steps", self.leak_warmup_steps,
+                 f"an integer from 0 to {_MAX_STEPS:,}")
         _require(
-            self.leak_host_min_bytes_per_step is None or self.leak_host_min_bytes_per_step >= 1,
+            self.leak_host_min_bytes_per_step is None or 1 <= self.leak_host_min_bytes_per_step <= _MAX_BYTES,
             "leak_host_min_bytes_per_step",
             self.leak_host_min_bytes_per_step,
-            "a number of bytes per step >= 1, or unset",
+            "a number of bytes per step from 1 to 2**50, or unset",
         )
-        _require(self.leak_window_steps >= 20, "leak_window_steps", self.leak_window_steps, "an integer >= 20")
-        _require(
-            self.leak_check_every_steps >= 1, "leak_check_every_steps", self.leak_check_every_steps, "an integer >= 1"
-        )
+        _require(20 <= self.leak_window_steps <= _MAX_STEPS, "leak_window_steps", self.leak_window_steps,
+                 f"an integer from 20 to {_MAX_STEPS:,}")
+        _require(1 <= self.leak_check_every_steps <= _MAX_STEPS, "leak_check_every_steps",
+                 self.leak_check_every_steps, f"an integer from 1 to {_MAX_STEPS:,}")
         _require(
             self.port is None or 0 <= self.port <= 65535,
             "port",
@@ -200,15 +207,20 @@ class Config:
             self.textfile,
             "a path ending in .prom (node_exporter's textfile collector reads only *.prom)",
         )
-        _require(self.oom_max_reports >= 0, "oom_max_reports", self.oom_max_reports, "an integer >= 0")
-        _require(self.oom_cooldown_s >= 0, "oom_cooldown_s", self.oom_cooldown_s, "a number of seconds >= 0")
+        _require(0 <= self.oom_max_reports <= 10_000, "oom_max_reports", self.oom_max_reports,
+                 "an integer from 0 to 10,000")
+        _require(0 <= self.oom_cooldown_s <= 86_400 and math.isfinite(self.oom_cooldown_s), "oom_cooldown_s",
+                 self.oom_cooldown_s, "a number of seconds from 0 to 86400")
         _require(
-            self.history_max_entries >= 1,
+            1 <= self.history_max_entries <= 10_000_000,
             "history_max_entries",
             self.history_max_entries,
-            "an integer >= 1 (it bounds the CUDA allocation history)",
+            "an integer from 1 to 10,000,000 (it bounds the CUDA allocation history)",
         )
-        _require(self.phase_every_steps >= 1, "phase_every_steps", self.phase_every_steps, "an integer >= 1")
+        _require(1 <= self.phase_every_steps <= _MAX_STEPS, "phase_every_steps", self.phase_every_steps,
+                 f"an integer from 1 to {_MAX_STEPS:,}")
+        _require(self.pushgateway is None or _is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
+                 "host:port (optionally with http:// or https://), e.g. pushgateway.monitoring:9091")
         _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
 
     # --- construction from the outside world -------------------------------------------------
@@ -250,6 +262,24 @@ class Config:
             except ConfigError as err:
                 raise ConfigError(name, raw, err.accepted).with_source(key + "={value}") from None
         return values
+
+
+_MAX_STEPS = 100_000_000  # step counts and intervals: more than any job runs
+_MAX_BYTES = 2**50  # a byte rate per step: a PiB
+
+
+def _is_host_port(value: str) -> bool:
+    """``host:port`` with an optional http(s) scheme: what prometheus_client's push accepts."""
+    from urllib.parse import urlsplit
+
+    text = value if "://" in value else "http://" + value
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and (port is None or 0 < port < 65536) \
+        and not parts.path.strip("/") and not any(c.isspace() for c in value)
 
 
 def _is_ip(value: str) -> bool:
@@ -302,7 +332,7 @@ def parse_value(kind: type, raw: str) -> Any:
     if kind is int:
         try:
             return int(float(text)) if text.lower().count("e") == 1 else int(text)
-        except ValueError:
+        except (ValueError, OverflowError):  # "1e999" is inf: no integer
             raise ConfigError("", raw, _ACCEPTED[int]) from None
     if kind is float:
         try:

@@ -43,13 +43,29 @@ def test_unrelated_env_vars_are_ignored() -> None:
         ({}, {"overhead_budget": 2.0}, "attach(overhead_budget=2.0) is not valid: expected a fraction"),
         ({}, {"bind": "localhost:80"}, "attach(bind='localhost:80') is not valid: expected an IP address"),
         ({}, {"tls_certfile": "c.pem"}, "attach(tls_certfile='c.pem') is not valid"),
-        ({"GPUMEMD_HISTORY_STEPS": "0"}, {}, "GPUMEMD_HISTORY_STEPS=0 is not valid: expected an integer >= 1"),
+        ({"GPUMEMD_HISTORY_STEPS": "0"}, {}, "GPUMEMD_HISTORY_STEPS=0 is not valid: expected an integer from 1"),
+        # Bad numbers (issue 15, item 4): each names the variable, never a traceback from deeper down.
+        ({"GPUMEMD_HISTORY_STEPS": "1e999"}, {}, "GPUMEMD_HISTORY_STEPS='1e999' is not valid: expected an integer"),
+        ({}, {"history_steps": 2**63}, f"attach(history_steps={2**63}) is not valid: expected an integer from 1"),
+        ({}, {"sample_interval_s": float("inf")}, "attach(sample_interval_s=inf) is not valid"),
+        ({}, {"sample_interval_s": 1e-9}, "attach(sample_interval_s=1e-09) is not valid: expected 0 (no sampler"),
+        ({"GPUMEMD_SAMPLE_INTERVAL_S": "nan"}, {}, "GPUMEMD_SAMPLE_INTERVAL_S=nan is not valid"),
+        ({}, {"oom_cooldown_s": float("inf")}, "attach(oom_cooldown_s=inf) is not valid"),
+        ({}, {"leak_window_steps": 10**12}, "attach(leak_window_steps=1000000000000) is not valid"),
+        ({}, {"pushgateway": "not a host:port"}, "attach(pushgateway='not a host:port') is not valid: expected host"),
+        ({}, {"pushgateway": "gw:99999"}, "attach(pushgateway='gw:99999') is not valid"),
     ],
 )
 def test_bad_values_name_the_variable_the_value_and_what_is_accepted(env, kwargs, fragment) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError) as info:
         Config.from_sources(env, **kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:9091", "pushgateway.monitoring:9091", "http://gw:9091",
+                                     "https://gw.example.com", "[::1]:9091"])
+def test_pushgateway_addresses_that_prometheus_client_accepts(address: str) -> None:
+    assert Config.from_sources({}, pushgateway=address).pushgateway == address
 
 
 def test_unknown_option_lists_the_accepted_ones() -> None:
