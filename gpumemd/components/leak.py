@@ -110,6 +110,7 @@ class LeakComponent:
         self._chain_specs: dict[Any, SeriesSpec] = {}  # chain group key -> its node-count series
         self._seconds_per_step: float | None = None
         self._own_record_bytes: float | None = None
+        self._append_failed = False  # the last append to the findings file failed (logged once)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -699,14 +700,18 @@ class LeakComponent:
 
     def _report(self, finding: Finding) -> None:
         log.warning("gpumemd: %s", finding.summary)
+        from gpumemd.files import append_line
+
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             line = json.dumps({"time": self._wall(), **_jsonable(dataclasses.asdict(finding))}, sort_keys=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+            append_line(path, line)
+            self._append_failed = False
         except OSError as exc:
-            log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", path, exc)
+            if not self._append_failed:  # said once until a write succeeds again
+                log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", path, exc)
+            self._append_failed = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
