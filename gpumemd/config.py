@@ -51,9 +51,10 @@ class ConfigError(ValueError):
 class Config:
     """Everything the agent can be told. Field docstrings double as CLI and env-var help."""
 
-    output_dir: str = "gpumemd"
+    output_dir: str = "gpumemd-out"
     """Directory for everything gpumemd writes (findings, OOM reports); relative paths are resolved
-    against the working directory at attach time; created on first write."""
+    against the working directory at attach time; created on first write. (Not ``gpumemd``: a folder
+    named like the package next to a script shadows it on the next run.)"""
 
     history_steps: int = 10_000
     """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded)."""
