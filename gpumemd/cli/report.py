@@ -140,8 +140,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     root = args.dir
+    if os.path.isfile(root):
+        from gpumemd.report.load import REPORT_FILE
+
+        if os.path.basename(root) != REPORT_FILE:
+            raise CliError(f"{root} is a file: pass a report directory (the folder holding {REPORT_FILE}) "
+                           "or the output dir")
+        root = os.path.dirname(root) or "."  # report.json itself: read its directory
     if not os.path.isdir(root):
-        raise CliError(f"{root} does not exist or is not a directory: pass a report directory or the output dir")
+        raise CliError(f"{root} does not exist: pass a report directory or the output dir")
     dirs = find_report_dirs(root)
     if not dirs:
         raise CliError(f"no gpumemd report in {root} (expected report.json, or report directories inside)")

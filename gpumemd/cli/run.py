@@ -115,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.module:
             raise CliError("-m needs a module name, e.g. `gpumemd run -m mypkg.train --epochs 3`")
         target, script_args, is_module = args.module[0], args.module[1:], True
+        _check_module(target)
     elif command:
         target, script_args, is_module = command[0], command[1:], False
-        if not os.path.isfile(target):
-            raise CliError(f"can't open file {target!r}: no such file (give the path of a Python script)")
+        _check_script(target)
     else:
         raise CliError("nothing to run: give a script (`gpumemd run train.py --lr 3e-4`) or -m module")
 
@@ -129,6 +129,39 @@ def run(args: argparse.Namespace) -> int:
         return _execute(target, script_args, is_module)
     finally:
         gpumemd.detach()
+
+
+def _check_script(target: str) -> None:
+    """What python accepts: a file, or a directory (or zip) with ``__main__.py``; one line otherwise."""
+    from gpumemd.cli import CliError
+
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, "__main__.py")):
+            raise CliError(f"{target!r} is a directory with no __main__.py: give the path of a Python script "
+                           "(or of a directory or zip with __main__.py)")
+    elif not os.path.exists(target):
+        raise CliError(f"can't open file {target!r}: no such file (give the path of a Python script)")
+
+
+def _check_module(name: str) -> None:
+    """``-m name`` must be importable from here (as ``python -m`` resolves it: the working directory
+    first); one line and exit 2 otherwise, not a traceback through gpumemd."""
+    import importlib.util
+
+    from gpumemd.cli import CliError
+
+    saved = sys.path[0] if sys.path else None
+    _set_path0(os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:  # a missing parent package, or an empty/relative name
+        raise CliError(f"no module named {name!r} ({exc}); check the name and the working directory") from None
+    finally:
+        if saved is not None:
+            _set_path0(saved)
+    if spec is None:
+        raise CliError(f"no module named {name!r}; check the name and the working directory "
+                       f"({os.getcwd()} is searched first, as with python -m)")
 
 
 def _execute(target: str, script_args: list[str], is_module: bool) -> int:

@@ -176,6 +176,27 @@ def test_nothing_or_a_missing_script_is_a_usage_error(tmp_path: Path, out_dir: s
     assert "missing.py" in capsys.readouterr().err
 
 
+def test_missing_module_and_a_directory_are_one_line_and_exit_2(tmp_path: Path, out_dir: str,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    for module in ("no_such_module", "no_such_package.train"):
+        assert _run(out_dir, "-m", module) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"no module named {module!r}" in err, err
+    (tmp_path / "scripts").mkdir()
+    assert _run(out_dir, str(tmp_path / "scripts")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a directory with no __main__.py" in err, err
+
+
+def test_a_directory_with_main_runs_as_python_runs_it(tmp_path: Path, out_dir: str) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import sys\nsys.exit(7)\n", encoding="utf-8")
+    assert _run(out_dir, str(app)) == 7
+
+
 def test_every_config_field_is_an_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())

@@ -45,6 +45,17 @@ def test_one_report(tmp_path: Any, capsys: Any) -> None:
     assert data["snapshot_check"]["devices"][0]["segments"] == 2
 
 
+def test_report_json_itself_reads_its_directory_and_another_file_is_one_line(tmp_path: Any, capsys: Any) -> None:
+    path = _write(str(tmp_path), 0, 1763700000.0, 41)
+    assert main(["report", os.path.join(path, "report.json")]) == 0
+    assert "OutOfMemoryError on cuda:0 (rank 0, step 41" in capsys.readouterr().out
+    other = tmp_path / "notes.txt"
+    other.write_text("x", encoding="utf-8")
+    assert main(["report", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file: pass a report directory" in err
+
+
 def test_every_rank_side_by_side(tmp_path: Any, capsys: Any) -> None:
     _write(str(tmp_path / "rank1"), 1, 1763700000.0, 41)  # rank 1 failed first
     _write(str(tmp_path / "rank0"), 0, 1763700002.5, 41, snapshot=False)
