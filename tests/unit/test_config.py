@@ -3,6 +3,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpumemd.config import Config, ConfigError, field_docs, field_types, parse_value
 
@@ -84,3 +86,17 @@ def test_parse_value_kinds() -> None:
 def test_field_types_unwrap_optional() -> None:
     types = field_types()
     assert types["port"] is int and types["pushgateway"] is str and types["census"] is bool
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.sampled_from(sorted(field_docs())),
+       raw=st.one_of(st.text(max_size=40), st.sampled_from(["1e999", "-1e999", "nan", "inf", "-inf", "9" * 5000,
+                                                             "0x10", "1_000", " 5 ", "", "1e-9", str(2**63)])))
+def test_any_environment_value_gives_a_config_or_a_config_error(field: str, raw: str) -> None:
+    """Outside input (issue 15): every GPUMEMD_* value is accepted or refused with a ConfigError naming
+    the variable; nothing else escapes, and an accepted value is within its bounds (Config validates)."""
+    key = "GPUMEMD_" + field.upper()
+    try:
+        Config.from_sources({key: raw})
+    except ConfigError as err:
+        assert key in str(err)
