@@ -11,10 +11,12 @@ import os
 from typing import Any
 
 from gpumemd.report.build import REPORT_KIND, SCHEMA_VERSION
+from gpumemd.report.schema import schema_errors
 from gpumemd.report.writer import TEMP_PREFIX
 
 REPORT_FILE = "report.json"
 SNAPSHOT_FILE = "snapshot.pickle"
+MAX_REPORT_BYTES = 64 * 2**20  # the writer's reports are tens of KiB
 
 
 class ReportLoadError(ValueError):
@@ -30,24 +32,31 @@ def load_report(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, REPORT_FILE)
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_REPORT_BYTES + 1)
     except FileNotFoundError:
         raise ReportLoadError(f"{path} does not exist: not a gpumemd report directory") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportLoadError(f"cannot read {path}: {exc}") from None
+    if len(text) > MAX_REPORT_BYTES:
+        raise ReportLoadError(f"{path} is larger than {MAX_REPORT_BYTES // 2**20} MiB: not a report gpumemd wrote")
     try:
         report = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReportLoadError(f"{path} is truncated or not JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise ReportLoadError(f"{path} is nested too deeply: not a report gpumemd wrote") from None
     if not isinstance(report, dict) or report.get("kind") != REPORT_KIND:
         raise ReportLoadError(f"{path} is not a gpumemd OOM report (no kind={REPORT_KIND!r})")
     version = report.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= SCHEMA_VERSION:
         raise ReportLoadError(
             f"{path} has schema_version {version!r}; this gpumemd reads up to {SCHEMA_VERSION}: upgrade gpumemd"
         )
     if not isinstance(report.get("breakdown"), dict):
         raise ReportLoadError(f"{path} has no breakdown section: truncated or edited by hand")
+    error = schema_errors(report)
+    if error is not None:
+        raise ReportLoadError(f"{path} is malformed: {error}")
     report["_dir"] = directory
     return report
 

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import os
 import pickle
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oom_snapshot_data import NEW_MESSAGE, MiB, make_snapshot
 
 from gpumemd.analysis.oom_message import parse_oom_message
@@ -109,3 +116,73 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Any, capsys: Any, case: str)
     if case == "evil_snapshot":
         assert "refused to load posix.remove" in err or "refused to load os.remove" in err
         assert os.path.exists(os.path.join(target, "report.json"))  # the pickle did not run
+
+
+# --- report.json is outside input: any edit is read or refused in one line (issue 15, item 6) ----------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.extend(_paths(v, (*prefix, k)))
+    elif isinstance(value, list):
+        for i, v in enumerate(value[:3]):
+            out.extend(_paths(v, (*prefix, i)))
+    return out
+
+
+@functools.cache
+def _valid_report() -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="gpumemd-report-")
+    with open(os.path.join(_write(root, 0, 1763700000.0, 41, snapshot=False), "report.json"), encoding="utf-8") as f:
+        return json.load(f)  # type: ignore[no-any-return]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_any_edit_of_report_json_is_read_or_refused_in_one_line(data: st.DataObject) -> None:
+    report = json.loads(json.dumps(_valid_report()))
+    path = data.draw(st.sampled_from([p for p in _paths(report) if p]))
+    node = report
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = data.draw(_JSON)
+    directory = tempfile.mkdtemp(prefix="gpumemd-report-")
+    try:
+        with open(os.path.join(directory, "report.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f)
+        for argv in (["report", directory], ["report", "--json", directory]):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(argv)
+            assert code in (0, 2), (path, code)
+            if code == 2:
+                assert err.getvalue().count("\n") == 1, err.getvalue()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("edit", "fragment"), [
+    ({"schema_version": True}, "schema_version True"),
+    ({"schema_version": 0}, "schema_version 0"),
+    ({"peak_bytes": "lots"}, "peak_bytes: expected an integer, got 'lots'"),
+])
+def test_bad_fields_are_named(tmp_path: Any, capsys: Any, edit: dict[str, Any], fragment: str) -> None:
+    report = {**_valid_report(), **edit}
+    (tmp_path / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    assert main(["report", str(tmp_path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_deep_nesting_is_refused(tmp_path: Any, capsys: Any) -> None:
+    (tmp_path / "report.json").write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
