@@ -175,6 +175,12 @@ class Estimate:
     devices: tuple[DeviceFit, ...]
     shape: TransformerShape | None = None
 
+    @property
+    def before_activations_bytes(self) -> int:
+        """Weights + gradients + optimizer state: the headline figure before any activation (16 B/param
+        for mixed-precision AdamW: 112 GB for 7B parameters)."""
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_state_bytes
+
     def terms(self) -> dict[str, int]:
         """The per-GPU terms by name (activations 0 when unknown)."""
         return {

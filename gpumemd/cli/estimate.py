@@ -175,6 +175,7 @@ def to_json(est: Estimate, traced: TraceResult | None = None) -> dict[str, Any]:
         "offload": est.offload,
         "per_gpu_bytes": est.terms(),
         "activations_known": est.activations_bytes is not None,
+        "before_activations_bytes": est.before_activations_bytes,
         "peak_bytes": est.peak_bytes,
         "host_bytes": est.host_bytes,
         "dominant": est.dominant,
@@ -229,6 +230,13 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
     if traced:
         peak_line += f"{_fmt(traced.peak_bytes):>14}"
     lines.append(peak_line)
+    subtotal = f"before activations (weights + gradients + optimizer state): {_fmt(est.before_activations_bytes)}"
+    if est.zero_stage == 0 and est.offload == "none" and est.params:  # per-param figures only when unsharded
+        subtotal += (f" per GPU, {est.before_activations_bytes / est.params:.1f} B/param "
+                     f"({est.before_activations_bytes / 1e9:,.1f} GB)")
+    else:
+        subtotal += " per GPU (sharded / offloaded)"
+    lines.append(subtotal)
     if est.activations_bytes is None:
         lines.append("(analytic activations unknown: give --layers --hidden --heads --seq --batch)")
     if est.host_bytes:

@@ -109,3 +109,16 @@ def test_params_from_shape_and_mixed_precision_trace(capsys: pytest.CaptureFixtu
     fake = run_json(capsys, "--model", "estimate_models:sdpa", "--input-shape", "2,64,64",
                     "--trace-backend", "fake-cpu")
     assert fake["traced"]["saved_for_backward_bytes"] < meta["traced"]["saved_for_backward_bytes"]
+
+
+def test_subtotal_before_activations_is_printed_and_returned(capsys: pytest.CaptureFixture[str]) -> None:
+    """The seed's headline: weights + gradients + optimizer state = 16 B/param = 112 GB for 7B in
+    bf16-mixed AdamW (issue 14, item 6)."""
+    argv = ["estimate", "--params", "7e9", "--precision", "bf16-mixed", "--optimizer", "adamw"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["before_activations_bytes"] == 112_000_000_000
+    assert main(argv) == 0
+    assert "before activations (weights + gradients + optimizer state): 104.31 GiB per GPU, 16.0 B/param " \
+           "(112.0 GB)" in capsys.readouterr().out
+    assert main([*argv, "--gpus", "8", "--zero", "3"]) == 0
+    assert "per GPU (sharded / offloaded)" in capsys.readouterr().out
