@@ -14,6 +14,7 @@ import functools
 import inspect
 import ipaddress
 import itertools
+import logging
 import math
 import os
 import types
@@ -229,7 +230,10 @@ class Config:
     @classmethod
     def from_sources(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Defaults < ``GPUMEMD_*`` in ``env`` < ``overrides``; errors name the variable that was wrong."""
-        env_values = cls.parse_env(os.environ if env is None else env)
+        env_map = os.environ if env is None else env
+        env_values = cls.parse_env(env_map)
+        for line in unknown_env_lines(env_map):
+            logging.getLogger("gpumemd").warning("gpumemd: %s", line)
         unknown = sorted(set(overrides) - set(field_docs()))
         if unknown:
             raise ValueError(
@@ -267,6 +271,25 @@ class Config:
 
 _MAX_STEPS = 100_000_000  # step counts and intervals: more than any job runs
 _MAX_BYTES = 2**50  # a byte rate per step: a PiB
+
+
+_TEST_SWITCHES = ENV_PREFIX + "REQUIRE_"  # the test suite's own switches (GPUMEMD_REQUIRE_PROMETHEUS, ...)
+
+
+def unknown_env_lines(env: Mapping[str, str]) -> list[str]:
+    """One line per ``GPUMEMD_*`` variable that names no option, with the closest option's variable:
+    a misspelled ``GPUMEMD_PROT=9400`` must not be ignored silently (it is not an error: a later
+    version's variable, or another tool's, may share the prefix)."""
+    import difflib
+
+    names = [f"{ENV_PREFIX}{name.upper()}" for name in field_types()]
+    out = []
+    for key in sorted(env):
+        if key.startswith(ENV_PREFIX) and key not in names and not key.startswith(_TEST_SWITCHES):
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]}?" if close else "see `gpumemd run --help` for the options"
+            out.append(f"{key} is not a gpumemd option ({hint}); ignored")
+    return out
 
 
 def _is_host_port(value: str) -> bool:

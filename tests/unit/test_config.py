@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 from hypothesis import given, settings
@@ -100,3 +101,10 @@ def test_any_environment_value_gives_a_config_or_a_config_error(field: str, raw:
         Config.from_sources({key: raw})
     except ConfigError as err:
         assert key in str(err)
+
+
+def test_a_misspelled_variable_is_reported_with_the_closest_name(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    Config.from_sources({"GPUMEMD_PROT": "9400", "GPUMEMD_REQUIRE_PROMETHEUS": "1", "GPUMEMD_PORT": "0"})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["gpumemd: GPUMEMD_PROT is not a gpumemd option (did you mean GPUMEMD_PORT?); ignored"]
