@@ -203,6 +203,11 @@ class Config:
             pair = ("tls_certfile", "tls_keyfile")
             given, missing = pair if self.tls_keyfile is None else pair[::-1]
             raise ConfigError(given, getattr(self, given), f"{missing} to be set as well (TLS needs both, or neither)")
+        if self.tls_certfile is not None and self.tls_keyfile is not None:
+            problem = _tls_problem(self.tls_certfile, self.tls_keyfile)
+            if problem is not None:
+                field, accepted = problem
+                raise ConfigError(field, getattr(self, field), accepted)
         _require(
             self.textfile is None or self.textfile.endswith(".prom"),
             "textfile",
@@ -290,6 +295,23 @@ def unknown_env_lines(env: Mapping[str, str]) -> list[str]:
             hint = f"did you mean {close[0]}?" if close else "see `gpumemd run --help` for the options"
             out.append(f"{key} is not a gpumemd option ({hint}); ignored")
     return out
+
+
+def _tls_problem(certfile: str, keyfile: str) -> tuple[str, str] | None:
+    """(field, what is expected) when the TLS pair cannot serve HTTPS, checked at attach: a missing file
+    was reported later as "port could not be bound", with advice about ports."""
+    import ssl
+
+    for field, path in (("tls_certfile", certfile), ("tls_keyfile", keyfile)):
+        if not os.path.isfile(path):
+            return field, "a readable PEM file (no such file)"
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as exc:
+        return "tls_certfile", f"a PEM certificate matching tls_keyfile ({exc.reason or exc})"
+    except OSError as exc:
+        return "tls_certfile", f"readable PEM files ({exc.strerror or exc})"
+    return None
 
 
 def _is_host_port(value: str) -> bool:

@@ -108,3 +108,17 @@ def test_a_misspelled_variable_is_reported_with_the_closest_name(caplog: pytest.
     Config.from_sources({"GPUMEMD_PROT": "9400", "GPUMEMD_REQUIRE_PROMETHEUS": "1", "GPUMEMD_PORT": "0"})
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["gpumemd: GPUMEMD_PROT is not a gpumemd option (did you mean GPUMEMD_PORT?); ignored"]
+
+
+def test_tls_files_are_checked_at_attach(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    tls = Path(__file__).resolve().parents[1] / "data" / "tls"
+    cert, key = str(tls / "cert.pem"), str(tls / "key.pem")
+    assert Config.from_sources({}, tls_certfile=cert, tls_keyfile=key).tls_certfile == cert
+    with pytest.raises(ConfigError, match=r"GPUMEMD_TLS_KEYFILE='/nowhere/key.pem' is not valid: expected a readable"):
+        Config.from_sources({"GPUMEMD_TLS_CERTFILE": cert, "GPUMEMD_TLS_KEYFILE": "/nowhere/key.pem"})
+    not_pem = tmp_path / "cert.pem"
+    not_pem.write_text("hello", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"attach\(tls_certfile=.*\) is not valid: expected a PEM certificate"):
+        Config.from_sources({}, tls_certfile=str(not_pem), tls_keyfile=key)
