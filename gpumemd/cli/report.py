@@ -53,14 +53,14 @@ def _snapshot_check(directory: str) -> dict[str, Any] | None:
 
 
 def _activations(report: dict[str, Any]) -> int:
-    items = {i.get("key"): i.get("nbytes", 0) for i in report["breakdown"].get("items", [])}
+    items = {i.get("key"): i.get("nbytes", 0) for i in (report["breakdown"].get("items") or [])}
     return int(items.get("graph_retained", 0) or 0) + int(items.get("invisible", 0) or 0)
 
 
 def _item(report: dict[str, Any], key: str) -> int | None:
     if key == "activations":
         return _activations(report)
-    for item in report["breakdown"].get("items", []):
+    for item in (report["breakdown"].get("items") or []):
         if item.get("key") == key:
             return int(item.get("nbytes", 0))
     return None
@@ -77,7 +77,7 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
     print(f"verdict: {b.get('verdict')}: {b.get('verdict_why')}", file=out)
     print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
           f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
-    for item in b.get("items", []):
+    for item in b.get("items") or []:
         share = f"{100 * item['nbytes'] / total:5.1f}%" if total else "    -"
         print(f"  {item['key']:<22} {fmt_bytes(item['nbytes']):>12} {share}", file=out)
     suggestions = report.get("suggestions") or []
@@ -88,7 +88,7 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
     if tensors.get("available"):
         print(f"largest tensors ({tensors.get('tensor_count')} tensors, {fmt_bytes(tensors.get('total_bytes'))}):",
               file=out)
-        for t in tensors.get("top", [])[:_TENSORS]:
+        for t in (tensors.get("top") or [])[:_TENSORS]:
             who = t.get("name") or t.get("holder") or "-"
             print(f"  {fmt_bytes(t['nbytes']):>12} {t['dtype']:<9} {t['device']:<7} {t['category']:<16} "
                   f"{tuple(t['shape'])} {who}", file=out)

@@ -89,7 +89,7 @@ def test_field_types_unwrap_optional() -> None:
     assert types["port"] is int and types["pushgateway"] is str and types["census"] is bool
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # CI: a fixed set
 @given(field=st.sampled_from(sorted(field_docs())),
        raw=st.one_of(st.text(max_size=40), st.sampled_from(["1e999", "-1e999", "nan", "inf", "-inf", "9" * 5000,
                                                              "0x10", "1_000", " 5 ", "", "1e-9", str(2**63)])))

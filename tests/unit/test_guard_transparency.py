@@ -92,7 +92,7 @@ def test_a_long_digit_run_is_not_quadratic() -> None:
     assert time.perf_counter() - start < 1.0
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # CI: a fixed set
 @given(st.text(alphabet=st.sampled_from(list("0123456789. GiBMKTbytesCUDA outfmemory;()allowed:")), max_size=400)
        | st.text(max_size=200))
 def test_parser_gives_a_result_or_none_on_any_text(text: str) -> None:
