@@ -134,7 +134,9 @@ class FrameworkSession:
             phase.__exit__(None, None, None)
 
     def stop(self) -> None:
-        """Leave any phase; detach only an agent this session attached."""
+        """Leave any phase; detach only an agent this session attached. ``agent`` stays set: the
+        finished run's findings, steps and report paths remain readable after fit (its hooks and
+        threads are gone); the next ``start`` attaches afresh."""
         self.exit_phase()
         if self.owned:
             import gpumemd
@@ -142,5 +144,4 @@ class FrameworkSession:
             if gpumemd.current() is self.agent:
                 gpumemd.detach()
         self.owned = False
-        self.agent = None
         self._last_global_step = None

@@ -38,7 +38,8 @@ class GpumemdCallback(_Callback):  # type: ignore[misc,unused-ignore]  # Any to 
 
     @property
     def agent(self) -> Any:
-        """The agent this callback uses (None before fit starts and after teardown)."""
+        """The agent this callback uses: None before fit starts; after fit, the finished agent
+        (detached, its findings, steps and reports still readable)."""
         return self.session.agent
 
     @guarded

@@ -209,9 +209,15 @@ def test_hf_trainer_planted_leak_is_named(out_dir: str) -> None:
 def test_lightning_fit_at_defaults_raises_nothing(out_dir: str, seed: int) -> None:
     """A 2,000-step Lightning fit (validation every 20 steps) under the callback with only
     ``output_dir`` set: what a user gets. No leak finding may fire."""
+    from gpumemd.integrations.lightning import GpumemdCallback
+
     agent, _, trainer = _lightning_fit(out_dir, leak=False, steps=2000, settings={}, seed=seed)
     assert trainer.global_step == 2000 and agent is not None
     assert agent.findings() == [], [f.summary for f in agent.findings()]
+    # After fit the callback keeps the finished run reachable (issue 14), detached: no hooks, no threads.
+    callback = next(c for c in trainer.callbacks if isinstance(c, GpumemdCallback))
+    assert callback.agent is agent and not agent.running and gpumemd.current() is None
+    assert len(callback.agent.steps()) > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
