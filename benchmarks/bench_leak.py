@@ -29,6 +29,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 
+from bench_step_overhead import make_job, time_steps  # noqa: E402  (this folder: the same MLP step)
+
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
@@ -182,41 +184,13 @@ def cost_table() -> None:
     print()
 
 
-def _mlp_job(hidden: int, batch: int = 64):  # type: ignore[no-untyped-def]
-    """A real training step: a 3-layer MLP with AdamW, one thread."""
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
-                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = torch.randn(batch, hidden), torch.randint(0, 10, (batch,))
-
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _timed(step, n: int) -> list[float]:  # type: ignore[no-untyped-def]
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _calibrate(target_s: float) -> int:
     """The MLP width whose step takes about ``target_s`` here (step time grows as width squared)."""
     hidden = 256
     for _ in range(4):
-        step = _mlp_job(hidden)
-        _timed(step, 5)
-        took = statistics.median(_timed(step, 15))
+        step = make_job(hidden, 64)
+        time_steps(step, 5)
+        took = statistics.median(time_steps(step, 15))
         hidden = max(16, int(hidden * (target_s / took) ** 0.5))
     return hidden
 
@@ -236,7 +210,8 @@ def overhead_table(rounds: int) -> None:
     torch.set_num_threads(1)
     logging.getLogger("gpumemd").setLevel(logging.ERROR)
     print("## The agent's step-time overhead at defaults (interleaved in one process)\n")
-    print(f"3-layer MLP with AdamW, 1 thread, width chosen for the step time; {rounds} rounds, each a block of "
+    print(f"MLP with AdamW (bench_step_overhead.make_job), 1 thread, width chosen for the step time; "
+          f"{rounds} rounds, each a block of "
           "steps of the job the agent follows and of two identical jobs it does not (rotating order); "
           "overhead = mean followed − mean not followed.\n")
     print("| step time | target | overhead (mean over rounds) | rounds' IQR | noise floor | agent's own figure | "
@@ -244,12 +219,12 @@ def overhead_table(rounds: int) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for target_ms, budget, block in ((10.0, 0.01, 100), (1.0, 0.03, 600)):
         hidden = _calibrate(target_ms / 1e3)
-        followed, other, control = _mlp_job(hidden), _mlp_job(hidden), _mlp_job(hidden)
+        followed, other, control = make_job(hidden, 64), make_job(hidden, 64), make_job(hidden, 64)
         for job in (followed, other, control):
-            _timed(job, 20)
+            time_steps(job, 20)
         with gpumemd.attached(output_dir=tempfile.mkdtemp(prefix="bench-leak-")) as agent:
-            first = _timed(followed, 3)  # the first step to end makes this optimizer the agent's
-            _timed(followed, 30)
+            first = time_steps(followed, 3)  # the first step to end makes this optimizer the agent's
+            time_steps(followed, 30)
             start = agent.state().overhead
             diffs, noise, bare_means = [], [], []
             for i in range(rounds):
@@ -257,7 +232,7 @@ def overhead_table(rounds: int) -> None:
                 blocks = {}
                 for name in (("followed", "other", "control"), ("other", "control", "followed"),
                              ("control", "followed", "other"))[i % 3]:
-                    blocks[name] = statistics.fmean(_timed({"followed": followed, "other": other,
+                    blocks[name] = statistics.fmean(time_steps({"followed": followed, "other": other,
                                                             "control": control}[name], block))
                 diffs.append(blocks["followed"] - blocks["other"])
                 noise.append(blocks["control"] - blocks["other"])

@@ -20,6 +20,7 @@ appends the finding to ``leak-findings-rank<R>.jsonl`` in the output directory a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -246,20 +247,8 @@ class LeakComponent:
         for device, nbytes in by_device.items():
             self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", _cuda_index(device),
                                 sparse=True, alarm=False), record.step, nbytes, record.phase)
-        specs = self._count_specs
-        for group in tracker.groups():
-            spec = specs.get(group.key)
-            if spec is None:
-                if group.count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
-                    continue
-                spec = specs[group.key] = SeriesSpec(
-                    f"tensors{{device={group.device},group={group.describe()}}}",
-                    "graph_leak" if group.graph else "tensor_leak", _cuda_index(group.device),
-                    sparse=True, unit="tensors")
-            self._observe(spec, record.step, group.count, record.phase)
-        for key, spec in specs.items():
-            if tracker.count(key) == 0:
-                self._observe(spec, record.step, 0, record.phase)  # all died: the series drops to 0
+        self._observe_groups(self._count_specs, record,
+                             [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
         if self._chains is not None:
             self._feed_chains(record)
 
@@ -276,19 +265,26 @@ class LeakComponent:
             chains.scan(roots)
         finally:
             roots.clear()
-        specs = self._chain_specs
-        for group in chains.groups():
-            spec = specs.get(group.key)
+        self._observe_groups(self._chain_specs, record,
+                             [(g.key, g.nodes, functools.partial(_chain_spec, g)) for g in chains.groups()])
+
+    def _observe_groups(self, specs: dict[Any, SeriesSpec], record: StepRecord,
+                        groups: list[tuple[Any, int, Callable[[], SeriesSpec]]]) -> None:
+        """Feed one count series per group (key, count, how to make its spec): a group gets a series
+        once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most); a watched group that is gone
+        (all its tensors died, its chain ended) drops to 0."""
+        present: set[Any] = set()
+        for key, count, make_spec in groups:
+            present.add(key)
+            spec = specs.get(key)
             if spec is None:
-                if group.nodes < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
+                if count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
                     continue
-                spec = specs[group.key] = SeriesSpec(
-                    f"graph_nodes{{device={group.device},group={group.describe()}}}", "graph_leak",
-                    _cuda_index(group.device), sparse=True, unit="nodes")
-            self._observe(spec, record.step, group.nodes, record.phase)
+                spec = specs[key] = make_spec()
+            self._observe(spec, record.step, count, record.phase)
         for key, spec in specs.items():
-            if chains.nodes(key) == 0:
-                self._observe(spec, record.step, 0, record.phase)  # the chain ended
+            if key not in present:
+                self._observe(spec, record.step, 0, record.phase)
 
     def _min_slopes(self) -> dict[str, float]:
         """Per series, the growth per step that matters: what would exhaust the headroom it draws on
@@ -772,6 +768,19 @@ def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, ala
         if len(_SPECS) < 1024:
             _SPECS[key] = spec
     return spec
+
+
+def _tensor_spec(group: Any) -> SeriesSpec:
+    """The count series of a survivor group (``probes.survivors.SurvivorGroup``)."""
+    return SeriesSpec(f"tensors{{device={group.device},group={group.describe()}}}",
+                      "graph_leak" if group.graph else "tensor_leak", _cuda_index(group.device), sparse=True,
+                      unit="tensors")
+
+
+def _chain_spec(group: Any) -> SeriesSpec:
+    """The node-count series of a graph-chain group (``probes.graph_chains.ChainGroup``)."""
+    return SeriesSpec(f"graph_nodes{{device={group.device},group={group.describe()}}}", "graph_leak",
+                      _cuda_index(group.device), sparse=True, unit="nodes")
 
 
 def _cuda_index(device: str) -> int | None:

@@ -65,7 +65,6 @@ class _Chain:
 class ChainGroup:
     key: ChainKey
     nodes: int  # nodes chained (over every chain of this group)
-    chains: int
 
     @property
     def device(self) -> str:
@@ -93,17 +92,14 @@ class GraphChainTracker:
         self._mark: int | None = None  # the next sequence number at the end of the last step noted
         self._chains: list[_Chain] = []
         self.errors = 0
-        self.popped = 0  # nodes popped over all searches (benchmarks read it)
+        self.popped = 0  # nodes popped over all searches (what the searches cost; tests read it)
         self.available = _next_sequence_nr() is not None
 
     def groups(self) -> list[ChainGroup]:
         by_key: dict[ChainKey, list[_Chain]] = {}
         for c in self._chains:
             by_key.setdefault(c.key, []).append(c)
-        return [ChainGroup(k, sum(c.nodes for c in cs), len(cs)) for k, cs in by_key.items()]
-
-    def nodes(self, key: ChainKey) -> int:
-        return sum(c.nodes for c in self._chains if c.key == key)
+        return [ChainGroup(k, sum(c.nodes for c in cs)) for k, cs in by_key.items()]
 
     def sample(self, key: ChainKey) -> Any:
         """The newest live root of a chain in this group (a strong reference: drop it soon)."""
