@@ -189,7 +189,7 @@ class SurvivorTracker:
         try:
             self._count_survivors()
             listed, self._listed = self._listed, []
-            self._pending = listed + self._young()
+            self._pending = listed + self._young(collect=True)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
             self.errors += 1
             self._pending.clear()
@@ -209,7 +209,7 @@ class SurvivorTracker:
         except Exception:  # noqa: BLE001 - never disturb the collector
             self.errors += 1
 
-    def _young(self) -> list[weakref.ref[Any]]:
+    def _young(self, *, collect: bool = False) -> list[weakref.ref[Any]]:
         if len(self._refs) >= self._max_tracked:
             self.truncated = True
             return []
@@ -220,7 +220,8 @@ class SurvivorTracker:
         self.young_objects = len(young)
         found = list(itertools.compress(young, map(types.__contains__, map(type, young))))
         young.clear()
-        if self.young_objects > YOUNG_COLLECT_AT and gc.isenabled() and gc.get_threshold()[0] > 0:
+        # Only from a scan: inside the gc callback a collection is already starting.
+        if collect and self.young_objects > YOUNG_COLLECT_AT and gc.isenabled() and gc.get_threshold()[0] > 0:
             self._collecting = True
             try:
                 gc.collect(0)
