@@ -140,6 +140,7 @@ class TrackStatus:
 
 class _Track:
     __slots__ = (
+        "block_id",
         "block_min",
         "block_n",
         "block_xsum",
@@ -162,6 +163,7 @@ class _Track:
     def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
         self.spec = spec
         self.floors: deque[tuple[float, float]] = deque(maxlen=max_floors)
+        self.block_id = -1  # step // block of the open block
         self.block_min = math.inf
         self.block_n = 0
         self.block_xsum = 0.0
@@ -260,13 +262,22 @@ class LeakDetector:
             # output, its graph): the minimum with the previous census removes such one-off highs
             # while a leak, present in both, only lags by one census.
             value, track.previous = min(value, track.previous), value
+        # Dense series: one floor per block of ``block`` steps, aligned to step numbers, so a series
+        # sampled every Nth step (N <= block, the agent's stride) still gives one floor per block.
+        block_id = step // block
+        if track.block_n and block_id != track.block_id:
+            self._close_block(track, block)
+        track.block_id = block_id
         track.block_min = min(track.block_min, value)
         track.block_n += 1
         track.block_xsum += step
-        if track.block_n >= block:
-            min_rise = self.config.min_bytes_per_step * max(block, 1) * 5
-            track.add_floor(track.block_xsum / track.block_n, track.block_min, min_rise)
-            track.block_min, track.block_n, track.block_xsum = math.inf, 0, 0.0
+        if step % block == block - 1:  # the block's last step: nothing more can join it
+            self._close_block(track, block)
+
+    def _close_block(self, track: _Track, block: int) -> None:
+        min_rise = self.config.min_bytes_per_step * max(block, 1) * 5
+        track.add_floor(track.block_xsum / track.block_n, track.block_min, min_rise)
+        track.block_min, track.block_n, track.block_xsum = math.inf, 0, 0.0
 
     def _track(self, spec: SeriesSpec, phase: str) -> _Track | None:
         key = (spec.name, phase)

@@ -104,16 +104,19 @@ class CensusComponent:
     def on_step(self, record: StepRecord) -> None:
         now = self._clock()
         if self._last_clock is not None:
-            step_seconds = max(0.0, now - self._last_clock)
-            self._job_seconds_since += step_seconds
+            elapsed = max(0.0, now - self._last_clock)
+            self._job_seconds_since += elapsed
+            step_seconds = elapsed / record.steps
             average = self._seconds_per_step
             self._seconds_per_step = step_seconds if average is None else 0.8 * average + 0.2 * step_seconds
         self._last_clock = now
-        self._steps_since += 1
-        if not self._due():
-            return
-        self._take(record.step, record.allocator)
-        self._last_clock = self._clock()  # the census is not part of the next step's job time
+        self._steps_since += record.steps
+        if self._due():
+            self._take(record.step, record.allocator)
+            self._last_clock = self._clock()  # the census is not part of the next step's job time
+        if self._every > 0 and self._agent is not None:
+            # a forced cadence means those steps: have the agent sample the step the next one is due at
+            self._agent.sample_within(max(self._every, self._retry_after) - self._steps_since)
 
     def _due(self) -> bool:
         if self._steps_since < self._retry_after:
@@ -205,11 +208,11 @@ class CensusComponent:
 
 
 def _other_share(agent: Agent | None) -> float:
-    """The agent's training-thread share spent on things other than censuses."""
+    """The agent's share of wall time (training thread and sampler) spent on things other than censuses."""
     if agent is None:
         return 0.0
     overhead = agent.overhead()
     if overhead.wall_seconds <= 0:
         return 0.0
-    other = overhead.training_thread_seconds_total - overhead.census_seconds_total
+    other = overhead.seconds_total - overhead.census_seconds_total
     return max(0.0, other / overhead.wall_seconds)

@@ -19,6 +19,7 @@ appends the finding to ``leak-findings-rank<R>.jsonl`` in the output directory a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import gc
@@ -63,12 +64,24 @@ COUNT_FLOOR = 0.1
 """Long-lived tensors per step below which a count series never fires (one per 10 steps)."""
 
 SCAN_EVERY = 10
-"""Steps between survivor scans (and count-series observations)."""
+"""Steps between survivor scans (and count-series observations) at least."""
+
+SCAN_EVERY_MAX = 50
+"""Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
+10 points of every count series, so the budget never starves detection (issue 11, item 4)."""
+
+SCAN_SHARE = 0.3
+"""Share of ``overhead_budget`` the survivor scans may take at the job's step time: they run every
+``SCAN_EVERY`` steps on slow steps, spaced out to ``SCAN_EVERY_MAX`` on fast ones."""
 
 MAX_COUNT_SERIES = 16
 """Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
 
 _COUNT_MIN = 8
+
+_COUNT_HISTORY = 64
+"""Scans whose group counts are kept (per family) to start a new count series with its past: 64
+scans span 640 to 3,200 steps, more than a detection window."""
 
 HOST_LOOK_SHARE = 0.25
 """Share of ``overhead_budget`` that the heap scans looking for a host leak's culprit may use while
@@ -111,6 +124,11 @@ class LeakComponent:
         self._chain_specs: dict[Any, SeriesSpec] = {}  # chain group key -> its node-count series
         self._seconds_per_step: float | None = None
         self._own_record_bytes: float | None = None
+        self._scan_interval = SCAN_EVERY  # steps between scans now (budgeted, see SCAN_SHARE)
+        self._last_scan_total = 0  # agent.steps_total at the last scan
+        self._scan_cost: float | None = None  # moving average of a scan's seconds
+        self._previous_scan_step: int | None = None
+        self._count_history: dict[int, collections.deque[tuple[int, dict[Any, int]]]] = {}
         self._append_failed = False  # the last append to the findings file failed (logged once)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -130,6 +148,8 @@ class LeakComponent:
                           "graph_nodes{device=cpu,*"))
         self._seconds_per_step = None
         self._own_record_bytes = None
+        self._scan_interval, self._last_scan_total, self._scan_cost = SCAN_EVERY, 0, None
+        self._previous_scan_step = None
         try:
             from gpumemd.probes.graph_chains import GraphChainTracker
             from gpumemd.probes.survivors import SurvivorTracker
@@ -152,6 +172,7 @@ class LeakComponent:
             self._chains = None
         self._count_specs.clear()
         self._chain_specs.clear()
+        self._count_history.clear()
         if self._history_enabled_by_us:
             self._history_enabled_by_us = False
             try:
@@ -178,21 +199,53 @@ class LeakComponent:
         detector = self._detector
         if detector is None:
             return
+        assert self._agent is not None
         self._feed(record)
-        if self._chains is not None and (record.step + 1) % SCAN_EVERY == 0:
-            self._chains.mark_step()  # the next scan's roots are new if made after this
-        if self._tracker is not None and record.step % SCAN_EVERY == 0:
-            start = time.perf_counter()
-            try:
-                self._feed_counts(record)
-            finally:
-                self.scan_seconds += time.perf_counter() - start
+        tracker = self._tracker
+        if tracker is not None:
+            self._agent.add_thread_seconds(tracker.take_callback_seconds())
+            if self._scan_due(self._agent.steps_total, record.step):
+                total = self._agent.steps_total
+                self._last_scan_total = total
+                start = time.perf_counter()
+                try:
+                    self._feed_counts(record)
+                finally:
+                    self._scanned(time.perf_counter() - start)
         if detector.due(record.step):
             start = time.perf_counter()
             try:
                 self._evaluate(record.step)
             finally:
                 self.evaluate_seconds += time.perf_counter() - start
+
+    def _scan_due(self, total: int, step: int) -> bool:
+        """A scan every ``_scan_interval`` steps, and at every evaluation: the culprit search then
+        samples tensors and chain roots of this very step (an EMA's root is replaced every step)."""
+        since = total - self._last_scan_total
+        assert self._detector is not None
+        return since >= self._scan_interval or (since > 0 and self._detector.due(step))
+
+    def on_eve(self) -> None:
+        """The step before a sampled one: if that one will scan, mark where its graphs begin."""
+        agent = self._agent
+        if self._chains is not None and agent is not None and self._detector is not None:
+            step = agent.current_step
+            if step is not None and self._scan_due(agent.steps_total + 1, step + 1):
+                self._chains.mark_step(step)
+
+    def _scanned(self, seconds: float) -> None:
+        """Space the next scan so scans take ``SCAN_SHARE`` of the budget at this step time, within
+        ``SCAN_EVERY`` .. ``SCAN_EVERY_MAX`` steps."""
+        self.scan_seconds += seconds
+        cost = self._scan_cost = seconds if self._scan_cost is None else 0.8 * self._scan_cost + 0.2 * seconds
+        assert self._agent is not None
+        config = self._agent.config
+        longest = max(1, min(SCAN_EVERY_MAX, config.leak_window_steps // 10))  # 10 points per window
+        interval = SCAN_EVERY
+        if self._seconds_per_step:
+            interval = math.ceil(cost / (config.overhead_budget * SCAN_SHARE * self._seconds_per_step))
+        self._scan_interval = max(min(SCAN_EVERY, longest), min(longest, interval))
 
     def _observe(self, spec: SeriesSpec, step: int, value: float, phase: str) -> None:
         assert self._detector is not None
@@ -237,54 +290,72 @@ class LeakComponent:
         if self._own_record_bytes is None:
             self._own_record_bytes = float(_deep_size(record))
         assert self._agent is not None
-        return self._own_record_bytes * min(self._agent.steps_total, self._agent.config.history_steps)
+        return self._own_record_bytes * min(self._agent.samples_total, self._agent.config.history_steps)
 
     def _feed_counts(self, record: StepRecord) -> None:
-        """Scan for long-lived tensors and feed the count series (every ``SCAN_EVERY`` steps)."""
+        """Scan for long-lived tensors and feed the count series (every ``_scan_interval`` steps).
+
+        A tensor is counted at the first scan it outlives whole, so every tensor counted now already
+        existed at the previous scan: the counts are observed at that scan's step, which keeps a
+        leak's onset where it began rather than one scan interval later."""
         tracker = self._tracker
         tracker.scan()
+        step = self._previous_scan_step if self._previous_scan_step is not None else record.step
+        self._previous_scan_step = record.step
         _, by_device = tracker.total()
         for device, nbytes in by_device.items():
             self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", _cuda_index(device),
-                                sparse=True, alarm=False), record.step, nbytes, record.phase)
-        self._observe_groups(self._count_specs, record,
+                                sparse=True, alarm=False), step, nbytes, record.phase)
+        self._observe_groups(self._count_specs, step, record.phase,
                              [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
         if self._chains is not None:
             self._feed_chains(record)
 
     def _feed_chains(self, record: StepRecord) -> None:
         """Follow autograd graphs chained across steps and feed their node counts."""
-        from gpumemd.probes.graph_chains import MAX_ROOTS
-
-        chains = self._chains
-        tracker = self._tracker
-        roots = tracker.new_graph_roots(MAX_ROOTS)
-        seen = {id(t) for t in roots}
-        roots.extend(t for t in tracker.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
+        roots = self._chain_roots()
         try:
-            chains.scan(roots)
+            self._chains.scan(roots)
         finally:
             roots.clear()
-        self._observe_groups(self._chain_specs, record,
-                             [(g.key, g.nodes, functools.partial(_chain_spec, g)) for g in chains.groups()])
+        self._observe_groups(self._chain_specs, record.step, record.phase,
+                             [(g.key, g.nodes, functools.partial(_chain_spec, g)) for g in self._chains.groups()])
 
-    def _observe_groups(self, specs: dict[Any, SeriesSpec], record: StepRecord,
+    def _chain_roots(self) -> list[Any]:
+        """Tensors a chain may end in: new ones with a ``grad_fn`` and long-lived ones (in-place
+        accumulators). Strong references: the caller drops the list soon."""
+        from gpumemd.probes.graph_chains import MAX_ROOTS
+
+        tracker = self._tracker
+        roots: list[Any] = tracker.new_graph_roots(MAX_ROOTS)
+        seen = {id(t) for t in roots}
+        roots.extend(t for t in tracker.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
+        return roots
+
+    def _observe_groups(self, specs: dict[Any, SeriesSpec], step: int, phase: str,
                         groups: list[tuple[Any, int, Callable[[], SeriesSpec]]]) -> None:
         """Feed one count series per group (key, count, how to make its spec): a group gets a series
-        once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most); a watched group that is gone
-        (all its tensors died, its chain ended) drops to 0."""
-        present: set[Any] = set()
+        once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most), and with it the counts it had
+        at the earlier scans (kept per family, bounded), so its history starts where the group did,
+        not where it crossed the threshold; a watched group that is gone (all its tensors died, its
+        chain ended) drops to 0."""
+        history = self._count_history.setdefault(id(specs), collections.deque(maxlen=_COUNT_HISTORY))
+        present: dict[Any, int] = {}
         for key, count, make_spec in groups:
-            present.add(key)
+            present[key] = count
             spec = specs.get(key)
             if spec is None:
                 if count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
                     continue
                 spec = specs[key] = make_spec()
-            self._observe(spec, record.step, count, record.phase)
+                for earlier, counts in history:  # what this group counted at the scans before
+                    if earlier < step:
+                        self._observe(spec, earlier, counts.get(key, 0), phase)
+            self._observe(spec, step, count, phase)
         for key, spec in specs.items():
             if key not in present:
-                self._observe(spec, record.step, 0, record.phase)
+                self._observe(spec, step, 0, phase)
+        history.append((step, present))
 
     def _min_slopes(self) -> dict[str, float]:
         """Per series, the growth per step that matters: what would exhaust the headroom it draws on
@@ -346,6 +417,11 @@ class LeakComponent:
         # with the graph tensors a Python container holds: one leak, reported once, by the latter.
         held_graphs = any(e.kind == "graph_leak" and not e.graph_kept and key in self._findings_or(statuses)
                           for key, e in self._culprits.items())
+        # ... or by a graph chain (``total += loss`` without backward keeps each step's saved tensors):
+        # the chain is the cause, and it is reported by its own series, rising now or active.
+        chains = {spec.name for spec in self._chain_specs.values()}
+        held_graphs = held_graphs or any(name in chains for name, _ in self._detector.rising) or any(
+            f.series in chains and f.state != "cleared" for f in self._findings.values())
         for status in statuses:
             key = (status.spec.name, status.phase)
             active = status.state is not None and status.state.active
@@ -508,7 +584,8 @@ class LeakComponent:
         from gpumemd.probes.referrers import who_holds
 
         key = next((k for k, spec in self._chain_specs.items() if spec is status.spec), None)
-        sample = self._chains.sample(key) if key is not None and self._chains is not None else None
+        chains = self._chains
+        sample = chains.sample(key) if key is not None and chains is not None else None
         if sample is None:
             return _NO_EVIDENCE
         try:
@@ -529,8 +606,15 @@ class LeakComponent:
         # What a node itself costs is not measurable from Python: bytes (and a time to OOM) only
         # when the chain also keeps saved tensors worth a noise floor.
         material = saved_per_step >= NOISE_FLOOR_BYTES["census"] and per_step > 0
+        began = self._chain_began_after(key)
         return _Evidence((culprit,), status.step - since, (), "graph_leak",
-                         bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence)
+                         bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence,
+                         onset_step=began + 1 if began is not None else None)
+
+    def _chain_began_after(self, key: Any) -> int | None:
+        if self._chains is None:
+            return None
+        return next((g.began_after for g in self._chains.groups() if g.key == key), None)
 
     def _census_culprits(self, status: TrackStatus) -> _Evidence:
         assert self._agent is not None

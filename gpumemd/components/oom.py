@@ -51,6 +51,7 @@ class _Capture:
     call: ObserverCall
     snapshot: dict[str, Any] | None
     memory_summary: str | None
+    steps_total: int = 0  # the agent's step count when the observer fired
 
 
 # PyTorch keeps observers forever (no detach API): one process-wide trampoline is attached once and
@@ -109,7 +110,6 @@ class OomComponent:
         self._maybe_hook_cuda()
 
     def on_step(self, record: StepRecord) -> None:
-        self._pending = None  # a step completed after the observer fired: that OOM was recovered
         if not self._cuda_hooked:
             self._maybe_hook_cuda()
 
@@ -158,7 +158,7 @@ class OomComponent:
         if self._may_write(self._clock()):  # no snapshot for an OOM we would not report anyway
             snapshot = self._probe.capture()
             summary = self._probe.memory_summary(int(device))
-        self._pending = _Capture(call, snapshot, summary)
+        self._pending = _Capture(call, snapshot, summary, agent.steps_total)
 
     # --- excepthooks -------------------------------------------------------------------------
 
@@ -229,13 +229,22 @@ class OomComponent:
         """Write a report now (the user asked): for ``exc`` if given, else from the last capture.
         Subject to ``oom_max_reports`` but not to the cooldown. Returns the directory or None."""
         message = classify_exception(exc) if exc is not None else None
-        if message is None and self._pending is not None:
-            message = OomMessage(kind="cuda", format="unparsed", device=self._pending.call.device)
+        pending = self._recent_capture(self._agent) if self._agent is not None else None
+        if message is None and pending is not None:
+            message = OomMessage(kind="cuda", format="unparsed", device=pending.call.device)
         try:
             return self._report(exc, message, source, explicit=True)
         except Exception as err:  # noqa: BLE001
             log.warning("gpumemd: could not write the OOM report (%s: %s)", type(err).__name__, err)
             return None
+
+    def _recent_capture(self, agent: Agent) -> _Capture | None:
+        """The observer's capture, unless a step ended after it fired: that OOM was recovered (cuDNN
+        retried with less workspace) and the capture is of a different moment."""
+        capture = self._pending
+        if capture is not None and capture.steps_total != agent.steps_total:
+            return None
+        return capture
 
     def _may_write(self, now: float) -> bool:
         if self._written >= self.config.oom_max_reports:
@@ -260,7 +269,7 @@ class OomComponent:
             self._last_report = now
             capture = None
             if message is None or message.kind != "cpu":  # a CUDA capture says nothing about host RAM
-                capture, self._pending = self._pending, None
+                capture, self._pending = self._recent_capture(agent), None
         path = self._write(agent, exc, message, source, capture)
         with self._lock:
             self._written += 1

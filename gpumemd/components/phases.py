@@ -141,6 +141,9 @@ class PhasesComponent:
             self._counter = SavedTensorCounter(exclude=[*params, *buffers])
             self._counter.start()
             self._state = _FORWARD
+            agent = self._agent
+            if agent is not None:
+                agent.sample_within(1)  # this step's end must be a sampled one: on_step finishes it
         except Exception as exc:  # noqa: BLE001 - the job comes first
             self._fail("forward start", exc)
         self._overhead += time.perf_counter() - t0

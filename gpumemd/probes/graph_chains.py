@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,12 @@ scan: 1-3 per step, times the steps between scans)."""
 MAX_CHAINS = 8
 """Chains tracked at once; a further one is not followed until one ends."""
 
+DATE_BUDGET = 4_096
+"""Nodes popped, once per new chain, to find its oldest node (and so the step it began in)."""
+
+MAX_MARKS = 256
+"""Marks kept (step, sequence number) to date a chain's oldest node: 256 scans, 2,560+ steps."""
+
 _LEAF_SEQ = 2**64 - 1  # AccumulateGrad: parameters' grad accumulators, shared by every step
 
 ChainKey = tuple[str, str, tuple[int, ...]]  # device, dtype, shape of the chain's root tensor
@@ -59,12 +66,14 @@ class _Chain:
     root_seq: int  # sequence number of the newest root's grad_fn
     root: weakref.ref[Any]
     nodes: int  # nodes walked along the chain since it was found
+    first_seq: int | None = None  # the oldest node found below the root at discovery (None: not reached)
 
 
 @dataclass(frozen=True, slots=True)
 class ChainGroup:
     key: ChainKey
     nodes: int  # nodes chained (over every chain of this group)
+    began_after: int | None = None  # the step after which the oldest chain began (from the marks)
 
     @property
     def device(self) -> str:
@@ -90,6 +99,7 @@ class GraphChainTracker:
     def __init__(self, *, max_chains: int = MAX_CHAINS) -> None:
         self._max_chains = max_chains
         self._mark: int | None = None  # the next sequence number at the end of the last step noted
+        self._marks: deque[tuple[int, int]] = deque(maxlen=MAX_MARKS)  # (step, mark) to date chains
         self._chains: list[_Chain] = []
         self.errors = 0
         self.popped = 0  # nodes popped over all searches (what the searches cost; tests read it)
@@ -99,7 +109,16 @@ class GraphChainTracker:
         by_key: dict[ChainKey, list[_Chain]] = {}
         for c in self._chains:
             by_key.setdefault(c.key, []).append(c)
-        return [ChainGroup(k, sum(c.nodes for c in cs)) for k, cs in by_key.items()]
+        return [ChainGroup(k, sum(c.nodes for c in cs), self._began_after(cs)) for k, cs in by_key.items()]
+
+    def _began_after(self, chains: list[_Chain]) -> int | None:
+        """The last marked step whose mark is at or below the oldest chain's first node: the chain's
+        first link was made after that step ended. None when not dated (walk cut short, mark gone)."""
+        firsts = [c.first_seq for c in chains if c.first_seq is not None]
+        if not firsts or not self._marks or self._marks[0][1] > min(firsts):
+            return None
+        first = min(firsts)
+        return max(step for step, mark in self._marks if mark <= first)
 
     def sample(self, key: ChainKey) -> Any:
         """The newest live root of a chain in this group (a strong reference: drop it soon)."""
@@ -112,12 +131,16 @@ class GraphChainTracker:
 
     def clear(self) -> None:
         self._chains.clear()
+        self._marks.clear()
         self._mark = None
 
-    def mark_step(self) -> None:
+    def mark_step(self, step: int | None = None) -> None:
         """Note where the step that ends now stands in the sequence (call it on the training
-        thread, at the end of the step before a scan): nodes below it were made in earlier steps."""
+        thread, at the end of the step before a scan): nodes below it were made in earlier steps.
+        With ``step`` (the step ending now), the mark also dates the chains found later."""
         self._mark = _next_sequence_nr()
+        if step is not None and self._mark is not None:
+            self._marks.append((step, self._mark))
 
     def scan(self, roots: Iterable[Any]) -> None:
         """Follow the chains from the tensors made since the last scan (newest first)."""
@@ -155,7 +178,7 @@ class GraphChainTracker:
                 chain.root_seq, chain.root = seq, weakref.ref(t)
             elif len(self._chains) < self._max_chains:
                 key = (str(t.device), str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                chain = _Chain(key, seq, weakref.ref(t), 1)
+                chain = _Chain(key, seq, weakref.ref(t), 1, self._oldest(fn))
                 self._chains.append(chain)
             else:
                 continue
@@ -187,6 +210,27 @@ class GraphChainTracker:
         finally:
             self.popped += popped
             heap.clear()  # the nodes (and the graph they keep) are not ours to hold
+
+    def _oldest(self, fn: Any) -> int | None:
+        """The smallest sequence number in ``fn``'s graph (parameters' accumulators aside), or None
+        when ``DATE_BUDGET`` pops do not exhaust it. Once per new chain: it dates where it began."""
+        heap: list[tuple[int, int, Any]] = []
+        seen: set[int] = set()
+        popped = 0
+        oldest = fn._sequence_nr()
+        try:
+            self._push_children(heap, fn, -1, seen)
+            while heap:
+                if popped >= DATE_BUDGET:
+                    return None
+                s, _, node = heapq.heappop(heap)
+                popped += 1
+                oldest = min(oldest, s)
+                self._push_children(heap, node, -1, seen)
+            return int(oldest)
+        finally:
+            self.popped += popped
+            heap.clear()
 
     def _follow(self, fn: Any, targets: dict[int, _Chain]) -> tuple[int | None, int]:
         """(the tracked root that ``fn`` reaches, or None; nodes popped on the way). Smallest

@@ -26,6 +26,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class SurvivorTracker:
         self._installed = False
         self._collecting = False  # our own young collection: its callback has nothing new to list
         self.collections = 0  # collections seen
+        self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
         self.truncated = False  # MAX_TRACKED was reached: counts are lower bounds
         self.errors = 0
@@ -202,12 +204,19 @@ class SurvivorTracker:
         # alive through the very collection that is about to free it).
         if phase != "start" or self._collecting:
             return
+        start = time.perf_counter()
         try:
             self.collections += 1
             if len(self._listed) < _MAX_PENDING:
                 self._listed.extend(self._young())
         except Exception:  # noqa: BLE001 - never disturb the collector
             self.errors += 1
+        self.callback_seconds += time.perf_counter() - start
+
+    def take_callback_seconds(self) -> float:
+        """Seconds spent in the gc callback since the last call (the agent counts them as its own)."""
+        seconds, self.callback_seconds = self.callback_seconds, 0.0
+        return seconds
 
     def _young(self, *, collect: bool = False) -> list[weakref.ref[Any]]:
         if len(self._refs) >= self._max_tracked:

@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """The memory picture at the end of one training step (after ``optimizer.step()``).
+    """The memory picture at the end of one sampled training step (after ``optimizer.step()``).
 
-    ``duration_s`` is wall time since the previous step end (None for the first step).
+    ``steps`` is how many steps this record stands for: 1 when every step is sampled, N when the
+    agent samples every Nth step to stay inside its budget (see ``Agent``). ``duration_s`` is the mean
+    wall time per step since the previous record (None for the first one).
     ``phase`` is the label set with ``gpumemd.phase(...)`` ("train" by default).
     """
 
@@ -30,6 +32,7 @@ class StepRecord:
     nvml: tuple[NvmlDeviceSample, ...] = ()
     phase: str = "train"
     census_total_bytes: int | None = None  # filled on steps where a census ran
+    steps: int = 1  # steps since the previous record (this one included)
 
     def allocator_for(self, device: int) -> AllocatorSample | None:
         for sample in self.allocator:
@@ -52,24 +55,37 @@ class Identity:
 
 @dataclass(frozen=True, slots=True)
 class Overhead:
-    """The agent's own cost on the training thread, and its share of wall time since attach."""
+    """What the agent cost the job so far, and its share of wall time since attach.
 
-    training_thread_seconds_total: float = 0.0  # everything the agent did inside the job's thread
+    Counted: every sampled step end (probes, record, components: censuses and survivor scans
+    included), the garbage collector callbacks the agent installed, and the sampler thread, which
+    in a CPU job holds the GIL the training thread needs. Not clocked: the counter decrement of an
+    unsampled step (clocking it would double it); ``benchmarks/bench_step_overhead.py`` measures
+    the whole cost from outside, wall-clock, beside this figure.
+    """
+
+    training_thread_seconds_total: float = 0.0  # step ends and gc callbacks, inside the job's thread
     census_seconds_total: float = 0.0  # the part of it spent in tensor censuses
-    sampler_seconds_total: float = 0.0  # background thread time (not on the training thread)
+    sampler_seconds_total: float = 0.0  # background thread time (takes the GIL from a CPU job)
     wall_seconds: float = 0.0
     steps: int = 0
+    samples: int = 0  # steps sampled (records made); the others only counted
+
+    @property
+    def seconds_total(self) -> float:
+        """Everything the agent took from the job: training-thread and sampler-thread time."""
+        return self.training_thread_seconds_total + self.sampler_seconds_total
 
     @property
     def ratio(self) -> float:
-        """Training-thread seconds spent in the agent per wall second since attach (0..1)."""
+        """The agent's seconds (training thread and sampler) per wall second since attach (0..1)."""
         if self.wall_seconds <= 0:
             return 0.0
-        return min(1.0, self.training_thread_seconds_total / self.wall_seconds)
+        return min(1.0, self.seconds_total / self.wall_seconds)
 
     @property
     def seconds_per_step(self) -> float:
-        return self.training_thread_seconds_total / self.steps if self.steps else 0.0
+        return self.seconds_total / self.steps if self.steps else 0.0
 
 
 @dataclass(frozen=True, slots=True)

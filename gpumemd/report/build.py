@@ -104,6 +104,7 @@ def _timeline_row(record: StepRecord, device: int | None) -> dict[str, Any]:
     sample = record.allocator_for(device) if device is not None else None
     return {
         "step": record.step,
+        "steps": record.steps,  # steps this row stands for (the agent samples every Nth on fast steps)
         "wall_time": record.wall_time,
         "duration_s": record.duration_s,
         "phase": record.phase,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from typing import Any
@@ -30,19 +31,35 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, accumu
         opt.zero_grad(set_to_none=True)
 
 
-def test_each_optimizer_step_is_one_record(out_dir: str) -> None:
+def test_each_optimizer_step_is_one_step(out_dir: str) -> None:
     model, opt = make_job()
     agent = gpumemd.attach(output_dir=out_dir, sample_interval_s=0, census=False)
     train(model, opt, 7)
-    steps = agent.steps()
-    assert [s.step for s in steps] == list(range(7))
-    assert steps[0].duration_s is None and all(s.duration_s is not None and s.duration_s > 0 for s in steps[1:])
-    assert all(s.host is not None and s.host.rss_bytes > 0 for s in steps)
-    assert steps[-1].allocator == ()  # CPU build: the allocator is absent, not zeros
+    records = agent.steps()
     state = agent.state()
-    assert state.step == 6 and state.steps_total == 7 and state.last_step == steps[-1]
+    assert state.step == 6 and state.steps_total == 7
+    # Every step is counted; records are sampled (every step until the cost is known, then every
+    # Nth step on a job this fast), each standing for the steps since the previous one.
+    assert [r.step for r in records[:3]] == [0, 1, 2] and all(r.steps == 1 for r in records[:3])
+    assert all(b.step - a.step == b.steps for a, b in itertools.pairwise(records))
+    assert records[0].duration_s is None and all(r.duration_s is not None and r.duration_s > 0 for r in records[1:])
+    assert all(r.host is not None and r.host.rss_bytes > 0 for r in records)
+    assert records[-1].allocator == ()  # CPU build: the allocator is absent, not zeros
+    assert state.last_step == records[-1]
     assert state.probes_available["allocator"] is False and state.probes_available["host"] is True
 
+
+def test_a_fast_job_is_sampled_every_few_steps_and_every_step_is_counted(out_dir: str) -> None:
+    model, opt = make_job()
+    agent = gpumemd.attach(output_dir=out_dir, sample_interval_s=0, census=False)
+    train(model, opt, 300)
+    records = agent.steps()
+    state = agent.state()
+    assert state.steps_total == 300 and state.step == 299
+    # Records cover the steps without gaps or overlaps: the last one ends at most a stride before.
+    assert sum(r.steps for r in records) == records[-1].step + 1
+    assert 299 - records[-1].step < agent.stride <= 10
+    assert state.overhead.samples == len(records) < 300  # a sub-millisecond step is not sampled every time
 
 def test_attach_is_idempotent_and_detach_removes_the_hook(out_dir: str) -> None:
     hooks_before = len(_global_optimizer_post_hooks)
@@ -79,7 +96,7 @@ def test_only_the_primary_optimizer_ends_steps(out_dir: str) -> None:
         for _ in range(4):
             train(gen, opt_g, 1)
             train(disc, opt_d, 1)
-        assert len(agent.steps()) == 4
+        assert agent.state().steps_total == 4
         assert opt_g in agent.optimizers and opt_d in agent.optimizers
 
 
@@ -91,15 +108,17 @@ def test_mark_step_overrides_the_optimizer_hook(out_dir: str) -> None:
         assert isinstance(record, StepRecord) and record.step == 100
         train(model, opt, 3)  # no longer ends steps: no double count
         gpumemd.mark_step()
-        assert [s.step for s in agent.steps()] == [0, 1, 100, 101]
+        assert agent.state().step == 101 and agent.state().steps_total == 4
+        assert [s.step for s in agent.steps()][:3] == [0, 1, 100]
 
 
 def test_history_is_bounded(out_dir: str) -> None:
     with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, history_steps=10) as agent:
-        for _ in range(25):
+        for _ in range(400):
             gpumemd.mark_step()
         steps = agent.steps()
-        assert len(steps) == 10 and [s.step for s in steps] == list(range(15, 25))
+        assert len(steps) == 10 and agent.state().overhead.samples > 10  # the oldest records went
+        assert [s.step for s in steps] == sorted(s.step for s in steps) and 390 <= steps[-1].step <= 399
 
 
 def test_phase_labels_steps(out_dir: str) -> None:

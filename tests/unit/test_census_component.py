@@ -52,7 +52,7 @@ def clock() -> ManualClock:
 
 def _agent(out_dir: str, component: CensusComponent, clock: ManualClock) -> Agent:
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, overhead_budget=0.01)
-    return Agent(config, components=[component], clock=clock, wall_clock=clock)
+    return Agent(config, components=[component], clock=clock, wall_clock=clock, max_stride=1)
 
 
 @pytest.fixture

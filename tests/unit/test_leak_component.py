@@ -97,6 +97,7 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300, **config: Any) -> tu
         nvml_probe=NvmlProbe(nvml=FakeNvml(), visible=""),
         identity=Identity(rank=3, world_size=4),
         components=[component],
+        max_stride=1,  # a mechanism test: every step sampled (the scenario suite runs at defaults)
     )
     agent.start()
     try:
