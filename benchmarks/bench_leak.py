@@ -28,8 +28,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_step_overhead, when run from elsewhere
 
-from bench_step_overhead import make_job, time_steps  # noqa: E402  (this folder: the same MLP step)
 
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec  # noqa: E402
 
@@ -184,70 +184,17 @@ def cost_table() -> None:
     print()
 
 
-def _calibrate(target_s: float) -> int:
-    """The MLP width whose step takes about ``target_s`` here (step time grows as width squared)."""
-    hidden = 256
-    for _ in range(4):
-        step = make_job(hidden, 64)
-        time_steps(step, 5)
-        took = statistics.median(time_steps(step, 15))
-        hidden = max(16, int(hidden * (target_s / took) ** 0.5))
-    return hidden
-
-
 def overhead_table(rounds: int) -> None:
-    """The agent's step-time overhead at its defaults, at 10 ms and 1 ms steps, in one process and
-    one attachment: identical jobs, one whose optimizer the agent follows (its steps are the
-    agent's steps) and two it does not (further optimizers: the global hook only notes them, ~1 µs).
-    Each round runs a block of each, in rotating order, so the machine's drift hits all alike; the
-    difference between the two unfollowed jobs is the measurement's noise floor.
-    Mean step times, so that censuses and evaluations count; the first census (at the first step)
-    is reported apart, since it is paid once per job."""
-    import torch
+    """The agent's step-time overhead at its defaults at 10 ms and 1 ms steps (bench_step_overhead.measure:
+    one job, the agent switched on and off in rotating blocks, with the measurement's noise floor)."""
+    from bench_step_overhead import TABLE_HEADER, measure, table_row
 
-    import gpumemd
-
-    torch.set_num_threads(1)
-    logging.getLogger("gpumemd").setLevel(logging.ERROR)
-    print("## The agent's step-time overhead at defaults (interleaved in one process)\n")
-    print(f"MLP with AdamW (bench_step_overhead.make_job), 1 thread, width chosen for the step time; "
-          f"{rounds} rounds, each a block of "
-          "steps of the job the agent follows and of two identical jobs it does not (rotating order); "
-          "overhead = mean followed − mean not followed.\n")
-    print("| step time | target | overhead (mean over rounds) | rounds' IQR | noise floor | agent's own figure | "
-          "censuses | first census (once) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for target_ms, budget, block in ((10.0, 0.01, 100), (1.0, 0.03, 600)):
-        hidden = _calibrate(target_ms / 1e3)
-        followed, other, control = make_job(hidden, 64), make_job(hidden, 64), make_job(hidden, 64)
-        for job in (followed, other, control):
-            time_steps(job, 20)
-        with gpumemd.attached(output_dir=tempfile.mkdtemp(prefix="bench-leak-")) as agent:
-            first = time_steps(followed, 3)  # the first step to end makes this optimizer the agent's
-            time_steps(followed, 30)
-            start = agent.state().overhead
-            diffs, noise, bare_means = [], [], []
-            for i in range(rounds):
-                # the three blocks in a rotating order, so that no job always runs after another
-                blocks = {}
-                for name in (("followed", "other", "control"), ("other", "control", "followed"),
-                             ("control", "followed", "other"))[i % 3]:
-                    blocks[name] = statistics.fmean(time_steps({"followed": followed, "other": other,
-                                                            "control": control}[name], block))
-                diffs.append(blocks["followed"] - blocks["other"])
-                noise.append(blocks["control"] - blocks["other"])
-                bare_means.append(blocks["other"])
-            end = agent.state().overhead
-            censuses = agent.state().censuses_total
-        bare = statistics.fmean(bare_means)
-        mean, mean_noise = statistics.fmean(diffs), statistics.fmean(noise)
-        q = statistics.quantiles(diffs, n=4)
-        own_s = end.training_thread_seconds_total - start.training_thread_seconds_total
-        own = own_s / max(1, end.steps - start.steps)
-        print(f"| {bare * 1e3:.2f} ms (width {hidden}) | ≤ {budget:.0%} | {mean * 1e6:+.0f} µs ({mean / bare:+.2%}) | "
-              f"{q[0] * 1e6:+.0f} to {q[2] * 1e6:+.0f} µs | {mean_noise * 1e6:+.0f} µs ({mean_noise / bare:+.2%}) | "
-              f"{own * 1e6:.0f} µs ({own / bare:.2%}) | {censuses} | {(first[0] - bare) * 1e3:.0f} ms |")
-    print("\nnoise floor: the same difference between two jobs the agent does not follow, in the same rounds.\n")
+    print("## The agent's step-time overhead at defaults (one job, agent on/off in rotating blocks)\n")
+    print(f"MLP with AdamW (bench_step_overhead.py), 1 thread, width chosen for the step time; {rounds} rounds.\n")
+    print(TABLE_HEADER)
+    for target_ms, target in ((10.0, "≤ 1%"), (1.0, "≤ 3% (≤ 30 µs)")):
+        print(table_row(measure(target_ms / 1e3, rounds), target), flush=True)
+    print("\nnoise floor: the same difference between the two blocks with the agent off, in the same rounds.\n")
 
 
 def main() -> None:

@@ -117,6 +117,8 @@ class Agent:
         self._until_sample = 1  # countdown: the step that brings it to 0 is sampled
         self._stride = 1
         self._sample_costs: collections.deque[float] = collections.deque(maxlen=_COST_WINDOW)
+        self._durations: collections.deque[float] = collections.deque(maxlen=_COST_WINDOW)
+        self._seconds_per_step: float | None = None
         self._eve_callbacks: list[Callable[[], None]] = []
         self._samples = 0
         self._fork_generation = _fork_generation
@@ -338,7 +340,7 @@ class Agent:
     def _end_step(self, step: int | None) -> StepRecord | None:
         """A sampled step end: read the probes, record, run the components, plan the next sample."""
         start = self._clock()
-        if not self.running:
+        if not self._running or _fork_generation != self._fork_generation:  # self.running, inlined
             return None
         self._until_sample = _NO_REQUEST  # consumed: components may ask for a sample (sample_within)
         steps = max(1, self._steps_total - self._sampled_total)
@@ -392,19 +394,29 @@ class Agent:
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """Sample every step while a sampled step end costs at most ``SAMPLE_SHARE`` of the budget
-        at this step time, else every Nth step (``MAX_STRIDE`` at most). The cost is the median of
-        the last few sampled ends, so a census or a scan (budgeted on their own) does not count."""
-        costs = self._sample_costs
+        at this step time, else every Nth step (``MAX_STRIDE`` at most). Both figures are medians of
+        the last few samples: a census or a scan (budgeted on their own) does not count as the cost,
+        and a pause between steps (an evaluation, a checkpoint) not as the step time."""
+        costs, durations = self._sample_costs, self._durations
         costs.append(cost)
+        if seconds_per_step:
+            durations.append(seconds_per_step)
+            self._seconds_per_step = sorted(durations)[len(durations) // 2]
         stride = 1
-        if seconds_per_step and len(costs) >= 3:
+        typical_step = self._seconds_per_step
+        if typical_step and len(costs) >= 3:
             typical = sorted(costs)[len(costs) // 2]
-            allowed = self.config.overhead_budget * SAMPLE_SHARE * seconds_per_step
+            allowed = self.config.overhead_budget * SAMPLE_SHARE * typical_step
             stride = max(1, min(self._max_stride, math.ceil(typical / allowed)))
         self._stride = stride
         self._until_sample = min(self._until_sample, stride)  # a component's sample_within() may be sooner
         if self._until_sample == 1 and self._eve_callbacks:
             self._eve()  # this step end is the eve of the next sampled one
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        """The job's typical step time: the median over recent sampled steps (None before two)."""
+        return self._seconds_per_step
 
     @property
     def stride(self) -> int:

@@ -295,9 +295,13 @@ class LeakDetector:
 
     def due(self, step: int) -> bool:
         """Is an evaluation due at this step? (The component calls ``evaluate`` only then.)"""
-        if step < self.config.warmup_steps:
-            return False
-        return self._last_check is None or step - self._last_check >= self.config.check_every_steps
+        return step >= self.next_due_step()
+
+    def next_due_step(self) -> int:
+        """The first step at which an evaluation is due."""
+        if self._last_check is None:
+            return self.config.warmup_steps
+        return max(self.config.warmup_steps, self._last_check + self.config.check_every_steps)
 
     def evaluate(self, step: int, min_slopes: Mapping[str, float] | None = None) -> list[TrackStatus]:
         """Assess every track; returns the status of each track that has ever fired (changed or not).

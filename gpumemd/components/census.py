@@ -1,13 +1,14 @@
 """Tensor censuses at step ends, spaced so the agent stays inside its overhead budget.
 
 A census holds the GIL for tens to hundreds of milliseconds, so it cannot run every step. The next
-census is due once the job has run ``cost / share`` seconds since the last one, where ``cost`` is
-what the last census took and ``share = overhead_budget - (the agent's other training-thread
-share)`` (at least a quarter of the budget). In steps that is ``N = ceil(cost / (share x seconds
-per step))``, adapting as the heap (cost) or the step time changes; counting job time instead of
-steps keeps the budget even when step times vary. Job time is measured between step ends with the
-census itself left out. ``census_every_steps > 0`` forces N instead. The first census runs at the
-first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
+census is due ``N = ceil(cost / (share x seconds per step))`` steps after the last one, where
+``cost`` is what the last census took, ``share = overhead_budget - (the rest of the agent's cost
+per step, as a share of the step)`` (at least a quarter of the budget) and the seconds per step are
+the agent's typical step time (the median of recent sampled steps: a pause between steps, such as
+an evaluation loop or a checkpoint, is not step time). So N adapts as the heap (cost) or the step
+time changes, and the census costs ``share`` of the *step time*, which is what the job notices.
+``census_every_steps > 0`` forces N instead. The first census runs at the first step end (it
+measures the cost). A failing census is retried after 2, 4, 8... steps.
 
 The component keeps a small history of earlier censuses (thinned so it spans the whole run, not just
 the last few intervals) for the leak detector and the OOM report: ``history()``, ``at_or_after(step)``
@@ -72,17 +73,14 @@ class CensusComponent:
         self._lock = threading.Lock()  # take_now() may come from another component or thread
         self._history: list[Census] = []
         self._steps_since = 0
-        self._job_seconds_since = 0.0
-        self._seconds_per_step: float | None = None  # moving average of the job's step time
+        self._next_look = 0  # steps since the last census at which _due() looks again
         self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
-        self._last_clock: float | None = None
         self._last_cost: float | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self, agent: Agent) -> None:
         self._agent = agent
-        self._last_clock = None
 
     def stop(self) -> None:
         self._agent = None
@@ -96,24 +94,16 @@ class CensusComponent:
         """Steps between censuses: forced, or what the budget allows at the current step time."""
         if self._every > 0:
             return self._every
-        if self._last_cost is None or not self._seconds_per_step:
-            return 1
-        steps = math.ceil(self._last_cost / (self._share() * self._seconds_per_step))
+        seconds_per_step = self._agent.seconds_per_step if self._agent is not None else None
+        if self._last_cost is None or not seconds_per_step:
+            return 1 if self._last_cost is None else MAX_INTERVAL
+        steps = math.ceil(self._last_cost / (self._share(seconds_per_step) * seconds_per_step))
         return max(1, min(MAX_INTERVAL, steps))
 
     def on_step(self, record: StepRecord) -> None:
-        now = self._clock()
-        if self._last_clock is not None:
-            elapsed = max(0.0, now - self._last_clock)
-            self._job_seconds_since += elapsed
-            step_seconds = elapsed / record.steps
-            average = self._seconds_per_step
-            self._seconds_per_step = step_seconds if average is None else 0.8 * average + 0.2 * step_seconds
-        self._last_clock = now
         self._steps_since += record.steps
-        if self._due():
+        if self._steps_since >= self._next_look and self._due():
             self._take(record.step, record.allocator)
-            self._last_clock = self._clock()  # the census is not part of the next step's job time
         if self._every > 0 and self._agent is not None:
             # a forced cadence means those steps: have the agent sample the step the next one is due at
             self._agent.sample_within(max(self._every, self._retry_after) - self._steps_since)
@@ -125,12 +115,17 @@ class CensusComponent:
             return self._steps_since >= self._every
         if self._last_cost is None or self._steps_since >= MAX_INTERVAL:
             return True  # the first census measures the cost
-        if self._job_seconds_since < self._last_cost / self._budget:
-            return False  # not due even with the whole budget: skip reading the agent's overhead
-        return self._job_seconds_since >= self._last_cost / self._share()
+        if not (self._agent is not None and self._agent.seconds_per_step):
+            self._next_look = self._steps_since + 1  # the step time is not known yet: look again next time
+            return False
+        interval = self.interval
+        # Not due: look again halfway to the interval computed now (on the samples between, one
+        # comparison); step time and cost change slowly, so a few looks per census are enough.
+        self._next_look = self._steps_since + max(1, (interval - self._steps_since) // 2)
+        return self._steps_since >= interval
 
-    def _share(self) -> float:
-        return max(self._budget * _MIN_SHARE, self._budget - _other_share(self._agent))
+    def _share(self, seconds_per_step: float) -> float:
+        return max(self._budget * _MIN_SHARE, self._budget - _other_share(self._agent, seconds_per_step))
 
     def take_now(self) -> Census:
         """Run a census now (outside the cadence), keep it in the history and publish it."""
@@ -173,7 +168,8 @@ class CensusComponent:
 
     def _account(self, agent: Agent | None, cost: float) -> None:
         self._last_cost = cost
-        self._steps_since, self._job_seconds_since = 0, 0.0
+        self._steps_since = 0
+        self._next_look = 0
         if agent is not None:
             agent.add_census_seconds(cost)
 
@@ -207,12 +203,13 @@ class CensusComponent:
         return None
 
 
-def _other_share(agent: Agent | None) -> float:
-    """The agent's share of wall time (training thread and sampler) spent on things other than censuses."""
-    if agent is None:
+def _other_share(agent: Agent | None, seconds_per_step: float) -> float:
+    """The rest of the agent's cost (training thread and sampler, censuses left out) per step, as a
+    share of the job's step time."""
+    if agent is None or seconds_per_step <= 0:
         return 0.0
     overhead = agent.overhead()
-    if overhead.wall_seconds <= 0:
+    if not overhead.steps:
         return 0.0
     other = overhead.seconds_total - overhead.census_seconds_total
-    return max(0.0, other / overhead.wall_seconds)
+    return max(0.0, other / overhead.steps / seconds_per_step)

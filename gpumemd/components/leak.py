@@ -126,6 +126,7 @@ class LeakComponent:
         self._own_record_bytes: float | None = None
         self._scan_interval = SCAN_EVERY  # steps between scans now (budgeted, see SCAN_SHARE)
         self._last_scan_total = 0  # agent.steps_total at the last scan
+        self._next_scan_total = SCAN_EVERY  # agent.steps_total at which the next scan runs
         self._scan_cost: float | None = None  # moving average of a scan's seconds
         self._previous_scan_step: int | None = None
         self._count_history: dict[int, collections.deque[tuple[int, dict[Any, int]]]] = {}
@@ -149,6 +150,7 @@ class LeakComponent:
         self._seconds_per_step = None
         self._own_record_bytes = None
         self._scan_interval, self._last_scan_total, self._scan_cost = SCAN_EVERY, 0, None
+        self._next_scan_total = SCAN_EVERY
         self._previous_scan_step = None
         try:
             from gpumemd.probes.graph_chains import GraphChainTracker
@@ -197,15 +199,16 @@ class LeakComponent:
 
     def on_step(self, record: StepRecord) -> None:
         detector = self._detector
-        if detector is None:
+        agent = self._agent
+        if detector is None or agent is None:
             return
-        assert self._agent is not None
         self._feed(record)
         tracker = self._tracker
+        total = agent.steps_total
         if tracker is not None:
-            self._agent.add_thread_seconds(tracker.take_callback_seconds())
-            if self._scan_due(self._agent.steps_total, record.step):
-                total = self._agent.steps_total
+            if tracker.callback_seconds:
+                agent.add_thread_seconds(tracker.take_callback_seconds())
+            if total >= self._next_scan_total:
                 self._last_scan_total = total
                 start = time.perf_counter()
                 try:
@@ -218,21 +221,16 @@ class LeakComponent:
                 self._evaluate(record.step)
             finally:
                 self.evaluate_seconds += time.perf_counter() - start
-
-    def _scan_due(self, total: int, step: int) -> bool:
-        """A scan every ``_scan_interval`` steps, and at every evaluation: the culprit search then
-        samples tensors and chain roots of this very step (an EMA's root is replaced every step)."""
-        since = total - self._last_scan_total
-        assert self._detector is not None
-        return since >= self._scan_interval or (since > 0 and self._detector.due(step))
+        # The next scan: every ``_scan_interval`` steps, and at every evaluation, so the culprit
+        # search samples tensors and chain roots of that very step (an EMA's root is new each step).
+        evaluation_at = total + max(1, detector.next_due_step() - record.step)
+        self._next_scan_total = min(self._last_scan_total + self._scan_interval, evaluation_at)
 
     def on_eve(self) -> None:
         """The step before a sampled one: if that one will scan, mark where its graphs begin."""
         agent = self._agent
-        if self._chains is not None and agent is not None and self._detector is not None:
-            step = agent.current_step
-            if step is not None and self._scan_due(agent.steps_total + 1, step + 1):
-                self._chains.mark_step(step)
+        if self._chains is not None and agent is not None and agent.steps_total + 1 >= self._next_scan_total:
+            self._chains.mark_step(agent.current_step)
 
     def _scanned(self, seconds: float) -> None:
         """Space the next scan so scans take ``SCAN_SHARE`` of the budget at this step time, within
@@ -243,8 +241,9 @@ class LeakComponent:
         config = self._agent.config
         longest = max(1, min(SCAN_EVERY_MAX, config.leak_window_steps // 10))  # 10 points per window
         interval = SCAN_EVERY
-        if self._seconds_per_step:
-            interval = math.ceil(cost / (config.overhead_budget * SCAN_SHARE * self._seconds_per_step))
+        step_seconds = self._agent.seconds_per_step  # typical step time: pauses between steps do not count
+        if step_seconds:
+            interval = math.ceil(cost / (config.overhead_budget * SCAN_SHARE * step_seconds))
         self._scan_interval = max(min(SCAN_EVERY, longest), min(longest, interval))
 
     def _observe(self, spec: SeriesSpec, step: int, value: float, phase: str) -> None:
@@ -256,7 +255,7 @@ class LeakComponent:
 
     def _feed(self, record: StepRecord) -> None:
         step, phase = record.step, record.phase
-        nvml = {n.device: n for n in record.nvml}
+        nvml = {n.device: n for n in record.nvml} if record.allocator else {}
         for a in record.allocator:
             d = a.device
             if a.allocated_bytes is not None:
@@ -274,12 +273,14 @@ class LeakComponent:
                 used = n.process_used_bytes if n.process_used_bytes is not None else n.used_bytes
                 self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
                               used - a.reserved_bytes, phase)
-        if record.duration_s is not None and record.duration_s > 0:
-            avg = self._seconds_per_step
-            self._seconds_per_step = record.duration_s if avg is None else 0.98 * avg + 0.02 * record.duration_s
-        if record.host is not None:
+        duration = record.duration_s
+        if duration is not None and duration > 0:
+            avg = self._seconds_per_step  # the mean step time, pauses included: time-to-OOM projections
+            self._seconds_per_step = duration if avg is None else 0.98 * avg + 0.02 * duration
+        host = record.host
+        if host is not None:
             # The agent's own step history grows until the ring buffer is full: not the job's memory.
-            self._observe(self._host_spec, step, record.host.rss_bytes - self._own_bytes(record), phase)
+            self._observe(self._host_spec, step, host.rss_bytes - self._own_bytes(record), phase)
         assert self._agent is not None
         census = self._agent.published.census
         if census is not None and census is not self._last_census:

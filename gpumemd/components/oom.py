@@ -94,6 +94,7 @@ class OomComponent:
         self._last_report: float | None = None
         self._ooms = 0
         self._cuda_hooked = False
+        self._cuda_possible = True
         self._running = False
         self._prev_sys_hook: Callable[..., Any] | None = None
         self._prev_thread_hook: Callable[..., Any] | None = None
@@ -107,10 +108,12 @@ class OomComponent:
         self._config = self._config or agent.config
         self._running = True
         self._install_excepthooks()
+        available = getattr(self._probe, "cuda_available", None)
+        self._cuda_possible = bool(available()) if available is not None else True  # no step looks on a CPU build
         self._maybe_hook_cuda()
 
     def on_step(self, record: StepRecord) -> None:
-        if not self._cuda_hooked:
+        if not self._cuda_hooked and self._cuda_possible:
             self._maybe_hook_cuda()
 
     def stop(self) -> None:

@@ -60,11 +60,13 @@ class AllocatorProbe:
         device_count: Callable[[], int] | None = None,
     ) -> None:
         self.health = ProbeHealth("allocator")
+        self._never = False  # CUDA can never come up here: read() returns at once
         if stats_fn is None or is_initialized is None or device_count is None:
             import torch
 
             if not torch.cuda.is_available():
                 self.health.absent("torch.cuda.is_available() is False (no CUDA device or a CPU build)")
+                self._never = stats_fn is None and is_initialized is None
             stats_fn = stats_fn or torch.cuda.memory_stats
             is_initialized = is_initialized or torch.cuda.is_initialized
             device_count = device_count or torch.cuda.device_count
@@ -74,7 +76,7 @@ class AllocatorProbe:
         self._count: int | None = None
 
     def read(self) -> tuple[AllocatorSample, ...]:
-        if not self._safe_initialized():
+        if self._never or not self._safe_initialized():
             return ()  # normal before the job's first CUDA op: nothing to read, nothing to say
         try:
             if self._count is None:

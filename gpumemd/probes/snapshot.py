@@ -35,6 +35,14 @@ class SnapshotProbe:
             self._torch = torch
         return self._torch
 
+    def cuda_available(self) -> bool:
+        """False where CUDA can never come up in this process (a CPU build, no device)."""
+        try:
+            return bool(self._t().cuda.is_available())
+        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
+            self.health.failed(exc)
+            return False
+
     def cuda_initialized(self) -> bool:
         """True once the job has initialised CUDA (never initialises it)."""
         try:
