@@ -161,7 +161,8 @@ TABLE_HEADER = (
 
 def table_row(r: OverheadResult, target: str) -> str:
     return (f"| {r.step_s * 1e3:.2f} ms (width {r.hidden}) | {target} | "
-            f"{r.overhead_s * 1e6:+.1f} ± {r.se_s * 1e6:.1f} µs ({r.overhead_s / r.step_s:+.2%}) | {r.iqr_s[0] * 1e6:+.0f} to {r.iqr_s[1] * 1e6:+.0f} µs | "
+            f"{r.overhead_s * 1e6:+.1f} ± {r.se_s * 1e6:.1f} µs ({r.overhead_s / r.step_s:+.2%}) | "
+            f"{r.iqr_s[0] * 1e6:+.0f} to {r.iqr_s[1] * 1e6:+.0f} µs | "
             f"{r.noise_s * 1e6:+.1f} µs ({r.noise_s / r.step_s:+.2%}) | "
             f"{r.own_s * 1e6:.1f} µs ({r.own_s / r.step_s:.2%}) "
             f"| 1 in {1 / max(r.samples_per_step, 1e-9):.1f} | {r.censuses} | {r.startup_s * 1e3:.0f} ms "
