@@ -72,7 +72,7 @@ def scenario_table(repeats: int) -> None:
               f"{statistics.median(costs[-repeats:]):.0f} | {statistics.median(scans):.1f} |")
     print(f"\nFalse findings (state changes) over {len(ls.HEALTHY)} healthy jobs x {repeats} seeds: **{false}**. "
           f"Leak component on healthy jobs: median {statistics.median(costs):.0f} µs/step "
-          "(feeding, survivor scans every 10 steps, evaluations every 50 steps).\n")
+          "(feeding, survivor scans every 10 to 50 steps, evaluations every 50 steps).\n")
 
 
 def _run(y: np.ndarray, config: DetectorConfig) -> list[tuple[int, str | None]]:

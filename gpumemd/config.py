@@ -58,7 +58,9 @@ class Config:
     named like the package next to a script shadows it on the next run.)"""
 
     history_steps: int = 10_000
-    """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded)."""
+    """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded). On
+    fast steps the agent records every Nth step (N <= 10, see the overhead section), so this spans
+    up to ten times as many steps."""
 
     sample_interval_s: float = 5.0
     """Seconds between background samples of allocator, NVML and host between steps (0 disables the
@@ -144,8 +146,9 @@ class Config:
     """Measure phases on one step in this many (when ``phases`` is on)."""
 
     reset_peak_each_step: bool = False
-    """Reset torch's peak counters at each step end so the per-step peak is exact. This changes what
-    your own ``torch.cuda.max_memory_allocated()`` returns, hence off by default."""
+    """Reset torch's peak counters at each recorded step end, so each record's peak covers exactly its
+    steps (``record.steps``). This changes what your own ``torch.cuda.max_memory_allocated()``
+    returns, hence off by default."""
 
     nvml: bool = True
     """Read device totals and this process's use from NVML (creates no CUDA context)."""

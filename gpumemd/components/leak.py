@@ -607,15 +607,15 @@ class LeakComponent:
         # What a node itself costs is not measurable from Python: bytes (and a time to OOM) only
         # when the chain also keeps saved tensors worth a noise floor.
         material = saved_per_step >= NOISE_FLOOR_BYTES["census"] and per_step > 0
-        began = self._chain_began_after(key)
+        began = self._chain_began_at(key)
         return _Evidence((culprit,), status.step - since, (), "graph_leak",
                          bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence,
-                         onset_step=began + 1 if began is not None else None)
+                         onset_step=began)
 
-    def _chain_began_after(self, key: Any) -> int | None:
+    def _chain_began_at(self, key: Any) -> int | None:
         if self._chains is None:
             return None
-        return next((g.began_after for g in self._chains.groups() if g.key == key), None)
+        return next((g.began_at for g in self._chains.groups() if g.key == key), None)
 
     def _census_culprits(self, status: TrackStatus) -> _Evidence:
         assert self._agent is not None

@@ -73,7 +73,7 @@ class _Chain:
 class ChainGroup:
     key: ChainKey
     nodes: int  # nodes chained (over every chain of this group)
-    began_after: int | None = None  # the step after which the oldest chain began (from the marks)
+    began_at: int | None = None  # the step the oldest chain began in, dated by the marks (within a scan interval)
 
     @property
     def device(self) -> str:
@@ -109,16 +109,19 @@ class GraphChainTracker:
         by_key: dict[ChainKey, list[_Chain]] = {}
         for c in self._chains:
             by_key.setdefault(c.key, []).append(c)
-        return [ChainGroup(k, sum(c.nodes for c in cs), self._began_after(cs)) for k, cs in by_key.items()]
+        return [ChainGroup(k, sum(c.nodes for c in cs), self._began_at(cs)) for k, cs in by_key.items()]
 
-    def _began_after(self, chains: list[_Chain]) -> int | None:
-        """The last marked step whose mark is at or below the oldest chain's first node: the chain's
-        first link was made after that step ended. None when not dated (walk cut short, mark gone)."""
+    def _began_at(self, chains: list[_Chain]) -> int | None:
+        """The step the oldest chain's first link was made in, as well as the marks tell: between the
+        last marked step at or below its first node and the next marked step (the middle of the two),
+        or just after the last mark when none follows. None when not dated (walk cut short, mark gone)."""
         firsts = [c.first_seq for c in chains if c.first_seq is not None]
         if not firsts or not self._marks or self._marks[0][1] > min(firsts):
             return None
         first = min(firsts)
-        return max(step for step, mark in self._marks if mark <= first)
+        after = max(step for step, mark in self._marks if mark <= first)
+        by = min((step for step, mark in self._marks if mark > first), default=None)
+        return (after + 1 + by) // 2 if by is not None else after + 1
 
     def sample(self, key: ChainKey) -> Any:
         """The newest live root of a chain in this group (a strong reference: drop it soon)."""

@@ -37,7 +37,7 @@ class _Loop:
             kept = after_step(loss)
             self.made.extend(weakref.ref(t) for t in (loss, kept) if t is not None)
             if (step + 1) % self.scan_every == 0:
-                self.tracker.mark_step()
+                self.tracker.mark_step(step)
             if step % self.scan_every == 0:
                 roots = [t for r in reversed(self.made) if (t := r()) is not None and t.grad_fn is not None]
                 self.tracker.scan(roots)
@@ -163,3 +163,21 @@ def test_a_failing_root_degrades_to_no_chains() -> None:
     tracker.mark_step()
     tracker.scan([Broken()])
     assert tracker.errors == 1 and tracker.groups() == []
+
+
+def test_a_new_chain_is_dated_between_the_marks_around_its_first_link() -> None:
+    tracker = GraphChainTracker()
+    state: dict[str, Any] = {"total": 0.0, "step": 0}
+
+    def accumulate_from_step_125(loss: torch.Tensor) -> torch.Tensor | None:
+        state["step"] += 1
+        if state["step"] <= 125:
+            return None
+        state["total"] = state["total"] + loss
+        return state["total"]
+
+    _Loop(tracker).run(301, accumulate_from_step_125)
+    [group] = tracker.groups()
+    # marks after steps 119 and 129 (the ends of the steps before each scan); the first link was made
+    # in step 125 (counting from 1, i.e. loop step 125): dated to the middle of the two marks
+    assert group.began_at is not None and 120 <= group.began_at <= 129

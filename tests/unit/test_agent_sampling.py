@@ -1,0 +1,140 @@
+"""Which steps the agent samples: every step while it fits the budget, every Nth on fast steps.
+
+A manual clock drives the agent; a stand-in component makes each sampled step end cost what the test
+says, so the stride follows from the arithmetic, not from this machine's speed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpumemd.agent import MAX_STRIDE, SAMPLE_SHARE, Agent
+from gpumemd.config import Config
+from gpumemd.records.step import StepRecord
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Costly:
+    """A component whose on_step takes ``cost`` seconds of the manual clock; it records what it saw."""
+
+    name = "costly"
+
+    def __init__(self, clock: Clock, cost: float) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.records: list[StepRecord] = []
+        self.eves: list[int] = []  # agent.steps_total at each on_eve
+        self.agent: Agent | None = None
+
+    def start(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def on_step(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.clock.now += self.cost
+
+    def on_eve(self) -> None:
+        assert self.agent is not None
+        self.eves.append(self.agent.steps_total)
+
+    def stop(self) -> None:
+        pass
+
+
+def _run(out_dir: str, *, step_s: float, cost_s: float, steps: int, **config: Any) -> tuple[Agent, Costly]:
+    clock = Clock()
+    component = Costly(clock, cost_s)
+    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, **config),
+                  components=[component], clock=clock, wall_clock=clock)
+    agent.start()
+    try:
+        for _ in range(steps):
+            clock.now += step_s
+            agent.mark_step()
+    finally:
+        agent.stop()
+    return agent, component
+
+
+def test_slow_steps_are_all_sampled(out_dir: str) -> None:
+    # 100 µs per sampled end against a 1 s step: far inside the budget
+    agent, costly = _run(out_dir, step_s=1.0, cost_s=1e-4, steps=50)
+    assert [r.step for r in costly.records] == list(range(50))
+    assert all(r.steps == 1 for r in costly.records) and agent.stride == 1
+    assert agent.seconds_per_step == pytest.approx(1.0)
+
+
+def test_fast_steps_are_sampled_every_nth_and_every_step_is_counted(out_dir: str) -> None:
+    # 1 ms steps, 60 µs per sampled end: the budget allows 1% x 0.2 x 1 ms = 2 µs per step -> N = 10
+    agent, costly = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=200)
+    assert 1e-3 * 0.01 * SAMPLE_SHARE * MAX_STRIDE < 60e-6  # the arithmetic above: capped at MAX_STRIDE
+    records = costly.records
+    assert [r.step for r in records[:3]] == [0, 1, 2]  # every step until the cost is known
+    assert agent.stride == MAX_STRIDE and all(r.steps == MAX_STRIDE for r in records[4:])
+    assert sum(r.steps for r in records) == records[-1].step + 1  # no step missing, none twice
+    state = agent.state()
+    assert state.steps_total == 200 and state.step == 199 and state.overhead.samples == len(records)
+    # a record's duration is the mean step time over the steps it stands for (the sampled end excluded)
+    assert records[-1].duration_s == pytest.approx(1e-3)
+    # the eve callback runs at the end of the step before each sampled one
+    sampled_totals = {r.step + 1 for r in records}
+    assert all(total + 1 in sampled_totals for total in costly.eves)
+
+
+def test_the_stride_shrinks_when_the_step_gets_slower(out_dir: str) -> None:
+    # 5 ms steps, 30 µs per sampled end: the budget allows 10 µs per step -> every 3rd step
+    agent, costly = _run(out_dir, step_s=5e-3, cost_s=30e-6, steps=100)
+    assert agent.stride == 3 and costly.records[-1].steps == 3
+
+
+def test_a_pause_between_steps_is_not_step_time(out_dir: str) -> None:
+    clock = Clock()
+    component = Costly(clock, 0.0)
+    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
+                  clock=clock, wall_clock=clock)
+    agent.start()
+    try:
+        for i in range(40):
+            clock.now += 30.0 if i == 20 else 0.01  # one 30 s evaluation between two steps
+            agent.mark_step()
+        assert agent.seconds_per_step == pytest.approx(0.01)
+    finally:
+        agent.stop()
+
+
+def test_phase_changes_and_components_get_the_steps_they_need(out_dir: str) -> None:
+    clock = Clock()
+    component = Costly(clock, 60e-6)
+    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
+                  clock=clock, wall_clock=clock)
+    agent.start()
+    try:
+        for _ in range(50):
+            clock.now += 1e-3
+            agent.mark_step()
+        assert agent.stride == MAX_STRIDE
+        with agent.phase("eval"):
+            clock.now += 1e-3
+            agent.mark_step()  # the first step of a phase is sampled
+        assert component.records[-1].phase == "eval"
+
+        def step() -> StepRecord | None:
+            clock.now += 1e-3
+            return agent.mark_step()
+
+        while step() is None:  # to a sampled step: the next one is 10 steps away...
+            pass
+        assert step() is None
+        agent.sample_within(1)  # ...unless a component needs the end of the step under way
+        record = step()
+        assert record is not None and component.records[-1] is record
+    finally:
+        agent.stop()
