@@ -1,6 +1,6 @@
 """Soak: the agent's own memory stays bounded over a long job (issue 11: 1M steps).
 
-    python benchmarks/soak_leak.py                 # 1,000,000 steps (~2-3 minutes here)
+    python benchmarks/soak_leak.py                 # 1,000,000 steps (~10 minutes here, tracemalloc on)
     python benchmarks/soak_leak.py --steps 200000
 
 A tiny real training step (a 4x4 linear layer, SGD) under ``gpumemd.attach()`` at its defaults; at
@@ -37,8 +37,11 @@ def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
         "tracked tensors": len(tracker._refs) if tracker else 0,
         "tensor groups": len(tracker._counts) if tracker else 0,
         "chains": len(chains._chains) if chains else 0,
+        "chain marks": len(chains._marks) if chains else 0,
+        "count history": sum(len(h) for h in leak._count_history.values()),  # type: ignore[attr-defined]
         "censuses kept": len(census.history()) if census is not None else 0,  # type: ignore[attr-defined]
         "findings": len(agent.findings()),
+        "samples": agent.samples_total,
     }
 
 

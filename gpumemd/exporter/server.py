@@ -1,21 +1,44 @@
 """The HTTP side: serve a registry on ``/metrics``, push it once, or write it as a textfile.
 
-prometheus_client's ``start_http_server`` returns ``(httpd, thread)``; we keep both so ``stop()``
-shuts the server down, closes its socket and joins its thread (nothing survives a detach).
+The server is prometheus_client's WSGI app (``make_wsgi_app``) in a server of our own, because the
+one ``start_http_server`` gives runs one unbounded thread per connection with no socket timeout
+(200 idle connections were 200 threads in the training process, alive after detach) and leaves its
+listening socket to forked DataLoader workers. Here (issue 15, item 5):
+
+- at most ``MAX_CONNECTIONS`` connections are served at once; one more is closed at accept;
+- every connection has a socket timeout (``REQUEST_TIMEOUT_S``): a client that sends nothing, or stalls
+  a TLS handshake, is dropped; the handshake runs in the connection's thread, never the accept loop;
+- ``stop()`` closes the open connections and joins their threads; the accept loop polls every 50 ms,
+  so a detach does not wait half a second;
+- a forked child closes its copy of the listening socket and connections at once
+  (``os.register_at_fork``), so the port is free as soon as the parent stops serving.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
+import socket
+import ssl
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 log = logging.getLogger("gpumemd")
 
 THREAD_NAME = "gpumemd-exporter"
+
+MAX_CONNECTIONS = 16
+"""Connections served at once (scrapers, a browser, curl); more are closed when accepted."""
+
+REQUEST_TIMEOUT_S = 10.0
+"""Socket timeout of a connection: a scrape answers in milliseconds; a client silent this long is dropped."""
+
+_POLL_S = 0.05  # how often the accept loop looks for stop(): the bound on a detach's wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,24 +49,123 @@ class ServeOptions:
     keyfile: str | None = None
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # StreamRequestHandler sets it on the socket
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every 15 s must not write to the job's stderr
+
+
+class _ContainedServer(WSGIServer):
+    """A WSGI server with a bounded set of connection threads, each with a timeout."""
+
+    allow_reuse_address = True
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(self, address: tuple[Any, ...], family: int, *, max_connections: int, timeout: float,
+                 tls: ssl.SSLContext | None) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._timeout = timeout
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._live: dict[threading.Thread, socket.socket] = {}  # each connection's thread and socket
+        super().__init__(address, _handler_with_timeout(timeout))
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed at once, no thread
+            return
+        thread = threading.Thread(target=self._serve_one, args=(request, client_address),
+                                  name=f"{THREAD_NAME}-connection", daemon=True)
+        with self._lock:
+            self._live[thread] = request
+        thread.start()
+
+    def _serve_one(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            request.settimeout(self._timeout)
+            if self._tls is not None:
+                request = self._tls.wrap_socket(request, server_side=True)  # the handshake, here
+                with self._lock:
+                    self._live[threading.current_thread()] = request
+            self.finish_request(request, client_address)
+        except (OSError, ValueError):
+            pass  # a client that went away, timed out or failed its handshake: nothing to report
+        finally:
+            self.shutdown_request(request)
+            with self._lock:
+                self._live.pop(threading.current_thread(), None)
+            self._slots.release()
+
+    def close_connections(self, timeout: float) -> None:
+        with self._lock:
+            live = list(self._live.items())
+        for _, conn in live:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+        for thread, _ in live:
+            thread.join(timeout)
+
+    def close_in_forked_child(self) -> None:
+        """This process is a fork: its copies of the sockets must not keep the port or clients."""
+        with self._lock:
+            conns = list(self._live.values())
+            self._live.clear()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+        with contextlib.suppress(OSError):
+            self.socket.close()
+
+
+def _handler_with_timeout(timeout: float) -> type[_QuietHandler]:
+    if timeout == REQUEST_TIMEOUT_S:
+        return _QuietHandler
+    return type("_QuietHandler", (_QuietHandler,), {"timeout": timeout})
+
+
+_servers: weakref.WeakSet[_ContainedServer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for server in list(_servers):
+        server.close_in_forked_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class MetricsServer:
     """One running ``/metrics`` endpoint. ``start`` raises OSError when the port is taken."""
 
-    def __init__(self, registry: Any, options: ServeOptions) -> None:
+    def __init__(self, registry: Any, options: ServeOptions, *, max_connections: int = MAX_CONNECTIONS,
+                 timeout: float = REQUEST_TIMEOUT_S) -> None:
         self._registry = registry
         self._options = options
-        self._httpd: Any = None
+        self._max_connections = max_connections
+        self._timeout = timeout
+        self._httpd: _ContainedServer | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
 
     def start(self) -> str:
-        from prometheus_client import start_http_server
+        from prometheus_client import make_wsgi_app
 
         opts = self._options
-        httpd, thread = start_http_server(
-            opts.port, addr=opts.bind, registry=self._registry, certfile=opts.certfile, keyfile=opts.keyfile
-        )
-        thread.name = THREAD_NAME  # so the test suite's thread check sees it if it ever outlives stop()
+        tls = None
+        if opts.certfile:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.load_cert_chain(certfile=opts.certfile, keyfile=opts.keyfile)
+        family = socket.AF_INET6 if ipaddress.ip_address(opts.bind).version == 6 else socket.AF_INET
+        httpd = _ContainedServer((opts.bind, opts.port), family, max_connections=self._max_connections,
+                                 timeout=self._timeout, tls=tls)
+        httpd.set_app(make_wsgi_app(self._registry))
+        _servers.add(httpd)
+        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": _POLL_S},
+                                  name=THREAD_NAME, daemon=True)
+        thread.start()
         self._httpd, self._thread = httpd, thread
         port = int(httpd.server_address[1])
         scheme = "https" if opts.certfile else "http"
@@ -54,14 +176,25 @@ class MetricsServer:
     def port(self) -> int | None:
         return int(self._httpd.server_address[1]) if self._httpd is not None else None
 
+    @property
+    def connections(self) -> int:
+        """Connections being served now (at most ``max_connections``)."""
+        httpd = self._httpd
+        if httpd is None:
+            return 0
+        with httpd._lock:
+            return len(httpd._live)
+
     def stop(self, timeout: float = 10.0) -> None:
         httpd, thread = self._httpd, self._thread
         self._httpd = self._thread = None
         self.url = None
         if httpd is None:
             return
-        httpd.shutdown()  # returns once serve_forever has left its loop
+        httpd.shutdown()  # returns once serve_forever has left its loop (within _POLL_S)
         httpd.server_close()
+        httpd.close_connections(timeout=1.0)
+        _servers.discard(httpd)
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -46,3 +49,78 @@ def test_textfile_replaces_the_old_file_whole(tmp_path: Path) -> None:
     write_textfile(str(path), registry)
     assert "gpumemd_test_value 2.0" in path.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.prom"]
+
+
+# --- containment (issue 15, item 5): bounded threads, timeouts, nothing left after stop or in a fork --
+
+
+def _registry() -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    Gauge("gpumemd_test_value", "A test gauge.", registry=registry).set(3)
+    return registry
+
+
+def _exporter_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
+
+
+def test_idle_connections_are_capped_and_closed_on_stop() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0), max_connections=4)
+    server.start()
+    assert server.port is not None
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)]
+    try:
+        deadline = time.monotonic() + 10
+        while server.connections < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # 40 silent clients: 4 are served (one thread each), the rest closed as they were accepted
+        assert server.connections == 4
+        assert len(_exporter_threads()) == 1 + 4
+        # a scrape still gets through once a slot frees: the cap limits, it does not lock out
+        for s in idle[:4]:
+            s.close()
+        with urllib.request.urlopen(server.url, timeout=10) as response:
+            assert b"gpumemd_test_value 3.0" in response.read()
+        server.stop()
+        assert _exporter_threads() == []  # the served idle connections were closed and joined
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_a_silent_client_is_dropped_after_the_timeout() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0), timeout=0.2)
+    server.start()
+    assert server.port is not None
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:
+            assert silent.recv(1) == b""  # the server closed it (a timeout here would raise instead)
+    finally:
+        server.stop()
+
+
+def test_a_forked_child_does_not_keep_the_port() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0))
+    server.start()
+    port = server.port
+    assert port is not None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a DataLoader worker that outlives the parent's detach
+        os.close(read)
+        os.write(write, b"x")
+        time.sleep(3)
+        os._exit(0)
+    try:
+        os.close(write)
+        assert os.read(read, 1) == b"x"
+        server.stop()
+        # the child is alive and still would hold a copy of the listening socket, had it not closed it
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", port))
+            again.listen()
+    finally:
+        os.close(read)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
