@@ -263,7 +263,7 @@ class LeakDetector:
             # while a leak, present in both, only lags by one census.
             value, track.previous = min(value, track.previous), value
         # Dense series: one floor per block of ``block`` steps, aligned to step numbers, so a series
-        # sampled every Nth step (N <= block, the agent's stride) still gives one floor per block.
+        # sampled every Nth step (the agent's stride) gives one floor per block it has a sample in.
         block_id = step // block
         if track.block_n and block_id != track.block_id:
             self._close_block(track, block)

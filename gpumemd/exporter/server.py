@@ -94,9 +94,9 @@ class _ContainedServer(WSGIServer):
             pass  # a client that went away, timed out or failed its handshake: nothing to report
         finally:
             self.shutdown_request(request)
+            self._slots.release()  # before leaving _live: a count below the cap means a free slot
             with self._lock:
                 self._live.pop(threading.current_thread(), None)
-            self._slots.release()
 
     def close_connections(self, timeout: float) -> None:
         with self._lock:

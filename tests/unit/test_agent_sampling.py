@@ -130,7 +130,7 @@ def test_phase_changes_and_components_get_the_steps_they_need(out_dir: str) -> N
             clock.now += 1e-3
             return agent.mark_step()
 
-        while step() is None:  # to a sampled step: the next one is 10 steps away...
+        while step() is None:  # to a sampled step: the next one is MAX_STRIDE steps away...
             pass
         assert step() is None
         agent.sample_within(1)  # ...unless a component needs the end of the step under way

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -70,19 +71,30 @@ def test_idle_connections_are_capped_and_closed_on_stop() -> None:
     assert server.port is not None
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)]
     try:
+        # 40 silent clients: 4 are served (one thread each), the other 36 closed as they are accepted
+        closed: set[socket.socket] = set()
         deadline = time.monotonic() + 10
-        while server.connections < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # 40 silent clients: 4 are served (one thread each), the rest closed as they were accepted
-        assert server.connections == 4
+        while len(closed) < 36 and time.monotonic() < deadline:
+            readable, _, _ = select.select([s for s in idle if s not in closed], [], [], 0.1)
+            closed.update(s for s in readable if s.recv(1) == b"")
+        assert len(closed) == 36 and server.connections == 4
         assert len(_exporter_threads()) == 1 + 4
-        # a scrape still gets through once a slot frees: the cap limits, it does not lock out
-        for s in idle[:4]:
-            s.close()
+        # a scrape gets through once a slot frees: the cap limits, it does not lock out
+        for s in idle:
+            if s not in closed:
+                s.close()
+        while server.connections and time.monotonic() < deadline:
+            time.sleep(0.01)  # their threads see the end of the stream and free the slots
         with urllib.request.urlopen(server.url, timeout=10) as response:
             assert b"gpumemd_test_value 3.0" in response.read()
+        # stop() closes and joins the connections still open
+        held = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        idle.append(held)
+        while server.connections < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         server.stop()
-        assert _exporter_threads() == []  # the served idle connections were closed and joined
+        assert _exporter_threads() == []
+        assert held.recv(1) == b""
     finally:
         for s in idle:
             s.close()
