@@ -59,8 +59,8 @@ class Config:
 
     history_steps: int = 10_000
     """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded). On
-    fast steps the agent records every Nth step (N <= 20, see the overhead section), so this spans
-    up to twenty times as many steps."""
+    fast steps the agent records every Nth step (N <= 10, see the overhead section), so this spans
+    up to ten times as many steps."""
 
     sample_interval_s: float = 5.0
     """Seconds between background samples of allocator, NVML and host between steps (0 disables the
