@@ -57,10 +57,11 @@ GroupKey = tuple[str, str, tuple[int, ...], bool]  # device, dtype, shape, has g
 
 
 class _Ref(weakref.ref[Any]):
-    __slots__ = ("key", "nbytes", "tid")
+    __slots__ = ("base", "key", "nbytes", "tid")
     key: GroupKey
     nbytes: int
     tid: int
+    base: int  # id of the base tensor when this one is a view, else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ class SurvivorTracker:
         self._counts: dict[GroupKey, int] = {}
         self._bytes: dict[GroupKey, int] = {}
         self._samples: dict[GroupKey, deque[_Ref]] = {}
+        self._view_bases: dict[int, int] = {}  # id of a counted view's base -> views counted on it
         # Candidates listed at the last scan (counted at the next one if alive) and those the gc
         # callback listed since (they become candidates at the next scan, so that a tensor is
         # counted only once it has outlived at least one whole scan interval).
@@ -128,6 +130,7 @@ class SurvivorTracker:
         self._pending.clear()
         self._listed.clear()
         self._refs.clear()  # the weakrefs die with the dict: their callbacks never run
+        self._view_bases.clear()
         self._counts.clear()
         self._bytes.clear()
         self._samples.clear()
@@ -244,24 +247,37 @@ class SurvivorTracker:
     def _count_survivors(self) -> None:
         pending, self._pending = self._pending, []
         died = self._died
+        alive = [t for ref in pending if (t := ref()) is not None]
+        # Each storage once: a view keeps its base tensor alive (``kept.append(out.detach()[:4])``
+        # keeps the whole ``out.detach()``), so the base of a counted view is not counted itself:
+        # the view is, and its holder is the container, not "no Python holder".
+        bases = self._view_bases
+        batch = {id(b) for t in alive if (b := t._base) is not None}
         t = None
-        for ref in pending:
-            t = ref()
-            if t is None or id(t) in self._refs:
+        for t in alive:
+            tid = id(t)
+            if tid in self._refs or tid in bases or tid in batch:
                 continue
             if len(self._refs) >= self._max_tracked:
                 self.truncated = True
                 break
             try:
                 key, nbytes = self._describe(t)
+                base = t._base
             except Exception:  # noqa: BLE001 - an exotic tensor: not counted
                 self.errors += 1
                 continue
             if key not in self._counts and len(self._counts) >= self._max_groups:
                 key = OVERFLOW
             r = _Ref(t, died)
-            r.key, r.nbytes, r.tid = key, nbytes, id(t)
-            self._refs[r.tid] = r
+            r.key, r.nbytes, r.tid, r.base = key, nbytes, tid, id(base) if base is not None else 0
+            if r.base:
+                bases[r.base] = bases.get(r.base, 0) + 1
+                counted_base = self._refs.get(r.base)
+                if counted_base is not None:  # counted at an earlier scan, before its view was seen
+                    self._uncount(counted_base)
+            del base
+            self._refs[tid] = r
             self._counts[key] = self._counts.get(key, 0) + 1
             self._bytes[key] = self._bytes.get(key, 0) + nbytes
             samples = self._samples.get(key)
@@ -269,6 +285,7 @@ class SurvivorTracker:
                 samples = self._samples[key] = deque(maxlen=_SAMPLES)
             samples.append(r)
         del t
+        alive.clear()
 
     def _describe(self, t: Any) -> tuple[GroupKey, int]:
         dev, dt = t.device, t.dtype
@@ -283,8 +300,17 @@ class SurvivorTracker:
 
     def _died(self, ref: _Ref) -> None:
         if self._refs.get(ref.tid) is not ref:
-            return  # uninstalled, or an id reused after a reset
+            return  # uninstalled, uncounted as a view's base, or an id reused after a reset
+        self._uncount(ref)
+
+    def _uncount(self, ref: _Ref) -> None:
         del self._refs[ref.tid]
+        if ref.base:
+            n = self._view_bases.get(ref.base, 0) - 1
+            if n > 0:
+                self._view_bases[ref.base] = n
+            else:
+                self._view_bases.pop(ref.base, None)
         key = ref.key
         n = self._counts.get(key, 0) - 1
         if n > 0:
@@ -294,4 +320,3 @@ class SurvivorTracker:
             self._counts.pop(key, None)
             self._bytes.pop(key, None)
             self._samples.pop(key, None)
-

@@ -126,6 +126,19 @@ def outputs_appended_to_list(steps: int) -> None:
     kept_outputs.clear()
 
 
+def sliced_outputs_kept(steps: int) -> None:
+    """Rows of each batch's outputs kept as a *view* (no ``.clone()``): the slice keeps its whole base
+    alive, one storage per step, which must be one leak named by the list, not also "the base"."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept_slices = []
+    for step in _steps(steps):
+        out = _train_step(model, opt)
+        if step >= ONSET:
+            kept_slices.append(out.detach()[:4])
+    kept_slices.clear()
+
+
 class ActivationRecorder:
     """A forward hook that stores every activation (debugging code left in)."""
 
@@ -407,6 +420,8 @@ LEAKS = (
              ("LossTracker.ema",), rate="+2 autograd nodes/step"),
     Scenario("list of outputs (2 KiB/step)", outputs_appended_to_list, "tensor_leak",
              ("`kept_outputs` in outputs_appended_to_list()",), bytes_per_step=2048, rate="+1 tensor/step"),
+    Scenario("sliced outputs kept as views (base kept alive)", sliced_outputs_kept, "tensor_leak",
+             ("`kept_slices` in sliced_outputs_kept()",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
     Scenario("forward hook storing activations", forward_hook_storing_activations, "tensor_leak",
              ("ActivationRecorder.activations",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
     Scenario("dict cache keyed by sample id, late onset", dict_cache_keyed_by_sample_id, "tensor_leak",

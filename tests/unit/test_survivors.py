@@ -39,6 +39,27 @@ def test_kept_tensors_are_counted_once_per_group_and_temporaries_never() -> None
         tracker.uninstall()
 
 
+def test_a_kept_view_counts_its_storage_once_not_its_base_too() -> None:
+    # ``kept.append(out.detach()[:4])``: the view keeps its base (the whole detached output) alive
+    tracker = _tracker()
+    try:
+        kept = []
+        for step in range(30):
+            out = torch.randn(32, 10)
+            kept.append(out.detach()[:4])
+            del out
+            if step % 10 == 0:
+                tracker.scan()
+        tracker.scan()
+        tracker.scan()
+        groups = {g.key: g for g in tracker.groups()}
+        view = ("cpu", "float32", (4, 10), False)
+        assert groups[view].count == 30 and groups[view].nbytes == 30 * 32 * 10 * 4  # the whole storage
+        assert ("cpu", "float32", (32, 10), False) not in groups  # the base: not a second leak
+    finally:
+        tracker.uninstall()
+
+
 def test_dead_tensors_are_uncounted_by_their_weakref() -> None:
     tracker = _tracker()
     try:
