@@ -67,4 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    sys.exit(main())
+    code = main()
+    from gpumemd.cli import run
+
+    if run.interrupted and sys.platform != "win32":  # as python: die by the signal itself
+        run.die_by_sigint()
+    sys.exit(code)

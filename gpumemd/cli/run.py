@@ -177,11 +177,15 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> int:
         else:
             sys.argv = [target, *script_args]
             _set_path0(os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+            # python gives __main__ an absolute __file__ (argv[0] stays as typed): a script that
+            # chdirs and then reads next to __file__ must work the same under gpumemd run
+            runpy.run_path(os.path.abspath(target), run_name="__main__")
     except SystemExit as exc:
         return _exit_code(exc.code)
     except KeyboardInterrupt:
         _report_uncaught()
+        global interrupted
+        interrupted = True  # console_main ends the process by SIGINT, as python does
         return 130
     except BaseException:  # noqa: BLE001 - the script's own exception: print it as python would
         _report_uncaught()
@@ -191,6 +195,21 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> int:
         if saved_path0 is not None:
             _set_path0(saved_path0)
     return 0
+
+
+interrupted = False
+"""The script ended with an uncaught KeyboardInterrupt: ``python`` then dies by SIGINT (a shell or a
+launcher sees the signal, not exit 130), and so does the ``gpumemd`` command (``console_main``)."""
+
+
+def die_by_sigint() -> None:
+    """End this process as python does after an uncaught KeyboardInterrupt: SIGINT, default action."""
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _set_path0(path: str) -> None:

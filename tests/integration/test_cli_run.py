@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,33 @@ def test_real_process_exit_code_and_traceback(script: Path, tmp_path: Path, out_
     )
     assert exited.returncode == 7, exited.stderr
     assert json.loads((tmp_path / "b.json").read_text())["history_steps"] == 12
+
+
+def test_a_script_cannot_tell_gpumemd_run_from_python(tmp_path: Path, out_dir: str) -> None:
+    """Issue 15 item 3: ``__file__`` absolute (the script chdirs, then reads next to itself), and an
+    uncaught KeyboardInterrupt kills the process by SIGINT, traceback and all, as with ``python``."""
+    scripts = tmp_path / "job"
+    scripts.mkdir()
+    (scripts / "data.txt").write_text("next to the script")
+    (scripts / "train.py").write_text(textwrap.dedent(
+        """
+        import os, sys
+        here = os.path.dirname(__file__)
+        os.chdir("/")
+        with open(os.path.join(here, "data.txt")) as f:
+            print(os.path.isabs(__file__), f.read())
+        if sys.argv[1:] == ["interrupt"]:
+            raise KeyboardInterrupt
+        """
+    ))
+    env = {**os.environ, "GPUMEMD_SAMPLE_INTERVAL_S": "0", "GPUMEMD_OUTPUT_DIR": out_dir}
+    for args in ([], ["interrupt"]):
+        plain = subprocess.run([sys.executable, "job/train.py", *args], cwd=tmp_path, capture_output=True,
+                               text=True, env=env, timeout=120)
+        watched = subprocess.run([sys.executable, "-m", "gpumemd", "run", "job/train.py", *args], cwd=tmp_path,
+                                 capture_output=True, text=True, env=env, timeout=120)
+        assert watched.stdout == plain.stdout == "True next to the script\n"
+        assert watched.returncode == plain.returncode == (-signal.SIGINT if args else 0), watched.stderr
+        if args:
+            assert plain.stderr.rstrip().endswith("KeyboardInterrupt")
+            assert watched.stderr.rstrip().endswith("KeyboardInterrupt")
