@@ -38,7 +38,24 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     for obj in (model, optimizer):
         if obj is not None:
             agent.register(obj)
+    _say_kept_settings(agent, config, overrides)
     return agent
+
+
+def _say_kept_settings(agent: Agent, asked: Config, overrides: dict[str, Any]) -> None:
+    """A second attach() keeps the running agent as it is: say so when it asked for something else
+    (``gpumemd run`` attached first and the script's own ``attach(port=9400)`` would be lost silently)."""
+    differ = sorted(k for k in overrides if getattr(asked, k, None) != getattr(agent.config, k, None))
+    if not differ:
+        return
+    import logging
+
+    wanted = ", ".join(f"{k}={getattr(asked, k)!r}" for k in differ)
+    running = ", ".join(f"{k}={getattr(agent.config, k)!r}" for k in differ)
+    logging.getLogger("gpumemd").warning(
+        "gpumemd: attach(%s) found an agent already attached (by `gpumemd run` or an earlier attach) and "
+        "kept its settings (%s); give these options to `gpumemd run` or to the first attach()",
+        wanted, running)
 
 
 def detach() -> None:

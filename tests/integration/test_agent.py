@@ -215,3 +215,20 @@ def test_forked_dataloader_workers_run_no_sampler_and_record_nothing(out_dir: st
     assert all(int(pid) != os.getpid() for pid, *_ in rows)
     assert all(no_agent and not_marked and not sampler for _, no_agent, not_marked, sampler in rows)
     assert agent.steps() == []  # the workers' mark_step calls recorded nothing here either
+
+
+def test_a_second_attach_with_other_options_says_they_were_not_applied(
+        out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 15 item 3: under `gpumemd run` the script's own attach(port=...) must not vanish silently."""
+    first = gpumemd.attach(output_dir=out_dir, sample_interval_s=0, history_steps=100)
+    try:
+        with caplog.at_level("WARNING", logger="gpumemd"):
+            assert gpumemd.attach(history_steps=100, sample_interval_s=0) is first  # same settings: quiet
+            assert not caplog.records
+            assert gpumemd.attach(history_steps=50, census=True) is first
+        [record] = caplog.records
+        assert "attach(history_steps=50)" in record.getMessage()
+        assert "kept its settings (history_steps=100)" in record.getMessage()
+        assert first.config.history_steps == 100
+    finally:
+        gpumemd.detach()
