@@ -24,6 +24,7 @@ import socket
 import ssl
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -50,7 +51,7 @@ class ServeOptions:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = REQUEST_TIMEOUT_S  # StreamRequestHandler sets it on the socket
+    timeout = None  # the server sets each connection's timeout before the handshake (_serve_one)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a scrape every 15 s must not write to the job's stderr
@@ -69,8 +70,9 @@ class _ContainedServer(WSGIServer):
         self._timeout = timeout
         self._tls = tls
         self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)  # notified when a connection starts or ends
         self._live: dict[threading.Thread, socket.socket] = {}  # each connection's thread and socket
-        super().__init__(address, _handler_with_timeout(timeout))
+        super().__init__(address, _QuietHandler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -78,8 +80,9 @@ class _ContainedServer(WSGIServer):
             return
         thread = threading.Thread(target=self._serve_one, args=(request, client_address),
                                   name=f"{THREAD_NAME}-connection", daemon=True)
-        with self._lock:
+        with self.changed:
             self._live[thread] = request
+            self.changed.notify_all()
         thread.start()
 
     def _serve_one(self, request: socket.socket, client_address: Any) -> None:
@@ -95,8 +98,9 @@ class _ContainedServer(WSGIServer):
         finally:
             self.shutdown_request(request)
             self._slots.release()  # before leaving _live: a count below the cap means a free slot
-            with self._lock:
+            with self.changed:
                 self._live.pop(threading.current_thread(), None)
+                self.changed.notify_all()
 
     def close_connections(self, timeout: float) -> None:
         with self._lock:
@@ -117,12 +121,6 @@ class _ContainedServer(WSGIServer):
                 conn.close()
         with contextlib.suppress(OSError):
             self.socket.close()
-
-
-def _handler_with_timeout(timeout: float) -> type[_QuietHandler]:
-    if timeout == REQUEST_TIMEOUT_S:
-        return _QuietHandler
-    return type("_QuietHandler", (_QuietHandler,), {"timeout": timeout})
 
 
 _servers: weakref.WeakSet[_ContainedServer] = weakref.WeakSet()
@@ -184,6 +182,14 @@ class MetricsServer:
             return 0
         with httpd._lock:
             return len(httpd._live)
+
+    def wait_for_connections(self, predicate: Callable[[int], bool], timeout: float) -> bool:
+        """Block until ``predicate(connections being served)`` holds, or ``timeout``; its last value."""
+        httpd = self._httpd
+        if httpd is None:
+            return predicate(0)
+        with httpd.changed:
+            return httpd.changed.wait_for(lambda: predicate(len(httpd._live)), timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         httpd, thread = self._httpd, self._thread

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpumemd.agent import MAX_STRIDE, SAMPLE_SHARE, Agent
+from gpumemd.agent import MAX_STRIDE, Agent
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
 
@@ -75,7 +75,6 @@ def test_slow_steps_are_all_sampled(out_dir: str) -> None:
 def test_fast_steps_are_sampled_every_nth_and_every_step_is_counted(out_dir: str) -> None:
     # 1 ms steps, 60 µs per sampled end: the budget allows 1% x 0.2 x 1 ms = 2 µs per step -> N = 10
     agent, costly = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=200)
-    assert 1e-3 * 0.01 * SAMPLE_SHARE * MAX_STRIDE < 60e-6  # the arithmetic above: capped at MAX_STRIDE
     records = costly.records
     assert [r.step for r in records[:3]] == [0, 1, 2]  # every step until the cost is known
     assert agent.stride == MAX_STRIDE and all(r.steps == MAX_STRIDE for r in records[4:])

@@ -83,15 +83,14 @@ def test_idle_connections_are_capped_and_closed_on_stop() -> None:
         for s in idle:
             if s not in closed:
                 s.close()
-        while server.connections and time.monotonic() < deadline:
-            time.sleep(0.01)  # their threads see the end of the stream and free the slots
+        # their threads see the end of the stream and free the slots
+        assert server.wait_for_connections(lambda n: n == 0, timeout=10)
         with urllib.request.urlopen(server.url, timeout=10) as response:
             assert b"gpumemd_test_value 3.0" in response.read()
         # stop() closes and joins the connections still open
         held = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         idle.append(held)
-        while server.connections < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert server.wait_for_connections(lambda n: n == 1, timeout=10)
         server.stop()
         assert _exporter_threads() == []
         assert held.recv(1) == b""
@@ -117,22 +116,25 @@ def test_a_forked_child_does_not_keep_the_port() -> None:
     server.start()
     port = server.port
     assert port is not None
-    read, write = os.pipe()
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: a DataLoader worker that outlives the parent's detach
-        os.close(read)
-        os.write(write, b"x")
-        time.sleep(3)
+        os.close(ready_r)
+        os.close(done_w)
+        os.write(ready_w, b"x")
+        os.read(done_r, 1)  # alive until the parent has checked (its end closed: b"")
         os._exit(0)
     try:
-        os.close(write)
-        assert os.read(read, 1) == b"x"
+        os.close(ready_w)
+        os.close(done_r)
+        assert os.read(ready_r, 1) == b"x"
         server.stop()
         # the child is alive and still would hold a copy of the listening socket, had it not closed it
         with socket.socket() as again:
             again.bind(("127.0.0.1", port))
             again.listen()
     finally:
-        os.close(read)
-        os.kill(pid, 9)
+        os.close(ready_r)
+        os.close(done_w)  # lets the child end
         os.waitpid(pid, 0)
