@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gpumemd.announce import StartFacts, emit, exit_summary, start_line
 from gpumemd.config import Config
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.samples import HostSample
@@ -190,7 +191,29 @@ class Agent:
             self._sampler.start()
         atexit.register(self.stop)
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
+        self._announce(start_line(self._start_facts()))
         return self
+
+    def _start_facts(self) -> StartFacts:
+        identity = self.state().identity
+        absent = {name: probe.health.absent_reason for name, probe in self._probes().items()
+                  if probe is not None and probe.health.absent_reason}
+        if self._nvml is None:
+            absent["nvml"] = "off by configuration"
+        devices: tuple[str, ...] = ()
+        if "allocator" not in absent:
+            samples = self.state().allocator
+            devices = tuple(f"cuda:{s.device}" for s in samples) or ("the CUDA devices the job uses",)
+        return StartFacts(pid=os.getpid(), rank=identity.rank, world_size=identity.world_size,
+                          output_dir=self.output_dir, metrics_url=self.exporter_url, devices=devices,
+                          absent=absent)
+
+    def _announce(self, line: str) -> None:
+        # Rank 0 speaks for the job; a 1,024-rank job must not print 1,024 start lines.
+        if self.config.quiet or self.state().identity.rank != 0:
+            log.debug("%s", line)
+            return
+        emit(line)
 
     def stop(self) -> None:
         """Remove every hook, thread and handler ``start`` installed. Idempotent."""
@@ -201,6 +224,7 @@ class Agent:
         if self._sampler is not None:
             self._sampler.join(timeout=10)
             self._sampler = None
+        summary = self._exit_summary()
         for component in reversed(self._components):
             self._stop_component(component)
         self._remove_step_hook()
@@ -210,6 +234,15 @@ class Agent:
         if self._host is not None:
             self._host.close()
         atexit.unregister(self.stop)
+        if summary is not None:
+            self._announce(summary)
+
+    def _exit_summary(self) -> str | None:
+        try:
+            return exit_summary(self.state(), self.output_dir)
+        except Exception:  # stopping must finish whatever the summary meets
+            log.debug("gpumemd: no exit summary", exc_info=True)
+            return None
 
     @property
     def running(self) -> bool:

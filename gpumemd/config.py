@@ -153,6 +153,10 @@ class Config:
     nvml: bool = True
     """Read device totals and this process's use from NVML (creates no CUDA context)."""
 
+    quiet: bool = False
+    """No start line (output, metrics URL, devices, absent probes) and no exit summary on stderr;
+    warnings and findings are still logged. Only rank 0 prints them in any case."""
+
     def __post_init__(self) -> None:
         # Every number is bounded above too (issue 15): a value that passes here must not fail later
         # inside the job (``deque(maxlen=2**63)``, a sampler thread that waits ``inf`` or spins).

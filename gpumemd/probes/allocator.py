@@ -65,7 +65,8 @@ class AllocatorProbe:
             import torch
 
             if not torch.cuda.is_available():
-                self.health.absent("torch.cuda.is_available() is False (no CUDA device or a CPU build)")
+                self.health.absent("this torch is a CPU build" if torch.version.cuda is None and
+                                   torch.version.hip is None else "torch.cuda.is_available() is False")
                 self._never = stats_fn is None and is_initialized is None
             stats_fn = stats_fn or torch.cuda.memory_stats
             is_initialized = is_initialized or torch.cuda.is_initialized

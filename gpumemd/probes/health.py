@@ -15,6 +15,7 @@ class ProbeHealth:
         self.name = name
         self.errors = 0
         self.available: bool | None = None  # None until the probe has tried once
+        self.absent_reason: str | None = None  # why it cannot work here (said in the start line)
         self._logged: set[str] = set()
 
     def absent(self, reason: str) -> None:
@@ -22,6 +23,7 @@ class ProbeHealth:
         if self.available is not False:
             log.info("gpumemd: %s probe absent: %s", self.name, reason)
         self.available = False
+        self.absent_reason = reason
 
     def failed(self, exc: BaseException) -> None:
         """The probe worked before, or should work, and a read failed: counted, logged once per kind."""

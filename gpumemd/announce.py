@@ -1,0 +1,106 @@
+"""The two lines gpumemd says about itself: what it watches when it starts, and what it saw at exit.
+
+A newcomer who types ``gpumemd run train.py`` must see where the output goes, where the metrics are
+served, which devices are watched and which probes are absent and why; at exit, how many steps,
+what was found, which reports were written and what the agent cost. The wording is pure (tested
+on data); ``emit`` is the only I/O: through the ``gpumemd.status`` logger when the job configured
+logging (so the line lands where its other logs go), else straight to stderr, as the CLI does.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gpumemd.records.findings import Finding
+from gpumemd.records.step import AgentState, Overhead
+
+status_log = logging.getLogger("gpumemd.status")
+
+
+@dataclass(frozen=True)
+class StartFacts:
+    """What the start line reports; gathered by the agent once its components are up."""
+
+    pid: int
+    rank: int
+    world_size: int
+    output_dir: str
+    metrics_url: str | None
+    devices: Sequence[str]  # e.g. ("cuda:0",) or () on a CPU-only job
+    absent: Mapping[str, str]  # probe name -> why it is absent on this machine
+
+
+def start_line(facts: StartFacts) -> str:
+    where = f"pid {facts.pid}" + (f", rank {facts.rank}/{facts.world_size}" if facts.world_size > 1 else "")
+    devices = ", ".join(facts.devices) if facts.devices else "host memory only (no CUDA device in use)"
+    metrics = facts.metrics_url or "off (set --port or GPUMEMD_PORT to serve Prometheus metrics)"
+    parts = [
+        f"gpumemd: watching {where}",
+        f"output {facts.output_dir}",
+        f"metrics {metrics}",
+        f"devices: {devices}",
+    ]
+    if facts.absent:
+        parts.append("absent: " + "; ".join(f"{name}: {why}" for name, why in sorted(facts.absent.items())))
+    return " · ".join(parts)
+
+
+def exit_summary(state: AgentState, output_dir: str) -> str:
+    """One line at detach: steps, findings, OOM reports, the agent's share of the job's time."""
+    overhead = state.overhead
+    steps = state.steps_total
+    parts = [f"gpumemd: {steps:,} step{'s' if steps != 1 else ''} watched in {_duration(overhead.wall_seconds)}"]
+    parts.append(_findings_text(state.findings))
+    if state.reports:
+        parts.append(f"{len(state.reports)} OOM report{'s' if len(state.reports) > 1 else ''}: "
+                     + ", ".join(state.reports))
+    elif state.ooms_total:
+        parts.append(f"{state.ooms_total} OOM{'s' if state.ooms_total > 1 else ''}, no report written")
+    else:
+        parts.append("no OOM")
+    parts.append(_cost_text(overhead))
+    if state.findings or state.reports:
+        parts.append(f"output {output_dir}")
+    return " · ".join(parts)
+
+
+def _findings_text(findings: Sequence[Finding]) -> str:
+    live = [f for f in findings if f.state != "cleared"]
+    if not live:
+        return "no leak found" if not findings else f"{len(findings)} growth{'s' if len(findings) > 1 else ''} cleared"
+    worst = max(live, key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step))
+    more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
+    return worst.summary.rstrip(".") + more
+
+
+def _cost_text(overhead: Overhead) -> str:
+    """Absolute seconds first: on a short run the one-off first census dominates the share, and a
+    bare "9% of the time" would read as the steady cost (which the budget holds near 1%)."""
+    text = f"agent took {_duration(overhead.seconds_total)} ({overhead.ratio:.1%} of the run"
+    if overhead.census_seconds_total >= 0.5 * overhead.seconds_total > 0:
+        text += f"; tensor censuses {_duration(overhead.census_seconds_total)} of it"
+    return text + ")"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def emit(line: str) -> None:
+    """To the job's logging when it has any handler for us, else to stderr (never raises)."""
+    try:
+        if status_log.hasHandlers():
+            status_log.info(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closed stderr at exit must not disturb the job
+        pass

@@ -1,0 +1,133 @@
+"""The start line and the exit summary (issue 14 item 1): wording on data, then said by a real agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpumemd
+from gpumemd.agent import Agent
+from gpumemd.announce import StartFacts, exit_summary, start_line
+from gpumemd.config import Config
+from gpumemd.records.findings import Finding
+from gpumemd.records.step import AgentState, Identity, Overhead
+
+
+def _facts(**changes: object) -> StartFacts:
+    base: dict[str, object] = dict(pid=4242, rank=0, world_size=1, output_dir="/job/gpumemd-out", metrics_url=None,
+                                   devices=(), absent={"allocator": "this torch is a CPU build"})
+    base.update(changes)
+    return StartFacts(**base)  # type: ignore[arg-type]
+
+
+def test_start_line_says_output_metrics_devices_and_absent_probes() -> None:
+    line = start_line(_facts())
+    assert line == ("gpumemd: watching pid 4242 · output /job/gpumemd-out · metrics off (set --port or GPUMEMD_PORT "
+                    "to serve Prometheus metrics) · devices: host memory only (no CUDA device in use) · "
+                    "absent: allocator: this torch is a CPU build")
+    served = start_line(_facts(metrics_url="http://127.0.0.1:9401/metrics", devices=("cuda:1",), absent={},
+                               rank=1, world_size=8))
+    assert served == ("gpumemd: watching pid 4242, rank 1/8 · output /job/gpumemd-out · "
+                      "metrics http://127.0.0.1:9401/metrics · devices: cuda:1")
+
+
+def _finding(state: str, summary: str, slope: float = 1e6) -> Finding:
+    return Finding(kind="tensor_leak", series="tensors{group=x}", state=state, slope_bytes_per_step=slope,
+                   slope_low=slope, slope_high=slope, onset_step=10, growth_bytes=0, steps_to_oom=None,
+                   first_step=100, updated_step=200, summary=summary)
+
+
+def _state(**changes: object) -> AgentState:
+    overhead = Overhead(training_thread_seconds_total=0.3, census_seconds_total=0.2, wall_seconds=30.0, steps=1000)
+    base: dict[str, object] = dict(identity=Identity(), attached_at=0.0, updated_at=30.0, steps_total=1000,
+                                   overhead=overhead)
+    base.update(changes)
+    return AgentState(**base)  # type: ignore[arg-type]
+
+
+def test_exit_summary_of_a_healthy_run() -> None:
+    assert exit_summary(_state(), "/out") == ("gpumemd: 1,000 steps watched in 30.0 s · no leak found · no OOM · "
+                                              "agent took 300 ms (1.0% of the run; tensor censuses 200 ms of it)")
+
+
+def test_exit_summary_names_the_worst_live_finding_and_the_reports() -> None:
+    findings = (_finding("cleared", "host growth cleared."), _finding("suspected", "small suspected.", 10.0),
+                _finding("confirmed", "tensor leak confirmed: held by `losses`."))
+    line = exit_summary(_state(findings=findings, reports=("/out/oom-1",), ooms_total=1), "/out")
+    assert " · tensor leak confirmed: held by `losses` (and 1 more) · 1 OOM report: /out/oom-1 · " in line
+    assert line.endswith(" · output /out")
+    assert "2 OOMs, no report written" in exit_summary(_state(ooms_total=2), "/out")
+    assert "1 growth cleared" in exit_summary(_state(findings=findings[:1]), "/out")
+
+
+def _train(steps: int) -> None:
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "gpumemd.status"]
+
+
+def test_attach_says_what_it_watches_and_detach_what_it_saw(out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gpumemd.status")
+    with gpumemd.attached(output_dir=out_dir):
+        _train(3)
+        assert len(_said(caplog)) == 1
+    start, summary = _said(caplog)
+    assert start.startswith(f"gpumemd: watching pid {os.getpid()} · output {out_dir} · metrics off")
+    if not torch.cuda.is_available():
+        assert "devices: host memory only" in start and "absent: allocator: this torch is a CPU build" in start
+    assert summary.startswith("gpumemd: 3 steps watched in ")
+    assert " · no leak found · no OOM · agent took " in summary
+
+
+def test_quiet_and_other_ranks_say_nothing(out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gpumemd.status")
+    with gpumemd.attached(output_dir=out_dir, quiet=True):
+        _train(2)
+    agent = Agent(Config(output_dir=out_dir), identity=Identity(rank=3, world_size=4)).start()
+    _train(2)
+    agent.stop()
+    assert _said(caplog) == []
+
+
+def test_without_logging_the_lines_go_to_stderr_around_the_job(tmp_path: Path) -> None:
+    """No logging configured (a plain script under ``gpumemd run``): stderr starts with the start line and
+    ends with the summary; the job's own output is untouched."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import torch
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        print("trained")
+        """
+    ))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "gpumemd", "run", "--output-dir", str(out), str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "trained\n"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("gpumemd: watching pid ")
+    assert f"output {out}" in lines[0]
+    assert lines[-1].startswith("gpumemd: 5 steps watched in ") and "no leak found" in lines[-1]
+    quiet = subprocess.run([sys.executable, "-m", "gpumemd", "run", "--quiet", "--output-dir", str(out), str(script)],
+                           capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and quiet.stdout == "trained\n"
+    assert "gpumemd:" not in quiet.stderr
