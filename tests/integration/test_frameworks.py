@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from optional_extras import require_framework
 
 import gpumemd
 
@@ -47,8 +48,7 @@ def _named(findings: list[Any], holder: str) -> bool:
 def _lightning_fit(out_dir: str, *, leak: bool, steps: int, accumulate: int = 1,
                    oom_at: int | None = None, settings: dict[str, Any] | None = None,
                    seed: int = 0) -> tuple[Any, Any, Any]:
-    # The `frameworks` extra; CI installs it, so a missing framework fails here rather than skips.
-    import lightning.pytorch as pl
+    pl = require_framework("lightning.pytorch")  # the `frameworks` extra
     from torch.utils.data import DataLoader, TensorDataset
 
     from gpumemd.integrations.lightning import GpumemdCallback
@@ -139,7 +139,7 @@ def test_lightning_oom_in_fit_keeps_the_agent_for_the_report(out_dir: str) -> No
 
 def _hf_train_evaluate(out_dir: str, *, leak: bool, steps: int, settings: dict[str, Any] | None = None,
                        seed: int = 0) -> tuple[Any, Any, Any]:
-    import transformers
+    transformers = require_framework("transformers")
 
     from gpumemd.integrations.transformers import GpumemdCallback
 
