@@ -102,11 +102,9 @@ class _Runner:
         return True
 
     def _run_cpu(self, batch_size: int) -> tuple[bool, int | None]:
-        from torch.profiler import ProfilerActivity, profile
+        from gpumemd.probes.cpu_peak import memory_profile, peak_from_profiler
 
-        from gpumemd.probes.cpu_peak import peak_from_profiler
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memory_profile() as prof:
             ran = self._call(batch_size)
             gc.collect()  # inside the window, so the frees are recorded too
         measured = peak_from_profiler(prof)

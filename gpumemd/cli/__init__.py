@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
 
 from gpumemd._version import __version__
@@ -16,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "report": "gpumemd.cli.report",
     "run": "gpumemd.cli.run",
     "estimate": "gpumemd.cli.estimate",
+    "doctor": "gpumemd.cli.doctor",
 }
 
 
@@ -48,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            if args.command != "run":  # `run` leaves the script's warnings as python would show them
+                # torch warns at import when NumPy is absent; gpumemd's own commands never need it
+                warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+            return int(args.func(args))
     except CliError as err:
         print(f"gpumemd {args.command}: {err}", file=sys.stderr)
         return err.exit_code

@@ -9,9 +9,12 @@ Allocations made before the call (the model's parameters) are not included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from gpumemd.probes.native_stderr import native_stderr_filtered
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +29,25 @@ def measure_cpu_peak(fn: Callable[[], Any]) -> tuple[Any, CpuPeak]:
 
     Exceptions from ``fn`` propagate unchanged (no measurement is returned then).
     """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with memory_profile() as prof:
         result = fn()
     return result, peak_from_profiler(prof)
+
+
+@contextmanager
+def memory_profile() -> Iterator[Any]:
+    """``torch.profiler.profile(profile_memory=True)`` on CPU, without Kineto's start/stop lines on
+    stderr (only the profiler's own start and stop are filtered: the block runs with stderr as is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with native_stderr_filtered():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with native_stderr_filtered():
+            prof.__exit__(None, None, None)
 
 
 def peak_from_profiler(prof: Any) -> CpuPeak:

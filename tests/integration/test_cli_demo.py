@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -50,3 +51,19 @@ def test_unknown_command_exits_2() -> None:
     finally:
         sys.stderr = sys_stderr
     assert "invalid choice" in stderr.getvalue()
+
+
+def test_no_numpy_warning_in_gpumemds_own_commands(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 14 item 3: in a venv without NumPy, `import torch` warns "Failed to initialize NumPy";
+    that must not be the first thing `gpumemd demo` prints (`gpumemd run` leaves it to the script)."""
+    blocked = tmp_path / "no-numpy" / "numpy"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ModuleNotFoundError("No module named numpy", name="numpy")\n')
+    env = {**os.environ, "PYTHONPATH": str(blocked.parent)}
+    torch_alone = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env,
+                                 timeout=120)
+    assert "Failed to initialize NumPy" in torch_alone.stderr  # the setup really reproduces the warning
+    demo = subprocess.run([sys.executable, "-m", "gpumemd", "demo", "--steps", "1", "--output-dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert demo.returncode == 0, demo.stderr
+    assert "NumPy" not in demo.stderr and "NumPy" not in demo.stdout
