@@ -612,7 +612,9 @@ class Agent:
 
         start = self._clock()
         result = take_census(self)
-        self.add_census_seconds(self._clock() - start)
+        elapsed = self._clock() - start
+        self.add_census_seconds(elapsed)
+        self.add_thread_seconds(elapsed)  # called outside step ends (by the job, or at an OOM): not clocked there
         self.publish(census=result, censuses_total=self.state().censuses_total + 1)
         return result
 

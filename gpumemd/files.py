@@ -4,12 +4,15 @@ A plain ``f.write(line)`` that fails half-way (ENOSPC, EDQUOT) leaves a fragment
 is glued to it: a reader then loses both. Here the line goes out in one ``os.write`` on an
 ``O_APPEND`` descriptor; when that writes less than the whole line, or fails after writing part of it,
 the file is cut back to its size before the write.
+
+``replace_file`` writes a whole file the same way: all of it or none (temp file + ``os.replace``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 
 def append_line(path: str, line: str) -> None:
@@ -33,3 +36,24 @@ def append_line(path: str, line: str) -> None:
 def _cut_back(fd: int, size: int) -> None:
     with contextlib.suppress(OSError):
         os.ftruncate(fd, size)
+
+
+def replace_file(path: str, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` whole: a temp file in the same directory, then one ``os.replace``.
+
+    A reader (or a crash, or a full disk) sees the previous file or the new one, never part of one.
+    An existing ``path`` is replaced: callers that must not overwrite check first.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # mkstemp makes it 0600
+        os.replace(tmp, path)  # same directory: one filesystem, so atomic
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

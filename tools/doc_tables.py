@@ -1,9 +1,9 @@
-"""Regenerate the README's generated tables (configuration, metric reference) in place.
+"""Regenerate the generated tables in docs/ (configuration, metric reference) in place.
 
-Usage: python tools/readme_tables.py [--check]
+Usage: python tools/doc_tables.py [--check]
 
 The tables are generated from the code (``Config`` field docstrings, ``gpumemd.exporter.metrics``)
-so they cannot drift; ``--check`` exits 1 when the README is out of date (the test suite runs it).
+so they cannot drift; ``--check`` exits 1 when a page is out of date (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -33,27 +33,36 @@ def metric_table() -> str:
     return reference_table().rstrip("\n")
 
 
-def render(text: str) -> str:
-    for name, table in (("config-table", config_table()), ("metric-table", metric_table())):
-        pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- {name}:start --> ... <!-- {name}:end --> markers")
-        text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
-    return text
+# table -> the page that holds it between <!-- name:start --> and <!-- name:end --> markers
+PAGES = {"config-table": "docs/configuration.md", "metric-table": "docs/prometheus-grafana.md"}
+TABLES = {"config-table": config_table, "metric-table": metric_table}
+
+
+def render(name: str, text: str) -> str:
+    table = TABLES[name]()
+    pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{PAGES[name]} has no <!-- {name}:start --> ... <!-- {name}:end --> markers")
+    return pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
 
 
 def main(argv: list[str]) -> int:
-    path = ROOT / "README.md"
-    current = path.read_text(encoding="utf-8")
-    wanted = render(current)
-    if "--check" in argv:
-        if wanted != current:
-            print("README.md tables are out of date: run python tools/readme_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(wanted, encoding="utf-8")
-    tmp.replace(path)
+    stale = []
+    for name, page in PAGES.items():
+        path = ROOT / page
+        current = path.read_text(encoding="utf-8")
+        wanted = render(name, current)
+        if wanted == current:
+            continue
+        if "--check" in argv:
+            stale.append(page)
+            continue
+        tmp = path.with_suffix(".md.tmp")
+        tmp.write_text(wanted, encoding="utf-8")
+        tmp.replace(path)
+    if stale:
+        print(f"out of date: {', '.join(stale)}: run python tools/doc_tables.py", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "run": "gpumemd.cli.run",
     "estimate": "gpumemd.cli.estimate",
     "doctor": "gpumemd.cli.doctor",
+    "export": "gpumemd.cli.export",
 }
 
 

@@ -61,7 +61,8 @@ def test_exit_summary_names_the_worst_live_finding_and_the_reports() -> None:
     findings = (_finding("cleared", "host growth cleared."), _finding("suspected", "small suspected.", 10.0),
                 _finding("confirmed", "tensor leak confirmed: held by `losses`."))
     line = exit_summary(_state(findings=findings, reports=("/out/oom-1",), ooms_total=1), "/out")
-    assert " · tensor leak confirmed: held by `losses` (as of step 200) (and 1 more) · 1 OOM report: /out/oom-1 · " in line
+    assert (" · tensor leak confirmed: held by `losses` (as of step 200) (and 1 more) · 1 OOM report: /out/oom-1 · "
+            in line)
     assert line.endswith(" · output /out")
     assert "2 OOMs, no report written" in exit_summary(_state(ooms_total=2), "/out")
     assert "1 growth cleared" in exit_summary(_state(findings=findings[:1]), "/out")
