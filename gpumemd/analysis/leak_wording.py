@@ -156,17 +156,19 @@ def build_finding(
     status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
     culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
     bytes_per_unit: float = 1.0, seconds_per_step: float | None = None, holder_sentence: str | None = None,
+    per_step: float | None = None,
 ) -> Finding:
     """The user-facing record for one track status; ``summary`` is the one-line sentence.
 
     For count series (``spec.unit == "tensors"``) the slope is tensors per step and
     ``bytes_per_unit`` converts it to bytes; ``holder_sentence`` is the culprit sentence when the
-    component wrote it from the tensors themselves."""
+    component wrote it from the tensors themselves. ``per_step`` is the rate to state when the caller
+    measured it better than the window's slope (a count series' slope since its onset)."""
     v = status.verdict
     kind = kind or refine_kind(status.spec.kind, culprits)
     counts = status.spec.unit != "bytes"
     noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
-    per_step = v.slope.slope
+    per_step = v.slope.slope if per_step is None else per_step
     slope = per_step * bytes_per_unit if counts else per_step
     active = status.state is not None and status.state.active
     steps_to_oom = hours_to_oom = None

@@ -446,7 +446,7 @@ class LeakComponent:
                 dated, kind=self._kind(status, evidence), culprits=evidence.culprits if active else (),
                 culprit_steps=evidence.steps, headroom_bytes=self._headroom(status.spec), sites=evidence.sites,
                 bytes_per_unit=evidence.bytes_per_unit, seconds_per_step=self._seconds_per_step,
-                holder_sentence=evidence.sentence,
+                holder_sentence=evidence.sentence, per_step=self._stated_rate(dated),
             )
             self._findings[key] = finding
             if status.changed:
@@ -454,6 +454,15 @@ class LeakComponent:
             if not active:
                 self._culprits.pop(key, None)
         self._agent.publish(findings=tuple(self._findings.values()))
+
+    def _stated_rate(self, status: TrackStatus) -> float:
+        """The growth per step a finding states. For a count series, the slope since its onset: the
+        window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step")."""
+        slope = status.verdict.slope.slope
+        if status.spec.unit == "bytes" or status.onset_step is None or self._detector is None:
+            return slope
+        since = self._detector.slope_since(status.spec.name, status.phase, status.onset_step)
+        return since if since is not None and since > 0 else slope
 
     def _findings_or(self, statuses: list[TrackStatus]) -> set[tuple[str, str]]:
         """Keys of the findings that are active now or in this evaluation."""
@@ -566,7 +575,7 @@ class LeakComponent:
         own = group.nbytes / group.count if group is not None and group.count else 0.0
         per_tensor = own + graph_bytes
         desc = group.describe() if group is not None else status.spec.name
-        sentence = count_sentence(status.verdict.slope.slope, desc, own, graph_bytes, holder)
+        sentence = count_sentence(self._stated_rate(status), desc, own, graph_bytes, holder)
         graphy = graph_kept or (status.spec.kind == "graph_leak" and graph_bytes >= own)
         kind = "graph_leak" if graphy else "tensor_leak"
         culprit = Culprit(description=desc, count_delta=round(status.growth_bytes),
