@@ -21,9 +21,14 @@ report from): it re-raises, or suppresses when asked, exactly as it would with a
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import traceback
-from types import TracebackType
+from collections.abc import Callable
+from types import CodeType, TracebackType
+from typing import Any, TypeVar, cast
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextlib's
@@ -38,11 +43,27 @@ class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextli
     def __enter__(self) -> oom_guard:
         return self
 
+    def __call__(self, func: _F) -> _F:
+        """The decorator form: ContextDecorator's, with a wrapper that ``__exit__`` recognises."""
+
+        @functools.wraps(func)
+        def _oom_guard_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return func(*args, **kwargs)
+
+        return cast(_F, _oom_guard_wrapper)
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         if exc is None:
             return False
+        if tb is not None and tb.tb_frame.f_code is _WRAPPER_CODE:
+            # The decorator form: drop the wrapper's frame, so the traceback reads as it would with no
+            # decorator (the with statement's re-raise adds no frame; Python >= 3.11 re-raises with the
+            # exception's own traceback, 3.10 with the one it had, wrapper included).
+            tb = tb.tb_next
+            exc.with_traceback(tb)
         try:
             return self._on_exception(exc, tb)
         except Exception as err:  # noqa: BLE001 - the job's exception propagates unchanged, always
@@ -66,6 +87,10 @@ class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextli
         elif self.suppress:
             traceback.clear_frames(tb)
         return self.suppress
+
+
+_WRAPPER_CODE = next(c for c in oom_guard.__call__.__code__.co_consts
+                     if isinstance(c, CodeType) and c.co_name == "_oom_guard_wrapper")
 
 
 def oom_report(exc: BaseException | None = None) -> str | None:

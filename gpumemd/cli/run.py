@@ -225,7 +225,11 @@ def _exit_code(code: object) -> int:
         return 0
     if isinstance(code, int):
         return code
-    print(code, file=sys.stderr)
+    try:
+        text = str(code)
+    except Exception:  # noqa: BLE001 - python prints an empty line when str(code) fails, and exits 1
+        text = ""
+    print(text, file=sys.stderr)
     return 1
 
 
@@ -235,16 +239,28 @@ def _report_uncaught() -> None:
     assert exc_type is not None and exc is not None
     trimmed = _user_frames(tb)
     # Python's own printing reads ``exc.__traceback__``, not the tb argument: trim it on the exception.
-    sys.excepthook(exc_type, exc.with_traceback(trimmed), trimmed)
+    try:
+        sys.excepthook(exc_type, exc.with_traceback(trimmed), trimmed)
+    except SystemExit:
+        raise  # python exits with the hook's code
+    except BaseException as err:  # noqa: BLE001 - a failing hook: python's fallback, not ours
+        if err.__context__ is exc:
+            err.__context__ = None  # python calls the hook outside any except block
+        print("Error in sys.excepthook:", file=sys.stderr)
+        hook_tb = _user_frames(err.__traceback__)  # the hook's frames, not this one
+        sys.__excepthook__(type(err), err.with_traceback(hook_tb), hook_tb)
+        print("\nOriginal exception was:", file=sys.stderr)
+        sys.__excepthook__(exc_type, exc, trimmed)
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """Drop the leading frames of this module and runpy, so the traceback starts in the script."""
+    """Drop the leading frames of this module and runpy, so the traceback starts in the script (None
+    when no frame is the script's: a SyntaxError in it, which python shows with no frames either)."""
     own = {os.path.abspath(__file__), os.path.abspath(_runpy_file()), "<frozen runpy>"}
     first = tb
     while first is not None and _frame_file(first) in own:
         first = first.tb_next
-    return first if first is not None else tb
+    return first
 
 
 def _frame_file(tb: types.TracebackType) -> str:
