@@ -39,7 +39,6 @@ from typing import Any
 
 log = logging.getLogger("gpumemd")
 
-_CPU_OOM_MARKERS = ("can't allocate memory", "out of memory", "not enough memory")
 # At most this factor above the largest size that ran, per try. Peak memory is linear in the batch
 # size only once activations outgrow the optimizer step's temporaries (below that it is flat), so a
 # line through two small sizes can overshoot by orders of magnitude; on CPU, where the budget is
@@ -56,12 +55,11 @@ class Try:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA/accelerator ``OutOfMemoryError``, or a CPU allocator failure (a plain RuntimeError)."""
-    import torch
+    """An allocation failure by the one classifier the OOM reports use: ``OutOfMemoryError`` on any
+    device, a CPU allocator failure, or a CUDA runtime / cuBLAS / cuDNN allocation failure."""
+    from gpumemd.analysis.oom_message import classify_exception
 
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MARKERS)
+    return classify_exception(exc) is not None
 
 
 def _release(exc: BaseException) -> None:

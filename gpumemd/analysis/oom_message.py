@@ -6,9 +6,17 @@ Formats (TORCH_MEMORY_API.md §4.3, §4.4):
   and 1.30 GiB is reserved by PyTorch but unallocated. ...`` (2.1 itself spelled "capacty");
 - CUDA, before 2.1: ``CUDA out of memory. Tried to allocate 152.00 MiB (GPU 0; 31.72 GiB total
   capacity; 24.89 GiB already allocated; 6.12 MiB free; 30.70 GiB reserved in total by PyTorch)``;
+  (with ``X allowed;`` before "reserved" when a per-process memory fraction is set);
+- CUDA, ``backend:cudaMallocAsync``: ``Allocation on device 0 would exceed allowed memory. (out of
+  memory)`` then ``Currently allocated : / Requested : / Device limit : / Free (according to CUDA):``
+  lines and the memory-fraction limit (c10/cuda/CUDAMallocAsyncAllocator.cpp);
+- CUDA runtime and libraries: ``CUDA error: out of memory`` (``torch.AcceleratorError`` from a cudaMalloc
+  outside the caching allocator: context, cuBLAS workspace, NCCL) and ``CUBLAS_STATUS_ALLOC_FAILED`` /
+  ``CUDNN_STATUS_ALLOC_FAILED``: memory ran out, the allocator's numbers are unknown;
 - CPU: a plain ``RuntimeError`` ``... DefaultCPUAllocator: can't allocate memory: you tried to allocate
-  1152921504606846976 bytes. Error code 12 (Cannot allocate memory)``.
+  1152921504606846976 bytes. Error code 12 (Cannot allocate memory)`` (or "not enough memory").
 ``Storage size calculation overflowed`` is a shape error, not an allocation failure: not an OOM here.
+One classifier serves the OOM reports, ``oom_guard`` and ``find_batch_size``.
 """
 
 from __future__ import annotations
@@ -27,8 +35,18 @@ _NEW = re.compile(
 )
 _OLD = re.compile(
     r"CUDA out of memory\. Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE + r" total capacity; "
-    + _SIZE + r" already allocated; " + _SIZE + r" free; " + _SIZE + r" reserved in total by PyTorch\)"
+    + _SIZE + r" already allocated; " + _SIZE + r" free; (?:" + _SIZE + r" allowed; )?" + _SIZE
+    + r" reserved in total by PyTorch\)"
 )
+_ASYNC = re.compile(r"Allocation on device (\d{1,6}) would exceed allowed memory\. \(out of memory\)")
+_ASYNC_LINES = {
+    "allocated": re.compile(r"Currently allocated\s*: " + _SIZE),
+    "requested": re.compile(r"Requested\s*: " + _SIZE),
+    "total": re.compile(r"Device limit\s*: " + _SIZE),
+    "free": re.compile(r"Free \(according to CUDA\)\s*: " + _SIZE),
+    "limit": re.compile(r"PyTorch limit \(set by user-supplied memory fraction\)\s*: " + _SIZE),
+}
+_RUNTIME = re.compile(r"CUDA error: out of memory|(?:CUBLAS|CUDNN|HIPBLAS|MIOPEN)_STATUS_ALLOC_FAILED")
 _PT = re.compile(
     r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, (?:with " + _SIZE
     + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?and " + _SIZE
@@ -36,7 +54,8 @@ _PT = re.compile(
 )
 _PROCESS = re.compile(r"this process has " + _SIZE + r" memory in use")
 _ALLOWED = re.compile(_SIZE + r" allowed; ")
-_CPU = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d{1,25}) bytes")
+_CPU = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate "
+                  r"(\d{1,25}) bytes")
 _MPS = re.compile(r"MPS backend out of memory")
 _MPS_SIZE = re.compile(r"Tried to allocate " + _SIZE)
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
@@ -69,7 +88,7 @@ def parse_oom_message(text: str) -> OomMessage | None:
         )
     if m := _OLD.search(text):
         allocated = parse_size(m[6], m[7])
-        reserved = parse_size(m[10], m[11])
+        reserved = parse_size(m[12], m[13])
         return OomMessage(
             kind="cuda",
             format="cuda-legacy",
@@ -77,10 +96,13 @@ def parse_oom_message(text: str) -> OomMessage | None:
             device=int(m[3]),
             total_bytes=parse_size(m[4], m[5]),
             free_bytes=parse_size(m[8], m[9]),
+            allowed_bytes=parse_size(m[10], m[11]) if m[10] else None,
             allocated_bytes=allocated,
             reserved_bytes=reserved,
             reserved_unallocated_bytes=max(0, reserved - allocated),
         )
+    if m := _ASYNC.search(text):
+        return _async_message(int(m[1]), text)
     if m := _CPU.search(text):
         return OomMessage(kind="cpu", format="cpu", requested_bytes=int(m[1]))
     if _MPS.search(text):
@@ -88,7 +110,27 @@ def parse_oom_message(text: str) -> OomMessage | None:
         return OomMessage(kind="mps", format="mps", requested_bytes=parse_size(size[1], size[2]) if size else None)
     if "CUDA out of memory" in text:  # a future wording: still an OOM, numbers unknown
         return OomMessage(kind="cuda", format="unparsed")
+    if _RUNTIME.search(text):
+        return OomMessage(kind="cuda", format="cuda-runtime")
     return None
+
+
+def _async_message(device: int, text: str) -> OomMessage:
+    """cudaMallocAsync's message. Its "Currently allocated" is what PyTorch holds from the pool (that
+    backend keeps no separate cache), and the memory-fraction limit, when one was set, is the cap."""
+    sizes = {name: parse_size(m[1], m[2]) for name, pattern in _ASYNC_LINES.items() if (m := pattern.search(text))}
+    total, limit = sizes.get("total"), sizes.get("limit")
+    return OomMessage(
+        kind="cuda",
+        format="cuda-async",
+        requested_bytes=sizes.get("requested"),
+        device=device,
+        total_bytes=total,
+        free_bytes=sizes.get("free"),
+        # With no fraction set the limit is SIZE_MAX ("17179869184.00 GiB"): no cap to report.
+        allowed_bytes=limit if limit is not None and (total is None or limit < total) else None,
+        allocated_bytes=sizes.get("allocated"),
+    )
 
 
 def _is_torch_oom_class(exc: BaseException) -> bool:
@@ -117,8 +159,10 @@ def _classify(exc: BaseException) -> OomMessage | None:
     """An ``OomMessage`` when ``exc`` is an out-of-memory error, else None.
 
     OOMs are ``torch.OutOfMemoryError`` (any device), a plain ``RuntimeError`` carrying a CUDA OOM
-    message (torch < 1.13, TorchScript), a CPU allocation failure or an MPS OOM. Shape overflows
-    (``Storage size calculation overflowed``) and ``torch.AcceleratorError`` are not.
+    message (torch < 1.13, TorchScript), a CPU allocation failure, an MPS OOM, and a CUDA runtime or
+    library allocation failure (``torch.AcceleratorError`` "CUDA error: out of memory", cuBLAS/cuDNN
+    ``*_STATUS_ALLOC_FAILED``). Shape overflows (``Storage size calculation overflowed``) and other
+    accelerator errors (illegal address, launch failure) are not.
     """
     text = str(exc)
     if _is_torch_oom_class(exc):
@@ -127,7 +171,5 @@ def _classify(exc: BaseException) -> OomMessage | None:
             return parsed
         return OomMessage(kind="device", format="unparsed")
     if not isinstance(exc, RuntimeError) or "Storage size calculation overflowed" in text:
-        return None
-    if type(exc).__name__ == "AcceleratorError":  # CUDA runtime errors (cuBLAS, NCCL): not the allocator
         return None
     return parse_oom_message(text)

@@ -20,7 +20,7 @@ class OomMessage:
     """The numbers in an out-of-memory message. ``None`` means "the message did not say"."""
 
     kind: str
-    format: str  # "cuda-2.1+", "cuda-legacy", "cpu", "mps" or "unparsed"
+    format: str  # "cuda-2.1+", "cuda-legacy", "cuda-async", "cuda-runtime", "cpu", "mps" or "unparsed"
     requested_bytes: int | None = None
     device: int | None = None
     total_bytes: int | None = None  # the device's total capacity

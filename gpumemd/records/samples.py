@@ -25,6 +25,7 @@ class AllocatorSample:
     requested_bytes: int | None = None
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
+    num_oom_rejections: int | None = None  # allocations refused up front by the per-process cap (2.13+)
     num_device_alloc: int | None = None
     num_device_free: int | None = None
     segment_count: int | None = None

@@ -94,9 +94,66 @@ def test_shape_overflow_and_unrelated_errors_are_not_oom() -> None:
     assert classify_exception(info.value) is None
     assert classify_exception(ValueError("CUDA out of memory")) is None
     assert classify_exception(RuntimeError("shape mismatch")) is None
-    assert classify_exception(torch.AcceleratorError("CUDA error: out of memory")) is None
+    assert classify_exception(torch.AcceleratorError("CUDA error: an illegal memory access was encountered")) is None
 
 
 def test_legacy_plain_runtime_error_with_cuda_message() -> None:
     m = classify_exception(RuntimeError(OLD_MESSAGE))  # torch < 1.13, TorchScript re-raise
     assert m is not None and m.kind == "cuda"
+
+
+# c10/cuda/CUDAMallocAsyncAllocator.cpp, format_size() of each number; no fraction set: SIZE_MAX.
+ASYNC_MESSAGE = (
+    "Allocation on device 1 would exceed allowed memory. (out of memory)\n"
+    "Currently allocated     : 9.43 GiB\n"
+    "Requested               : 640.00 MiB\n"
+    "Device limit            : 11.59 GiB\n"
+    "Free (according to CUDA): 7.12 MiB\n"
+    "PyTorch limit (set by user-supplied memory fraction)\n"
+    "                        : 17179869184.00 GiB"
+)
+
+
+def test_cuda_malloc_async_message_names_its_device_and_numbers() -> None:
+    """Issue 12 item 3: the cudaMallocAsync text was not parsed, and the report then blamed GPU 0."""
+    m = classify_exception(torch.OutOfMemoryError(ASYNC_MESSAGE))
+    assert m is not None and (m.kind, m.format, m.device) == ("cuda", "cuda-async", 1)
+    assert m.requested_bytes == 640 * 2**20
+    assert m.allocated_bytes == round(9.43 * 2**30) and m.total_bytes == round(11.59 * 2**30)
+    assert m.free_bytes == round(7.12 * 2**20)
+    assert m.allowed_bytes is None  # SIZE_MAX: no fraction was set
+    capped = parse_oom_message(ASYNC_MESSAGE.replace("17179869184.00 GiB", "5.80 GiB"))
+    assert capped is not None and capped.allowed_bytes == round(5.8 * 2**30)
+
+
+def test_pre_2_1_message_with_a_memory_fraction_parses() -> None:
+    """Issue 12 item 11: torch < 2.1 puts "X allowed;" before "reserved" when a fraction is set."""
+    text = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 2; 15.78 GiB total capacity; 14.56 GiB "
+            "already allocated; 3.88 MiB free; 14.75 GiB allowed; 14.71 GiB reserved in total by PyTorch)")
+    m = parse_oom_message(text)
+    assert m is not None and (m.format, m.device) == ("cuda-legacy", 2)
+    assert m.allowed_bytes == round(14.75 * 2**30) and m.reserved_bytes == round(14.71 * 2**30)
+    assert m.allocated_bytes == round(14.56 * 2**30) and m.free_bytes == round(3.88 * 2**20)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+                                   "reported at some other API call"),
+    lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+], ids=["AcceleratorError", "cuBLAS", "cuDNN"])
+def test_runtime_and_library_allocation_failures_are_ooms_for_every_caller(make) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12 items 11 and 14: one classifier for the reports, oom_guard and find_batch_size."""
+    from gpumemd.batch_size import is_out_of_memory
+
+    exc = make()
+    m = classify_exception(exc)
+    assert m is not None and (m.kind, m.format, m.device) == ("cuda", "cuda-runtime", None)
+    assert is_out_of_memory(exc)
+
+
+def test_cpu_not_enough_memory_wording() -> None:
+    exc = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+                       "you tried to allocate 1073741824 bytes.")
+    m = classify_exception(exc)
+    assert m is not None and m.kind == "cpu" and m.requested_bytes == 2**30

@@ -172,3 +172,38 @@ def test_identity_from_launcher_env(env: dict[str, str], expected: tuple[int, in
 def test_identity_defaults_to_single_process() -> None:
     ident = current_identity({})
     assert (ident.rank, ident.world_size, ident.source) == (0, 1, "default") and ident.pid > 0
+
+
+def test_cuda_malloc_async_zeros_are_absent_not_zero() -> None:
+    """Issue 12 item 4: under backend:cudaMallocAsync torch reports OOMs, retries, fragmentation,
+    segments and requested bytes as 0 whatever happens; they are absent, not a measured 0."""
+    stats = torch_stats(1000, 4096)
+    native = sample_from_stats(0, stats)
+    asynchronous = sample_from_stats(0, stats, backend="cudaMallocAsync")
+    assert native is not None and asynchronous is not None
+    assert native.num_ooms == 1 and native.inactive_split_bytes is not None
+    assert (asynchronous.allocated_bytes, asynchronous.reserved_bytes) == (1000, 4096)
+    assert asynchronous.active_bytes == native.active_bytes and asynchronous.allocated_peak_bytes is not None
+    for name in ("num_ooms", "num_alloc_retries", "inactive_split_bytes", "segment_count", "requested_bytes",
+                 "num_device_alloc", "num_device_free"):
+        assert getattr(asynchronous, name) is None, name
+    probe = AllocatorProbe(stats_fn=lambda d: stats, is_initialized=lambda: True, device_count=lambda: 1,
+                           backend_fn=lambda: "cudaMallocAsync")
+    (sample,) = probe.read()
+    assert probe.backend == "cudaMallocAsync" and sample.num_ooms is None and sample.reserved_bytes == 4096
+
+
+def test_allocator_probe_never_asks_cuda_runtime_for_availability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12 item 13: torch.cuda.is_available() calls cudaGetDeviceCount (cuInit) unless
+    PYTORCH_NVML_BASED_CUDA_CHECK is set, which poisons fork for DataLoader workers."""
+    import torch
+
+    def poisoned() -> bool:
+        raise AssertionError("torch.cuda.is_available() called at attach")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisoned)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # as on a CUDA build
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    probe = AllocatorProbe()
+    assert probe.read() == ()
+    assert probe.health.absent_reason == "no CUDA device is visible to this process"
