@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpumemd.announce import StartFacts, emit, exit_summary, start_line
 from gpumemd.config import Config
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
-from gpumemd.records.samples import HostSample
+from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class Agent:
         self._durations: collections.deque[float] = collections.deque(maxlen=_COST_WINDOW)
         self._seconds_per_step: float | None = None
         self._eve_callbacks: list[Callable[[], None]] = []
+        self._local_world_size = 1
         self._samples = 0
         self._fork_generation = _fork_generation
         self._last_step_clock: float | None = None
@@ -163,6 +164,7 @@ class Agent:
         if self._nvml is None and self.config.nvml:
             self._nvml = NvmlProbe()
         identity = self._identity or current_identity()
+        self._local_world_size = _local_world_size()
         now = self._wall()
         self._state = AgentState(identity=identity, attached_at=now, updated_at=now)
         log.addFilter(self._log_filter)  # "gpumemd[rank 1/2]: ..." in multi-process jobs
@@ -481,7 +483,7 @@ class Agent:
             return
         start = self._clock()
         allocator = self._allocator.read()
-        nvml = self._nvml.read() if self._nvml is not None else ()
+        nvml = self._read_nvml(allocator)
         host = self._host.read()
         self._sampler_seconds += self._clock() - start
         state = self._state
@@ -491,6 +493,21 @@ class Agent:
             nvml=nvml,
             host=host or state.host,
         )
+
+    def _read_nvml(self, allocator: tuple[AllocatorSample, ...]) -> tuple[NvmlDeviceSample, ...]:
+        """Only the devices this process uses: those its allocator holds memory on; before CUDA is up,
+        under a launcher with several ranks per node and several visible GPUs, LOCAL_RANK's
+        (torchrun's convention); else every visible device (a one-GPU job, or ranks pinned by
+        CUDA_VISIBLE_DEVICES)."""
+        nvml = self._nvml
+        if nvml is None:
+            return ()
+        if allocator:
+            return nvml.read({a.device for a in allocator}, has_context=True)
+        local_rank = self._state.identity.local_rank if self._state is not None else 0
+        if self._local_world_size > 1 and nvml.visible_count > 1:
+            return nvml.read({local_rank % nvml.visible_count})
+        return nvml.read()
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -708,3 +725,13 @@ def _log_once(key: str, message: str, *args: Any) -> None:
     if len(_logged) < _LOGGED_MAX:  # bounded: a week-long job must not grow this set forever
         _logged.add(key)
     log.warning(message, *args)
+
+
+def _local_world_size() -> int:
+    """Ranks on this node, from the launcher's environment (torchrun, Slurm, Open MPI); 1 if unknown."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        raw = os.environ.get(name, "")
+        if raw.strip().isdigit():
+            return max(1, int(raw))
+    return 1
+

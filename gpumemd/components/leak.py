@@ -269,10 +269,11 @@ class LeakComponent:
                 self._observe(_spec(f"inactive_split_bytes{{device={d}}}", "fragmentation", d, alarm=False),
                               step, a.inactive_split_bytes, phase)
             n = nvml.get(d)
-            if n is not None and a.reserved_bytes is not None:
-                used = n.process_used_bytes if n.process_used_bytes is not None else n.used_bytes
+            # This process's own use only: the device's total use would count other processes (and,
+            # under torchrun, the other ranks) as this job's non-PyTorch growth.
+            if n is not None and a.reserved_bytes is not None and n.process_used_bytes is not None:
                 self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
-                              used - a.reserved_bytes, phase)
+                              n.process_used_bytes - a.reserved_bytes, phase)
         duration = record.duration_s
         if duration is not None and duration > 0:
             avg = self._seconds_per_step  # the mean step time, pauses included: time-to-OOM projections

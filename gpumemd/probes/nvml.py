@@ -2,43 +2,112 @@
 
 NVML creates no CUDA context, so it is safe before the job touches a GPU. Inside containers NVML may
 report host-namespace PIDs: "this process's use" is then absent (None), not 0, and said once.
+Devices are numbered as CUDA numbers them under ``CUDA_VISIBLE_DEVICES`` (parsed as torch parses
+it), and the agent reads only the devices its process uses: under torchrun, eight ranks each
+reading eight GPUs would multiply every series by eight and blame each rank for the others' memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+from collections.abc import Collection
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
 from gpumemd.records.samples import NvmlDeviceSample
 
 
-def visible_indices(nvml: Any, count: int, visible: str | None) -> list[int]:
-    """NVML indices of the devices this process may use, honouring CUDA_VISIBLE_DEVICES
-    (integers or GPU-/MIG- UUIDs), in CUDA ordinal order."""
-    if visible is None or not visible.strip():
-        return list(range(count))
-    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+def parse_visible_devices(var: str | None) -> list[int] | list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` read as torch reads it (``torch.cuda._parse_visible_devices``); None
+    when unset (every device). ``""`` is no device; integers are read like ``strtoul`` ("1gpu" is 1)
+    and a negative or unreadable entry ends the list; ``GPU-``/``MIG-`` lists stop at the first entry
+    without the prefix; a repeated entry makes the whole list empty."""
+    if var is None:
+        return None
+    for prefix in ("GPU-", "MIG-"):
+        if var.startswith(prefix):
+            names: list[str] = []
+            for elem in var.split(","):
+                if elem in names:
+                    return []
+                if not elem.startswith(prefix):
+                    break
+                names.append(elem)
+            return names
+    ordinals: list[int] = []
+    for elem in var.split(","):
+        digits = re.match(r"[+-]?\d+", elem.strip())
+        value = int(digits[0]) if digits else -1
+        if value in ordinals:
+            return []
+        if value < 0:
+            break
+        ordinals.append(value)
+    return ordinals
+
+
+def uuids_to_indices(candidates: list[str], uuids: list[str]) -> list[int]:
+    """UUID prefixes -> indices, as torch does: an unknown or ambiguous prefix ends the list, a
+    device named twice makes it empty."""
     out: list[int] = []
-    uuids: dict[str, int] | None = None
-    for item in wanted:
-        if item.lstrip("-").isdigit():
-            index = int(item)
-            if index < 0:
-                break  # CUDA stops at the first invalid entry
-            if index < count:
-                out.append(index)
-            continue
-        if uuids is None:
-            uuids = {}
-            for i in range(count):
-                raw = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))
-                uuids[raw.decode() if isinstance(raw, bytes) else str(raw)] = i
-        match = [i for u, i in uuids.items() if u.startswith(item) or item.startswith(u)]
-        if match:
-            out.append(match[0])
+    for candidate in candidates:
+        matches = [i for i, u in enumerate(uuids) if u.startswith(candidate)]
+        if len(matches) != 1:
+            break
+        if matches[0] in out:
+            return []
+        out.append(matches[0])
     return out
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def visible_indices(nvml: Any, count: int, visible: str | None) -> list[int]:
+    """NVML indices of the whole GPUs this process may use, in CUDA ordinal order (``MIG-`` lists
+    name MIG instances, not GPUs: see ``visible_handles``)."""
+    parsed = parse_visible_devices(visible)
+    if parsed is None:
+        return list(range(count))
+    if parsed and isinstance(parsed[0], str):
+        if parsed[0].startswith("MIG-"):
+            return []
+        uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        return uuids_to_indices([str(p) for p in parsed], uuids)
+    out: list[int] = []
+    for index in parsed:
+        if not isinstance(index, int) or index >= count:
+            break  # CUDA trims the list at the first ordinal past the last device
+        out.append(index)
+    return out
+
+
+def visible_handles(nvml: Any, count: int, visible: str | None) -> list[Any]:
+    """NVML handles in CUDA ordinal order: whole GPUs, or the MIG instances a ``MIG-`` list names
+    (a MIG instance has its own memory; its parent's totals would be the wrong device)."""
+    parsed = parse_visible_devices(visible)
+    if not (parsed and isinstance(parsed[0], str) and parsed[0].startswith("MIG-")):
+        return [nvml.nvmlDeviceGetHandleByIndex(i) for i in visible_indices(nvml, count, visible)]
+    instances: list[tuple[str, Any]] = []
+    for i in range(count):
+        parent = nvml.nvmlDeviceGetHandleByIndex(i)
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(parent)
+        except Exception:  # noqa: BLE001 - no MIG support on this GPU or driver
+            continue
+        if not current:
+            continue
+        for j in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
+            try:
+                child = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
+            except Exception:  # noqa: BLE001 - an empty slot
+                continue
+            instances.append((_text(nvml.nvmlDeviceGetUUID(child)), child))
+    picked = uuids_to_indices([str(p) for p in parsed], [u for u, _ in instances])
+    return [instances[k][1] for k in picked]
 
 
 class NvmlProbe:
@@ -51,6 +120,8 @@ class NvmlProbe:
         self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
         self._handles: list[tuple[int, Any]] | None = None
         self._pid_note_logged = False
+        self._memory_v2: bool | None = None  # None until tried; False: the driver has only v1
+        self._process_calls: list[str] | None = None  # pynvml names that work here, newest first
         self._start()
 
     def _start(self) -> None:
@@ -61,8 +132,7 @@ class NvmlProbe:
                 self._nvml = pynvml
             self._nvml.nvmlInit()
             count = int(self._nvml.nvmlDeviceGetCount())
-            indices = visible_indices(self._nvml, count, self._visible)
-            self._handles = [(ordinal, self._nvml.nvmlDeviceGetHandleByIndex(i)) for ordinal, i in enumerate(indices)]
+            self._handles = list(enumerate(visible_handles(self._nvml, count, self._visible)))
         except ImportError:
             self.health.absent("the NVML binding is not installed (pip install nvidia-ml-py)")
         except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
@@ -72,20 +142,29 @@ class NvmlProbe:
                 self.health.absent("NVML sees no device visible to this process")
                 self._handles = None
 
-    def read(self) -> tuple[NvmlDeviceSample, ...]:
+    @property
+    def visible_count(self) -> int:
+        return len(self._handles or ())
+
+    def read(self, devices: Collection[int] | None = None, *,
+             has_context: bool = False) -> tuple[NvmlDeviceSample, ...]:
+        """The visible devices, or only the CUDA ordinals in ``devices``. ``has_context``: this process
+        has a CUDA context on them, so NVML must list its pid (else that is a PID namespace)."""
         if self._handles is None:
             return ()
         out = []
         try:
             for ordinal, handle in self._handles:
-                mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                if devices is not None and ordinal not in devices:
+                    continue
+                mem = self._memory(handle)
                 out.append(
                     NvmlDeviceSample(
                         device=ordinal,
                         total_bytes=int(mem.total),
                         used_bytes=int(mem.used),
                         free_bytes=int(mem.free),
-                        process_used_bytes=self._process_used(handle),
+                        process_used_bytes=self._process_used(handle, has_context),
                     )
                 )
         except Exception as exc:  # noqa: BLE001
@@ -94,16 +173,62 @@ class NvmlProbe:
         self.health.ok()
         return tuple(out)
 
-    def _process_used(self, handle: Any) -> int | None:
-        try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except Exception:  # noqa: BLE001 - not supported on some drivers/MIG: absent
+    def _memory(self, handle: Any) -> Any:
+        """Memory info v2 where the driver has it: v1's ``used`` includes the driver's reserved
+        memory (hundreds of MiB), which would read as this job's growth or someone else's use."""
+        nvml = self._nvml
+        if self._memory_v2 is not False and hasattr(nvml, "nvmlMemory_v2"):
+            try:
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                self._memory_v2 = True
+                return mem
+            except Exception as exc:  # noqa: BLE001 - NVMLError_FunctionNotFound on older drivers
+                if self._memory_v2 is None:
+                    from gpumemd.probes.health import log
+
+                    log.info("gpumemd: NVML memory info v2 unavailable (%s); device 'used' includes "
+                             "driver-reserved memory", exc)
+                self._memory_v2 = False
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
+
+    def _processes(self, handle: Any) -> list[Any] | None:
+        """Compute processes through the newest call this driver answers (v3, then v2), found once and
+        said once; None when neither works (MIG on some drivers): per-process use is then absent."""
+        names = self._process_calls
+        if names is None:
+            names = [n for n in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2")
+                     if hasattr(self._nvml, n)]
+        errors = []
+        for name in list(names):
+            try:
+                procs = list(getattr(self._nvml, name)(handle))
+            except Exception as exc:  # noqa: BLE001 - version mismatch, not supported
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                names = [n for n in names if n != name]
+                continue
+            if errors and self._process_calls is None:
+                from gpumemd.probes.health import log
+
+                log.info("gpumemd: NVML %s; using %s", "; ".join(errors), name)
+            self._process_calls = names
+            return procs
+        if self._process_calls is None or self._process_calls:
+            from gpumemd.probes.health import log
+
+            log.info("gpumemd: NVML cannot list compute processes (%s); this process's device use is absent",
+                     "; ".join(errors) or "no call available")
+        self._process_calls = []
+        return None
+
+    def _process_used(self, handle: Any, has_context: bool) -> int | None:
+        procs = self._processes(handle)
+        if procs is None:
             return None
         for proc in procs:
             if int(proc.pid) == self._pid:
                 used = getattr(proc, "usedGpuMemory", None)
                 return int(used) if isinstance(used, int) else None
-        if procs and not self._pid_note_logged:
+        if procs and has_context and not self._pid_note_logged:
             self._pid_note_logged = True
             from gpumemd.probes.health import log
 

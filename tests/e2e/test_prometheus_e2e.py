@@ -148,7 +148,7 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         config,
         allocator_probe=AllocatorProbe(stats_fn=memory_stats_fn(ledger), is_initialized=lambda: True,
                                        device_count=lambda: 1),
-        nvml_probe=NvmlProbe(nvml=FakeNvml(ledger), visible=""),
+        nvml_probe=NvmlProbe(nvml=FakeNvml(ledger), visible="0"),
         host_probe=HostProbe(pinned_fn=lambda: 64 * MIB),
     )
     agent.start()

@@ -94,7 +94,7 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300, **config: Any) -> tu
         Config(output_dir=out_dir, sample_interval_s=0, census=False, leak_warmup_steps=20,
                leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024, **config),
         allocator_probe=AllocatorProbe(stats_fn=device.stats, is_initialized=lambda: True, device_count=lambda: 1),
-        nvml_probe=NvmlProbe(nvml=FakeNvml(), visible=""),
+        nvml_probe=NvmlProbe(nvml=FakeNvml(), visible="0"),
         identity=Identity(rank=3, world_size=4),
         components=[component],
         max_stride=1,  # a mechanism test: every step sampled (the scenario suite runs at defaults)

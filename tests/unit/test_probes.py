@@ -132,7 +132,7 @@ def test_nvml_reads_devices_and_this_process() -> None:
 
 
 def test_nvml_foreign_pid_namespace_is_absent_not_zero() -> None:
-    probe = NvmlProbe(nvml=FakeNvml(pids=[1]), pid=999, visible="")
+    probe = NvmlProbe(nvml=FakeNvml(pids=[1]), pid=999, visible="0,1")
     samples = probe.read()
     assert len(samples) == 2 and all(s.process_used_bytes is None for s in samples)
 

@@ -1,0 +1,171 @@
+"""NVML device selection and details on fake NVML in pynvml's call shapes (issue 12 items 7, 8, 9):
+CUDA_VISIBLE_DEVICES parsed as torch parses it, MIG instances, only the devices a rank uses, memory
+info v2 and compute-process fallbacks."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumemd.agent import Agent
+from gpumemd.config import Config
+from gpumemd.exporter.collector import StateCollector
+from gpumemd.probes.nvml import NvmlProbe, parse_visible_devices, uuids_to_indices, visible_indices
+from gpumemd.records.step import Identity
+
+GIB = 1 << 30
+
+
+class NvmlError(Exception):
+    pass
+
+
+class FakeNvml:
+    """An ``n``-GPU node; device ``i`` has UUID ``GPU-<i>aaaa``; ``mig`` maps a parent index to the
+    UUIDs of its MIG instances; ``v2``: the driver has nvmlDeviceGetMemoryInfo_v2; ``v3``: it has
+    the v3 compute-process call."""
+
+    def __init__(self, n: int = 2, *, pids: tuple[int, ...] = (), mig: dict[int, list[str]] | None = None,
+                 v2: bool = True, v3: bool = True) -> None:
+        self.n, self.pids, self.mig = n, pids, mig or {}
+        self.v2, self.v3 = v2, v3
+        self.nvmlMemory_v2 = 0x02000028
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int:
+        return self.n
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> Any:
+        return ("gpu", i)
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> bytes:
+        kind, i, *rest = handle
+        return (f"GPU-{i}aaaa" if kind == "gpu" else self.mig[i][rest[0]]).encode()
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> tuple[int, int]:
+        if handle[1] not in self.mig:
+            raise NvmlError("Not Supported")
+        return (1, 1)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, j: int) -> Any:
+        if j >= len(self.mig[handle[1]]):
+            raise NvmlError("Not Found")
+        return ("mig", handle[1], j)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        total = 10 * GIB if handle[0] == "mig" else 80 * GIB
+        if version is not None:
+            if not self.v2:
+                raise NvmlError("Function Not Found")
+            return SimpleNamespace(total=total, used=GIB, free=total - GIB - GIB // 2, reserved=GIB // 2)
+        return SimpleNamespace(total=total, used=GIB + GIB // 2, free=total - GIB - GIB // 2)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        if not self.v3:
+            raise NvmlError("Function Not Found: nvmlDeviceGetComputeRunningProcesses_v3")
+        return [SimpleNamespace(pid=p, usedGpuMemory=2 * GIB) for p in self.pids]
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        return [SimpleNamespace(pid=p, usedGpuMemory=3 * GIB) for p in self.pids]
+
+
+@pytest.mark.parametrize(("var", "expected"), [
+    (None, None),
+    ("", []),  # set but empty: no device at all, not every device
+    ("1,0", [1, 0]),
+    ("1gpu2,2ampere", [1, 2]),  # strtoul: the leading digits
+    ("0,-1,1", [0]),  # a negative entry ends the list
+    ("0,x,1", [0]),  # so does an unreadable one
+    ("0,1,0", []),  # a repeated entry empties it
+    ("GPU-1aa,GPU-0", ["GPU-1aa", "GPU-0"]),
+    ("GPU-1aa,0", ["GPU-1aa"]),  # a list of UUIDs stops at the first entry without the prefix
+    ("MIG-x,MIG-x", []),
+])
+def test_cuda_visible_devices_read_as_torch_reads_it(var: str | None, expected: list[Any] | None) -> None:
+    assert parse_visible_devices(var) == expected
+
+
+def test_uuid_prefixes_ambiguous_or_unknown_end_the_list() -> None:
+    uuids = ["GPU-12aa", "GPU-13bb", "GPU-2ccc"]
+    assert uuids_to_indices(["GPU-2", "GPU-12"], uuids) == [2, 0]
+    assert uuids_to_indices(["GPU-2", "GPU-1", "GPU-12"], uuids) == [2]  # "GPU-1" is ambiguous
+    assert uuids_to_indices(["GPU-2", "GPU-2c"], uuids) == []  # the same device twice
+    nvml = FakeNvml(4)
+    assert visible_indices(nvml, 4, "0,5,1") == [0]  # CUDA trims at the first ordinal past the last GPU
+    assert visible_indices(nvml, 4, "GPU-3a,GPU-1") == [3, 1]
+
+
+def test_mig_instances_are_read_not_their_parent() -> None:
+    nvml = FakeNvml(2, mig={1: ["MIG-aaaa", "MIG-bbbb"]})
+    probe = NvmlProbe(nvml=nvml, pid=1, visible="MIG-bb")
+    (sample,) = probe.read()
+    assert sample.device == 0 and sample.total_bytes == 10 * GIB  # the instance's 10 GiB, not the 80 GiB GPU
+    assert NvmlProbe(nvml=nvml, pid=1, visible="MIG-zz").read() == ()
+
+
+def test_memory_info_v2_excludes_driver_reserved_and_falls_back_once(caplog: pytest.LogCaptureFixture) -> None:
+    (v2,) = NvmlProbe(nvml=FakeNvml(1), pid=1, visible="0").read()
+    assert v2.used_bytes == GIB  # v1 would say 1.5 GiB: driver-reserved memory included
+    probe = NvmlProbe(nvml=FakeNvml(1, v2=False), pid=1, visible="0")
+    with caplog.at_level(logging.INFO, logger="gpumemd"):
+        assert probe.read()[0].used_bytes == GIB + GIB // 2
+        probe.read()
+    assert sum("memory info v2 unavailable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_compute_processes_v3_then_v2_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    probe = NvmlProbe(nvml=FakeNvml(1, pids=(42,), v3=False), pid=42, visible="0")
+    with caplog.at_level(logging.INFO, logger="gpumemd"):
+        assert probe.read()[0].process_used_bytes == 3 * GIB
+        assert probe.read()[0].process_used_bytes == 3 * GIB
+    said = [r.getMessage() for r in caplog.records if "ComputeRunningProcesses" in r.getMessage()]
+    assert len(said) == 1 and "using nvmlDeviceGetComputeRunningProcesses_v2" in said[0]
+
+
+def test_pid_namespace_note_only_where_this_process_has_a_context(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 12 item 8: before CUDA is up (or on another rank's GPU) this pid is not listed on bare
+    metal either; only a device this process holds memory on can tell a PID namespace."""
+    probe = NvmlProbe(nvml=FakeNvml(2, pids=(7, 8)), pid=42, visible="0,1")
+    with caplog.at_level(logging.INFO, logger="gpumemd"):
+        probe.read()
+        assert not any("PID namespace" in r.getMessage() for r in caplog.records)
+        probe.read({1}, has_context=True)
+    assert sum("PID namespace" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
+        monkeypatch: pytest.MonkeyPatch, out_dir: str) -> None:
+    """Issue 12 item 8: eight ranks each reading all eight GPUs gave 8x the series per rank."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    identity = Identity(rank=11, local_rank=3, world_size=16, source="torchrun")
+    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, census=False),
+                  nvml_probe=NvmlProbe(nvml=FakeNvml(8, pids=(99,)), pid=12345, visible=None),
+                  identity=identity).start()
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+        agent.tick()
+        state = agent.state()
+        assert [n.device for n in state.nvml] == [3]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StateCollector(agent.state))
+        text = generate_latest(registry).decode()
+        series = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+        assert len(series) <= 40, len(series)
+        assert {s.labels.get("device") for s in series if "device" in s.labels} == {"3"}
+    finally:
+        agent.stop()
