@@ -15,17 +15,22 @@ The loop every tutorial writes ("start large, halve on OOM"), done properly:
 
 Capacity and measurement:
 
-- CUDA: the peak is ``torch.cuda.max_memory_allocated`` of the try (peak counters are reset before
-  each try); the capacity is ``budget_bytes`` or else the device's total memory times
-  ``torch.cuda.get_per_process_memory_fraction`` — so ``torch.cuda.set_per_process_memory_fraction``
-  is the way to test with a cap, and real OOMs end tries.
+- CUDA: the peak is ``torch.cuda.max_memory_reserved`` of the try (peak counters are reset and the
+  cache emptied before each try): reserved, not allocated, because the cache's fragmentation is what
+  a long run will need as well, so the margin is kept on reserved memory. The capacity is
+  ``budget_bytes`` or else ``min(total × per-process fraction, driver free + reserved)``: other
+  processes on the GPU and the CUDA context take their share too. ``set_per_process_memory_fraction``
+  is the way to test with a cap, and real OOMs (cuBLAS/cuDNN allocation failures included) end tries.
 - CPU (or any run with ``budget_bytes``): on CPU the peak is measured from the profiler's
   allocator events (``gpumemd.probes.cpu_peak``): tensor bytes allocated since the search
   started, so the model's parameters created before the call are not counted, while optimizer
   state created lazily by the first try is. A try whose measured peak exceeds ``budget_bytes``
   counts as out of memory, exactly like a real allocation failure, which also counts.
 
-Any exception that is not an out-of-memory error propagates unchanged.
+``step_fn`` must leave nothing behind between tries: zero the gradients (``set_to_none=True``)
+inside it, or pass ``reset_fn`` (called after every try, failed or not), else one try's gradients
+and optimizer state count against the next. Any exception that is not an out-of-memory error
+propagates unchanged.
 """
 
 from __future__ import annotations
@@ -77,8 +82,10 @@ def _release(exc: BaseException) -> None:
 class _Runner:
     """Runs one try and measures its peak; frees everything before returning."""
 
-    def __init__(self, step_fn: Callable[[int], Any], device: str, budget: int) -> None:
+    def __init__(self, step_fn: Callable[[int], Any], device: str, budget: int,
+                 reset_fn: Callable[[], Any] | None = None) -> None:
         self.step_fn = step_fn
+        self.reset_fn = reset_fn
         self.device = device
         self.budget = budget
         self.cpu_offset = 0  # CPU: bytes earlier tries left allocated (lazy optimizer state)
@@ -97,6 +104,9 @@ class _Runner:
                 raise
             _release(exc)
             return False
+        finally:
+            if self.reset_fn is not None:
+                self.reset_fn()
         return True
 
     def _run_cpu(self, batch_size: int) -> tuple[bool, int | None]:
@@ -119,13 +129,15 @@ class _Runner:
         ran = self._call(batch_size)
         if ran:
             torch.cuda.synchronize(self.device)
-        peak = int(torch.cuda.max_memory_allocated(self.device))
+        peak = int(torch.cuda.max_memory_reserved(self.device))
         gc.collect()
         torch.cuda.empty_cache()
         return ran, peak if ran else None
 
 
 def _cuda_capacity(device: str) -> int:
+    """What this process can fill: its cap (total × fraction), but never more than the driver's free
+    memory plus what this process's cache already holds (other processes and the context use the rest)."""
     import torch
 
     index = torch.device(device).index
@@ -133,7 +145,11 @@ def _cuda_capacity(device: str) -> int:
     total = int(torch.cuda.get_device_properties(index).total_memory)
     fraction_fn = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = float(fraction_fn(index)) if fraction_fn is not None else 1.0
-    return int(total * fraction)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(index)
+    reachable = int(free) + int(torch.cuda.memory_reserved(index))
+    return min(int(total * fraction), reachable)
 
 
 def _round_down(value: int, multiple: int) -> int:
@@ -150,11 +166,14 @@ def find_batch_size(
     device: str | None = None,
     max_tries: int = 12,
     multiple_of: int = 1,
+    reset_fn: Callable[[], Any] | None = None,
 ) -> tuple[int, int]:
     """Largest batch size in ``[1, max]`` whose step ran within the capacity, and its measured peak.
 
     ``step_fn(batch_size)`` runs one full training step (forward, backward, optimizer step) at that
-    batch size. ``margin`` is the fraction of the capacity kept free when extrapolating.
+    batch size, and must zero the gradients itself unless ``reset_fn`` does (it is called after
+    every try, e.g. ``lambda: optimizer.zero_grad(set_to_none=True)``). ``margin`` is the fraction
+    of the capacity kept free when extrapolating.
     Raises ``RuntimeError`` when not even batch size ``multiple_of`` fits.
     """
     import torch
@@ -178,7 +197,7 @@ def find_batch_size(
         budget_bytes = _cuda_capacity(device)
     if budget_bytes < 1:
         raise ValueError(f"find_batch_size(budget_bytes={budget_bytes!r}) is not valid: expected bytes >= 1")
-    runner = _Runner(step_fn, device, budget_bytes)
+    runner = _Runner(step_fn, device, budget_bytes, reset_fn)
     return search(runner.run, start=start, max_size=max, budget_bytes=budget_bytes, margin=margin,
                   max_tries=max_tries, multiple_of=multiple_of)
 

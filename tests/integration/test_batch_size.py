@@ -95,3 +95,44 @@ def test_oom_classification() -> None:
 def test_exported_lazily() -> None:
     assert gpumemd.find_batch_size is find_batch_size
     assert "find_batch_size" in gpumemd.__all__
+
+
+def test_reset_fn_runs_after_every_try_failed_or_not() -> None:
+    """Issue 12 item 14: a step_fn that never zeroes its gradients lets one try's gradients count
+    against the next; ``reset_fn`` is the documented way to clear them."""
+    import gpumemd
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[int] = []
+
+    def step(batch_size: int) -> None:
+        if batch_size > 32:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9999 bytes")
+        model(torch.randn(batch_size, 64)).sum().backward()
+        optimizer.step()
+
+    def reset() -> None:
+        calls.append(1)
+        optimizer.zero_grad(set_to_none=True)
+
+    found, _ = gpumemd.find_batch_size(step, start=8, max=64, budget_bytes=1 << 30, reset_fn=reset)
+    assert found == 32
+    assert len(calls) >= 3 and all(p.grad is None for p in model.parameters())
+
+
+def test_cuda_capacity_counts_other_processes_and_the_context(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12 item 14 on torch-shaped numbers: an 80 GiB GPU capped at 0.9, with 30 GiB used by
+    another process, leaves this one free + its own reserved, not 72 GiB."""
+    from gpumemd import batch_size
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * gib})())
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.9, raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (45 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 2 * gib)
+    assert batch_size._cuda_capacity("cuda") == 47 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (78 * gib, 80 * gib))
+    assert batch_size._cuda_capacity("cuda:0") == int(80 * gib * 0.9)  # the cap binds
