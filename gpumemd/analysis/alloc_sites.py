@@ -15,9 +15,10 @@ from typing import Any
 
 NO_STACK = "<no stack recorded>"
 
-# Frames that are never "the user's line": torch itself, C++ frames (stacks="all"), the
-# interpreter's frozen modules, and this package.
-_INTERNAL_PARTS = ("/torch/", "\\torch\\", "/gpumemd/", "\\gpumemd\\", "/site-packages/torch")
+# Frames that are never "the user's line": C++ frames (stacks="all"), the interpreter's frozen
+# modules, and files under the directories the caller names (torch's and gpumemd's packages, the
+# standard library: ``gpumemd.probes.package_dirs``). Real directories, not substrings: a user's
+# own folder named "torch" or "gpumemd" (this repository's checkout on a CI runner) is user code.
 _NATIVE_SUFFIXES = (".cpp", ".cc", ".cu", ".cuh", ".h", ".hpp", ".c")
 
 
@@ -37,27 +38,29 @@ class SiteDelta:
     count_delta: int
 
 
-def _is_user(filename: str) -> bool:
+def _is_user(filename: str, internal: Sequence[str]) -> bool:
     if not filename or filename == "??" or filename.startswith("<"):
         return False
     if filename.endswith(_NATIVE_SUFFIXES):
         return False
-    return not any(part in filename for part in _INTERNAL_PARTS)
+    return not filename.replace("\\", "/").startswith(tuple(internal))
 
 
-def first_user_frame(frames: Sequence[Mapping[str, Any]] | None) -> str | None:
-    """``train.py:57 in main`` for the innermost frame that is the user's code, else None."""
+def first_user_frame(frames: Sequence[Mapping[str, Any]] | None, internal: Sequence[str] = ()) -> str | None:
+    """``train.py:57 in main`` for the innermost frame that is the user's code, else None.
+    ``internal``: directory prefixes (``/``-separated, ending in ``/``) that are never the user's."""
     for frame in frames or ():
         if not isinstance(frame, Mapping):
             continue
         filename = str(frame.get("filename", ""))
-        if _is_user(filename):
+        if _is_user(filename, internal):
             short = filename.replace("\\", "/").rsplit("/", 1)[-1]
             return f"{short}:{frame.get('line', '?')} in {frame.get('name', '?')}"
     return None
 
 
-def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None = None) -> dict[str, SiteBytes]:
+def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None = None, *,
+                 internal: Sequence[str] = ()) -> dict[str, SiteBytes]:
     """Live (``active_allocated``) block bytes grouped by first user frame, for one device or all.
 
     A bare list is read as ``torch.cuda.memory_snapshot()``'s list of segments.
@@ -74,7 +77,7 @@ def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None
         for block in seg.get("blocks") or ():
             if not isinstance(block, Mapping) or block.get("state") != "active_allocated":
                 continue
-            site = first_user_frame(block.get("frames")) or NO_STACK
+            site = first_user_frame(block.get("frames"), internal) or NO_STACK
             slot = acc.setdefault(site, [0, 0])
             slot[0] += int(block.get("size", 0))
             slot[1] += 1
@@ -83,10 +86,11 @@ def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None
 
 def site_growth(
     before: Mapping[str, Any] | Sequence[Any], after: Mapping[str, Any] | Sequence[Any], *,
-    device: int | None = None, limit: int = 5,
+    device: int | None = None, limit: int = 5, internal: Sequence[str] = (),
 ) -> list[SiteDelta]:
     """Sites whose live bytes grew from ``before`` to ``after``, largest growth first."""
-    return diff_sites(live_by_site(before, device), live_by_site(after, device), limit=limit)
+    return diff_sites(live_by_site(before, device, internal=internal), live_by_site(after, device, internal=internal),
+                      limit=limit)
 
 
 def diff_sites(old: Mapping[str, SiteBytes], new: Mapping[str, SiteBytes], *, limit: int = 5) -> list[SiteDelta]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_wording import build_finding, count_sentence, culprits_from_diff, refine_kind
+from gpumemd.probes.package_dirs import internal_dirs
 from gpumemd.records.findings import Culprit, Finding
 
 if TYPE_CHECKING:
@@ -752,13 +753,13 @@ class LeakComponent:
                 return ()
             snap = self._snapshot()
             if snap is not None:
-                self._sites_before[d] = (status.step, live_by_site(snap, d))
+                self._sites_before[d] = (status.step, live_by_site(snap, d, internal=internal_dirs()))
             return ()
         before = self._sites_before.get(d)
         snap = self._snapshot() if before is not None else None
         if before is None or snap is None:
             return ()
-        grown = diff_sites(before[1], live_by_site(snap, d), limit=3)
+        grown = diff_sites(before[1], live_by_site(snap, d, internal=internal_dirs()), limit=3)
         return tuple(site_sentence(g, status.step - before[0]) for g in grown)
 
     def _enable_history(self, max_entries: int) -> bool:

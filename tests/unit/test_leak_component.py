@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from gpumemd.agent import Agent
 from gpumemd.components.leak import LeakComponent
@@ -72,7 +73,8 @@ class FakeDevice:
 
     def snapshot(self) -> dict[str, Any]:
         frames = [
-            {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125,
+            # torch's frames as Python records them: under the installed torch package
+            {"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py"), "line": 125,
              "name": "forward"},
             {"filename": "/job/train.py", "line": 57, "name": "main"},
         ]

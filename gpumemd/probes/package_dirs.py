@@ -1,0 +1,32 @@
+"""Where the code that is never "the user's line" lives: torch's package, gpumemd's, the stdlib.
+
+Allocation sites name the first frame of a stack that is the user's. Deciding that by substrings
+("/torch/" in the path) hid user code in any folder of those names, this repository's own checkout
+on a CI runner included; the real directories, as Python records them in ``co_filename`` (absolute,
+and resolved where symlinks differ), are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+
+
+@functools.cache
+def internal_dirs() -> tuple[str, ...]:
+    """Directory prefixes, ``/``-separated and ending in ``/``."""
+    import torch
+
+    import gpumemd
+
+    roots = [os.path.dirname(torch.__file__), os.path.dirname(gpumemd.__file__)]
+    paths = sysconfig.get_paths()
+    roots += [paths[k] for k in ("stdlib", "platstdlib") if paths.get(k)]
+    out: list[str] = []
+    for root in roots:
+        for variant in (os.path.abspath(root), os.path.realpath(root)):
+            prefix = variant.replace("\\", "/").rstrip("/") + "/"
+            if prefix not in out:
+                out.append(prefix)
+    return tuple(out)
