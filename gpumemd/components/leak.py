@@ -23,17 +23,19 @@ import collections
 import dataclasses
 import functools
 import gc
+import inspect
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_wording import build_finding, count_sentence, culprits_from_diff, refine_kind
+from gpumemd.probes.allocation_history import process_history
 from gpumemd.probes.package_dirs import internal_dirs
 from gpumemd.records.findings import Culprit, Finding
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
+_HISTORY_USER = "leak"  # this component's name among the users of the allocation history
 
 _HOLDER_BUDGET_S = 0.5  # one holder look-up (heap scans) per state change, at most this long
 
@@ -115,6 +118,7 @@ class LeakComponent:
         self._host_look_at: float | None = None  # monotonic time of the last host look
         self._host_look_cost = 0.0  # seconds it took
         self._sites_before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}
+        self._named_sites: dict[int, tuple[str, ...]] = {}  # per device, once a finding is confirmed
         self._history_enabled_by_us = False
         self._host_spec = SeriesSpec("host_rss_bytes", "host_leak")
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
@@ -176,16 +180,10 @@ class LeakComponent:
         self._count_specs.clear()
         self._chain_specs.clear()
         self._count_history.clear()
-        if self._history_enabled_by_us:
-            self._history_enabled_by_us = False
-            try:
-                import torch
-
-                torch.cuda.memory._record_memory_history(enabled=None)
-            except (RuntimeError, AttributeError, TypeError) as exc:
-                log.info("gpumemd: could not switch CUDA allocation history off (%s)", exc)
+        self._release_history()
         self._host_baseline = None
         self._sites_before.clear()
+        self._named_sites.clear()
         self._last_census = None
 
     @property
@@ -746,8 +744,13 @@ class LeakComponent:
         if d is None:
             return ()
         config = self._agent.config
+        named = self._named_sites.get(d)
+        if named is not None and status.state is LeakState.CONFIRMED:
+            return named  # named at confirmation, when recording went off
         if status.state is LeakState.SUSPECTED and status.changed:
+            self._named_sites.pop(d, None)
             history_on = config.record_history or self._history_enabled_by_us or (
+                self._enable_history_fn is None and process_history().enabled_by_the_job()) or (
                 config.leak_history_on_suspect and self._enable_history(config.history_max_entries))
             if not history_on:
                 return ()
@@ -760,29 +763,45 @@ class LeakComponent:
         if before is None or snap is None:
             return ()
         grown = diff_sites(before[1], live_by_site(snap, d, internal=internal_dirs()), limit=3)
-        return tuple(site_sentence(g, status.step - before[0]) for g in grown)
+        sites = tuple(site_sentence(g, status.step - before[0]) for g in grown)
+        if status.state is LeakState.CONFIRMED:
+            self._named_sites[d] = sites
+            # Decided: the sites are named. Recording on costs ~2 µs per allocation for the rest of a
+            # week-long job, so it goes off now (if it was ours: a job's own recording stays on).
+            self._sites_before.pop(d, None)
+            self._release_history()
+        return sites
 
     def _enable_history(self, max_entries: int) -> bool:
-        try:
-            if self._enable_history_fn is not None:
+        if self._enable_history_fn is not None:
+            try:
                 self._enable_history_fn(max_entries)
-            else:
-                import torch
-
-                torch.cuda.memory._record_memory_history(
-                    enabled="all", context="alloc", stacks="python", max_entries=max_entries)
-        except (RuntimeError, AttributeError, TypeError) as exc:
-            log.info("gpumemd: could not switch on CUDA allocation history (%s); no allocation sites", exc)
+            except (RuntimeError, AttributeError, TypeError) as exc:
+                log.info("gpumemd: could not switch on CUDA allocation history (%s); no allocation sites", exc)
+                return False
+        elif not process_history().acquire(_HISTORY_USER, max_entries):
             return False
         self._history_enabled_by_us = True
         return True
 
-    def _snapshot(self) -> Mapping[str, Any] | None:
+    def _release_history(self) -> None:
+        if self._history_enabled_by_us:
+            self._history_enabled_by_us = False
+            if self._enable_history_fn is None:
+                process_history().release(_HISTORY_USER)
+
+    def _snapshot(self) -> Mapping[str, Any] | Sequence[Any] | None:
+        """The allocator's segments with their blocks' stacks, without the trace ring buffer: the
+        full ``_snapshot()`` would build every trace entry (up to ``history_max_entries``) as Python
+        objects on the training thread, and allocation sites need only the live blocks."""
         try:
             if self._snapshot_fn is not None:
                 return self._snapshot_fn()
             import torch
 
+            memory_snapshot = torch.cuda.memory.memory_snapshot
+            if "include_traces" in inspect.signature(memory_snapshot).parameters:
+                return memory_snapshot(include_traces=False)
             return torch.cuda.memory._snapshot()
         except (RuntimeError, AttributeError) as exc:
             log.info("gpumemd: no CUDA snapshot for allocation sites (%s)", exc)

@@ -12,7 +12,6 @@ crafted one cannot exhaust memory or time either.
 from __future__ import annotations
 
 import gc
-import inspect
 import io
 import os
 import pickle
@@ -24,18 +23,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpumemd.probes.allocation_history import AllocationHistory, process_history
 from gpumemd.probes.health import ProbeHealth
 
 OomObserver = Callable[[int, int, int, int], None]
+_HISTORY_USER = "oom"  # this probe's name among the users of the allocation history
 
 
 class SnapshotProbe:
     """Reads the CUDA caching allocator's state; only ever after the job itself initialised CUDA."""
 
-    def __init__(self, torch_module: Any = None) -> None:
+    def __init__(self, torch_module: Any = None, history: AllocationHistory | None = None) -> None:
         self.health = ProbeHealth("snapshot")
         self._torch = torch_module
         self.history_enabled = False
+        # The real torch shares the process's one history owner; a fake torch (tests) gets its own.
+        self._history = history or (process_history() if torch_module is None else AllocationHistory(torch_module))
 
     def _t(self) -> Any:
         if self._torch is None:
@@ -83,40 +86,27 @@ class SnapshotProbe:
             return None
 
     def enable_history(self, max_entries: int) -> bool:
-        """Record allocation history with Python stacks in a ring buffer of ``max_entries``.
+        """Record allocation history with Python stacks in a ring buffer of ``max_entries``, through
+        the process's one ``AllocationHistory`` (a recording the job switched on is used as it is).
 
         Costs about 2 µs per allocation and several KB per entry (PyTorch's docstring), hence off by
         default. Feature-detected: the string API (2.1+), else the legacy boolean one.
         """
         if not self.cuda_initialized():
             return False
-        memory = self._t().cuda.memory
-        try:
-            record = memory._record_memory_history
-            if "max_entries" in inspect.signature(record).parameters:
-                record(enabled="all", context="all", stacks="python", max_entries=max_entries)
-            else:
-                record(True, trace_alloc_max_entries=max_entries, trace_alloc_record_context=True)
-        except Exception as exc:  # noqa: BLE001 - cudaMallocAsync, CPU builds
-            self.health.failed(exc)
+        if not self._history.acquire(_HISTORY_USER, max_entries):
+            self.health.absent("allocation history cannot be recorded here (cudaMallocAsync or an old torch)")
             return False
         self.history_enabled = True
         return True
 
     def disable_history(self) -> None:
-        """Stop recording (and free the ring buffer), only if this probe turned it on."""
+        """This probe no longer needs history: switched off only if gpumemd switched it on and no other
+        part of gpumemd still uses it."""
         if not self.history_enabled:
             return
         self.history_enabled = False
-        try:
-            self._t().cuda.memory._record_memory_history(enabled=None)
-        except TypeError:
-            try:
-                self._t().cuda.memory._record_memory_history(False)
-            except Exception as exc:  # noqa: BLE001
-                self.health.failed(exc)
-        except Exception as exc:  # noqa: BLE001
-            self.health.failed(exc)
+        self._history.release(_HISTORY_USER)
 
     def attach_oom_observer(self, observer: OomObserver) -> bool:
         """Register ``observer`` with the CUDA allocator. It initialises CUDA: call it only once

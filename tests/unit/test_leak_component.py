@@ -128,6 +128,7 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
     assert f.steps_to_oom == pytest.approx(headroom / f.slope_bytes_per_step, rel=0.01)  # read 9 steps earlier
     assert f.sites and f.sites[0].startswith("train.py:57 in main (+")
     assert "allocated at train.py:57 in main" in f.summary
+    assert not component._history_enabled_by_us  # issue 12 item 6: off once the sites are named
     # the findings file carries the rank in its name and one line per state change
     path = os.path.join(out_dir, "leak-findings-rank3.jsonl")
     assert component.findings_path == path
