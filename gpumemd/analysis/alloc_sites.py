@@ -38,7 +38,8 @@ class SiteDelta:
     count_delta: int
 
 
-def _is_user(filename: str, internal: Sequence[str]) -> bool:
+def is_user_frame(filename: str, internal: Sequence[str]) -> bool:
+    """Is a frame in ``filename`` the user's code (not C++, not a pseudo-file, not under ``internal``)?"""
     if not filename or filename == "??" or filename.startswith("<"):
         return False
     if filename.endswith(_NATIVE_SUFFIXES):
@@ -53,7 +54,7 @@ def first_user_frame(frames: Sequence[Mapping[str, Any]] | None, internal: Seque
         if not isinstance(frame, Mapping):
             continue
         filename = str(frame.get("filename", ""))
-        if _is_user(filename, internal):
+        if is_user_frame(filename, internal):
             short = filename.replace("\\", "/").rsplit("/", 1)[-1]
             return f"{short}:{frame.get('line', '?')} in {frame.get('name', '?')}"
     return None

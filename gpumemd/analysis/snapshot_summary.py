@@ -8,26 +8,39 @@ so a 100k-entry history costs tens of milliseconds on the OOM path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpumemd.analysis.alloc_sites import is_user_frame
 from gpumemd.records.oom import SnapshotSite, SnapshotSummary
 
 _TOP_SITES = 10
 
 
-def _frame_key(frames: Any) -> str | None:
-    # frames[0] is the innermost frame (nearest the allocation): the line that asked for the memory.
-    if not frames:
+def _frame_key(frames: Any, internal: Sequence[str]) -> str | None:
+    """The innermost frame that is the user's code (frames[0] is nearest the allocation, usually
+    inside torch or C++), else the innermost frame: the line a person can change."""
+    if not frames or not isinstance(frames, Sequence):
         return None
-    first = frames[0]
-    if not isinstance(first, Mapping):
+    mappings = [f for f in frames if isinstance(f, Mapping)]
+    if not mappings:
         return None
+    first = next((f for f in mappings if is_user_frame(str(f.get("filename", "")), internal)), mappings[0])
     return f"{first.get('filename', '?')}:{first.get('line', '?')}:{first.get('name', '?')}"
 
 
-def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any]) -> dict[int, SnapshotSummary]:
-    """Device ordinal -> its summary. A bare list is read as ``memory_snapshot()``'s segment list."""
+def _int(value: Any) -> int:
+    """A number from a snapshot someone sent: wrong types count as 0 instead of failing the summary."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    return int(value) if math.isfinite(value) and abs(value) < 2**63 else 0
+
+
+def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
+                       internal: Sequence[str] = ()) -> dict[int, SnapshotSummary]:
+    """Device ordinal -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
+    ``internal``: directory prefixes whose frames are not the user's (``gpumemd.probes.package_dirs``)."""
     if isinstance(snapshot, list):
         segments: list[Any] = snapshot
         traces: list[Any] = []
@@ -45,12 +58,15 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any]) -> dict[int, Sna
     for seg in segments:
         if not isinstance(seg, Mapping):
             continue
-        s = slot(int(seg.get("device", 0)))
+        s = slot(_int(seg.get("device", 0)))
         s["segments"] += 1
-        s["reserved"] += int(seg.get("total_size", 0))
+        s["reserved"] += _int(seg.get("total_size", 0))
         s["expandable"] += 1 if seg.get("is_expandable") else 0
-        for block in seg.get("blocks") or ():
-            size = int(block.get("size", 0))
+        blocks = seg.get("blocks")
+        for block in blocks if isinstance(blocks, list) else ():
+            if not isinstance(block, Mapping):
+                continue
+            size = _int(block.get("size", 0))
             state = block.get("state")
             if state == "inactive":
                 s["inactive"] += size
@@ -59,7 +75,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any]) -> dict[int, Sna
             s["active"] += size
             if state == "active_allocated":
                 s["allocated"] += size
-                site = _frame_key(block.get("frames"))
+                site = _frame_key(block.get("frames"), internal)
                 if site is not None:
                     bytes_, count = s["sites"].get(site, (0, 0))
                     s["sites"][site] = (bytes_ + size, count + 1)
@@ -81,8 +97,8 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any]) -> dict[int, Sna
             largest_free_block_bytes=s["largest_free"],
             expandable_segments=s["expandable"],
             trace_entries=len(entries),
-            oom_requested_bytes=int(oom["size"]) if oom is not None and "size" in oom else None,
-            oom_device_free_bytes=int(oom["device_free"]) if oom is not None and "device_free" in oom else None,
+            oom_requested_bytes=_int(oom["size"]) if oom is not None and "size" in oom else None,
+            oom_device_free_bytes=_int(oom["device_free"]) if oom is not None and "device_free" in oom else None,
             sites=tuple(SnapshotSite(frame=k, nbytes=v[0], blocks=v[1]) for k, v in sites),
         )
     return out

@@ -140,3 +140,23 @@ def test_history_is_bounded_and_feature_detected() -> None:
     assert SnapshotProbe(torch_module=old).enable_history(99) is True
     assert old.memory.calls[-1][1]["trace_alloc_max_entries"] == 99
     assert SnapshotProbe(torch_module=new).capture()["segments"][0]["address"] == SEG_A  # type: ignore[index]
+
+
+def test_summary_names_the_first_user_frame_and_survives_wrong_types() -> None:
+    """Issue 12 item 10 (the OOM report's sites) and a snapshot with wrong field types (a pickle that
+    loads fine can still say ``"device": "x"``): the summary never raises on it."""
+    import os
+
+    import torch
+
+    inside = {"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py"), "line": 9, "name": "f"}
+    user = {"filename": "/job/train.py", "line": 57, "name": "main"}
+    snap = {"segments": [{"device": 0, "total_size": 4096, "blocks": [
+        {"size": 4096, "state": "active_allocated", "frames": [inside, user]}]}]}
+    internal = (os.path.dirname(torch.__file__) + "/",)
+    (site,) = summarize_snapshot(snap, internal=internal)[0].sites
+    assert site.frame == "/job/train.py:57:main"
+    odd = {"segments": [{"device": "x", "total_size": None, "blocks": [{"size": "big", "state": "active_allocated",
+                                                                       "frames": "not a list"}, 7]}, 3],
+           "device_traces": [[{"action": "oom", "size": "?"}]]}
+    assert summarize_snapshot(odd)[0].segments == 1
