@@ -50,7 +50,11 @@ class SnapshotProbe:
     def cuda_available(self) -> bool:
         """False where CUDA can never come up in this process (a CPU build, no device)."""
         try:
-            return bool(self._t().cuda.is_available())
+            # device_count(), not is_available(): NVML-based before CUDA is up, so fork stays safe
+            torch = self._t()
+            if getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None:
+                return False
+            return int(torch.cuda.device_count()) > 0
         except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
             self.health.failed(exc)
             return False
