@@ -52,6 +52,13 @@ def _snapshot_check(directory: str) -> dict[str, Any] | None:
     }
 
 
+def _column_label(key: str) -> str:
+    """The overview's column heads, in the words of the Markdown and HTML reports."""
+    from gpumemd.records.oom import breakdown_label
+
+    return "activations" if key == "activations" else breakdown_label(key)
+
+
 def _activations(report: dict[str, Any]) -> int:
     items = {i.get("key"): i.get("nbytes", 0) for i in (report["breakdown"].get("items") or [])}
     return int(items.get("graph_retained", 0) or 0) + int(items.get("invisible", 0) or 0)
@@ -66,34 +73,64 @@ def _item(report: dict[str, Any], key: str) -> int | None:
     return None
 
 
-def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
-    from gpumemd.report.markdown import headline
+def _columns(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
+    """Rows of cells as aligned text (columns in ``right`` right-aligned), two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _print_groups(report: dict[str, Any], out: TextIO) -> None:
+    from gpumemd.report.view import census_summary, group_cells, group_columns, group_rows, leak_of
+
+    tensors = report.get("tensors") or {}
+    if not tensors.get("available"):
+        print(f"tensors: {tensors.get('note')}", file=out)
+        return
+    rows = group_rows(tensors, leak_of(report))
+    print(f"largest tensor groups ({census_summary(tensors, rows)}):", file=out)
+    columns = group_columns(rows)
+    cells = [group_cells(r, columns) for r in rows[:_TENSORS]]
+    if cells:
+        for line in _columns(cells, right=(0,)):
+            print(f"  {line}", file=out)
+
+
+def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
+    from gpumemd.report.view import item_label
 
     b = report["breakdown"]
     total = b.get("total_bytes") or 0
+    print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
+          f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
+    rows = [[item_label(item, b.get("device")), fmt_bytes(item["nbytes"]),
+             f"{100 * item['nbytes'] / total:.1f}%" if total else "-"] for item in b.get("items") or []]
+    if rows:
+        for line in _columns(rows, right=(1, 2)):
+            print(f"  {line}", file=out)
+
+
+def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
+    from gpumemd.report.markdown import headline
+    from gpumemd.report.view import verdict_lines
+
+    b = report["breakdown"]
     print(f"gpumemd OOM report: {report['_dir']}", file=out)
     print(headline(report), file=out)
     print(f"written {fmt_time(report.get('created_at'))} via {report.get('source')}", file=out)
-    print(f"verdict: {b.get('verdict')}: {b.get('verdict_why')}", file=out)
-    print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
-          f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
-    for item in b.get("items") or []:
-        share = f"{100 * item['nbytes'] / total:5.1f}%" if total else "    -"
-        print(f"  {item['key']:<22} {fmt_bytes(item['nbytes']):>12} {share}", file=out)
+    why, *also = verdict_lines(report)
+    print(f"verdict: {b.get('verdict')}: {why}", file=out)
+    for line in also:
+        print(line, file=out)
+    _print_groups(report, out)
     suggestions = report.get("suggestions") or []
     print("suggestions:" if suggestions else "suggestions: none", file=out)
     for n, s in enumerate(suggestions[:_SUGGESTIONS], 1):
         print(f"  {n}. {s['title']} (saves ~{fmt_bytes(s['saving_bytes'])}): {s['why']}", file=out)
-    tensors = report.get("tensors") or {}
-    if tensors.get("available"):
-        print(f"largest tensors ({tensors.get('tensor_count')} tensors, {fmt_bytes(tensors.get('total_bytes'))}):",
-              file=out)
-        for t in (tensors.get("top") or [])[:_TENSORS]:
-            who = t.get("name") or t.get("holder") or "-"
-            print(f"  {fmt_bytes(t['nbytes']):>12} {t['dtype']:<9} {t['device']:<7} {t['category']:<16} "
-                  f"{tuple(t['shape'])} {who}", file=out)
-    else:
-        print(f"tensors: {tensors.get('note')}", file=out)
+    _print_breakdown(report, out)
     for f in report.get("findings") or []:
         print(f"finding: {f['state']} {f['kind']} on {f['series']}: {f['summary']}", file=out)
     if snap is not None:
@@ -101,6 +138,14 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
             print(f"snapshot: {snap['file']} device {d['device']}: {d['segments']} segments, reserved "
                   f"{fmt_bytes(d['reserved_bytes'])}, largest free block {fmt_bytes(d['largest_free_block_bytes'])}, "
                   f"{d['trace_entries']} trace entries", file=out)
+
+
+def _leak_cell(report: dict[str, Any]) -> str | None:
+    """"`kept` 1.50 GiB": the leak active at this rank's OOM, or None."""
+    leak = report["breakdown"].get("leak")
+    if not isinstance(leak, dict):
+        return None
+    return f"{leak.get('holder')} {fmt_bytes(leak.get('held_bytes'))}"
 
 
 def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,7 +159,7 @@ def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
             {"dir": r["_dir"], "rank": r.get("rank"), "step": r.get("step"), "created_at": r.get("created_at"),
              "device": r["breakdown"].get("device"), "verdict": r["breakdown"].get("verdict"),
              "requested_bytes": r["breakdown"].get("requested_bytes"), "peak_bytes": r.get("peak_bytes"),
-             "breakdown": {k: _item(r, k) for k in _COLUMNS}}
+             "breakdown": {k: _item(r, k) for k in _COLUMNS}, "leak": _leak_cell(r)}
             for r in sorted(reports, key=lambda r: (r.get("rank") or 0, r.get("created_at") or 0))
         ],
     }
@@ -124,14 +169,16 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
     first = view["first"]
     print(f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
           f"first (step {first['step']}, {fmt_time(first['created_at'])})", file=out)
-    head = ["rank", "step", "time", "device", "requested", "peak", *_COLUMNS, "verdict"]
+    head = ["rank", "step", "time", "device", "requested", "peak", *(_column_label(k) for k in _COLUMNS),
+            "verdict", "leak"]
     rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["device"]),
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
-             *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"])] for r in view["reports"]]
+             *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
+            for r in view["reports"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)), file=out)
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(), file=out)
     for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)), file=out)
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(), file=out)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

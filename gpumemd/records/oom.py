@@ -8,11 +8,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpumemd.records.census import GroupKey
+
 OOM_KINDS: tuple[str, ...] = ("cuda", "device", "cpu", "mps")
 """``cuda``: a CUDA caching-allocator OOM; ``device``: a ``torch.OutOfMemoryError`` of another
 accelerator; ``cpu``: ``DefaultCPUAllocator: can't allocate memory``; ``mps``: Apple's backend."""
 
-VERDICTS: tuple[str, ...] = ("request_exceeds_device", "fragmentation", "capacity", "unknown")
+VERDICTS: tuple[str, ...] = ("request_exceeds_device", "leak", "fragmentation", "capacity", "unknown")
+"""``leak``: a leak held more than the failing request when the device ran out (``Breakdown.leak``)."""
+
+# The one set of words for breakdown items, used by report.md, report.html and ``gpumemd report``
+# alike (report.json keeps the stable keys). Host memory has its own words where a key means
+# something else there ("non_pytorch" is other processes on a host, the CUDA context on a GPU).
+BREAKDOWN_LABELS: dict[str, str] = {
+    "leaked": "leaked (held by the leak in the verdict)",
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "buffers": "buffers",
+    "graph_retained": "autograd graphs kept alive",
+    "other": "other tensors",
+    "unattributed": "allocated, not attributed (no census)",
+    "invisible": "invisible to the census (mostly saved activations)",
+    "reserved_unallocated": "cached by PyTorch, unallocated",
+    "non_pytorch": "outside PyTorch (CUDA context, NCCL, other processes)",
+    "free": "free on the device",
+}
+HOST_LABELS: dict[str, str] = {
+    "process_other": "rest of this process (interpreter, libraries, unseen tensors)",
+    "non_pytorch": "other processes and the kernel",
+    "free": "available on the host",
+}
+
+
+def breakdown_label(key: str, device: str | None = None, default: str | None = None) -> str:
+    """The words for breakdown item ``key`` on ``device`` ("cpu" or "cuda:N"); ``default`` (an older
+    report's own label) or the key itself for a key this version does not know."""
+    if device == "cpu" and key in HOST_LABELS:
+        return HOST_LABELS[key]
+    return BREAKDOWN_LABELS.get(key) or default or key
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +77,30 @@ class BreakdownItem:
 
 
 @dataclass(frozen=True, slots=True)
+class LeakCause:
+    """A leak found at the OOM: the census groups an active leak finding (or a census diff) points
+    at, what they held when the device ran out, and how fast they grew."""
+
+    holder: str  # short: "`kept`", "TrainerState.history", or the group when no holder was found
+    held_bytes: int  # storage + graph bytes of the leaking groups at the OOM (or estimated, see source)
+    graph_bytes: int  # of which autograd graph (saved tensors of kept graphs): never activations
+    tensor_count: int
+    description: str  # the largest leaking group: "float32[512, 1024]"
+    source: str  # "finding": an active leak finding; "census": a group that grew between censuses
+    kind: str = "tensor_leak"  # a FINDING_KINDS value
+    state: str = "suspected"  # the finding's state; "grew" for a census diff
+    slope_bytes_per_step: float | None = None
+    onset_step: int | None = None  # first step of the growth (the census step before it for "census")
+    holder_detail: str | None = None  # the full holder line: "`kept` in main() at train.py:12 → list of 770 items"
+    series: str | None = None  # the finding's series
+    estimated: bool = False  # no census group matched: held_bytes is the finding's growth, projected
+    groups: int = 1  # how many census groups the leak spans
+    bytes_by_category: tuple[tuple[str, int], ...] = ()  # census category -> bytes ("graph": graph bytes too)
+    summary: str = ""  # the sentence the reports print: "`kept` grew ~2.00 MiB/step since step 60 and held ..."
+    group_keys: tuple[GroupKey, ...] = ()  # the census groups it spans (the reports mark their rows)
+
+
+@dataclass(frozen=True, slots=True)
 class Breakdown:
     """Where the memory of the failing device went, against its total."""
 
@@ -56,6 +114,7 @@ class Breakdown:
     device_free_bytes: int | None  # free outside PyTorch's cache (driver view)
     verdict: str  # one of VERDICTS
     verdict_why: str
+    leak: LeakCause | None = None  # an active leak at the OOM (the cause when verdict == "leak")
 
     def get(self, key: str) -> int:
         """Bytes of the item ``key`` (0 when the breakdown has no such item)."""
@@ -66,13 +125,15 @@ class Breakdown:
 
     @property
     def activations_bytes(self) -> int:
-        """Graph-retained plus invisible: on a device, mostly activations saved for backward."""
+        """Graph-retained plus invisible: on a device, mostly activations saved for backward. A leak's
+        graphs are in the ``leaked`` item instead (they are not this step's activations)."""
         return self.get("graph_retained") + self.get("invisible")
 
     @property
     def tensor_bytes(self) -> int:
         """Bytes in live tensors, visible or not (everything but cache, free and foreign memory)."""
-        keys = ("parameters", "gradients", "optimizer_state", "buffers", "graph_retained", "other", "invisible")
+        keys = ("leaked", "parameters", "gradients", "optimizer_state", "buffers", "graph_retained", "other",
+                "invisible")
         return sum(self.get(k) for k in keys)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown
+from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, leak_at_oom, with_leak
 from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.findings import Finding
@@ -23,9 +23,8 @@ from gpumemd.records.step import Identity, StepRecord
 
 SCHEMA_VERSION = 1
 REPORT_KIND = "gpumemd.oom_report"
-TOP_TENSORS = 500  # in report.json; the Markdown and HTML show the first TOP_TENSORS_SHOWN
-TOP_TENSORS_SHOWN = 25
-TOP_GROUPS = 100
+TOP_TENSORS = 500  # largest storages, in report.json only: the people's reports show groups
+TOP_GROUPS = 100  # in report.json; report.md/html and `gpumemd report` show the first view.GROUPS_SHOWN
 TIMELINE_STEPS = 500
 # PhaseBreakdown.figures() names -> what the report calls them (in figures() order).
 PHASE_LABELS: dict[str, str] = {
@@ -61,8 +60,9 @@ class ReportInputs:
     snapshot_source: str | None = None  # "oom_observer" or "report_time"
     snapshot_file: str | None = None  # "snapshot.pickle" when one is written
     expandable_segments: bool | None = None
-    census: Census | None = None
+    census: Census | None = None  # taken at the OOM
     census_note: str | None = None
+    census_before: Census | None = None  # the last census before the OOM's (what grew since)
     steps: Sequence[StepRecord] = ()
     findings: Sequence[Finding] = ()
     host: HostSample | None = None
@@ -87,7 +87,7 @@ def oom_device(inputs: ReportInputs) -> int | None:
     return None
 
 
-def compute_breakdown(inputs: ReportInputs) -> Breakdown:
+def _device_breakdown(inputs: ReportInputs) -> Breakdown:
     device = oom_device(inputs)
     if device is None:
         return cpu_breakdown(message=inputs.message, host=inputs.host, census=inputs.census)
@@ -98,6 +98,15 @@ def compute_breakdown(inputs: ReportInputs) -> Breakdown:
         snapshot=inputs.snapshot_summaries.get(device), allocator=allocator, census=inputs.census,
         nvml_total_bytes=nvml.total_bytes if nvml else None,
     )
+
+
+def compute_breakdown(inputs: ReportInputs) -> Breakdown:
+    """The failing device's breakdown, with the leak active at the OOM (if any) in it and, when the
+    leak held more than the failing request, in its verdict."""
+    breakdown = _device_breakdown(inputs)
+    leak = leak_at_oom(findings=inputs.findings, census=inputs.census, census_before=inputs.census_before,
+                       device=breakdown.device)
+    return with_leak(breakdown, leak)
 
 
 def _timeline_row(record: StepRecord, device: int | None) -> dict[str, Any]:

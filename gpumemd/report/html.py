@@ -1,17 +1,36 @@
-"""``report.html``: one self-contained page (inline style and SVG; no script, font, image or link).
+"""``report.html``: one self-contained page (inline style and SVG; no script, font, image or link
+that loads anything; the only links are the table of contents' in-page anchors).
 
-Every value from the report is escaped: exception messages and tensor names are user data.
+The first screen is the story: headline, table of contents, verdict (naming a leak and its holder
+when one was active), the largest tensor groups with their holders, the suggestions; the charts and
+the details come after. Every value from the report is escaped: messages and holder lines are user data.
 """
 
 from __future__ import annotations
 
+import re
 from html import escape
 from typing import Any
 
-from gpumemd.report.build import TOP_TENSORS_SHOWN
-from gpumemd.report.fmt import fmt_bytes, fmt_shape, fmt_time
+from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.markdown import headline, phases_note
 from gpumemd.report.svg import breakdown_bar, legend, timeline_chart
+from gpumemd.report.view import (
+    GROUPS_SHOWN,
+    chart_markers,
+    chart_series,
+    group_cells,
+    group_columns,
+    group_rows,
+    groups_note,
+    item_label,
+    leak_of,
+    sections,
+    sentence,
+    slug,
+    timeline_columns,
+    verdict_lines,
+)
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;max-width:1000px;color:#222}
@@ -19,26 +38,148 @@ h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid 
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
 td.n{text-align:right;font-variant-numeric:tabular-nums}pre{background:#f6f6f6;padding:.8em;overflow-x:auto}
 .verdict{font-weight:bold}.key{display:inline-block;margin-right:1em;font-size:.85em}
+nav{font-size:.9em}nav a{margin-right:.8em;white-space:nowrap}tr.leak td{background:#fff3e0}
+.also{border-left:4px solid #e8702a;padding-left:.6em}code{background:#f3f3f3;padding:0 .2em}
 """
+_NUMERIC = frozenset({"bytes", "graph kept alive", "allocated", "allocated peak", "reserved", "process RSS",
+                      "tensors (census)", "of total", "step"})
 
 
 def _e(value: Any) -> str:
     return escape("-" if value is None else str(value))
 
 
-def _table(headers: list[str], rows: list[list[tuple[Any, bool]]]) -> str:
+_BACKTICKED = re.compile(r"`([^`<>]+)`")
+
+
+def _prose(value: Any) -> str:
+    """Escaped text with its `names` (holders, variables) set as code, as Markdown would show them."""
+    return _BACKTICKED.sub(r"<code>\1</code>", _e(value))
+
+
+def _table(headers: list[str], rows: list[list[Any]], row_class: list[str] | None = None) -> str:
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f'<td class="n">{_e(v)}</td>' if num else f"<td>{_e(v)}</td>" for v, num in row) + "</tr>"
-        for row in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>"
+    body = []
+    for n, row in enumerate(rows):
+        cls = f' class="{row_class[n]}"' if row_class and row_class[n] else ""
+        cells = "".join(f'<td class="n">{_e(v)}</td>' if h in _NUMERIC else f"<td>{_prose(v)}</td>"
+                        for h, v in zip(headers, row, strict=True))
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _h2(title: str) -> str:
+    return f'<h2 id="{slug(title)}">{_e(title)}</h2>'
+
+
+def _contents(report: dict[str, Any]) -> str:
+    links = "".join(f'<a href="#{slug(t)}">{_e(t)}</a>' for t in sections(report))
+    return f"<nav>Contents: {links}</nav>"
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    b = report.get("breakdown") or {}
+    first, *rest = verdict_lines(report)
+    out = [_h2("Verdict"), f'<p><span class="verdict">{_e(b.get("verdict"))}</span> — {_prose(first)}</p>']
+    out += [f'<p class="also">{_prose(line)}</p>' for line in rest]
+    return "".join(out)
+
+
+def _groups(report: dict[str, Any]) -> str:
+    tensors = report.get("tensors") or {}
+    if not tensors.get("available"):
+        return _h2("Largest tensor groups") + f"<p>No tensor census: {_e(tensors.get('note'))}.</p>"
+    rows = group_rows(tensors, leak_of(report))
+    columns = group_columns(rows)
+    shown = rows[:GROUPS_SHOWN]
+    table = _table(columns, [group_cells(r, columns) for r in shown], ["leak" if r.leaking else "" for r in shown])
+    return _h2("Largest tensor groups") + table + f"<p>{_e(groups_note(tensors, rows, GROUPS_SHOWN))}</p>"
+
+
+def _suggestions(report: dict[str, Any]) -> str:
+    suggestions = report.get("suggestions") or []
+    if not suggestions:
+        return _h2("Suggestions") + "<p>No suggestion: the measurements point at no single cause.</p>"
+    return _h2("Suggestions") + "<ol>" + "".join(
+        f"<li><b>{_prose(s['title'])}</b> — saves about {_e(fmt_bytes(s['saving_bytes']))}. {_prose(s['why'])}"
+        + (f"<br><code>{_e(s['how'])}</code>" if s.get("how") else "") + "</li>"
+        for s in suggestions) + "</ol>"
+
+
+def _breakdown(report: dict[str, Any]) -> str:
+    b = report.get("breakdown") or {}
+    device = b.get("device")
+    items = [{**i, "label": item_label(i, device)} for i in b.get("items", [])]
+    drawn = [i for i in items if i.get("nbytes")]
+    total = b.get("total_bytes") or 0
+    rows = [[i["label"], fmt_bytes(i["nbytes"]), f"{100 * i['nbytes'] / total:.1f}%" if total else "-"]
+            for i in items]
+    return "".join([
+        _h2("Breakdown"), breakdown_bar(drawn, total or None), f"<p>{legend(drawn)}</p>",
+        _table(["part", "bytes", "of total"], rows),
+        f"<p>Device total {_e(fmt_bytes(b.get('total_bytes')))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
+        f"largest free block {_e(fmt_bytes(b.get('largest_free_block_bytes')))}; "
+        f"peak seen {_e(fmt_bytes(report.get('peak_bytes')))}.</p>",
+    ])
+
+
+def _phases(report: dict[str, Any]) -> str:
+    phases = report.get("phases")
+    if not isinstance(phases, dict):  # only with attach(phases=True)
+        return ""
+    rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in phases.get("figures", [])]
+    return _h2("Step phases") + f"<p>{_e(phases_note(phases))}</p>" + _table(["phase", "bytes"], rows)
+
+
+def _findings(report: dict[str, Any]) -> str:
+    findings = report.get("findings") or []
+    if not findings:
+        return _h2("Leak findings") + "<p>None.</p>"
+    return _h2("Leak findings") + "<ul>" + "".join(
+        f"<li>{_e(f['state'])} {_e(f['kind'])} on {_e(f['series'])}: {_prose(sentence(f['summary']))}</li>"
+        for f in findings) + "</ul>"
+
+
+def _timeline(report: dict[str, Any]) -> str:
+    timeline = report.get("timeline") or []
+    device = (report.get("breakdown") or {}).get("device")
+    chart = timeline_chart(timeline, chart_series(timeline, device), chart_markers(report))
+    out = [_h2("Timeline"), chart or "<p>No step was recorded before the OOM.</p>"]
+    if timeline:
+        last = timeline[-20:]
+        columns = timeline_columns(last)
+        out.append("<p>The last steps recorded before the OOM:</p>")
+        out.append(_table(["step", "phase", *(label for _, label in columns)],
+                          [[r["step"], r["phase"], *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in last]))
+    return "".join(out)
+
+
+def _snapshot(report: dict[str, Any]) -> str:
+    snap = report.get("snapshot") or {}
+    if not snap.get("file"):
+        return _h2("Allocator snapshot") + "<p>None (no CUDA allocator in this process).</p>"
+    return (_h2("Allocator snapshot") + f"<p><code>{_e(snap['file'])}</code> (taken at {_e(snap.get('source'))}): "
+            "drag it into pytorch.org/memory_viz, or run <code>python -m torch.cuda._memory_viz stats "
+            f"{_e(snap['file'])}</code>.</p>")
+
+
+def _exception(report: dict[str, Any]) -> str:
+    exc = report.get("exception") or {}
+    out = _h2("Exception") + f"<pre>{_e(exc.get('type'))}: {_e(exc.get('message'))}</pre>"
+    if exc.get("traceback"):
+        out += f"<pre>{_e(exc['traceback'])}</pre>"
+    return out
+
+
+def _environment(report: dict[str, Any]) -> str:
+    env = report.get("environment") or {}
+    out = _h2("Environment") + _table(["key", "value"], [[k, v] for k, v in env.items()])
+    if report.get("memory_summary"):
+        out += _h2("torch.cuda.memory_summary()") + f"<pre>{_e(report['memory_summary'])}</pre>"
+    return out
 
 
 def render_html(report: dict[str, Any]) -> str:
-    b = report.get("breakdown") or {}
-    items = [i for i in b.get("items", []) if i.get("nbytes")]
-    total = b.get("total_bytes") or 0
     parts = [
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>gpumemd OOM report, rank {_e(report.get('rank'))} step {_e(report.get('step'))}</title>",
@@ -46,71 +187,9 @@ def render_html(report: dict[str, Any]) -> str:
         f"<h1>gpumemd OOM report — rank {_e(report.get('rank'))}, step {_e(report.get('step'))}</h1>",
         f"<p>{_e(headline(report))}</p>",
         f"<p>Written {_e(fmt_time(report.get('created_at')))} via {_e(report.get('source'))}.</p>",
-        f"<h2>Verdict</h2><p><span class=\"verdict\">{_e(b.get('verdict'))}</span> — {_e(b.get('verdict_why'))}</p>",
-        "<h2>Breakdown</h2>",
-        breakdown_bar(items, total or None),
-        f"<p>{legend(items)}</p>",
-        _table(["part", "bytes", "of total"],
-               [[(i["label"], False), (fmt_bytes(i["nbytes"]), True),
-                 (f"{100 * i['nbytes'] / total:.1f}%" if total else "-", True)] for i in b.get("items", [])]),
-        f"<p>Device total {_e(fmt_bytes(b.get('total_bytes')))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
-        f"largest free block {_e(fmt_bytes(b.get('largest_free_block_bytes')))}; "
-        f"peak seen {_e(fmt_bytes(report.get('peak_bytes')))}.</p>",
-        "<h2>Suggestions</h2>",
+        _contents(report),
     ]
-    suggestions = report.get("suggestions") or []
-    if suggestions:
-        parts.append("<ol>" + "".join(
-            f"<li><b>{_e(s['title'])}</b> — saves about {_e(fmt_bytes(s['saving_bytes']))}. {_e(s['why'])}"
-            + (f"<br><code>{_e(s['how'])}</code>" if s.get("how") else "") + "</li>"
-            for s in suggestions) + "</ol>")
-    else:
-        parts.append("<p>No suggestion: the measurements point at no single cause.</p>")
-    phases = report.get("phases")
-    if isinstance(phases, dict):  # only with attach(phases=True)
-        parts.append("<h2>Step phases</h2>")
-        parts.append(f"<p>{_e(phases_note(phases))}</p>")
-        parts.append(_table(["phase", "bytes"], [[(f.get("label"), False), (fmt_bytes(f.get("nbytes")), True)]
-                                                 for f in phases.get("figures", [])]))
-    timeline = report.get("timeline") or []
-    parts.append("<h2>Timeline</h2>")
-    chart = timeline_chart(timeline, [("allocated_bytes", "allocated"), ("allocated_peak_bytes", "peak"),
-                                      ("reserved_bytes", "reserved"), ("rss_bytes", "host RSS")])
-    parts.append(chart or "<p>No step was recorded before the OOM.</p>")
-    if timeline:
-        parts.append(_table(["step", "phase", "allocated", "peak", "reserved", "host RSS"], [
-            [(r["step"], True), (r["phase"], False), (fmt_bytes(r["allocated_bytes"]), True),
-             (fmt_bytes(r["allocated_peak_bytes"]), True), (fmt_bytes(r["reserved_bytes"]), True),
-             (fmt_bytes(r["rss_bytes"]), True)] for r in timeline[-20:]]))
-    tensors = report.get("tensors") or {}
-    parts.append("<h2>Largest tensors</h2>")
-    if tensors.get("available"):
-        parts.append(_table(["bytes", "shape", "dtype", "device", "category", "name / holder", "graph"], [
-            [(fmt_bytes(t["nbytes"]), True), (fmt_shape(t["shape"]), False), (t["dtype"], False),
-             (t["device"], False), (t["category"], False), (t.get("name") or t.get("holder") or "-", False),
-             (fmt_bytes(t.get("graph_bytes")), True)] for t in tensors.get("top", [])[:TOP_TENSORS_SHOWN]]))
-    else:
-        parts.append(f"<p>No tensor census: {_e(tensors.get('note'))}.</p>")
-    findings = report.get("findings") or []
-    parts.append("<h2>Leak findings</h2>")
-    parts.append("<ul>" + "".join(f"<li>{_e(f['state'])} {_e(f['kind'])} on {_e(f['series'])}: {_e(f['summary'])}</li>"
-                                  for f in findings) + "</ul>" if findings else "<p>None.</p>")
-    snap = report.get("snapshot") or {}
-    parts.append("<h2>Allocator snapshot</h2>")
-    if snap.get("file"):
-        parts.append(f"<p><code>{_e(snap['file'])}</code> (taken at {_e(snap.get('source'))}): drag it into "
-                     "pytorch.org/memory_viz, or run <code>python -m torch.cuda._memory_viz stats "
-                     f"{_e(snap['file'])}</code>.</p>")
-    else:
-        parts.append("<p>None (no CUDA allocator in this process).</p>")
-    exc = report.get("exception") or {}
-    parts.append(f"<h2>Exception</h2><pre>{_e(exc.get('type'))}: {_e(exc.get('message'))}</pre>")
-    if exc.get("traceback"):
-        parts.append(f"<pre>{_e(exc['traceback'])}</pre>")
-    env = report.get("environment") or {}
-    parts.append("<h2>Environment</h2>")
-    parts.append(_table(["key", "value"], [[(k, False), (v, False)] for k, v in env.items()]))
-    if report.get("memory_summary"):
-        parts.append(f"<h2>torch.cuda.memory_summary()</h2><pre>{_e(report['memory_summary'])}</pre>")
+    parts += [part(report) for part in (_verdict, _groups, _suggestions, _breakdown, _phases, _findings,
+                                        _timeline, _snapshot, _exception, _environment)]
     parts.append("</body></html>\n")
     return "".join(parts)

@@ -1,15 +1,38 @@
-"""``report.md``: the report dict as Markdown (headline, breakdown, suggestions, tensors, timeline)."""
+"""``report.md``: the report dict as Markdown.
+
+The first screen (about 40 lines) tells the story: the headline, the verdict (naming a leak and
+its holder when one was active), the largest tensor groups with their holders, then the
+suggestions. Details follow: breakdown, phases, findings, timeline, snapshot, exception, environment.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpumemd.report.build import TOP_TENSORS_SHOWN
-from gpumemd.report.fmt import fmt_bytes, fmt_shape, fmt_time
+from gpumemd.report.fmt import fmt_bytes, fmt_time
+from gpumemd.report.view import (
+    GROUPS_SHOWN,
+    group_cells,
+    group_columns,
+    group_rows,
+    groups_note,
+    item_label,
+    leak_of,
+    sections,
+    sentence,
+    slug,
+    timeline_columns,
+    verdict_lines,
+)
 
 
 def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: str) -> str:
+    """Inline code that may itself hold backticks (a holder's name)."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
@@ -36,68 +59,113 @@ def phases_note(phases: dict[str, Any]) -> str:
             "are left out.")
 
 
+def _heading(title: str) -> list[str]:
+    return ["", f"## {title}", ""]
+
+
+def _contents(report: dict[str, Any]) -> list[str]:
+    return ["Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
+
+
+def _verdict(report: dict[str, Any]) -> list[str]:
+    b = report.get("breakdown") or {}
+    first, *rest = verdict_lines(report)
+    out = [*_heading("Verdict"), f"**{b.get('verdict')}** — {first}"]
+    for line in rest:
+        out += ["", line]
+    return out
+
+
+def _groups(report: dict[str, Any]) -> list[str]:
+    out = _heading("Largest tensor groups")
+    tensors = report.get("tensors") or {}
+    if not tensors.get("available"):
+        return [*out, f"No tensor census: {tensors.get('note')}."]
+    rows = group_rows(tensors, leak_of(report))
+    columns = group_columns(rows)
+    cells = [group_cells(row, columns) for row in rows[:GROUPS_SHOWN]]
+    return [*out, *_table(columns, cells), "", groups_note(tensors, rows, GROUPS_SHOWN)]
+
+
+def _suggestions(report: dict[str, Any]) -> list[str]:
+    out = _heading("Suggestions")
+    suggestions = report.get("suggestions") or []
+    if not suggestions:
+        return [*out, "No suggestion: the measurements point at no single cause."]
+    for n, s in enumerate(suggestions, 1):
+        out += [f"{n}. **{s['title']}** — saves about {fmt_bytes(s['saving_bytes'])}. {s['why']}"]
+        if s.get("how"):
+            out += [f"   {_code(s['how'])}"]
+    return out
+
+
+def _breakdown(report: dict[str, Any]) -> list[str]:
+    b = report.get("breakdown") or {}
+    total = b.get("total_bytes") or 0
+    rows = [[item_label(i, b.get("device")), fmt_bytes(i["nbytes"]),
+             f"{100 * i['nbytes'] / total:.1f}%" if total else "-"] for i in b.get("items", [])]
+    return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], rows), "",
+            f"Device total: {fmt_bytes(b.get('total_bytes'))}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
+            f"reserved {fmt_bytes(b.get('reserved_bytes'))}; largest free block "
+            f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
+
+
 def _phases(phases: Any) -> list[str]:
     if not isinstance(phases, dict):
         return []  # not measured (attach(phases=True) turns it on)
     rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in phases.get("figures", [])]
-    return ["", "## Step phases", "", phases_note(phases), "", *_table(["phase", "bytes"], rows)]
+    return [*_heading("Step phases"), phases_note(phases), "", *_table(["phase", "bytes"], rows)]
+
+
+def _findings(report: dict[str, Any]) -> list[str]:
+    findings = report.get("findings") or []
+    lines = [f"- {f['state']} {f['kind']} on {f['series']}: {sentence(f['summary'])}" for f in findings]
+    return [*_heading("Leak findings"), *(lines or ["None."])]
+
+
+def _timeline(report: dict[str, Any]) -> list[str]:
+    timeline = (report.get("timeline") or [])[-20:]
+    out = _heading("Timeline")
+    if not timeline:
+        return [*out, "No steps."]
+    columns = timeline_columns(timeline)
+    rows = [[r["step"], r["phase"], *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in timeline]
+    return [*out, "The last steps recorded before the OOM:", "",
+            *_table(["step", "phase", *(label for _, label in columns)], rows)]
+
+
+def _snapshot(report: dict[str, Any]) -> list[str]:
+    snap = report.get("snapshot") or {}
+    if not snap.get("file"):
+        return [*_heading("Allocator snapshot"), "None (no CUDA allocator in this process)."]
+    return [*_heading("Allocator snapshot"),
+            f"`{snap['file']}` (taken at {snap.get('source')}): open it at pytorch.org/memory_viz or with "
+            f"`python -m torch.cuda._memory_viz trace_plot {snap['file']} -o trace.html`."]
+
+
+def _exception(report: dict[str, Any]) -> list[str]:
+    exc = report.get("exception") or {}
+    out = [*_heading("Exception"), "```", f"{exc.get('type')}: {exc.get('message')}", "```"]
+    if exc.get("traceback"):
+        out += ["", "```", str(exc["traceback"]).rstrip(), "```"]
+    return out
+
+
+def _environment(report: dict[str, Any]) -> list[str]:
+    env = report.get("environment") or {}
+    out = [*_heading("Environment"), *(f"- {k}: `{v}`" for k, v in env.items())]
+    if report.get("memory_summary"):
+        out += [*_heading("torch.cuda.memory_summary()"), "```", str(report["memory_summary"]).rstrip(), "```"]
+    return out
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    b = report.get("breakdown") or {}
-    total = b.get("total_bytes") or 0
     out = [f"# gpumemd OOM report — rank {report.get('rank')}, step {report.get('step')}", "",
-           headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.", ""]
-    out += ["## Verdict", "", f"**{b.get('verdict')}** — {b.get('verdict_why')}", ""]
-    out += ["## Breakdown", ""]
-    rows = [[i["label"], fmt_bytes(i["nbytes"]), f"{100 * i['nbytes'] / total:.1f}%" if total else "-"]
-            for i in b.get("items", [])]
-    out += _table(["part", "bytes", "of total"], rows)
-    out += ["", f"Device total: {fmt_bytes(b.get('total_bytes'))}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
-            f"reserved {fmt_bytes(b.get('reserved_bytes'))}; largest free block "
-            f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}.", ""]
-    out += ["## Suggestions", ""]
-    suggestions = report.get("suggestions") or []
-    if not suggestions:
-        out += ["No suggestion: the measurements point at no single cause.", ""]
-    for n, s in enumerate(suggestions, 1):
-        out += [f"{n}. **{s['title']}** — saves about {fmt_bytes(s['saving_bytes'])}. {s['why']}"]
-        if s.get("how"):
-            out += [f"   `{s['how']}`"]
+           headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.", "",
+           *_contents(report)]
+    for part in (_verdict, _groups, _suggestions, _breakdown):
+        out += part(report)
     out += _phases(report.get("phases"))
-    out += ["", "## Largest tensors", ""]
-    tensors = report.get("tensors") or {}
-    if tensors.get("available"):
-        rows = [[fmt_bytes(t["nbytes"]), fmt_shape(t["shape"]), t["dtype"], t["device"], t["category"],
-                 t.get("name") or t.get("holder") or "-", fmt_bytes(t.get("graph_bytes"))]
-                for t in tensors.get("top", [])[:TOP_TENSORS_SHOWN]]
-        out += _table(["bytes", "shape", "dtype", "device", "category", "name / holder", "graph"], rows)
-        out += ["", f"{tensors.get('tensor_count')} tensors, {fmt_bytes(tensors.get('total_bytes'))} "
-                f"(census of step {tensors.get('step')})."]
-    else:
-        out += [f"No tensor census: {tensors.get('note')}."]
-    out += ["", "## Leak findings", ""]
-    findings = report.get("findings") or []
-    out += [f"- {f['state']} {f['kind']} on {f['series']}: {f['summary']}" for f in findings] or ["None."]
-    out += ["", "## Timeline (last steps)", ""]
-    timeline = report.get("timeline") or []
-    rows = [[r["step"], r["phase"], fmt_bytes(r["allocated_bytes"]), fmt_bytes(r["allocated_peak_bytes"]),
-             fmt_bytes(r["reserved_bytes"]), fmt_bytes(r["rss_bytes"])] for r in timeline[-20:]]
-    out += _table(["step", "phase", "allocated", "peak", "reserved", "host RSS"], rows) if rows else ["No steps."]
-    snap = report.get("snapshot") or {}
-    out += ["", "## Allocator snapshot", ""]
-    if snap.get("file"):
-        out += [f"`{snap['file']}` (taken at {snap.get('source')}): open it at pytorch.org/memory_viz or with "
-                f"`python -m torch.cuda._memory_viz trace_plot {snap['file']} -o trace.html`."]
-    else:
-        out += ["None (no CUDA allocator in this process)."]
-    exc = report.get("exception") or {}
-    out += ["", "## Exception", "", "```", f"{exc.get('type')}: {exc.get('message')}", "```"]
-    if exc.get("traceback"):
-        out += ["", "```", str(exc["traceback"]).rstrip(), "```"]
-    env = report.get("environment") or {}
-    out += ["", "## Environment", ""]
-    out += [f"- {k}: `{v}`" for k, v in env.items()]
-    if report.get("memory_summary"):
-        out += ["", "## torch.cuda.memory_summary()", "", "```", str(report["memory_summary"]).rstrip(), "```"]
+    for part in (_findings, _timeline, _snapshot, _exception, _environment):
+        out += part(report)
     return "\n".join(out) + "\n"

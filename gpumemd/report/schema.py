@@ -16,8 +16,12 @@ _Spec = dict[str, Any]
 _FINDING: _Spec = {"state": "str", "kind": "str", "series": "str", "summary": "str"}
 _SUGGESTION: _Spec = {"title": "str", "saving_bytes": "num?", "why": "str"}
 _TENSOR: _Spec = {"nbytes": "int", "dtype": "str", "device": "str", "category": "str", "shape": ["int"],
-                  "name": "str?", "holder": "str?"}
-_ITEM: _Spec = {"key": "str", "nbytes": "int"}
+                  "name": "str?", "holder": "str?", "graph_bytes": "int?"}
+_GROUP: _Spec = {**_TENSOR, "count": "int"}
+_ITEM: _Spec = {"key": "str", "nbytes": "int", "label": "str?"}
+_GROUP_KEY: _Spec = {"device": "str", "dtype": "str", "shape": ["int"], "category": "str", "name": "str?"}
+_LEAK: _Spec = {"holder": "str?", "held_bytes": "int?", "summary": "str?", "holder_detail": "str?",
+                "onset_step": "int?", "group_keys": [_GROUP_KEY]}
 REPORT_SCHEMA: _Spec = {
     "created_at": "num?",
     "source": "str?",
@@ -27,10 +31,10 @@ REPORT_SCHEMA: _Spec = {
     "phase": "str?",
     "exception": {"type": "str?"},
     "breakdown": {"total_bytes": "int?", "verdict": "str?", "verdict_why": "str?", "device": "str?",
-                  "requested_bytes": "int?", "items": [_ITEM]},
+                  "requested_bytes": "int?", "items": [_ITEM], "leak": _LEAK},
     "suggestions": [_SUGGESTION],
     "tensors": {"available": "bool?", "tensor_count": "int?", "total_bytes": "int?", "note": "str?",
-                "top": [_TENSOR]},
+                "top": [_TENSOR], "groups": [_GROUP]},
     "findings": [_FINDING],
 }
 

@@ -21,10 +21,23 @@ from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli import main
 from gpumemd.components.oom import render_files
+from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.step import Identity
 from gpumemd.report.build import ReportInputs, build_report
 from gpumemd.report.writer import report_dir_name, write_report_dir
+
+_KEPT = "`kept` in main() at train.py:12 → list of 4 items"
+# A leak at the OOM, so that report.json has tensor groups and a breakdown.leak for the edits below.
+_CENSUS = Census(step=40, taken_at=0.0, duration_s=0.01, groups=(
+    CensusGroup(GroupKey("cuda:0", "float32", (256, 1024), "other", None), 4, 4 * MiB, holder=_KEPT),
+    CensusGroup(GroupKey("cuda:0", "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * MiB),
+))
+_LEAK = Finding(kind="tensor_leak", series="tensors{device=cuda:0,group=float32[256, 1024]}", state="suspected",
+                slope_bytes_per_step=MiB, slope_low=MiB, slope_high=MiB, onset_step=37, growth_bytes=4 * MiB,
+                steps_to_oom=30.0, first_step=40, updated_step=40, summary="tensor leak suspected", device=0,
+                culprits=(Culprit("float32[256, 1024]", 4, 4 * MiB, holder=_KEPT),))
 
 
 def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = True) -> str:
@@ -34,7 +47,7 @@ def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = 
         exception_type="OutOfMemoryError", exception_message=NEW_MESSAGE, message=parse_oom_message(NEW_MESSAGE),
         step=step, observer=ObserverCall(0, 8 * MiB, 40 * MiB, 3 * MiB, created_at),
         snapshot_summaries=summarize_snapshot(snap), snapshot_source="oom_observer",
-        snapshot_file="snapshot.pickle" if snapshot else None,
+        snapshot_file="snapshot.pickle" if snapshot else None, census=_CENSUS, findings=(_LEAK,),
     )
     files = render_files(build_report(inputs), snap if snapshot else None)
     return write_report_dir(root, report_dir_name(rank, step, created_at), files)
@@ -46,6 +59,9 @@ def test_one_report(tmp_path: Any, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "OutOfMemoryError on cuda:0 (rank 0, step 41" in out
     assert "verdict: fragmentation" in out
+    # the leak did not cause a fragmentation OOM, but it is named right after the verdict
+    assert out.splitlines()[4].startswith("Also leaking: `kept` grew ~1.00 MiB/step since step 37 and held 4.00 MiB")
+    assert "4 × float32[256, 1024]" in out and "← the leak" in out
     assert "snapshot:" in out and "largest free block 4.00 MiB" in out
     assert main(["report", "--json", path]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -70,7 +86,7 @@ def test_every_rank_side_by_side(tmp_path: Any, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "2 OOM reports from 2 rank(s); rank 1 failed first (step 41" in out
     lines = out.splitlines()
-    assert lines[1].split()[:2] == ["rank", "step"] and "optimizer_state" in lines[1]
+    assert lines[1].split()[:2] == ["rank", "step"] and "optimizer state" in lines[1]
     assert [ln.split()[0] for ln in lines[2:]] == ["0", "1"]
     assert main(["report", "--json", str(tmp_path)]) == 0
     view = json.loads(capsys.readouterr().out)

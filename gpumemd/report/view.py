@@ -1,0 +1,215 @@
+"""What the human renderings (report.md, report.html, ``gpumemd report``) show, decided once (pure).
+
+The renderers only lay these out: the verdict sentences, the ranked tensor groups (one row per
+group, whatever the report's age), the breakdown words, the timeline columns that hold data, and
+the table of contents. Everything reads the report dict (report.json), so old reports render too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpumemd.records.oom import breakdown_label
+from gpumemd.report.fmt import fmt_bytes
+
+GROUPS_SHOWN = 10  # tensor groups on the first screen; report.json keeps up to build.TOP_GROUPS
+
+
+def sentence(text: Any) -> str:
+    """``text`` as a sentence ending in a full stop ("-" when absent)."""
+    if not isinstance(text, str) or not text.strip():
+        return "-"
+    text = text.strip()
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+# --- the verdict ---------------------------------------------------------------------------------
+
+
+def leak_of(report: dict[str, Any]) -> dict[str, Any] | None:
+    leak = (report.get("breakdown") or {}).get("leak")
+    return leak if isinstance(leak, dict) else None
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """The verdict's reason, then, when a leak was active but did not cause this OOM, a line naming it."""
+    b = report.get("breakdown") or {}
+    lines = [sentence(b.get("verdict_why"))]
+    leak = leak_of(report)
+    if leak is not None and b.get("verdict") != "leak" and leak.get("summary"):
+        lines.append(f"Also leaking: {sentence(leak['summary'])}")
+    return lines
+
+
+# --- tensor groups -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """One census group as a row: ``count × dtype[shape]``, its bytes, and who holds it."""
+
+    nbytes: int
+    graph_bytes: int
+    count: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    category: str
+    who: str  # the parameter/state name, else the holder line, else "-"
+    leaking: bool
+
+    @property
+    def total(self) -> int:
+        return self.nbytes + self.graph_bytes
+
+    @property
+    def tensors(self) -> str:
+        return f"{self.count:,} × {self.dtype.removeprefix('torch.')}[{', '.join(str(d) for d in self.shape)}]"
+
+
+def _key(group: Any) -> tuple[Any, ...]:
+    """A group's identity (device, dtype, shape, category, name), from a report.json group or key."""
+    if not isinstance(group, dict):
+        return ()
+    shape = group.get("shape")
+    return (group.get("device"), group.get("dtype"), tuple(shape) if isinstance(shape, list) else None,
+            group.get("category"), group.get("name"))
+
+
+def _leak_keys(leak: dict[str, Any] | None) -> set[tuple[Any, ...]]:
+    keys = (leak or {}).get("group_keys")
+    return {_key(k) for k in keys} if isinstance(keys, list) else set()
+
+
+def group_rows(tensors: dict[str, Any], leak: dict[str, Any] | None = None) -> list[GroupRow]:
+    """The census groups, largest (own + graph bytes) first, each exactly once: report.json's
+    ``groups``, or, for a report without them, its largest tensors grouped the same way."""
+    source = tensors.get("groups")
+    if not isinstance(source, list) or not source:
+        source = [{**t, "count": 1} for t in tensors.get("top") or []]
+    leaking = _leak_keys(leak)
+    merged: dict[tuple[Any, ...], GroupRow] = {}
+    for g in source:
+        key = _key(g)
+        who = g.get("name") or g.get("holder") or "-"
+        row = merged.get(key)
+        merged[key] = GroupRow(
+            nbytes=(row.nbytes if row else 0) + int(g.get("nbytes") or 0),
+            graph_bytes=(row.graph_bytes if row else 0) + int(g.get("graph_bytes") or 0),
+            count=(row.count if row else 0) + int(g.get("count") or 1),
+            dtype=str(g.get("dtype")), shape=key[2] or (), device=str(g.get("device")),
+            category=str(g.get("category")).replace("_", " "), who=row.who if row and row.who != "-" else who,
+            leaking=key in leaking,
+        )
+    return sorted(merged.values(), key=lambda r: r.total, reverse=True)
+
+
+def group_columns(rows: list[GroupRow]) -> list[str]:
+    """Column names for ``group_cells``: a device column only when there is more than one device, a
+    graph column only when some group keeps autograd graph alive."""
+    cols = ["bytes", "tensors", "category", "held by / name"]
+    if len({r.device for r in rows}) > 1:
+        cols.insert(2, "device")
+    if any(r.graph_bytes for r in rows):
+        cols.append("graph kept alive")
+    return cols
+
+
+LEAK_MARK = " ← the leak"
+
+
+def group_cells(row: GroupRow, columns: list[str]) -> list[str]:
+    """The row's cells for ``columns``; the leak's groups say so next to their holder."""
+    who = row.who + (LEAK_MARK if row.leaking else "")
+    values = {"bytes": fmt_bytes(row.total), "tensors": row.tensors, "device": row.device,
+              "category": row.category, "held by / name": who, "graph kept alive": fmt_bytes(row.graph_bytes)}
+    return [values[c] for c in columns]
+
+
+def plural(n: Any, noun: str) -> str:
+    """``1 tensor``, ``787 tensors``, ``? tensors`` for a count the report does not have."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        return f"? {noun}s"
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def census_summary(tensors: dict[str, Any], rows: list[GroupRow]) -> str:
+    """"787 tensors in 18 groups, 1.50 GiB"."""
+    return (f"{plural(tensors.get('tensor_count'), 'tensor')} in {plural(len(rows), 'group')}, "
+            f"{fmt_bytes(tensors.get('total_bytes'))}")
+
+
+def groups_note(tensors: dict[str, Any], rows: list[GroupRow], shown: int) -> str:
+    """"787 tensors in 18 groups, 1.50 GiB (census at the OOM, after step 799); 8 smaller groups (116 B)
+    are in report.json"."""
+    text = f"{census_summary(tensors, rows)} (census at the OOM, after step {tensors.get('step')})"
+    if len(rows) > shown:
+        rest = sum(r.total for r in rows[shown:])
+        text += f"; {plural(len(rows) - shown, 'smaller group')} ({fmt_bytes(rest)}) in report.json"
+    return text + "."
+
+
+# --- breakdown, timeline -------------------------------------------------------------------------
+
+
+def item_label(item: dict[str, Any], device: Any) -> str:
+    """The words for a breakdown item, the same in every rendering."""
+    return breakdown_label(str(item.get("key")), device if isinstance(device, str) else None, item.get("label"))
+
+
+# (key, column / series label): what a timeline row may hold.
+TIMELINE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("allocated_bytes", "allocated"),
+    ("allocated_peak_bytes", "allocated peak"),
+    ("reserved_bytes", "reserved"),
+    ("rss_bytes", "process RSS"),
+    ("census_total_bytes", "tensors (census)"),
+)
+
+
+def timeline_columns(timeline: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The timeline columns that hold a number in at least one row (no allocator columns on CPU)."""
+    return [(k, label) for k, label in TIMELINE_COLUMNS if any(isinstance(r.get(k), int) for r in timeline)]
+
+
+def chart_series(timeline: list[dict[str, Any]], device: Any) -> list[tuple[str, str]]:
+    """What the timeline chart draws: the allocator's series on a GPU, the process RSS on the host,
+    and the census totals where there are at least two."""
+    wanted = ("rss_bytes",) if device == "cpu" else ("allocated_bytes", "allocated_peak_bytes", "reserved_bytes")
+    out = [(k, label) for k, label in timeline_columns(timeline) if k in wanted]
+    if sum(isinstance(r.get("census_total_bytes"), int) for r in timeline) >= 2:
+        out.append(("census_total_bytes", "tensors (census)"))
+    return out
+
+
+def chart_markers(report: dict[str, Any]) -> list[tuple[int, str, str]]:
+    """(step, label, kind) to mark on the timeline: the leak's onset and the step that ran out of memory."""
+    out = []
+    leak = leak_of(report)
+    if leak is not None and isinstance(leak.get("onset_step"), int):
+        out.append((leak["onset_step"], f"leak onset: {leak.get('holder')} (step {leak['onset_step']})", "leak"))
+    if isinstance(report.get("step"), int):
+        out.append((report["step"], f"OOM (step {report['step']})", "oom"))
+    return out
+
+
+# --- table of contents ---------------------------------------------------------------------------
+
+
+def slug(title: str) -> str:
+    """The anchor GitHub (and most Markdown viewers) give a heading: "Largest tensor groups" ->
+    "largest-tensor-groups"; report.html uses the same ids, so one table of contents fits both."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def sections(report: dict[str, Any]) -> list[str]:
+    """The title of every section, in order: the table of contents and the headings."""
+    out = ["Verdict", "Largest tensor groups", "Suggestions", "Breakdown"]
+    if isinstance(report.get("phases"), dict):
+        out.append("Step phases")
+    out += ["Leak findings", "Timeline", "Allocator snapshot", "Exception", "Environment"]
+    if report.get("memory_summary"):
+        out.append("torch.cuda.memory_summary()")
+    return out
