@@ -83,7 +83,11 @@ def oom_device(inputs: ReportInputs) -> int | None:
     if inputs.observer is not None:
         return inputs.observer.device
     if msg is not None and msg.kind in ("cuda", "device"):
-        return 0
+        # The message did not say (a runtime or library allocation failure, an unknown wording): the
+        # device is the one this process uses when it uses exactly one; otherwise it stays unknown,
+        # never "GPU 0" by default.
+        used = {a.device for a in inputs.allocator}
+        return used.pop() if len(used) == 1 else None
     return None
 
 

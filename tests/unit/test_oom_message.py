@@ -157,3 +157,19 @@ def test_cpu_not_enough_memory_wording() -> None:
                        "you tried to allocate 1073741824 bytes.")
     m = classify_exception(exc)
     assert m is not None and m.kind == "cpu" and m.requested_bytes == 2**30
+
+
+def test_a_device_the_message_does_not_name_is_never_gpu_0() -> None:
+    """Issue 12 item 3: an OOM without a device (a runtime/library allocation failure) was blamed on
+    GPU 0; it is the one device this process uses, or unknown."""
+    from gpumemd.records.samples import AllocatorSample
+    from gpumemd.records.step import Identity
+    from gpumemd.report.build import ReportInputs, oom_device
+
+    m = classify_exception(torch.AcceleratorError("CUDA error: out of memory"))
+    base = dict(created_at=0.0, identity=Identity(), source="excepthook", exception_type="AcceleratorError",
+                exception_message="CUDA error: out of memory", message=m)
+    assert oom_device(ReportInputs(**base, allocator=(AllocatorSample(device=3),))) == 3  # type: ignore[arg-type]
+    two = (AllocatorSample(device=1), AllocatorSample(device=2))
+    assert oom_device(ReportInputs(**base, allocator=two)) is None  # type: ignore[arg-type]
+    assert oom_device(ReportInputs(**base)) is None  # type: ignore[arg-type]
