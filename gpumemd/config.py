@@ -118,10 +118,18 @@ class Config:
     """PEM private key for serving metrics over HTTPS (with ``tls_certfile``)."""
 
     pushgateway: str | None = None
-    """Pushgateway address (host:port) to push the final metrics to once at exit."""
+    """Pushgateway address (host:port) to push the final metrics to once at exit, or at once when an uncaught
+    out-of-memory error is about to end the process."""
 
     textfile: str | None = None
-    """Path of a node_exporter textfile-collector ``.prom`` file written at exit."""
+    """Path of a node_exporter textfile-collector ``.prom`` file written at exit, or at once when an uncaught
+    out-of-memory error is about to end the process."""
+
+    oom_linger_s: float = 30.0
+    """After an uncaught out-of-memory error, before the process exits: keep serving ``/metrics`` until
+    one scrape has fetched the OOM, for at most this many seconds (30 covers a 15 s scrape interval; 0
+    exits at once). Only with a metrics port, never in forked workers; the traceback and exit status are
+    unchanged. The textfile and the Pushgateway get the OOM at once, before this wait."""
 
     oom_reports: bool = True
     """Write a post-mortem directory when an out-of-memory error propagates."""
@@ -225,6 +233,8 @@ class Config:
                  "an integer from 0 to 10,000")
         _require(0 <= self.oom_cooldown_s <= 86_400 and math.isfinite(self.oom_cooldown_s), "oom_cooldown_s",
                  self.oom_cooldown_s, "a number of seconds from 0 to 86400")
+        _require(0 <= self.oom_linger_s <= 600 and math.isfinite(self.oom_linger_s), "oom_linger_s",
+                 self.oom_linger_s, "a number of seconds from 0 (exit at once) to 600")
         _require(
             1 <= self.history_max_entries <= 10_000_000,
             "history_max_entries",

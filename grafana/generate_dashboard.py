@@ -71,11 +71,13 @@ def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
 
 
 def timeseries(title: str, description: str, unit: str, *queries: tuple[str, str],
-               stack: bool = False, decimals: int | None = None) -> dict[str, Any]:
+               stack: bool = False, decimals: int | None = None, axis_label: str | None = None) -> dict[str, Any]:
     defaults: dict[str, Any] = {
         "unit": unit,
         "custom": {"fillOpacity": 30 if stack else 10, "stacking": {"mode": "normal" if stack else "none"}},
     }
+    if axis_label is not None:
+        defaults["custom"]["axisLabel"] = axis_label
     if decimals is not None:
         defaults["decimals"] = decimals
     return {
@@ -100,11 +102,25 @@ def stat(title: str, description: str, unit: str, *queries: tuple[str, str],
     }
 
 
+# 0: no finding, or the last one cleared (growth stopped); the Leak state query turns "no finding" into 0.
 LEAK_MAPPINGS = [{"type": "value", "options": {
-    "0": {"text": "cleared", "color": "green"},
+    "0": {"text": "healthy", "color": "green"},
     "1": {"text": "suspected", "color": "orange"},
     "2": {"text": "confirmed", "color": "red"},
 }}]
+
+# Firing gpumemd alerts as annotations on every time panel. No rank matcher: GpumemdAgentDown has none.
+ALERT_ANNOTATIONS = {
+    "name": "gpumemd alerts", "datasource": DS, "enable": True, "hide": False, "iconColor": "red",
+    "expr": 'ALERTS{alertname=~"Gpumemd.*", alertstate="firing", job=~"$job", instance=~"$instance"}',
+    "step": "1m", "titleFormat": "{{alertname}} ({{severity}})",
+    "textFormat": "{{instance}} rank {{rank}} {{kind}} {{device}}", "tagKeys": "severity,rank",
+    "useValueForTime": False,
+}
+BUILTIN_ANNOTATIONS = {
+    "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
+    "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
+}
 
 DEV = "{{instance}} r{{rank}} cuda:{{device}}"
 INST = "{{instance}} r{{rank}}"
@@ -114,9 +130,15 @@ def build() -> dict[str, Any]:
     g = Layout()
     g.row("Overview")
     g.add(stat(
-        "Device headroom", "Free device memory per GPU as NVML sees it (all processes). Below a few GiB, "
-        "the next larger batch or a new shape can run out of memory.", "bytes",
-        (sel("gpumemd_device_free_bytes", device=True), DEV),
+        "Device headroom", "Memory this rank can still allocate on each GPU: NVML's free memory plus the "
+        "caching allocator's cache (reserved - allocated), which PyTorch reuses before it asks the driver. "
+        "NVML alone counts that cache as used and shows a full device for a healthy job. Where the allocator "
+        "is not read yet (CUDA not initialised), NVML's free memory. Below a few GiB, the next larger batch "
+        "or a new shape can run out of memory.", "bytes",
+        (f"({sel('gpumemd_device_free_bytes', device=True)}"
+         f" + {sel('gpumemd_allocator_reserved_bytes', device=True)}"
+         f" - {sel('gpumemd_allocator_allocated_bytes', device=True)})"
+         f" or {sel('gpumemd_device_free_bytes', device=True)}", DEV),
         thresholds=[(None, "red"), (2 * 1024**3, "orange"), (8 * 1024**3, "green")]), w=6)
     g.add(stat(
         "Host memory available", "Memory the host still has for new allocations (DataLoader workers, "
@@ -124,8 +146,11 @@ def build() -> dict[str, Any]:
         thresholds=[(None, "red"), (4 * 1024**3, "orange"), (16 * 1024**3, "green")]), w=6)
     g.add(stat(
         "Leak state", "The agent's leak finding per kind: suspected after one window of steady growth, "
-        "confirmed after a long window (alert GpumemdLeakConfirmed). Cleared when growth stops.", "none",
-        (f"max by (instance, rank, kind) ({sel('gpumemd_leak_state')})", "{{instance}} r{{rank}} {{kind}}"),
+        "confirmed after a long window (alert GpumemdLeakConfirmed). Healthy: no finding, or the last one "
+        "cleared (growth stopped).", "none",
+        (f"max by (instance, rank, kind) ({sel('gpumemd_leak_state')}) "
+         f"or on (instance, rank) max by (instance, rank) (0 * {sel('gpumemd_info')})",
+         "{{instance}} r{{rank}} {{kind}}"),
         mappings=LEAK_MAPPINGS), w=6)
     g.add(stat(
         "Out-of-memory errors", "OOM errors the agent saw since attach, and post-mortem reports written "
@@ -140,10 +165,13 @@ def build() -> dict[str, Any]:
         (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved"),
         (sel("gpumemd_device_used_bytes", device=True), DEV + " NVML used"),
         (sel("gpumemd_device_total_bytes", device=True), DEV + " total")), w=12)
+    # Grafana has no "bytes per step" unit (a custom unit such as "suffix:B/step" loses the KiB/MiB
+    # scaling): IEC bytes, with "per step" on the axis and in each series' name.
     g.add(timeseries(
-        "Leak slope", "Robust (Theil-Sen) growth of each leaking series in bytes per training step, "
-        "from the agent's finding.", "bytes",
-        (sel("gpumemd_leak_slope_bytes_per_step"), "{{instance}} r{{rank}} {{kind}} {{device}}")), w=6)
+        "Leak slope", "Robust (Theil-Sen) growth of each leaking series in bytes per training step "
+        "(per step, not per second), from the agent's finding.", "bytes",
+        (sel("gpumemd_leak_slope_bytes_per_step"), "{{instance}} r{{rank}} {{kind}} {{device}} per step"),
+        axis_label="per training step"), w=6)
     g.add(timeseries(
         "Projected steps to OOM", "Steps left before out-of-memory at the current leak slope "
         "(headroom / slope). Multiply by the step time for a deadline (alert GpumemdOOMProjected).", "short",
@@ -227,8 +255,9 @@ def build() -> dict[str, Any]:
         (f"rate({sel('gpumemd_agent_census_seconds_total')}[$__rate_interval])", INST + " census")), w=8)
     g.add(timeseries(
         "Step time", "Wall time of the last training step; a jump is often a census, a checkpoint "
-        "or an allocator retry.", "s",
-        (sel("gpumemd_step_duration_seconds"), INST)), w=8)
+        "or an allocator retry. Typical: the median of recent steps, which the stale alert scales with.", "s",
+        (sel("gpumemd_step_duration_seconds"), INST),
+        (sel("gpumemd_step_typical_duration_seconds"), INST + " typical")), w=8)
     g.add(timeseries(
         "Probe errors and scrape health", "Failed probe reads per second (logged once per kind by the "
         "agent) and whether Prometheus can scrape the target (1 = up).", "short",
@@ -236,13 +265,20 @@ def build() -> dict[str, Any]:
         ('up{job=~"$job", instance=~"$instance"}', "{{instance}} up")), w=8)
     g.add(stat(
         "Training step", "Number of the last completed training step.", "none",
-        (sel("gpumemd_step"), INST)), w=8, h=4)
+        (sel("gpumemd_step"), INST)), w=6, h=4)
+    g.add(stat(
+        "Since the last step", "Time since a training step last ended (exact to within the agent's sampling "
+        "stride, at most 10 steps). It climbs while the training thread is blocked even though the agent "
+        "keeps answering (alert GpumemdAgentStale past max(10 min, 20 typical steps), outside phases "
+        "labelled with gpumemd.phase).", "s",
+        (f"time() - {sel('gpumemd_last_step_timestamp_seconds')}", INST),
+        thresholds=[(None, "green"), (300, "orange"), (600, "red")]), w=6, h=4)
     g.add(stat(
         "Census duration", "Wall time of the last tensor census (the agent spaces censuses to stay in "
-        "its overhead budget).", "s", (sel("gpumemd_census_duration_seconds"), INST)), w=8, h=4)
+        "its overhead budget).", "s", (sel("gpumemd_census_duration_seconds"), INST)), w=6, h=4)
     g.add(stat(
         "Censuses taken", "Tensor censuses taken since attach.", "short",
-        (sel("gpumemd_censuses_total"), INST)), w=8, h=4)
+        (sel("gpumemd_censuses_total"), INST)), w=6, h=4)
 
     return {
         "title": "gpumemd: PyTorch memory",
@@ -257,7 +293,7 @@ def build() -> dict[str, Any]:
         "refresh": "30s",
         "timezone": "",
         "links": [],
-        "annotations": {"list": []},
+        "annotations": {"list": [BUILTIN_ANNOTATIONS, ALERT_ANNOTATIONS]},
         "templating": {"list": templating()},
         "panels": g.panels,
     }

@@ -2,6 +2,12 @@
 
 Started last (it never serves a half-started agent) and so stopped first. It does nothing on the
 training thread: scrapes read ``agent.state()`` from the server's own threads.
+
+A fatal OOM (uncaught in the main thread: the process exits right after) must still reach
+Prometheus, which scrapes every 15 s while the process would be gone in a tenth of a second. The OOM
+component calls ``fatal_oom`` from its excepthook: the textfile and the Pushgateway get the OOM at
+once, then the server keeps answering until one scrape has fetched a response built after the OOM
+was counted, for at most ``oom_linger_s``.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.exporter.server import MetricsServer, ServeOptions, push_once, write_textfile
@@ -30,11 +37,12 @@ class ExporterComponent:
         self.registry: Any = None
         self._agent: Agent | None = None
         self._server: MetricsServer | None = None
+        self._exported_at_oom = False  # the textfile/Pushgateway already has the fatal OOM: not again at exit
 
     def start(self, agent: Agent) -> None:
         from prometheus_client import CollectorRegistry
 
-        from gpumemd.exporter.collector import CounterBaseline, StateCollector
+        from gpumemd.exporter.collector import CounterBaseline, LiveFigures, StateCollector
 
         self._agent = agent
         config = agent.config
@@ -44,7 +52,11 @@ class ExporterComponent:
         # A registry of our own: no process/platform/gc collectors of the default one, and we never
         # touch the user's global REGISTRY.
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StateCollector(agent.state, CounterBaseline(state.allocator)))
+
+        def live() -> LiveFigures:  # read at scrape time, beside the state
+            return LiveFigures(seconds_per_step=agent.seconds_per_step, phase=agent.current_phase)
+
+        self.registry.register(StateCollector(agent.state, CounterBaseline(state.allocator), live=live))
         if config.port is None:
             return  # textfile / pushgateway alone need no server
         port = config.port + state.identity.local_rank if config.port else 0
@@ -69,14 +81,43 @@ class ExporterComponent:
     def on_step(self, record: StepRecord) -> None:
         return None  # scrapes read the published state; nothing to do on the training thread
 
+    def fatal_oom(self) -> None:
+        """An uncaught OOM is about to end the process (the OOM component's excepthook, after the report
+        and the traceback): export it now, then wait for one scrape to fetch it, ``oom_linger_s`` at most.
+        Never raises; Ctrl-C ends the wait."""
+        agent = self._agent
+        if agent is None or not agent.running or self.registry is None:  # stopped, or a forked worker
+            return
+        config = agent.config
+        if config.textfile or config.pushgateway:
+            self._exported_at_oom = True
+            self._export(agent)
+        server = self._server
+        if server is None or config.oom_linger_s <= 0:
+            return
+        mark = server.responses_begun  # the OOM is in the state already: responses after this carry it
+        log.warning("gpumemd: keeping %s up until a scrape records the out-of-memory error (at most %.0f s; "
+                    "GPUMEMD_OOM_LINGER_S=0 exits at once)", self.url, config.oom_linger_s)
+        start = time.monotonic()
+        try:
+            seen = server.wait_for_response_after(mark, config.oom_linger_s)
+        except KeyboardInterrupt:
+            return
+        log.debug("gpumemd: %s after %.1f s", "a scrape fetched the OOM" if seen else "no scrape came",
+                  time.monotonic() - start)
+
     def stop(self) -> None:
         agent, self._agent = self._agent, None
         if self._server is not None:
             self._server.stop()
             self._server = None
         self.url = None
-        if agent is None or self.registry is None:
+        if agent is None or self.registry is None or self._exported_at_oom:
             return
+        self._export(agent)
+
+    def _export(self, agent: Agent) -> None:
+        """Write the textfile and push to the Pushgateway, where configured; failures are logged."""
         config = agent.config
         if config.textfile:
             try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -182,6 +183,9 @@ class OomComponent:
             prev_sys(exc_type, exc, tb)  # the user's traceback printer (or debugger) sees it unchanged
             if handled:
                 traceback.clear_frames(tb)
+            me = component()
+            if me is not None and (handled or getattr(exc, _MARK, False)):  # oom_guard may have reported it
+                me._fatal()
 
         def thread_hook(args: Any) -> None:
             handled = report(args.exc_value, "thread_excepthook")
@@ -193,6 +197,20 @@ class OomComponent:
         self._sys_hook, self._thread_hook = sys_hook, thread_hook
         sys.excepthook = sys_hook
         threading.excepthook = thread_hook
+
+    def _fatal(self) -> None:
+        """An OOM reached ``sys.excepthook``: the process exits next, unless an interactive session
+        goes on. The exporter gets the chance to hand the OOM to Prometheus first (``oom_linger_s``)."""
+        agent = self._agent
+        if not self._running or agent is None or not agent.running or _interactive():
+            return
+        fatal_oom = getattr(agent.component("exporter"), "fatal_oom", None)
+        if fatal_oom is None:
+            return
+        try:
+            fatal_oom()
+        except Exception as err:  # noqa: BLE001 - the exit must go on whatever happens here
+            log.debug("gpumemd: exporting the fatal OOM failed (%s: %s)", type(err).__name__, err)
 
     def _remove_excepthooks(self) -> None:
         # Restore only if nobody wrapped ours since; otherwise ours stays in their chain as a
@@ -289,6 +307,7 @@ class OomComponent:
         if snapshot is None and on_cuda:
             snapshot = self._probe.capture()  # no observer yet (OOM in the first step): the state now
             snapshot_source = "report_time" if snapshot is not None else None
+        census_before = state.census  # the last census before the OOM's: what grew since
         census, note = self._census(agent)
         step = 0 if state.step is None else state.step + 1  # the step that was running
         inputs = ReportInputs(
@@ -308,6 +327,7 @@ class OomComponent:
             expandable_segments=expandable_segments_enabled(snapshot) if snapshot is not None else None,
             census=census,
             census_note=note,
+            census_before=census_before if census_before is not census else None,
             steps=agent.steps(),
             findings=state.findings,
             host=state.host,
@@ -332,6 +352,12 @@ class OomComponent:
             return agent.state().census, "the census module is not available; showing the last census"
         except Exception as err:  # noqa: BLE001 - a census failure must not cost the report
             return agent.state().census, f"census at the OOM failed ({type(err).__name__}: {err})"
+
+
+def _interactive() -> bool:
+    """A REPL (or ``python -i``) shows the traceback and goes on: no exit to linger before."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or bool(sys.flags.inspect) \
+        or bool(os.environ.get("PYTHONINSPECT"))
 
 
 def render_files(report: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, bytes]:

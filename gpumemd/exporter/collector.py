@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd._version import __version__
@@ -74,12 +76,66 @@ class CounterBaseline:
         return value - base
 
 
+class StepClock:
+    """When the last training step ended, for ``gpumemd_last_step_timestamp_seconds``.
+
+    The step path takes no clock on an unsampled step (a counter decrement, see ``gpumemd.agent``),
+    so the state knows the wall time of the last *sampled* step and how many steps were counted
+    since. That wall time is a lower bound on the last step's end, exact to within the sampling
+    stride (at most ``MAX_STRIDE`` = 10 steps, and a stride above 1 only on fast steps). A scrape
+    that sees the step count differ from the previous scrape's knows a step ended after that
+    previous scrape, and moves the bound up to it: when steps turn slow under a wide stride, the
+    figure still lags by at most one step and one scrape interval, never by ten slow steps.
+    Scrape threads only: nothing here runs on the training thread.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: tuple[int, float] | None = None  # (steps_total, a time at or before the state was read)
+        self._after: float | None = None  # a step ended after this time
+
+    def now(self) -> float:
+        """Read before the state: the observation is then "at this time, the count was at most N"."""
+        return self._clock()
+
+    def last_step_at(self, state: AgentState, read_at: float) -> float | None:
+        """The bound for ``state``, read at or after ``read_at`` (from ``now()``)."""
+        record = state.last_step
+        with self._lock:
+            seen = self._seen
+            if seen is None or read_at >= seen[1]:  # a scrape that overtook a newer one says nothing new
+                if seen is not None and seen[0] != state.steps_total:
+                    self._after = seen[1]
+                self._seen = (state.steps_total, read_at)
+            after = self._after
+        if record is None:
+            return None
+        return record.wall_time if after is None else max(record.wall_time, after)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFigures:
+    """What a scrape reads from the running agent besides its published state: the typical step
+    time (``Agent.seconds_per_step``) and the phase the job is in now (``Agent.current_phase``, which
+    the state carries only as of its last publish)."""
+
+    seconds_per_step: float | None = None
+    phase: str | None = None
+
+
+PHASE_LABEL_MAX = 64  # a phase name is the user's string: bounded in the label
+
+
 class StateCollector:
     """A prometheus_client collector over ``state()``; register it in its own CollectorRegistry."""
 
-    def __init__(self, state: Callable[[], AgentState], baseline: CounterBaseline | None = None) -> None:
+    def __init__(self, state: Callable[[], AgentState], baseline: CounterBaseline | None = None, *,
+                 live: Callable[[], LiveFigures] | None = None, step_clock: StepClock | None = None) -> None:
         self._state = state
         self._baseline = baseline or CounterBaseline()
+        self._live = live
+        self._step_clock = step_clock or StepClock()
         self._failed_logged = False
 
     def describe(self) -> list[Metric]:
@@ -88,7 +144,11 @@ class StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         try:
-            families = build_families(self._state(), self._baseline)
+            read_at = self._step_clock.now()
+            state = self._state()
+            live = self._live() if self._live is not None else None
+            families = build_families(state, self._baseline, live=live,
+                                      last_step_at=self._step_clock.last_step_at(state, read_at))
         except Exception as exc:  # noqa: BLE001 - a bad scrape must not take the server (or job) down
             if not self._failed_logged:
                 self._failed_logged = True
@@ -128,8 +188,12 @@ class _Families:
         return list(self._families.values())
 
 
-def build_families(state: AgentState, baseline: CounterBaseline | None = None) -> list[Metric]:
-    """Every family for one state. Pure apart from the baseline's reset bookkeeping."""
+def build_families(state: AgentState, baseline: CounterBaseline | None = None, *,
+                   live: LiveFigures | None = None, last_step_at: float | None = None) -> list[Metric]:
+    """Every family for one state. Pure apart from the baseline's reset bookkeeping.
+
+    ``live`` adds what the agent knows beyond its state (typical step time, current phase);
+    ``last_step_at`` is the ``StepClock``'s figure (default: the last sampled step's wall time)."""
     baseline = baseline or CounterBaseline()
     ident = state.identity
     out = _Families({"rank": str(ident.rank), "local_rank": str(ident.local_rank)})
@@ -140,7 +204,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None) -
     _allocator(out, state, baseline)
     _nvml(out, state)
     _host(out, state)
-    _steps(out, state)
+    _steps(out, state, live or LiveFigures(), last_step_at)
     _census(out, state)
     _phases(out, state)
     _findings(out, state.findings)
@@ -181,11 +245,19 @@ def _host(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_host_pinned_bytes", host.pinned_bytes)
 
 
-def _steps(out: _Families, state: AgentState) -> None:
+def _steps(out: _Families, state: AgentState, live: LiveFigures, last_step_at: float | None) -> None:
     out.add("gpumemd_step", state.step)
     out.add("gpumemd_steps_total", state.steps_total)
-    if state.last_step is not None:
-        out.add("gpumemd_step_duration_seconds", state.last_step.duration_s)
+    record = state.last_step
+    if record is not None:
+        out.add("gpumemd_step_duration_seconds", record.duration_s)
+        out.add("gpumemd_last_step_timestamp_seconds", record.wall_time if last_step_at is None else last_step_at)
+    out.add("gpumemd_step_typical_duration_seconds", live.seconds_per_step)
+    phase = (live.phase or state.phase)[:PHASE_LABEL_MAX]
+    # A step has ended in this phase when the last record is of it: the first step of a phase is
+    # always sampled (Agent.phase). An evaluation or checkpoint phase ends no steps.
+    stepping = record is not None and record.phase[:PHASE_LABEL_MAX] == phase
+    out.add("gpumemd_job_phase_info", 1, job_phase=phase, stepping="true" if stepping else "false")
 
 
 def _census(out: _Families, state: AgentState) -> None:

@@ -90,6 +90,22 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_step", (), "Number of the last completed training step.", "AgentState.step"),
     _c("gpumemd_steps_total", (), "Training steps completed since attach.", "AgentState.steps_total"),
     _g("gpumemd_step_duration_seconds", (), "Wall time of the last training step.", "StepRecord.duration_s"),
+    _g("gpumemd_last_step_timestamp_seconds", (),
+       "Unix time the last training step ended, as a lower bound: the wall time of the last sampled step, "
+       "moved later once a scrape has seen steps counted since; exact to within the sampling stride (at most "
+       "10 steps, on fast steps only). Absent before the first step. The stale alert reads it.",
+       "StepRecord.wall_time; the scrapes' step counts"),
+    _g("gpumemd_step_typical_duration_seconds", (),
+       "Typical wall time of one training step: the median over the last sampled steps, so a pause between "
+       "steps (an evaluation, a checkpoint) does not move it. Absent before two sampled steps.",
+       "Agent.seconds_per_step"),
+    MetricSpec(
+        "gpumemd_job_phase_info", "info", ("job_phase", "stepping"),
+        "The phase the training process is in now, as labelled with gpumemd.phase(...) ('train' outside any; "
+        "at most 64 characters), and whether a training step has ended in it (stepping 'true'/'false'); "
+        "always 1, one series.",
+        "Agent.current_phase; StepRecord.phase of the last step",
+    ),
     # --- tensor census ---
     _g("gpumemd_census_bytes", ("category",),
        "Bytes of live tensors by category in the last census (graph: bytes kept alive by autograd graphs).",

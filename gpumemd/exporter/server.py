@@ -12,6 +12,9 @@ listening socket to forked DataLoader workers. Here (issue 15, item 5):
   so a detach does not wait half a second;
 - a forked child closes its copy of the listening socket and connections at once
   (``os.register_at_fork``), so the port is free as soon as the parent stops serving.
+
+It also counts the metrics responses it begins and sends whole, so that after a fatal OOM the
+exporter can wait until one scrape has carried the OOM away (``wait_for_response_after``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import socket
 import ssl
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 log = logging.getLogger("gpumemd")
@@ -48,6 +52,31 @@ class ServeOptions:
     bind: str = "127.0.0.1"
     certfile: str | None = None
     keyfile: str | None = None
+
+
+def _full_exposition(environ: dict[str, Any]) -> bool:
+    """A GET that prometheus_client answers with every metric (not the favicon, not ``name[]=`` filtered)."""
+    return (environ.get("REQUEST_METHOD") == "GET" and environ.get("PATH_INFO") != "/favicon.ico"
+            and "name[]" not in parse_qs(environ.get("QUERY_STRING", "")))
+
+
+class _Sent:
+    """A WSGI body that calls ``done`` once its last chunk was written to the socket.
+
+    wsgiref writes each chunk before asking for the next, so the code after the last ``yield`` runs
+    only when every byte went out; a failed write ends the iteration first. ``len`` keeps the
+    Content-Length wsgiref sets for a one-chunk body."""
+
+    def __init__(self, body: Iterable[bytes], done: Callable[[], None]) -> None:
+        self._body = list(body)
+        self._done = done
+
+    def __len__(self) -> int:
+        return len(self._body)
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._body
+        self._done()
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -72,7 +101,28 @@ class _ContainedServer(WSGIServer):
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)  # notified when a connection starts or ends
         self._live: dict[threading.Thread, socket.socket] = {}  # each connection's thread and socket
+        self.begun = 0  # metrics responses begun (each one's number is its ticket)
+        self.sent_ticket = 0  # the highest ticket of a metrics response sent whole
+        self.stopped = False  # set by MetricsServer.stop: a wait for a response ends
         super().__init__(address, _QuietHandler)
+
+    def count(self, app: Callable[..., Any]) -> Callable[..., Any]:
+        """``app`` with its metrics responses numbered when begun and recorded once sent whole."""
+
+        def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            if not _full_exposition(environ):
+                return app(environ, start_response)
+            with self.changed:
+                self.begun += 1
+                ticket = self.begun
+            return _Sent(app(environ, start_response), lambda: self._sent(ticket))
+
+        return counted
+
+    def _sent(self, ticket: int) -> None:
+        with self.changed:
+            self.sent_ticket = max(self.sent_ticket, ticket)
+            self.changed.notify_all()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -159,7 +209,7 @@ class MetricsServer:
         family = socket.AF_INET6 if ipaddress.ip_address(opts.bind).version == 6 else socket.AF_INET
         httpd = _ContainedServer((opts.bind, opts.port), family, max_connections=self._max_connections,
                                  timeout=self._timeout, tls=tls)
-        httpd.set_app(make_wsgi_app(self._registry))
+        httpd.set_app(httpd.count(make_wsgi_app(self._registry)))
         _servers.add(httpd)
         thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": _POLL_S},
                                   name=THREAD_NAME, daemon=True)
@@ -191,12 +241,35 @@ class MetricsServer:
         with httpd.changed:
             return httpd.changed.wait_for(lambda: predicate(len(httpd._live)), timeout)
 
+    @property
+    def responses_begun(self) -> int:
+        """Metrics responses begun so far: a mark for ``wait_for_response_after``."""
+        httpd = self._httpd
+        if httpd is None:
+            return 0
+        with httpd._lock:
+            return httpd.begun
+
+    def wait_for_response_after(self, mark: int, timeout: float) -> bool:
+        """Block until a metrics response begun after ``mark`` (from ``responses_begun``) has been sent
+        whole, or ``timeout``; whether one was. Such a response was built from the state as it stood
+        when the mark was taken, or later."""
+        httpd = self._httpd
+        if httpd is None:
+            return False
+        with httpd.changed:
+            httpd.changed.wait_for(lambda: httpd.sent_ticket > mark or httpd.stopped, timeout)
+            return httpd.sent_ticket > mark
+
     def stop(self, timeout: float = 10.0) -> None:
         httpd, thread = self._httpd, self._thread
         self._httpd = self._thread = None
         self.url = None
         if httpd is None:
             return
+        with httpd.changed:
+            httpd.stopped = True
+            httpd.changed.notify_all()
         httpd.shutdown()  # returns once serve_forever has left its loop (within _POLL_S)
         httpd.server_close()
         httpd.close_connections(timeout=1.0)

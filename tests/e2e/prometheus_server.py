@@ -36,9 +36,11 @@ class Prometheus:
         self.url = ""
         self.log_path = workdir / "prometheus.log"
 
-    def start(self, targets: list[str], rule_files: list[str], timeout: float = 30.0) -> None:
+    def start(self, targets: list[str], rule_files: list[str], timeout: float = 30.0,
+              global_config: dict[str, Any] | None = None) -> None:
+        """``global_config``: the ``global`` section (default: scrape and evaluate every second)."""
         config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+            "global": global_config or {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": rule_files,
             "scrape_configs": [{"job_name": "gpumemd", "static_configs": [{"targets": targets}]}],
         }

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import logging
+import os
 import socket
 import ssl
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -202,3 +208,195 @@ def test_serves_https_with_a_certificate(out_dir: str) -> None:
     assert scrape(url, context)["gpumemd_info"] == 1
     with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP is not served
         urllib.request.urlopen(url.replace("https://", "http://"), timeout=5)
+
+
+# --- a fatal OOM reaches Prometheus (issue 13 item 4): linger until one scrape, push/write at once ------
+# The excepthook runs in a thread here, as the process would at exit; the real exit is the subprocess
+# test at the end. (An uncaught exception's hook is the last thing the process runs before atexit.)
+
+
+def _oom() -> RuntimeError:
+    try:
+        torch.empty(2**50)  # a real CPU allocation failure (malloc fails at once, no RAM is used)
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("the allocation did not fail")
+
+
+def _excepthook_in_thread(exc: BaseException) -> tuple[threading.Thread, threading.Event]:
+    done = threading.Event()
+
+    def run() -> None:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        done.set()
+
+    thread = threading.Thread(target=run, name="test-excepthook", daemon=True)
+    thread.start()
+    return thread, done
+
+
+def _lingering(caplog: pytest.LogCaptureFixture, done: threading.Event, timeout: float = 30.0) -> bool:
+    """Wait for the hook's "keeping ... up" line (or for the hook to return): whether it lingers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any("until a scrape records the out-of-memory error" in r.getMessage() for r in caplog.records):
+            return True
+        if done.wait(0.02):
+            return False
+    raise AssertionError("the excepthook neither lingered nor returned")
+
+
+def test_a_fatal_oom_keeps_serving_until_one_scrape_has_fetched_it(out_dir: str, caplog: pytest.LogCaptureFixture,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    agent = gpumemd.attach(port=0, output_dir=out_dir, sample_interval_s=0, oom_linger_s=60)
+    url = agent.exporter_url
+    assert url is not None
+    train(3)
+    before = scrape(url)  # a scrape before the OOM does not end the wait
+    assert before["gpumemd_ooms_total"] == 0
+    thread, done = _excepthook_in_thread(_oom())
+    assert _lingering(caplog, done)
+    assert not done.is_set()
+    metrics = scrape(url)
+    assert metrics["gpumemd_ooms_total"] == 1 and metrics["gpumemd_oom_reports_total"] == 1
+    assert done.wait(10), "the hook went on waiting after a scrape fetched the OOM"
+    thread.join(10)
+    assert "DefaultCPUAllocator: can't allocate memory" in capsys.readouterr().err  # the traceback, as ever
+
+
+def test_the_wait_is_bounded_by_oom_linger_s(out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    gpumemd.attach(port=0, output_dir=out_dir, sample_interval_s=0, oom_linger_s=0.3)
+    train(2)
+    start = time.monotonic()
+    thread, done = _excepthook_in_thread(_oom())
+    assert _lingering(caplog, done)
+    assert done.wait(10)  # nobody scrapes: it gives up after 0.3 s
+    assert 0.25 <= time.monotonic() - start < 10
+    thread.join(10)
+
+
+@pytest.mark.parametrize("case", ["linger_0", "no_port", "interactive", "not_an_oom"])
+def test_no_wait_where_there_is_nothing_to_wait_for(case: str, out_dir: str, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    options: dict = {"port": 0, "oom_linger_s": 60}
+    if case == "linger_0":
+        options["oom_linger_s"] = 0
+    if case == "no_port":
+        options = {"textfile": str(tmp_path / "m.prom"), "oom_linger_s": 60}
+    if case == "interactive":
+        monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)  # a REPL goes on after the traceback
+    gpumemd.attach(output_dir=out_dir, sample_interval_s=0, **options)
+    train(2)
+    exc = ValueError("not memory") if case == "not_an_oom" else _oom()
+    thread, done = _excepthook_in_thread(exc)
+    assert not _lingering(caplog, done)
+    thread.join(10)
+
+
+def test_an_oom_that_oom_guard_reported_and_reraised_still_lingers(out_dir: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    agent = gpumemd.attach(port=0, output_dir=out_dir, sample_interval_s=0, oom_linger_s=60)
+    train(2)
+    try:
+        with gpumemd.oom_guard():
+            torch.empty(2**50)
+    except RuntimeError as exc:
+        caught = exc
+    assert agent.state().ooms_total == 1  # the guard counted and reported it
+    thread, done = _excepthook_in_thread(caught)
+    assert _lingering(caplog, done)
+    assert agent.exporter_url is not None
+    assert scrape(agent.exporter_url)["gpumemd_ooms_total"] == 1
+    assert done.wait(10)
+    thread.join(10)
+
+
+def test_textfile_and_pushgateway_get_the_fatal_oom_at_once(out_dir: str, tmp_path: Path,
+                                                            gateway: tuple[str, list],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    address, received = gateway
+    path = tmp_path / "gpumemd.prom"
+    agent = gpumemd.attach(port=0, textfile=str(path), pushgateway=address, output_dir=out_dir,
+                           sample_interval_s=0, oom_linger_s=60)
+    train(2)
+    thread, done = _excepthook_in_thread(_oom())
+    assert _lingering(caplog, done)
+    # before any scrape, while the process would still be waiting: both already have the OOM
+    text = path.read_text()
+    assert "gpumemd_ooms_total 1.0" in text.replace('{local_rank="0",rank="0"}', "")
+    [(method, _, body)] = received
+    assert method == "PUT" and b"gpumemd_oom_reports_total" in body
+    assert agent.exporter_url is not None
+    scrape(agent.exporter_url)
+    assert done.wait(10)
+    thread.join(10)
+    path.write_text("# the textfile collector's copy\n")
+    gpumemd.detach()  # the exit: no second push (an unreachable gateway would cost its timeout again)
+    assert len(received) == 1 and path.read_text() == "# the textfile collector's copy\n"
+
+
+def test_a_forked_worker_does_not_linger(out_dir: str) -> None:
+    gpumemd.attach(port=0, output_dir=out_dir, sample_interval_s=0, oom_linger_s=60)
+    train(2)
+    exc = _oom()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker dying of an OOM: its exit is not the job's
+        code = 3
+        try:
+            start = time.monotonic()
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+                sys.excepthook(type(exc), exc, exc.__traceback__)
+            code = 0 if time.monotonic() - start < 5 else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+CRASH = textwrap.dedent("""
+    import torch, gpumemd
+    agent = gpumemd.attach(port=0, sample_interval_s=0)
+    print(agent.exporter_url, flush=True)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.empty(2**50)
+""")
+
+
+def test_the_job_exits_with_its_own_traceback_and_status_once_scraped(tmp_path: Path) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    env = {**os.environ, "GPUMEMD_OUTPUT_DIR": str(tmp_path / "out")}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        url = proc.stdout.readline().strip()
+        lines: list[str] = []
+        for line in proc.stderr:  # up to the linger line: the traceback is printed before it
+            lines.append(line)
+            if "until a scrape records the out-of-memory error" in line:
+                break
+        assert proc.poll() is None, "the job exited before a scrape fetched its OOM"
+        metrics = scrape(url)
+        assert metrics["gpumemd_ooms_total"] == 1 and metrics["gpumemd_oom_reports_total"] == 1
+        assert proc.wait(timeout=60) == 1  # python's status for an uncaught exception
+        stderr = "".join(lines) + proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    traceback_lines = [line for line in stderr.splitlines() if not line.startswith("gpumemd")]
+    assert traceback_lines[0] == "Traceback (most recent call last):"
+    assert traceback_lines[-1].startswith("RuntimeError: [enforce fail at alloc_cpu.cpp")
+    assert "line 11, in <module>" in stderr

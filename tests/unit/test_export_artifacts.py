@@ -77,6 +77,11 @@ DASHBOARD_CHECKS: list[tuple[str, dict[str, Any]]] = [
     ("test_unique_ids_and_panels_inside_the_grid", {}),
     ("test_provisioning_files", {}),
     ("test_every_query_parses_as_promql", {"tmp_path": None}),  # needs promtool
+    ("test_device_headroom_counts_the_allocator_cache_as_free", {"tmp_path": None}),
+    ("test_leak_state_reads_healthy_without_a_finding", {"tmp_path": None}),
+    ("test_leak_slope_is_bytes_per_step", {}),
+    ("test_time_since_the_last_step_is_on_the_dashboard", {}),
+    ("test_firing_gpumemd_alerts_are_annotations", {"tmp_path": None}),
 ]
 
 

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumemd.exporter.collector import CounterBaseline, StateCollector, build_families
+from gpumemd.exporter.collector import CounterBaseline, LiveFigures, StateCollector, StepClock, build_families
 from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
 from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
@@ -87,9 +87,18 @@ def full_state(n_devices: int = 2) -> AgentState:
     )
 
 
-def scrape(state: AgentState, baseline: CounterBaseline | None = None) -> tuple[str, dict[str, list]]:
+# What a running agent adds at scrape time: with it, full_state() emits every catalogued metric.
+FULL_LIVE = LiveFigures(seconds_per_step=0.2, phase="train")
+
+
+def full_live() -> LiveFigures:
+    return FULL_LIVE
+
+
+def scrape(state: AgentState, baseline: CounterBaseline | None = None,
+           live: LiveFigures | None = None) -> tuple[str, dict[str, list]]:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(lambda: state, baseline))
+    registry.register(StateCollector(lambda: state, baseline, live=(lambda: live) if live else None))
     text = generate_latest(registry).decode()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
@@ -105,16 +114,16 @@ def value(samples: dict[str, list], name: str, **labels: str) -> float:
 
 
 def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
-    text, samples = scrape(full_state())
+    text, samples = scrape(full_state(), live=FULL_LIVE)
 
     assert set(samples) == {spec.name for spec in SPECS}
     assert "_created" not in text
 
 
 def test_names_follow_prometheus_conventions() -> None:
-    _, samples = scrape(full_state())
+    _, samples = scrape(full_state(), live=FULL_LIVE)
     allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "phase", "version", "world_size", "hostname",
-               "launcher"}
+               "launcher", "job_phase", "stepping"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
         assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name
@@ -319,7 +328,7 @@ def test_a_failing_state_read_gives_an_empty_scrape_logged_once(caplog: pytest.L
 
 
 def test_build_families_has_no_duplicate_label_sets() -> None:
-    for family in build_families(full_state(n_devices=8)):
+    for family in build_families(full_state(n_devices=8), live=FULL_LIVE):
         keys = [(s.name, tuple(sorted(s.labels.items()))) for s in family.samples]
         assert len(keys) == len(set(keys)), family.name
 
@@ -328,3 +337,111 @@ def test_reference_table_lists_every_metric() -> None:
     table = reference_table()
     for spec in SPECS:
         assert f"`{spec.name}`" in table
+
+
+# --- step progress: what the stale alert reads (issue 13 item 4) ------------------------------------
+
+
+def _stepped(steps_total: int, record_step: int, wall_time: float, phase: str = "train",
+             duration: float | None = 0.5) -> AgentState:
+    record = StepRecord(step=record_step, wall_time=wall_time, duration_s=duration, phase=phase)
+    return AgentState(identity=Identity(), attached_at=1.0, updated_at=wall_time, step=steps_total - 1,
+                      steps_total=steps_total, last_step=record, phase=phase)
+
+
+def test_no_step_yet_means_no_last_step_timestamp_and_a_train_phase_without_steps() -> None:
+    _, samples = scrape(AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0))
+
+    assert "gpumemd_last_step_timestamp_seconds" not in samples
+    assert "gpumemd_step_typical_duration_seconds" not in samples  # not known before two sampled steps
+    [phase] = samples["gpumemd_job_phase_info"]
+    assert phase.value == 1 and phase.labels["job_phase"] == "train" and phase.labels["stepping"] == "false"
+
+
+def test_last_step_timestamp_is_the_sampled_step_wall_time() -> None:
+    _, samples = scrape(_stepped(steps_total=10, record_step=9, wall_time=1000.5), live=FULL_LIVE)
+
+    assert value(samples, "gpumemd_last_step_timestamp_seconds") == 1000.5
+    assert value(samples, "gpumemd_step_typical_duration_seconds") == 0.2
+    assert value(samples, "gpumemd_job_phase_info", job_phase="train", stepping="true") == 1
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_steps_counted_after_the_sampled_one_move_the_bound_to_the_previous_scrape() -> None:
+    # Stride 10 set while steps were fast, then steps turned slow: the last record is steps old.
+    clock = _Clock(2000.0)
+    collector_clock = StepClock(clock)
+    state = _stepped(steps_total=101, record_step=100, wall_time=1000.0)
+
+    def last_step(state: AgentState) -> float | None:
+        return collector_clock.last_step_at(state, collector_clock.now())
+
+    assert last_step(state) == 1000.0  # first scrape: only the record's time is known
+    clock.now = 2015.0
+    assert last_step(state) == 1000.0  # same count: nothing new
+    clock.now = 2030.0
+    moved = _stepped(steps_total=104, record_step=100, wall_time=1000.0)  # 3 unsampled steps since
+    assert last_step(moved) == 2015.0  # a step ended after the scrape at 2015 (lower bound, never later)
+    clock.now = 2045.0
+    assert last_step(moved) == 2015.0  # no new step: the bound stays
+    clock.now = 2060.0
+    sampled = _stepped(steps_total=105, record_step=104, wall_time=2050.0)
+    assert last_step(sampled) == 2050.0  # a sampled step is exact
+
+
+def test_an_overtaken_scrape_does_not_move_the_bound() -> None:
+    step_clock = StepClock(_Clock(0.0))
+    newer = _stepped(steps_total=6, record_step=5, wall_time=100.0)
+    older = _stepped(steps_total=5, record_step=4, wall_time=90.0)
+    assert step_clock.last_step_at(newer, read_at=120.0) == 100.0
+    assert step_clock.last_step_at(older, read_at=110.0) == 90.0  # read before the newer one: says nothing
+    assert step_clock.last_step_at(newer, read_at=130.0) == 100.0  # no bound was made up from it
+
+
+def test_the_collector_feeds_its_step_clock_from_each_scrape() -> None:
+    clock = _Clock(500.0)
+    current = [_stepped(steps_total=3, record_step=2, wall_time=400.0)]
+    collector = StateCollector(lambda: current[0], step_clock=StepClock(clock))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+
+    def exported() -> float:
+        text = generate_latest(registry).decode()
+        [sample] = [s for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "gpumemd_last_step_timestamp_seconds"]
+        return float(sample.value)
+
+    assert exported() == 400.0
+    clock.now = 515.0
+    current[0] = _stepped(steps_total=9, record_step=2, wall_time=400.0)
+    assert exported() == 500.0
+
+
+def test_a_labelled_phase_without_steps_is_not_stepping() -> None:
+    in_eval = LiveFigures(seconds_per_step=0.2, phase="eval")
+    _, samples = scrape(_stepped(steps_total=10, record_step=9, wall_time=1000.0), live=in_eval)
+    assert value(samples, "gpumemd_job_phase_info", job_phase="eval", stepping="false") == 1
+    assert len(samples["gpumemd_job_phase_info"]) == 1
+
+    # steps inside a labelled phase: the first one is always sampled, so the record carries the phase
+    _, samples = scrape(_stepped(steps_total=10, record_step=9, wall_time=1000.0, phase="warmup"),
+                        live=LiveFigures(phase="warmup"))
+    assert value(samples, "gpumemd_job_phase_info", job_phase="warmup", stepping="true") == 1
+
+
+def test_the_phase_label_is_bounded() -> None:
+    _, samples = scrape(_stepped(steps_total=1, record_step=0, wall_time=1.0), live=LiveFigures(phase="x" * 500))
+    [phase] = samples["gpumemd_job_phase_info"]
+    assert phase.labels["job_phase"] == "x" * 64
+
+
+def test_without_live_figures_the_phase_comes_from_the_state() -> None:
+    _, samples = scrape(_stepped(steps_total=3, record_step=2, wall_time=1.0, phase="checkpoint"))
+    assert value(samples, "gpumemd_job_phase_info", job_phase="checkpoint", stepping="true") == 1

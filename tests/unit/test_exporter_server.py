@@ -87,6 +87,9 @@ def test_idle_connections_are_capped_and_closed_on_stop() -> None:
         assert server.wait_for_connections(lambda n: n == 0, timeout=10)
         with urllib.request.urlopen(server.url, timeout=10) as response:
             assert b"gpumemd_test_value 3.0" in response.read()
+        # the scrape's connection ends on its own; then it cannot pass for the held one below (which,
+        # still in the listen backlog at stop(), would be reset instead of closed)
+        assert server.wait_for_connections(lambda n: n == 0, timeout=10)
         # stop() closes and joins the connections still open
         held = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         idle.append(held)
@@ -138,3 +141,93 @@ def test_a_forked_child_does_not_keep_the_port() -> None:
         os.close(ready_r)
         os.close(done_w)  # lets the child end
         os.waitpid(pid, 0)
+
+
+# --- response accounting: "has a scrape fetched the state as of now?" (the fatal-OOM linger) ---------
+
+
+def test_a_response_begun_after_the_mark_and_sent_whole_is_seen() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0))
+    url = server.start()
+    try:
+        mark = server.responses_begun
+        assert not server.wait_for_response_after(mark, timeout=0.05)  # nobody scraped
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert b"gpumemd_test_value 3.0" in response.read()
+        assert server.wait_for_response_after(mark, timeout=10)
+        assert server.responses_begun == mark + 1
+        # the content length is still set (a one-chunk body), as before the accounting
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert int(response.headers["Content-Length"]) == len(response.read())
+    finally:
+        server.stop()
+    assert not server.wait_for_response_after(0, timeout=0.05)  # stopped: nothing to wait for
+
+
+def test_favicon_and_filtered_requests_do_not_count() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0))
+    url = server.start()
+    try:
+        mark = server.responses_begun
+        for path in ("/favicon.ico", "/metrics?name[]=gpumemd_other"):
+            with urllib.request.urlopen(url.replace("/metrics", path), timeout=10) as response:
+                response.read()
+        assert server.responses_begun == mark
+        assert not server.wait_for_response_after(mark, timeout=0.05)
+    finally:
+        server.stop()
+
+
+class _Gate:
+    """A collector that blocks inside collect() until released: a response begun, not yet sent."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        self.release.wait(10)
+        return iter(())
+
+
+def test_a_response_begun_before_the_mark_does_not_count() -> None:
+    # It may have been built from the state before the OOM was counted.
+    registry = _registry()
+    gate = _Gate()
+    registry.register(gate)
+    server = MetricsServer(registry, ServeOptions(port=0))
+    url = server.start()
+    early: list[bytes] = []
+    fetch = threading.Thread(target=lambda: early.append(urllib.request.urlopen(url, timeout=10).read()))
+    try:
+        fetch.start()
+        assert gate.entered.wait(10)
+        mark = server.responses_begun  # the early response is under way: its ticket is the mark
+        gate.release.set()
+        fetch.join(10)
+        assert early and b"gpumemd_test_value" in early[0]
+        assert not server.wait_for_response_after(mark, timeout=0.05)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            response.read()
+        assert server.wait_for_response_after(mark, timeout=10)
+    finally:
+        gate.release.set()
+        server.stop()
+
+
+def test_stop_ends_a_wait_for_a_response() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0))
+    server.start()
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(server.wait_for_response_after(0, timeout=60)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting: nobody scrapes
+    start = time.monotonic()
+    server.stop()
+    waiter.join(10)
+    assert result == [False] and time.monotonic() - start < 10  # not the 60 s bound

@@ -19,7 +19,7 @@ import yaml
 from prom_binaries import require_binary
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_exporter_collector import full_state
+from test_exporter_collector import full_live, full_state
 
 from gpumemd.exporter.collector import StateCollector
 from gpumemd.exporter.metrics import BY_NAME
@@ -49,7 +49,7 @@ def metrics_in(expr: str) -> list[tuple[str, str]]:
 
 def exposed() -> set[str]:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(full_state))
+    registry.register(StateCollector(full_state, live=full_live))
     text = generate_latest(registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
@@ -201,3 +201,101 @@ def test_provisioning_files() -> None:
     assert providers["apiVersion"] == 1
     [provider] = providers["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
+
+
+# --- what the panels say (issue 13 item 4): allocator-aware headroom, units, healthy states, alerts ----
+
+
+def panel(title: str) -> dict:
+    [found] = [p for p in PANELS if p["title"] == title]
+    return found
+
+
+def evaluate(tmp_path: Path, expr: str, series: dict[str, str], expected: list[tuple[str, float]]) -> None:
+    """promtool evaluates a dashboard query on ``series`` (selector -> values) and checks its samples."""
+    (tmp_path / "none.yml").write_text(yaml.safe_dump({"groups": []}))
+    test = {"rule_files": ["none.yml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": name, "values": values} for name, values in series.items()],
+        "promql_expr_test": [{"expr": substitute(expr), "eval_time": "1m",
+                              "exp_samples": [{"labels": labels, "value": v} for labels, v in expected]}],
+    }]}
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(test))
+    result = subprocess.run([require_binary("promtool"), "test", "rules", "t.yml"], cwd=tmp_path,
+                            capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+
+
+JOB = 'job="gpumemd",instance="n:9400",rank="0",local_rank="0"'
+GIB = 1024**3
+
+
+def test_device_headroom_counts_the_allocator_cache_as_free(tmp_path: Path) -> None:
+    # NVML: 1 GiB free; the allocator holds 30 GiB of which tensors use 6: 25 GiB are really available.
+    stat_panel = panel("Device headroom")
+    [target] = stat_panel["targets"]
+    series = {
+        f'gpumemd_device_free_bytes{{{JOB},device="0"}}': f"{GIB}x2",
+        f'gpumemd_allocator_reserved_bytes{{{JOB},device="0"}}': f"{30 * GIB}x2",
+        f'gpumemd_allocator_allocated_bytes{{{JOB},device="0"}}': f"{6 * GIB}x2",
+        # a device whose allocator is not read yet: NVML's figure
+        f'gpumemd_device_free_bytes{{{JOB},device="1"}}': f"{3 * GIB}x2",
+    }
+    evaluate(tmp_path, target["expr"], series, [(f'{{{JOB},device="0"}}', 25 * GIB),
+                                                (f'gpumemd_device_free_bytes{{{JOB},device="1"}}', 3 * GIB)])
+    steps = stat_panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["color"] for s in steps if s["value"] is not None and s["value"] <= 25 * GIB][-1] == "green"
+
+
+def test_leak_state_reads_healthy_without_a_finding(tmp_path: Path) -> None:
+    stat_panel = panel("Leak state")
+    [target] = stat_panel["targets"]
+    series = {
+        f'gpumemd_info{{{JOB},version="1",world_size="2",hostname="n",launcher="torchrun"}}': "1x2",
+        'gpumemd_info{job="gpumemd",instance="n:9401",rank="1",local_rank="1",version="1",world_size="2",'
+        'hostname="n",launcher="torchrun"}': "1x2",
+        'gpumemd_leak_state{job="gpumemd",instance="n:9401",rank="1",local_rank="1",kind="tensor_leak",'
+        'device="0"}': "2x2",
+    }
+    # rank 0 has no finding: one 0 ("healthy"); rank 1's confirmed finding, and no healthy line beside it
+    evaluate(tmp_path, target["expr"], series,
+             [('{instance="n:9400",rank="0"}', 0), ('{instance="n:9401",rank="1",kind="tensor_leak"}', 2)])
+    [mapping] = stat_panel["fieldConfig"]["defaults"]["mappings"]
+    assert mapping["options"]["0"] == {"text": "healthy", "color": "green"}
+    assert mapping["options"]["2"]["text"] == "confirmed"
+
+
+def test_leak_slope_is_bytes_per_step() -> None:
+    slope = panel("Leak slope")
+    defaults = slope["fieldConfig"]["defaults"]
+    assert defaults["unit"] == "bytes"  # IEC scaling; Grafana has no bytes-per-step unit
+    assert "step" in defaults["custom"]["axisLabel"]
+    assert all(t["legendFormat"].endswith("per step") for t in slope["targets"])
+    assert "bytes per training step" in slope["description"]
+
+
+def test_time_since_the_last_step_is_on_the_dashboard() -> None:
+    since = panel("Since the last step")
+    [target] = since["targets"]
+    assert target["expr"].startswith("time() - gpumemd_last_step_timestamp_seconds{")
+    assert since["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_firing_gpumemd_alerts_are_annotations(tmp_path: Path) -> None:
+    annotations = DASHBOARD["annotations"]["list"]
+    [alerts] = [a for a in annotations if "expr" in a]
+    assert alerts["enable"] is True and alerts["datasource"]["uid"] in DS_REFS
+    expr = alerts["expr"]
+    assert expr.startswith("ALERTS{") and 'alertname=~"Gpumemd.*"' in expr and 'alertstate="firing"' in expr
+    assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr
+    assert "rank" not in expr  # GpumemdAgentDown has no rank label: a rank matcher would hide it
+    assert "{{alertname}}" in alerts["titleFormat"]
+    # the rules' alert names all match it
+    rules = yaml.safe_load((ROOT / "exporters" / "prometheus" / "rules" / "gpumemd.rules.yml").read_text())
+    names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert names and all(re.fullmatch("Gpumemd.*", n) for n in names)
+    series = {'ALERTS{alertname="GpumemdAgentDown",alertstate="firing",job="gpumemd",instance="n:9400",'
+              'severity="warning"}': "1x2",
+              'ALERTS{alertname="Other",alertstate="firing",job="gpumemd",instance="n:9400"}': "1x2"}
+    evaluate(tmp_path, expr, series, [('ALERTS{alertname="GpumemdAgentDown",alertstate="firing",job="gpumemd",'
+                                       'instance="n:9400",severity="warning"}', 1)])

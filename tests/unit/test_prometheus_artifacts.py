@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prom_binaries import require_binary
 from prometheus_client import CollectorRegistry, generate_latest
-from test_exporter_collector import full_state
+from test_exporter_collector import full_live, full_state
 
 from gpumemd.exporter.collector import StateCollector
 
@@ -93,7 +93,7 @@ def test_file_sd_writer_lists_one_target_per_local_rank() -> None:
 
 def test_exposition_passes_promtool_check_metrics() -> None:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(full_state))
+    registry.register(StateCollector(full_state, live=full_live))
     exposition = generate_latest(registry)
 
     result = run(require_binary("promtool"), "check", "metrics", stdin=exposition)
