@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.probes.environment import collect_environment
+from gpumemd.probes.package_dirs import internal_dirs
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.report.build import ReportInputs, build_report, oom_device
@@ -315,13 +316,13 @@ class OomComponent:
             identity=state.identity,
             source=source,
             exception_type=type(exc).__name__ if exc is not None else "none",
-            exception_message=str(exc) if exc is not None else "report requested without an exception",
+            exception_message=_safe_str(exc) if exc is not None else "report requested without an exception",
             traceback_text=_format_traceback(exc),
             message=message,
             step=step,
             phase=agent.current_phase,
             observer=capture.call if capture else None,
-            snapshot_summaries=summarize_snapshot(snapshot) if snapshot is not None else {},
+            snapshot_summaries=summarize_snapshot(snapshot, internal=internal_dirs()) if snapshot is not None else {},
             snapshot_source=snapshot_source,
             snapshot_file="snapshot.pickle" if snapshot is not None else None,
             expandable_segments=expandable_segments_enabled(snapshot) if snapshot is not None else None,
@@ -382,3 +383,13 @@ def _format_traceback(exc: BaseException | None) -> str:
         return ""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return text if len(text) <= _TRACEBACK_CHARS else "...\n" + text[-_TRACEBACK_CHARS:]
+
+
+def _safe_str(exc: BaseException) -> str:
+    """The exception's message as Python's traceback shows it: an exception whose ``__str__`` raises
+    still gets its report (the message reads as the traceback's placeholder)."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - the job's own exception class, whatever it does
+        return "<exception str() failed>"
+

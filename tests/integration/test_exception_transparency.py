@@ -80,11 +80,6 @@ def _cuda_oom_text(digits: int) -> str:
 CPU_OOM_TEXT = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
                 "to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)")
 
-NO_REPORT_FOR_BROKEN_STR = (
-    "gpumemd/components/oom.py (not changed here) builds the report with str(exc), which raises: it logs "
-    "'could not write the OOM report (ValueError: __str__ is broken)' and writes none; the exception itself "
-    "passes through unchanged")
-
 
 @dataclass(frozen=True)
 class Kind:
@@ -152,8 +147,7 @@ OutOfMemoryError.__module__ = "torch.cuda"
 
 def fail(step):
     raise OutOfMemoryError(step)
-""", 1, "torch.cuda.OutOfMemoryError: <exception str() failed>", oom=True,
-        xfail_report=NO_REPORT_FOR_BROKEN_STR),
+""", 1, "torch.cuda.OutOfMemoryError: <exception str() failed>", oom=True),
     "CUDA OOM text, 400-digit sizes": Kind(
         f"""
 def fail(step):
