@@ -289,19 +289,13 @@ def _url_host(bind: str) -> str:
 
 
 def write_textfile(path: str, registry: Any) -> None:
-    """node_exporter textfile-collector output, written atomically (temp file + os.replace)."""
+    """node_exporter textfile-collector output, written whole (``gpumemd.files.replace_file``)."""
     from prometheus_client import generate_latest
 
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"  # same directory: os.replace stays atomic (one filesystem)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(generate_latest(registry))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    from gpumemd.files import replace_file
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    replace_file(path, generate_latest(registry))
 
 
 def push_once(gateway: str, registry: Any, grouping_key: dict[str, str], timeout: float = 5.0) -> None:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from gpumemd.probes.health import ProbeHealth
+from gpumemd.probes.health import ProbeHealth, log
 from gpumemd.records.samples import NvmlDeviceSample
 
 
@@ -184,8 +184,6 @@ class NvmlProbe:
                 return mem
             except Exception as exc:  # noqa: BLE001 - NVMLError_FunctionNotFound on older drivers
                 if self._memory_v2 is None:
-                    from gpumemd.probes.health import log
-
                     log.info("gpumemd: NVML memory info v2 unavailable (%s); device 'used' includes "
                              "driver-reserved memory", exc)
                 self._memory_v2 = False
@@ -194,30 +192,22 @@ class NvmlProbe:
     def _processes(self, handle: Any) -> list[Any] | None:
         """Compute processes through the newest call this driver answers (v3, then v2), found once and
         said once; None when neither works (MIG on some drivers): per-process use is then absent."""
-        names = self._process_calls
-        if names is None:
-            names = [n for n in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2")
-                     if hasattr(self._nvml, n)]
-        errors = []
-        for name in list(names):
+        if self._process_calls is None:
+            self._process_calls = [n for n in ("nvmlDeviceGetComputeRunningProcesses",
+                                               "nvmlDeviceGetComputeRunningProcesses_v2") if hasattr(self._nvml, n)]
+        calls, errors = self._process_calls, []
+        while calls:
             try:
-                procs = list(getattr(self._nvml, name)(handle))
-            except Exception as exc:  # noqa: BLE001 - version mismatch, not supported
-                errors.append(f"{name}: {type(exc).__name__}: {exc}")
-                names = [n for n in names if n != name]
+                procs = list(getattr(self._nvml, calls[0])(handle))
+            except Exception as exc:  # noqa: BLE001 - version mismatch, not supported: try the older call
+                errors.append(f"{calls.pop(0)}: {type(exc).__name__}: {exc}")
                 continue
-            if errors and self._process_calls is None:
-                from gpumemd.probes.health import log
-
-                log.info("gpumemd: NVML %s; using %s", "; ".join(errors), name)
-            self._process_calls = names
+            if errors:
+                log.info("gpumemd: NVML %s; using %s", "; ".join(errors), calls[0])
             return procs
-        if self._process_calls is None or self._process_calls:
-            from gpumemd.probes.health import log
-
+        if errors:
             log.info("gpumemd: NVML cannot list compute processes (%s); this process's device use is absent",
-                     "; ".join(errors) or "no call available")
-        self._process_calls = []
+                     "; ".join(errors))
         return None
 
     def _process_used(self, handle: Any, has_context: bool) -> int | None:
@@ -230,8 +220,6 @@ class NvmlProbe:
                 return int(used) if isinstance(used, int) else None
         if procs and has_context and not self._pid_note_logged:
             self._pid_note_logged = True
-            from gpumemd.probes.health import log
-
             log.info(
                 "gpumemd: NVML lists processes on the device but not pid %d (a container's PID namespace?); "
                 "this process's device use is reported as absent", self._pid,
