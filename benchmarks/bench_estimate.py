@@ -34,6 +34,7 @@ from torch import nn
 
 import gpumemd
 from gpumemd.analysis.estimate import TransformerShape, estimate
+from gpumemd.components.phases import PhasesComponent
 from gpumemd.probes.cpu_peak import measure_cpu_peak
 from gpumemd.probes.trace import SavedTensorCounter, scalar_loss, storage_key, trace_model
 
@@ -174,7 +175,7 @@ def unsampled_hook_cost(calls: int = 20_000) -> float:
     with gpumemd.attached(model=model, optimizer=opt, output_dir=tempfile.mkdtemp(prefix="gpumemd-bench-"),
                           sample_interval_s=0, census=False, leak_detection=False, phases=True,
                           phase_every_steps=10**6) as agent:
-        component: Any = agent.component("phases")
+        component: Any = agent.component(PhasesComponent)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()  # one real step, so there is a step record to hand to on_step
         record = agent.steps()[-1]

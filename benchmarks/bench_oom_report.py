@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from gpumemd.agent import Agent
-from gpumemd.components.oom import OomComponent
+from gpumemd.api import build_agent
+from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
 from gpumemd.probes.snapshot import SnapshotProbe
 
@@ -102,8 +102,8 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="gpumemd-bench-oom-")
     config = Config(output_dir=out, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
                     oom_cooldown_s=0, oom_max_reports=args.rounds + 1, history_steps=args.steps)
-    component = OomComponent(snapshot_probe=probe)
-    agent = Agent(config, model=model, optimizer=opt, components=[component]).start()
+    component = OomComponent(config.options(OomOptions), snapshot_probe=probe)
+    agent = build_agent(config, model=model, optimizer=opt, components=[component]).start()
     try:
         for _ in range(args.steps):  # the timeline; a real step is cheap here, the report is what we time
             model(torch.randn(4, 64)).sum().backward()

@@ -21,11 +21,13 @@ import tracemalloc
 import torch
 
 import gpumemd
+from gpumemd.components.census import CensusComponent
+from gpumemd.components.leak import LeakComponent
 
 
 def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
-    leak = agent.component("leak")
-    census = agent.component("census")
+    leak = agent.component(LeakComponent)
+    census = agent.component(CensusComponent)
     detector = leak._detector  # type: ignore[attr-defined]
     tracker = leak._tracker  # type: ignore[attr-defined]
     chains = leak._chains  # type: ignore[attr-defined]

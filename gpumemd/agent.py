@@ -38,15 +38,19 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumemd.announce import StartFacts, emit, exit_summary, start_line
 from gpumemd.config import Config
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
+from gpumemd.records.device import cuda_device
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpumemd.components.base import Component
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
     from gpumemd.probes.nvml import NvmlProbe
@@ -55,39 +59,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpumemd")
 
-
-class Component(Protocol):
-    """A capability plugged into the agent (census, leak detection, OOM capture, exporter, ...).
-
-    ``on_step`` runs on the training thread at every *sampled* step end (``record.steps`` says how
-    many steps the record stands for) and must be cheap or self-spacing. A component may also
-    define ``on_eve()``, called at the end of the step before each sampled one (O(1) work only).
-    Components publish results with ``agent.publish(field=value)``; they never mutate state.
-    """
-
-    name: str
-
-    def start(self, agent: Agent) -> None: ...
-
-    def on_step(self, record: StepRecord) -> None: ...
-
-    def stop(self) -> None: ...
+ComponentT = TypeVar("ComponentT")
 
 
 class Agent:
-    """Samples memory every step into a bounded history and publishes an immutable state."""
+    """Samples memory every step into a bounded history and publishes an immutable state.
+
+    The agent owns the hooks, the sampler thread and the state; what it samples with (probes) and
+    what it drives (components) are given to it: ``gpumemd.api.build_agent`` builds both from the
+    configuration. The agent imports no component and looks components up by type (``component``).
+    """
 
     def __init__(
         self,
         config: Config,
         *,
+        allocator_probe: AllocatorProbe,
+        host_probe: HostProbe,
+        nvml_probe: NvmlProbe | None = None,
+        components: Sequence[Component] = (),
         model: Any = None,
         optimizer: Any = None,
-        allocator_probe: AllocatorProbe | None = None,
-        host_probe: HostProbe | None = None,
-        nvml_probe: NvmlProbe | None = None,
         identity: Identity | None = None,
-        components: list[Component] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
         max_stride: int | None = None,
@@ -102,8 +95,7 @@ class Agent:
         self._host = host_probe
         self._nvml = nvml_probe
         self._identity = identity
-        self._components: list[Component] = list(components) if components is not None else []
-        self._default_components = components is None
+        self._components: list[Component] = list(components)
         self._ring: collections.deque[StepRecord] = collections.deque(maxlen=config.history_steps)
         self._publish_lock = threading.Lock()  # writers only (training + sampler thread); readers never lock
         self._state: AgentState | None = None
@@ -155,14 +147,6 @@ class Agent:
         """Install hooks, start the sampler and the components; in that order (stop reverses it)."""
         if self._running:
             return self
-        from gpumemd.probes.allocator import AllocatorProbe
-        from gpumemd.probes.host import HostProbe
-        from gpumemd.probes.nvml import NvmlProbe
-
-        self._allocator = self._allocator or AllocatorProbe()
-        self._host = self._host or HostProbe()
-        if self._nvml is None and self.config.nvml:
-            self._nvml = NvmlProbe()
         identity = self._identity or current_identity()
         self._local_world_size = _local_world_size()
         now = self._wall()
@@ -170,8 +154,6 @@ class Agent:
         log.addFilter(self._log_filter)  # "gpumemd[rank 1/2]: ..." in multi-process jobs
         self._install_step_hook()
         self._running = True
-        if self._default_components:
-            self._components = default_components(self.config)
         started: list[Component] = []
         try:
             for component in self._components:
@@ -205,7 +187,7 @@ class Agent:
         devices: tuple[str, ...] = ()
         if "allocator" not in absent:
             samples = self.state().allocator
-            devices = tuple(f"cuda:{s.device}" for s in samples) or ("the CUDA devices the job uses",)
+            devices = tuple(cuda_device(s.device) for s in samples) or ("the CUDA devices the job uses",)
         return StartFacts(pid=os.getpid(), rank=identity.rank, world_size=identity.world_size,
                           output_dir=self.output_dir, metrics_url=self.exporter_url, devices=devices,
                           absent=absent)
@@ -628,7 +610,9 @@ class Agent:
         from gpumemd.probes.census import take_census
 
         start = self._clock()
-        result = take_census(self)
+        state = self.state()
+        result = take_census(models=list(self.models), optimizers=list(self.optimizers), step=state.step,
+                             allocator=state.allocator, previous=state.census)
         elapsed = self._clock() - start
         self.add_census_seconds(elapsed)
         self.add_thread_seconds(elapsed)  # called outside step ends (by the job, or at an OOM): not clocked there
@@ -638,15 +622,17 @@ class Agent:
     @property
     def exporter_url(self) -> str | None:
         """URL of this agent's ``/metrics`` endpoint, or None when the exporter is off."""
+        from gpumemd.components.base import Serving
+
         for component in self._components:
-            url = getattr(component, "url", None)
-            if url:
-                return str(url)
+            if isinstance(component, Serving) and component.url:
+                return component.url
         return None
 
-    def component(self, name: str) -> Component | None:
+    def component(self, kind: type[ComponentT]) -> ComponentT | None:
+        """The running component of type ``kind`` (``agent.component(OomComponent)``), or None."""
         for component in self._components:
-            if component.name == name:
+            if isinstance(component, kind):
                 return component
         return None
 
@@ -696,13 +682,6 @@ def _forked() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
-
-
-def default_components(config: Config) -> list[Component]:
-    """The capabilities a normal ``attach()`` turns on, in start order (they stop in reverse)."""
-    from gpumemd.components import build_default
-
-    return build_default(config)
 
 
 def _reset_peaks(samples: tuple[Any, ...]) -> None:

@@ -73,8 +73,8 @@ def _findings_text(findings: Sequence[Finding]) -> str:
         return "no leak found" if not findings else f"{len(findings)} growth{'s' if len(findings) > 1 else ''} cleared"
     worst = max(live, key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step))
     more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
-    # The sentence was written when the finding last changed state; say when, since the counts in
-    # it (list sizes, bytes so far) are from then.
+    # The finding as of its last evaluation (its sentence says when its culprit was looked up, if
+    # earlier: the container sizes in it are from then).
     return f"{worst.summary.rstrip('.')} (as of step {worst.updated_step}){more}"
 
 

@@ -1,10 +1,13 @@
-"""The public lifecycle: one agent per process, started by ``attach()`` and removed by ``detach()``."""
+"""The public lifecycle (one agent per process, started by ``attach()`` and removed by ``detach()``),
+and the composition root: ``build_agent`` is the one place that builds the probes, the process's
+allocation history and the components, and hands each its dependencies and its own options.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +15,12 @@ from gpumemd.config import Config
 
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
-    from gpumemd.records.step import StepRecord
+    from gpumemd.components.base import Component
+    from gpumemd.probes.allocation_history import AllocationHistory
+    from gpumemd.probes.allocator import AllocatorProbe
+    from gpumemd.probes.host import HostProbe
+    from gpumemd.probes.nvml import NvmlProbe
+    from gpumemd.records.step import Identity, StepRecord
 
 _lock = threading.Lock()
 _agent: Agent | None = None
@@ -29,9 +37,7 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     with _lock:
         agent = current()
         if agent is None:
-            from gpumemd.agent import Agent
-
-            agent = Agent(config, model=model, optimizer=optimizer)
+            agent = build_agent(config, model=model, optimizer=optimizer)
             agent.start()
             _agent = agent
             return agent
@@ -102,3 +108,84 @@ def phase(name: str) -> Iterator[None]:
         return
     with agent.phase(name):
         yield
+
+
+# --- the composition root ----------------------------------------------------------------------
+
+
+def build_agent(
+    config: Config,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    components: Sequence[Component] | None = None,
+    allocator_probe: AllocatorProbe | None = None,
+    host_probe: HostProbe | None = None,
+    nvml_probe: NvmlProbe | None = None,
+    identity: Identity | None = None,
+    history: AllocationHistory | None = None,
+    clock: Callable[[], float] | None = None,
+    wall_clock: Callable[[], float] | None = None,
+    max_stride: int | None = None,
+) -> Agent:
+    """An agent (not started) with the probes and components ``config`` asks for; any of them can be
+    given instead (tests and benchmarks do). ``components=None`` means the default set."""
+    from gpumemd.agent import Agent
+    from gpumemd.probes.allocator import AllocatorProbe
+    from gpumemd.probes.host import HostProbe
+
+    if components is None:
+        components = build_components(config, history=history)
+    if nvml_probe is None and config.nvml:
+        from gpumemd.probes.nvml import NvmlProbe
+
+        nvml_probe = NvmlProbe()
+    clocks: dict[str, Callable[[], float]] = {}
+    if clock is not None:
+        clocks["clock"] = clock
+    if wall_clock is not None:
+        clocks["wall_clock"] = wall_clock
+    return Agent(config, allocator_probe=allocator_probe or AllocatorProbe(), host_probe=host_probe or HostProbe(),
+                 nvml_probe=nvml_probe, components=components, model=model, optimizer=optimizer,
+                 identity=identity, max_stride=max_stride, **clocks)
+
+
+def build_components(config: Config, *, history: AllocationHistory | None = None) -> list[Component]:
+    """The capabilities a normal ``attach()`` turns on, each switched by its ``Config`` option, in
+    start order: census first (the leak detector and the OOM report read its censuses), the leak
+    detector next, then phases and OOM capture, the exporter last (it starts after everything it
+    exports and so never serves a half-started agent; it stops first).
+
+    ``history`` is the process's one allocation-history owner (torch's recording is process-wide),
+    shared by the leak detector and the OOM capture."""
+    from gpumemd.probes.allocation_history import process_history
+
+    history = history if history is not None else process_history()
+    components: list[Component] = []
+    census = None
+    if config.census:
+        from gpumemd.components.census import CensusComponent
+
+        census = CensusComponent(every_steps=config.census_every_steps, overhead_budget=config.overhead_budget)
+        components.append(census)
+    if config.leak_detection:
+        from gpumemd.components.leak import LeakComponent, LeakOptions
+
+        components.append(LeakComponent(config.options(LeakOptions), census=census, history=history))
+    if config.phases:
+        from gpumemd.components.phases import PhasesComponent
+
+        components.append(PhasesComponent(config.phase_every_steps))
+    from gpumemd.components.exporter import ExporterComponent, ExporterOptions
+
+    exporter_options = config.options(ExporterOptions)
+    exporter = ExporterComponent(exporter_options) if exporter_options.enabled else None
+    if config.oom_reports:
+        from gpumemd.components.oom import OomComponent, OomOptions
+        from gpumemd.probes.snapshot import SnapshotProbe
+
+        components.append(OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(history=history),
+                                       on_fatal=exporter))
+    if exporter is not None:
+        components.append(exporter)
+    return components

@@ -21,9 +21,10 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 ENV_PREFIX = "GPUMEMD_"
+OptionsT = TypeVar("OptionsT")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -246,6 +247,12 @@ class Config:
         _require(self.pushgateway is None or _is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
                  "host:port (optionally with http:// or https://), e.g. pushgateway.monitoring:9091")
         _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
+
+    def options(self, kind: type[OptionsT]) -> OptionsT:
+        """The options of one component: ``kind`` is a dataclass whose fields are named as this
+        config's fields (``LeakOptions``...), filled from them. One source of truth for defaults and
+        validation, and each component sees only what it reads."""
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]
 
     # --- construction from the outside world -------------------------------------------------
 

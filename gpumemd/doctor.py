@@ -292,8 +292,9 @@ def _expandable(value: str | None, backend: str, source: str) -> Check:
     if value.lower() != "true":
         return Check(name, "warn", f"expandable_segments:{value}{source} is neither True nor False")
     return Check(name, "ok", f"on{source}: segments grow in place, so reserved-but-unallocated memory stays "
-                 "small and is rarely fragmentation; snapshots show is_expandable segments and the device "
-                 "alloc/free counts are page mappings, not cudaMalloc calls")
+                 "small and is rarely fragmentation; torch does not count their blocks in inactive_split_bytes, "
+                 "so gpumemd reports no fragmentation figure or finding; snapshots show is_expandable segments "
+                 "and the device alloc/free counts are page mappings, not cudaMalloc calls")
 
 
 def check_history(torch: Any) -> Check:

@@ -26,7 +26,10 @@ import logging
 import traceback
 from collections.abc import Callable
 from types import CodeType, TracebackType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:
+    from gpumemd.components.oom import OomComponent
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -76,13 +79,9 @@ class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextli
 
         if classify_exception(exc) is None:
             return False
-        from gpumemd.api import current
-
-        agent = current()
-        component = agent.component("oom") if agent is not None else None
-        handle = getattr(component, "handle", None)
-        if handle is not None:
-            result = handle(exc, source="oom_guard")
+        component = _oom_component()
+        if component is not None:
+            result = component.handle(exc, source="oom_guard")
             self.last_report = result if isinstance(result, str) else None
         elif self.suppress:
             traceback.clear_frames(tb)
@@ -95,19 +94,27 @@ _WRAPPER_CODE = next(c for c in oom_guard.__call__.__code__.co_consts
 
 def oom_report(exc: BaseException | None = None) -> str | None:
     """Write an OOM report now; returns its directory, or None (no agent, reports off, cap reached)."""
-    from gpumemd.api import current
-
-    agent = current()
-    component = agent.component("oom") if agent is not None else None
-    write = getattr(component, "write_report", None)
-    if write is None:
+    component = _oom_component()
+    if component is None:
         return None
     try:
-        result = write(exc, source="request")
+        result = component.write_report(exc, source="request")
     except Exception as err:  # noqa: BLE001 - a diagnostic must not raise into the job's handler
         _log_once(f"gpumemd: oom_report failed ({type(err).__name__}: {err})")
         return None
     return result if isinstance(result, str) else None
+
+
+def _oom_component() -> OomComponent | None:
+    """The running agent's OOM capture, or None (no agent, or OOM reports off)."""
+    from gpumemd.api import current
+
+    agent = current()
+    if agent is None:
+        return None
+    from gpumemd.components.oom import OomComponent
+
+    return agent.component(OomComponent)
 
 
 _LOGGED: set[str] = set()

@@ -129,16 +129,22 @@ INST = "{{instance}} r{{rank}}"
 def build() -> dict[str, Any]:
     g = Layout()
     g.row("Overview")
+    free = sel("gpumemd_device_free_bytes", device=True)
+    # Under a per-process cap (set_per_process_memory_fraction) the allocator may reserve no more than
+    # cap - reserved, whatever the device has free: min(free, cap - reserved), in PromQL's filter-or form.
+    under_cap = (f"clamp_min({sel('gpumemd_allocator_cap_bytes', device=True)}"
+                 f" - {sel('gpumemd_allocator_reserved_bytes', device=True)}, 0)")
     g.add(stat(
         "Device headroom", "Memory this rank can still allocate on each GPU: NVML's free memory plus the "
         "caching allocator's cache (reserved - allocated), which PyTorch reuses before it asks the driver. "
-        "NVML alone counts that cache as used and shows a full device for a healthy job. Where the allocator "
+        "NVML alone counts that cache as used and shows a full device for a healthy job. Under a per-process "
+        "cap (set_per_process_memory_fraction) the free part is at most cap - reserved. Where the allocator "
         "is not read yet (CUDA not initialised), NVML's free memory. Below a few GiB, the next larger batch "
         "or a new shape can run out of memory.", "bytes",
-        (f"({sel('gpumemd_device_free_bytes', device=True)}"
+        (f"((({free} < {under_cap}) or {under_cap} or {free})"
          f" + {sel('gpumemd_allocator_reserved_bytes', device=True)}"
          f" - {sel('gpumemd_allocator_allocated_bytes', device=True)})"
-         f" or {sel('gpumemd_device_free_bytes', device=True)}", DEV),
+         f" or {free}", DEV),
         thresholds=[(None, "red"), (2 * 1024**3, "orange"), (8 * 1024**3, "green")]), w=6)
     g.add(stat(
         "Host memory available", "Memory the host still has for new allocations (DataLoader workers, "
@@ -159,12 +165,14 @@ def build() -> dict[str, Any]:
         thresholds=[(None, "green"), (1, "red")]), w=6)
     g.add(timeseries(
         "Memory at step end vs the device", "Allocated bytes after optimizer.step() (the job's baseline: "
-        "a steady rise is a leak), the allocator's reserved bytes, and NVML's used and total for the device.",
+        "a steady rise is a leak), the allocator's reserved bytes, NVML's used and total for the device, and "
+        "the per-process cap on reserved bytes when the job set one (set_per_process_memory_fraction).",
         "bytes",
         (sel("gpumemd_step_end_allocated_bytes", device=True), DEV + " step-end allocated"),
         (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved"),
         (sel("gpumemd_device_used_bytes", device=True), DEV + " NVML used"),
-        (sel("gpumemd_device_total_bytes", device=True), DEV + " total")), w=12)
+        (sel("gpumemd_device_total_bytes", device=True), DEV + " total"),
+        (sel("gpumemd_allocator_cap_bytes", device=True), DEV + " process cap")), w=12)
     # Grafana has no "bytes per step" unit (a custom unit such as "suffix:B/step" loses the KiB/MiB
     # scaling): IEC bytes, with "per step" on the axis and in each series' name.
     g.add(timeseries(
@@ -205,7 +213,8 @@ def build() -> dict[str, Any]:
     g.row("Fragmentation")
     g.add(timeseries(
         "Fragmentation ratio", "Inactive split bytes over reserved bytes: cache that empty_cache() cannot "
-        "release (alert GpumemdFragmentationHigh above 30%).", "percentunit",
+        "release (alert GpumemdFragmentationHigh above 30%). No data under expandable_segments:True or "
+        "cudaMallocAsync: torch does not maintain inactive split bytes there.", "percentunit",
         (f"{sel('gpumemd_allocator_inactive_split_bytes', device=True)} / "
          f"({sel('gpumemd_allocator_reserved_bytes', device=True)} > 0)", DEV)), w=8)
     g.add(timeseries(

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from gpumemd.analysis.headroom import cap_from_observer, reservable_bytes
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.findings import Culprit, Finding
@@ -67,6 +68,68 @@ def _first(*values: int | None) -> int | None:
     return next((v for v in values if v is not None), None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    """What bounded the failing device at the OOM: its total, the per-process cap and the room left."""
+
+    device_total: int | None
+    cap: int | None  # set_per_process_memory_fraction's cap; None: no cap known
+    fraction: float | None
+    device_free: int | None  # the driver's free memory, device-wide
+    headroom: int | None  # what the allocator could still reserve: min(device_free, cap - reserved)
+
+    @property
+    def total(self) -> int | None:
+        """What the breakdown is measured against: the cap when one is set (the job could use no more)."""
+        return self.cap if self.cap is not None else self.device_total
+
+
+def cap_words(cap: int, fraction: float | None) -> str:
+    """"the process cap of 12.00 GiB (fraction 0.50)": a verdict's words for the cap."""
+    return f"the process cap of {fmt(cap)}" + (f" (fraction {fraction:.2f})" if fraction is not None else "")
+
+
+def _limits(msg: OomMessage, *, observer: ObserverCall | None, allocator: AllocatorSample | None,
+            snapshot: SnapshotSummary | None, nvml_total_bytes: int | None, reserved: int | None) -> _Limits:
+    """Tell the cap from the device total. The message says both ("total capacity", "X allowed;"); the
+    observer's third argument is the cap when one is set and the total otherwise; the allocator sample
+    carries the fraction gpumemd read from torch; NVML knows the total."""
+    obs_total = observer.total_or_cap_bytes if observer else None
+    known_total = _first(msg.total_bytes, nvml_total_bytes)
+    sampled_cap = allocator.cap_bytes if allocator else None
+    # A fraction read from torch says whether a cap is set; without one, the observer's figure may.
+    read = allocator is not None and allocator.memory_fraction is not None
+    cap = _first(msg.allowed_bytes, sampled_cap, None if read else cap_from_observer(obs_total, known_total))
+    device_total = _first(msg.total_bytes, obs_total if cap is None else None, nvml_total_bytes)
+    fraction = allocator.memory_fraction if allocator is not None and sampled_cap is not None else None
+    if cap is not None and fraction is None and device_total:
+        fraction = cap / device_total
+    device_free = _first(observer.device_free_bytes if observer else None, msg.free_bytes,
+                         snapshot.oom_device_free_bytes if snapshot else None)
+    return _Limits(device_total=device_total, cap=cap, fraction=fraction, device_free=device_free,
+                   headroom=reservable_bytes(device_free, reserved, cap))
+
+
+def _room_items(limits: _Limits, reserved: int | None, name: str) -> tuple[list[BreakdownItem], int | None]:
+    """The items after PyTorch's own, and the memory outside PyTorch. Without a cap: outside PyTorch
+    (device total - reserved - free: the context, NCCL, other processes) and free, which with PyTorch's
+    items make up the device. Under a cap: only the headroom left under it, so that the items partition
+    the cap; memory outside PyTorch does not count against the cap and is reported beside it."""
+    non_pytorch = None
+    if limits.device_total is not None and reserved is not None and limits.device_free is not None:
+        non_pytorch = max(0, limits.device_total - reserved - limits.device_free)
+    items = []
+    if limits.cap is not None:
+        if limits.headroom is not None:
+            items.append(_item("headroom", limits.headroom, name))
+        return items, non_pytorch
+    if non_pytorch is not None:
+        items.append(_item("non_pytorch", non_pytorch, name))
+    if limits.device_free is not None:
+        items.append(_item("free", limits.device_free, name))
+    return items, non_pytorch
+
+
 def cuda_breakdown(
     *,
     device: int,
@@ -79,16 +142,14 @@ def cuda_breakdown(
 ) -> Breakdown:
     """The breakdown of ``cuda:<device>`` against its total (or its per-process cap)."""
     msg = message or OomMessage(kind="cuda", format="unparsed")
-    obs_total = observer.total_or_cap_bytes if observer else None
-    total = _first(msg.allowed_bytes, obs_total, msg.total_bytes, nvml_total_bytes)
     requested = _first(observer.requested_bytes if observer else None, msg.requested_bytes,
                        snapshot.oom_requested_bytes if snapshot else None)
     allocated = _first(snapshot.allocated_bytes if snapshot else None, msg.allocated_bytes,
                        allocator.allocated_bytes if allocator else None)
     reserved = _first(snapshot.reserved_bytes if snapshot else None, msg.reserved_bytes,
                       allocator.reserved_bytes if allocator else None)
-    device_free = _first(observer.device_free_bytes if observer else None, msg.free_bytes,
-                         snapshot.oom_device_free_bytes if snapshot else None)
+    limits = _limits(msg, observer=observer, allocator=allocator, snapshot=snapshot,
+                     nvml_total_bytes=nvml_total_bytes, reserved=reserved)
     largest = snapshot.largest_free_block_bytes if snapshot else None
     name = f"cuda:{device}"
     by_cat = census_bytes_on(census, name)
@@ -102,30 +163,34 @@ def cuda_breakdown(
         items.append(_item("invisible", max(0, allocated - seen), name))
     if reserved is not None and allocated is not None:
         items.append(_item("reserved_unallocated", max(0, reserved - allocated), name))
-    if total is not None and reserved is not None and device_free is not None:
-        items.append(_item("non_pytorch", max(0, total - reserved - device_free), name))
-    if device_free is not None:
-        items.append(_item("free", device_free, name))
-    verdict, why = _cuda_verdict(requested=requested, total=total, allocated=allocated, reserved=reserved,
-                                 device_free=device_free, largest=largest)
+    room, non_pytorch = _room_items(limits, reserved, name)
+    items += room
+    verdict, why = _cuda_verdict(requested=requested, allocated=allocated, reserved=reserved, limits=limits,
+                                 largest=largest)
     return Breakdown(
-        device=f"cuda:{device}", total_bytes=total, items=tuple(items), requested_bytes=requested,
+        device=f"cuda:{device}", total_bytes=limits.total, items=tuple(items), requested_bytes=requested,
         allocated_bytes=allocated, reserved_bytes=reserved, largest_free_block_bytes=largest,
-        device_free_bytes=device_free, verdict=verdict, verdict_why=why,
+        device_free_bytes=limits.device_free, verdict=verdict, verdict_why=why, cap_bytes=limits.cap,
+        memory_fraction=limits.fraction, device_total_bytes=limits.device_total, headroom_bytes=limits.headroom,
+        non_pytorch_bytes=non_pytorch,
     )
 
 
 def _cuda_verdict(
     *,
     requested: int | None,
-    total: int | None,
     allocated: int | None,
     reserved: int | None,
-    device_free: int | None,
+    limits: _Limits,
     largest: int | None,
 ) -> tuple[str, str]:
     if requested is None:
         return "unknown", "the request size is unknown (no observer call, no parsable message)"
+    cap, total = limits.cap, limits.device_total
+    if cap is not None and requested > cap:
+        return ("request_exceeds_device",
+                f"one request of {fmt(requested)} is larger than {cap_words(cap, limits.fraction)} "
+                "(set_per_process_memory_fraction): a size or shape bug, or a cap set too low")
     if total is not None and requested > total:
         return ("request_exceeds_device",
                 f"one request of {fmt(requested)} is larger than the whole device ({fmt(total)}): "
@@ -133,16 +198,20 @@ def _cuda_verdict(
     if allocated is None or reserved is None:
         return "unknown", "the allocator's state at the OOM is unknown"
     cached_free = max(0, reserved - allocated)
-    free_total = cached_free + (device_free or 0)
-    if free_total >= requested and (device_free or 0) < requested:
+    room = limits.headroom or 0
+    free_total = cached_free + room
+    where = "on the device" if cap is None else f"left under {cap_words(cap, limits.fraction)}"
+    if free_total >= requested and room < requested:
         biggest = fmt(largest)
         return ("fragmentation",
-                f"{fmt(free_total)} was free ({fmt(cached_free)} cached by PyTorch + {fmt(device_free or 0)} on the "
-                f"device), more than the {fmt(requested)} requested, but the largest free block was {biggest}: "
+                f"{fmt(free_total)} was free ({fmt(cached_free)} cached by PyTorch + {fmt(room)} {where}), "
+                f"more than the {fmt(requested)} requested, but the largest free block was {biggest}: "
                 "the free memory was in pieces")
+    bound = "" if cap is None else (f" under {cap_words(cap, limits.fraction)}, with "
+                                    f"{fmt(limits.device_free)} free on the device")
     return ("capacity",
             f"the job needed {fmt(requested)} more with {fmt(allocated)} already allocated and only "
-            f"{fmt(free_total)} free in all: the working set does not fit")
+            f"{fmt(free_total)} free in all{bound}: the working set does not fit")
 
 
 def cpu_breakdown(

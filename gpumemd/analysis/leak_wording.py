@@ -156,14 +156,16 @@ def build_finding(
     status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
     culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
     bytes_per_unit: float = 1.0, seconds_per_step: float | None = None, holder_sentence: str | None = None,
-    per_step: float | None = None,
+    per_step: float | None = None, culprits_step: int | None = None,
 ) -> Finding:
     """The user-facing record for one track status; ``summary`` is the one-line sentence.
 
     For count series (``spec.unit == "tensors"``) the slope is tensors per step and
     ``bytes_per_unit`` converts it to bytes; ``holder_sentence`` is the culprit sentence when the
     component wrote it from the tensors themselves. ``per_step`` is the rate to state when the caller
-    measured it better than the window's slope (a count series' slope since its onset)."""
+    measured it better than the window's slope (a count series' slope since its onset).
+    ``culprits_step`` is the step the culprits were looked up at: when it is earlier than this
+    status, the sentence says so (container sizes and holders are from then, not from now)."""
     v = status.verdict
     kind = kind or refine_kind(status.spec.kind, culprits)
     counts = status.spec.unit != "bytes"
@@ -202,12 +204,15 @@ def build_finding(
         elif steps_to_oom is not None:
             parts.append(f"out of memory in ~{steps_to_oom:,.0f} steps")
     summary = ", ".join(parts)
+    named = active and (holder_sentence or culprits)
     if active and holder_sentence:
         summary += "; " + holder_sentence
     elif culprits and active:
         summary += "; " + culprit_sentence(culprits[0], culprit_steps)
         if len(culprits) > 1:
             summary += f" (+{len(culprits) - 1} more group{'s' if len(culprits) > 2 else ''})"
+    if named and culprits_step is not None and culprits_step < status.step:
+        summary += f" (culprit looked up at step {culprits_step:,})"
     if sites and active:
         summary += "; allocated at " + sites[0]
     low, high = (v.slope.low, v.slope.high)

@@ -37,6 +37,14 @@ def _int(value: Any) -> int:
     return int(value) if math.isfinite(value) and abs(value) < 2**63 else 0
 
 
+def _largest_free(by_stream: dict[int, int], oom: Mapping[str, Any] | None) -> int:
+    """The largest free large-pool block on the stream that failed (the OOM trace entry's), else on any."""
+    stream = oom.get("stream") if oom is not None else None
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return by_stream.get(stream, 0)
+    return max(by_stream.values(), default=0)
+
+
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
                        internal: Sequence[str] = ()) -> dict[int, SnapshotSummary]:
     """Device ordinal -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
@@ -52,7 +60,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     def slot(device: int) -> dict[str, Any]:
         if device not in acc:
             acc[device] = {"segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0,
-                           "largest_free": 0, "expandable": 0, "sites": {}}
+                           "largest_free": {}, "expandable": 0, "sites": {}}
         return acc[device]
 
     for seg in segments:
@@ -62,6 +70,11 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
         s["segments"] += 1
         s["reserved"] += _int(seg.get("total_size", 0))
         s["expandable"] += 1 if seg.get("is_expandable") else 0
+        # A free block can serve a large request only from the large pool (small-pool segments are
+        # 2 MiB, for requests up to 1 MiB) and on its own stream. Older snapshots without the type count.
+        large = seg.get("segment_type", "large") == "large"
+        largest: dict[int, int] = s["largest_free"]  # stream -> largest free large-pool block
+        stream = _int(seg.get("stream", 0))
         blocks = seg.get("blocks")
         for block in blocks if isinstance(blocks, list) else ():
             if not isinstance(block, Mapping):
@@ -70,7 +83,8 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
             state = block.get("state")
             if state == "inactive":
                 s["inactive"] += size
-                s["largest_free"] = max(s["largest_free"], size)
+                if large:
+                    largest[stream] = max(largest.get(stream, 0), size)
                 continue
             s["active"] += size
             if state == "active_allocated":
@@ -94,7 +108,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
             allocated_bytes=s["allocated"],
             active_bytes=s["active"],
             inactive_bytes=s["inactive"],
-            largest_free_block_bytes=s["largest_free"],
+            largest_free_block_bytes=_largest_free(s["largest_free"], oom),
             expandable_segments=s["expandable"],
             trace_entries=len(entries),
             oom_requested_bytes=_int(oom["size"]) if oom is not None and "size" in oom else None,

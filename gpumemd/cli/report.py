@@ -100,12 +100,14 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
 
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
-    from gpumemd.report.view import item_label
+    from gpumemd.report.view import item_label, total_words
 
     b = report["breakdown"]
     total = b.get("total_bytes") or 0
     print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
           f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
+    if isinstance(b.get("cap_bytes"), int):  # under a per-process cap, the total is the cap: say so
+        print(f"  {total_words(b)}", file=out)
     rows = [[item_label(item, b.get("device")), fmt_bytes(item["nbytes"]),
              f"{100 * item['nbytes'] / total:.1f}%" if total else "-"] for item in b.get("items") or []]
     if rows:

@@ -22,12 +22,14 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gpumemd.agent import Agent
-    from gpumemd.config import Config
+    from collections.abc import Sequence
+
+    from gpumemd.components.base import AgentView
     from gpumemd.records.census import Census
+    from gpumemd.records.samples import AllocatorSample
     from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
@@ -40,7 +42,11 @@ MAX_INTERVAL = 100_000
 
 _MIN_SHARE = 0.25  # the census always gets at least this part of the budget, whatever else costs
 
-CensusFn = Callable[..., "Census"]
+class CensusFn(Protocol):
+    """``gpumemd.probes.census.take_census``, as the component calls it (tests give their own)."""
+
+    def __call__(self, *, models: Sequence[object], optimizers: Sequence[object], step: int | None,
+                 allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int) -> Census: ...
 
 
 class CensusComponent:
@@ -50,10 +56,9 @@ class CensusComponent:
 
     def __init__(
         self,
-        config: Config | None = None,
         *,
-        every_steps: int | None = None,
-        overhead_budget: float | None = None,
+        every_steps: int = 0,
+        overhead_budget: float = 0.01,
         holders: int = 3,
         history: int = HISTORY,
         clock: Callable[[], float] = time.perf_counter,
@@ -61,15 +66,13 @@ class CensusComponent:
     ) -> None:
         if history < 2:
             raise ValueError(f"CensusComponent(history={history!r}) must keep at least 2 censuses")
-        self._every = every_steps if every_steps is not None else (config.census_every_steps if config else 0)
-        self._budget = overhead_budget if overhead_budget is not None else (
-            config.overhead_budget if config else 0.01
-        )
+        self._every = every_steps  # > 0 forces the cadence (``census_every_steps``)
+        self._budget = overhead_budget
         self._holders = holders
         self._max_history = history
         self._clock = clock
         self._census_fn = census_fn
-        self._agent: Agent | None = None
+        self._agent: AgentView | None = None
         self._lock = threading.Lock()  # take_now() may come from another component or thread
         self._history: list[Census] = []
         self._steps_since = 0
@@ -79,7 +82,7 @@ class CensusComponent:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, agent: Agent) -> None:
+    def start(self, agent: AgentView) -> None:
         self._agent = agent
 
     def stop(self) -> None:
@@ -135,7 +138,7 @@ class CensusComponent:
             raise RuntimeError("gpumemd: the census failed; see the gpumemd log for the reason")
         return census
 
-    def _take(self, step: int | None, allocator: Any) -> Census | None:
+    def _take(self, step: int | None, allocator: Sequence[AllocatorSample] | None) -> Census | None:
         agent = self._agent
         with self._lock:
             previous = self._history[-1] if self._history else None
@@ -156,17 +159,20 @@ class CensusComponent:
             agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
         return census
 
-    def _run(self, agent: Agent | None, step: int | None, allocator: Any, previous: Census | None) -> Census:
+    def _run(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
+             previous: Census | None) -> Census:
         fn = self._census_fn
         if fn is None:
             from gpumemd.probes.census import take_census
 
             fn = take_census
+        models = list(agent.models) if agent is not None else []
+        optimizers = list(agent.optimizers) if agent is not None else []
         # Holders only for what grew since the previous census: the first one has nothing to compare.
-        return fn(agent, step=step, allocator=allocator, previous=previous,
+        return fn(models=models, optimizers=optimizers, step=step, allocator=allocator, previous=previous,
                   holders=self._holders if previous is not None else 0)
 
-    def _account(self, agent: Agent | None, cost: float) -> None:
+    def _account(self, agent: AgentView | None, cost: float) -> None:
         self._last_cost = cost
         self._steps_since = 0
         self._next_look = 0
@@ -203,7 +209,7 @@ class CensusComponent:
         return None
 
 
-def _other_share(agent: Agent | None, seconds_per_step: float) -> float:
+def _other_share(agent: AgentView | None, seconds_per_step: float) -> float:
     """The rest of the agent's cost (training thread and sampler, censuses left out) per step, as a
     share of the job's step time."""
     if agent is None or seconds_per_step <= 0:

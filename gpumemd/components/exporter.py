@@ -16,15 +16,36 @@ import errno
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpumemd.exporter.server import MetricsServer, ServeOptions, push_once, write_textfile
 
 if TYPE_CHECKING:
-    from gpumemd.agent import Agent
+    from prometheus_client import CollectorRegistry
+
+    from gpumemd.components.base import AgentView
     from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
+
+
+@dataclass(frozen=True)
+class ExporterOptions:
+    """What the exporter reads of the configuration (``Config.options(ExporterOptions)``)."""
+
+    port: int | None
+    bind: str
+    tls_certfile: str | None
+    tls_keyfile: str | None
+    textfile: str | None
+    pushgateway: str | None
+    oom_linger_s: float
+
+    @property
+    def enabled(self) -> bool:
+        """The exporter runs when there is somewhere to export to."""
+        return self.port is not None or bool(self.textfile) or bool(self.pushgateway)
 
 
 class ExporterComponent:
@@ -32,20 +53,21 @@ class ExporterComponent:
 
     name = "exporter"
 
-    def __init__(self) -> None:
+    def __init__(self, options: ExporterOptions) -> None:
+        self.config = options
         self.url: str | None = None
-        self.registry: Any = None
-        self._agent: Agent | None = None
+        self.registry: CollectorRegistry | None = None
+        self._agent: AgentView | None = None
         self._server: MetricsServer | None = None
         self._exported_at_oom = False  # the textfile/Pushgateway already has the fatal OOM: not again at exit
 
-    def start(self, agent: Agent) -> None:
+    def start(self, agent: AgentView) -> None:
         from prometheus_client import CollectorRegistry
 
         from gpumemd.exporter.collector import CounterBaseline, LiveFigures, StateCollector
 
         self._agent = agent
-        config = agent.config
+        config = self.config
         # Read the allocator once now, so torch's counters as they stand at attach become the baseline.
         agent.tick()
         state = agent.state()
@@ -88,7 +110,7 @@ class ExporterComponent:
         agent = self._agent
         if agent is None or not agent.running or self.registry is None:  # stopped, or a forked worker
             return
-        config = agent.config
+        config = self.config
         if config.textfile or config.pushgateway:
             self._exported_at_oom = True
             self._export(agent)
@@ -116,9 +138,9 @@ class ExporterComponent:
             return
         self._export(agent)
 
-    def _export(self, agent: Agent) -> None:
+    def _export(self, agent: AgentView) -> None:
         """Write the textfile and push to the Pushgateway, where configured; failures are logged."""
-        config = agent.config
+        config = self.config
         if config.textfile:
             try:
                 write_textfile(config.textfile, self.registry)
@@ -132,7 +154,3 @@ class ExporterComponent:
             except OSError as exc:  # URLError is an OSError: unreachable gateway, refused, timeout
                 log.warning("gpumemd: could not push metrics to the Pushgateway %s (%s)", config.pushgateway, exc)
 
-
-def enabled(config: Any) -> bool:
-    """The exporter runs when there is somewhere to export to."""
-    return config.port is not None or bool(config.textfile) or bool(config.pushgateway)

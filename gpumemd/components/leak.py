@@ -2,8 +2,9 @@
 
 Series fed per step (all cheap reads of the ``StepRecord`` and the published state):
 
-- CUDA, per device: step-end ``allocated`` (tensor/graph leak), ``reserved − allocated`` and
-  ``inactive_split`` (fragmentation), NVML used − reserved (memory outside PyTorch's allocator).
+- CUDA, per device: step-end ``allocated`` (tensor/graph leak), ``inactive_split`` (fragmentation:
+  absent under expandable segments and cudaMallocAsync, which do not maintain it), NVML used −
+  reserved (memory outside PyTorch's allocator).
 - Host RSS (host leak) — unless the census of CPU tensors grows as fast, which makes it theirs.
 - Census, per device, whenever a new census is published: total bytes including the autograd graph
   it keeps alive (on CPU this is the tensor/graph leak alarm), and CUDA's allocated − census
@@ -33,14 +34,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
+from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_wording import build_finding, count_sentence, culprits_from_diff, refine_kind
-from gpumemd.probes.allocation_history import process_history
+from gpumemd.probes.allocation_history import AllocationHistory, process_history
 from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.records.device import CPU, cuda_device, cuda_index
 from gpumemd.records.findings import Culprit, Finding
 
 if TYPE_CHECKING:
-    from gpumemd.agent import Agent
+    from gpumemd.components.base import AgentView
+    from gpumemd.components.census import CensusComponent
     from gpumemd.records.census import Census, GroupDelta, GroupKey
     from gpumemd.records.step import StepRecord
 
@@ -51,7 +55,7 @@ _HOLDER_BUDGET_S = 0.5  # one holder look-up (heap scans) per state change, at m
 
 # Noise floors: the smallest growth per step each kind of series can tell from its own noise, whatever
 # the materiality. The allocator's and the census's counters are exact; host RSS moves in pages and
-# malloc chunks; reserved-minus-allocated and NVML move in allocator segments.
+# malloc chunks; inactive split bytes and NVML move in allocator blocks and segments.
 NOISE_FLOOR_BYTES = {
     "allocated": 1024.0,
     "census": 1024.0,
@@ -92,22 +96,51 @@ HOST_LOOK_SHARE = 0.25
 host RSS merely rises (not yet a finding)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LeakOptions:
+    """What the leak component reads of the configuration (``Config.options(LeakOptions)``; the
+    fields are ``Config``'s, documented there)."""
+
+    leak_min_bytes_per_step: int | None
+    leak_host_min_bytes_per_step: int | None
+    leak_warmup_steps: int
+    leak_window_steps: int
+    leak_check_every_steps: int
+    leak_horizon_hours: float
+    leak_history_on_suspect: bool
+    overhead_budget: float
+    history_steps: int
+    record_history: bool
+    history_max_entries: int
+
+
 class LeakComponent:
-    """Runs the leak detector on the training thread; see the module docstring."""
+    """Runs the leak detector on the training thread; see the module docstring.
+
+    ``census`` (the census component, when censuses run) gives the censuses that name culprits;
+    ``history`` is the process's allocation history, switched on at suspicion on CUDA."""
 
     name = "leak"
 
     def __init__(
         self,
+        options: LeakOptions | None = None,
         *,
+        census: CensusComponent | None = None,
+        history: AllocationHistory | None = None,
         snapshot_fn: Callable[[], Mapping[str, Any]] | None = None,
-        enable_history_fn: Callable[[int], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        if options is None:
+            from gpumemd.config import Config
+
+            options = Config().options(LeakOptions)
+        self._options = options
+        self._census = census
+        self._history = history if history is not None else process_history()
         self._snapshot_fn = snapshot_fn
-        self._enable_history_fn = enable_history_fn
         self._wall = wall_clock
-        self._agent: Agent | None = None
+        self._agent: AgentView | None = None
         self._detector: LeakDetector | None = None
         self._known: set[str] = set()
         self._findings: dict[tuple[str, str], Finding] = {}
@@ -139,8 +172,8 @@ class LeakComponent:
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def start(self, agent: Agent) -> None:
-        c = agent.config
+    def start(self, agent: AgentView) -> None:
+        c = self._options
         self._agent = agent
         self._detector = LeakDetector(DetectorConfig(
             min_bytes_per_step=c.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
@@ -237,7 +270,7 @@ class LeakComponent:
         self.scan_seconds += seconds
         cost = self._scan_cost = seconds if self._scan_cost is None else 0.8 * self._scan_cost + 0.2 * seconds
         assert self._agent is not None
-        config = self._agent.config
+        config = self._options
         longest = max(1, min(SCAN_EVERY_MAX, config.leak_window_steps // 10))  # 10 points per window
         interval = SCAN_EVERY
         step_seconds = self._agent.seconds_per_step  # typical step time: pauses between steps do not count
@@ -261,11 +294,11 @@ class LeakComponent:
                 self._observe(_spec(f"allocated_bytes{{device={d}}}", "tensor_leak", d, explained_by=(
                     f"long_lived_bytes{{device=cuda:{d}}}", f"tensors{{device=cuda:{d},*")), step,
                               a.allocated_bytes, phase)
-                if a.reserved_bytes is not None:
-                    self._observe(_spec(f"reserved_minus_allocated_bytes{{device={d}}}", "fragmentation", d),
-                                  step, a.reserved_bytes - a.allocated_bytes, phase)
             if a.inactive_split_bytes is not None:
-                self._observe(_spec(f"inactive_split_bytes{{device={d}}}", "fragmentation", d, alarm=False),
+                # Fragmentation is what empty_cache() cannot release: inactive split blocks. Reserved −
+                # allocated also holds whole cached segments, which the allocator frees and retries
+                # with before any OOM: their growth is a cache, not fragmentation.
+                self._observe(_spec(f"inactive_split_bytes{{device={d}}}", "fragmentation", d),
                               step, a.inactive_split_bytes, phase)
             n = nvml.get(d)
             # This process's own use only: the device's total use would count other processes (and,
@@ -291,7 +324,7 @@ class LeakComponent:
         if self._own_record_bytes is None:
             self._own_record_bytes = float(_deep_size(record))
         assert self._agent is not None
-        return self._own_record_bytes * min(self._agent.samples_total, self._agent.config.history_steps)
+        return self._own_record_bytes * min(self._agent.samples_total, self._options.history_steps)
 
     def _feed_counts(self, record: StepRecord) -> None:
         """Scan for long-lived tensors and feed the count series (every ``_scan_interval`` steps).
@@ -305,7 +338,7 @@ class LeakComponent:
         self._previous_scan_step = record.step
         _, by_device = tracker.total()
         for device, nbytes in by_device.items():
-            self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", _cuda_index(device),
+            self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", cuda_index(device),
                                 sparse=True, alarm=False), step, nbytes, record.phase)
         self._observe_groups(self._count_specs, step, record.phase,
                              [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
@@ -363,7 +396,7 @@ class LeakComponent:
         within ``leak_horizon_hours`` at the measured step rate, never below its noise floor (or the
         fixed effect size the user set)."""
         assert self._agent is not None and self._detector is not None
-        c = self._agent.config
+        c = self._options
         horizon_steps = None
         if self._seconds_per_step:
             horizon_steps = c.leak_horizon_hours * 3600 / self._seconds_per_step
@@ -389,14 +422,14 @@ class LeakComponent:
         step = census.step if census.step is not None else record.step
         cuda_devices = {a.device for a in record.allocator if a.allocated_bytes is not None}
         for dev, nbytes in census.bytes_by_device().items():
-            index = _cuda_index(dev)
+            index = cuda_index(dev)
             # On CUDA the allocator's step-end bytes are the alarm; the census only attributes.
             # CPU tensors are watched by the count series and host RSS; the census attributes.
             alarm = False if index is None else index not in cuda_devices
             self._observe(_spec(f"census_bytes{{device={dev}}}", "tensor_leak", index, sparse=True, alarm=alarm),
                           step, nbytes, record.phase)
         for dev, nbytes in census.invisible_bytes_by_device.items():
-            self._observe(_spec(f"invisible_bytes{{device={dev}}}", "graph_leak", _cuda_index(dev), sparse=True,
+            self._observe(_spec(f"invisible_bytes{{device={dev}}}", "graph_leak", cuda_index(dev), sparse=True,
                                 alarm=False), step, nbytes, record.phase)
 
     # --- evaluation ----------------------------------------------------------------------------
@@ -447,6 +480,7 @@ class LeakComponent:
                 culprit_steps=evidence.steps, headroom_bytes=self._headroom(status.spec), sites=evidence.sites,
                 bytes_per_unit=evidence.bytes_per_unit, seconds_per_step=self._seconds_per_step,
                 holder_sentence=evidence.sentence, per_step=self._stated_rate(dated),
+                culprits_step=self._attempts.get(key),
             )
             self._findings[key] = finding
             if status.changed:
@@ -487,7 +521,7 @@ class LeakComponent:
             return False
         assert self._agent is not None
         last = self._attempts.get(key)
-        return last is None or step - last >= self._agent.config.leak_window_steps // 2
+        return last is None or step - last >= self._options.leak_window_steps // 2
 
     def _kind(self, status: TrackStatus, evidence: _Evidence) -> str:
         previous = self._findings.get((status.spec.name, status.phase))
@@ -509,15 +543,19 @@ class LeakComponent:
             host = state.host
             return float(host.available_bytes) if host is not None and host.available_bytes is not None else None
         nv = next((n for n in state.nvml if n.device == spec.device), None)
-        if nv is None:
-            return None
         a = next((s for s in state.allocator if s.device == spec.device), None)
+        # What the allocator may still reserve: the driver's free memory, and under a per-process cap
+        # (set_per_process_memory_fraction) no more than cap − reserved, however much the device has.
+        reserved, cap = (a.reserved_bytes, a.cap_bytes) if a is not None else (None, None)
+        reservable = reservable_bytes(nv.free_bytes if nv is not None else None, reserved, cap)
+        if reservable is None:
+            return None
         cached = 0
         if a is not None and a.reserved_bytes is not None:
             in_use = a.allocated_peak_bytes if a.allocated_peak_bytes is not None else a.allocated_bytes
             cached = max(0, a.reserved_bytes - (in_use or 0))
-        # what the driver still has, plus what the allocator caches beyond the step's peak
-        return float(nv.free_bytes + cached)
+        # ... plus what the allocator caches beyond the step's peak
+        return float(reservable + cached)
 
     # --- culprits ------------------------------------------------------------------------------
 
@@ -628,23 +666,21 @@ class LeakComponent:
 
     def _census_culprits(self, status: TrackStatus) -> _Evidence:
         assert self._agent is not None
-        component: Any = self._agent.component("census")
+        censuses = self._census
         now = self._agent.state().census
-        stale = now is None or now.step is None or status.step - now.step > self._agent.config.leak_check_every_steps
-        take_now = getattr(component, "take_now", None)
-        if stale and take_now is not None:
-            now = take_now()
-        at_or_after = getattr(component, "at_or_after", None)
-        earlier = at_or_after(int(status.window_start)) if at_or_after is not None else None
+        stale = now is None or now.step is None or status.step - now.step > self._options.leak_check_every_steps
+        if stale and censuses is not None:
+            now = censuses.take_now()
+        earlier = censuses.at_or_after(int(status.window_start)) if censuses is not None else None
         if earlier is None or earlier is now:
             # No census inside the window (a slow cadence on a big heap): the newest one before it.
-            history = getattr(component, "history", None)
-            older = [c for c in (history() if history is not None else []) if c is not now and c.step is not None]
+            older = [c for c in (censuses.history() if censuses is not None else [])
+                     if c is not now and c.step is not None]
             earlier = older[-1] if older else earlier
         sites = self._sites(status)
         if now is None or earlier is None or earlier is now or now.step is None or earlier.step is None:
             return _Evidence(sites=sites)
-        device = "cpu" if status.spec.device is None else f"cuda:{status.spec.device}"
+        device = CPU if status.spec.device is None else cuda_device(status.spec.device)
         deltas = [d for d in now.diff(earlier) if d.device == device]
         culprits = list(culprits_from_diff(deltas))
         kind = refine_kind(status.spec.kind, culprits) if culprits else None  # before holders are named
@@ -677,7 +713,7 @@ class LeakComponent:
         from gpumemd.probes.host_objects import container_lengths, largest_graph_nodes
 
         assert self._agent is not None
-        config = self._agent.config
+        config = self._options
         if self._host_baseline is not None and step - self._host_baseline[0] < 2 * config.leak_window_steps:
             return
         now = time.monotonic()
@@ -743,14 +779,14 @@ class LeakComponent:
         d = status.spec.device
         if d is None:
             return ()
-        config = self._agent.config
+        config = self._options
         named = self._named_sites.get(d)
         if named is not None and status.state is LeakState.CONFIRMED:
             return named  # named at confirmation, when recording went off
         if status.state is LeakState.SUSPECTED and status.changed:
             self._named_sites.pop(d, None)
             history_on = config.record_history or self._history_enabled_by_us or (
-                self._enable_history_fn is None and process_history().enabled_by_the_job()) or (
+                self._history.enabled_by_the_job()) or (
                 config.leak_history_on_suspect and self._enable_history(config.history_max_entries))
             if not history_on:
                 return ()
@@ -773,13 +809,7 @@ class LeakComponent:
         return sites
 
     def _enable_history(self, max_entries: int) -> bool:
-        if self._enable_history_fn is not None:
-            try:
-                self._enable_history_fn(max_entries)
-            except (RuntimeError, AttributeError, TypeError) as exc:
-                log.info("gpumemd: could not switch on CUDA allocation history (%s); no allocation sites", exc)
-                return False
-        elif not process_history().acquire(_HISTORY_USER, max_entries):
+        if not self._history.acquire(_HISTORY_USER, max_entries):
             return False
         self._history_enabled_by_us = True
         return True
@@ -787,8 +817,7 @@ class LeakComponent:
     def _release_history(self) -> None:
         if self._history_enabled_by_us:
             self._history_enabled_by_us = False
-            if self._enable_history_fn is None:
-                process_history().release(_HISTORY_USER)
+            self._history.release(_HISTORY_USER)
 
     def _snapshot(self) -> Mapping[str, Any] | Sequence[Any] | None:
         """The allocator's segments with their blocks' stacks, without the trace ring buffer: the
@@ -849,7 +878,7 @@ def _family(name: str) -> str:
     """The noise-floor family of a series name."""
     if name.startswith("host_"):
         return "host"
-    if name.startswith(("reserved_minus", "inactive_split")):
+    if name.startswith("inactive_split"):
         return "fragmentation"
     if name.startswith("non_pytorch"):
         return "non_pytorch"
@@ -888,23 +917,14 @@ def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, ala
 def _tensor_spec(group: Any) -> SeriesSpec:
     """The count series of a survivor group (``probes.survivors.SurvivorGroup``)."""
     return SeriesSpec(f"tensors{{device={group.device},group={group.describe()}}}",
-                      "graph_leak" if group.graph else "tensor_leak", _cuda_index(group.device), sparse=True,
+                      "graph_leak" if group.graph else "tensor_leak", cuda_index(group.device), sparse=True,
                       unit="tensors")
 
 
 def _chain_spec(group: Any) -> SeriesSpec:
     """The node-count series of a graph-chain group (``probes.graph_chains.ChainGroup``)."""
     return SeriesSpec(f"graph_nodes{{device={group.device},group={group.describe()}}}", "graph_leak",
-                      _cuda_index(group.device), sparse=True, unit="nodes")
-
-
-def _cuda_index(device: str) -> int | None:
-    if device.startswith("cuda:"):
-        try:
-            return int(device[5:])
-        except ValueError:
-            return None
-    return None
+                      cuda_index(group.device), sparse=True, unit="nodes")
 
 
 def describe_matches(delta: GroupDelta, culprit: Culprit) -> bool:

@@ -3,7 +3,8 @@
 Moments, in order, for a CUDA OOM:
 1. the allocator fails and calls PyTorch's out-of-memory observer *before* raising; ours takes the
    snapshot there (the OOM-time state, with the ``oom`` trace entry) and keeps it as "pending". The
-   observer also fires for OOMs PyTorch retries internally (cuDNN workspaces), so it only captures;
+   observer also fires for OOMs PyTorch retries internally (cuDNN workspaces), so it only captures,
+   and a burst of calls (cuDNN halving its workspace in a loop) takes one snapshot per step and second;
 2. the ``OutOfMemoryError`` propagates: ``gpumemd.oom_guard`` or an excepthook (uncaught, main or
    other thread) hands it to ``handle``, which writes the report with the pending capture;
 3. a step that completes after a capture proves it was recovered: ``on_step`` drops the capture.
@@ -25,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
@@ -37,8 +38,7 @@ from gpumemd.report.build import ReportInputs, build_report, oom_device
 from gpumemd.report.writer import report_dir_name, write_report_dir
 
 if TYPE_CHECKING:
-    from gpumemd.agent import Agent
-    from gpumemd.config import Config
+    from gpumemd.components.base import AgentView
     from gpumemd.records.census import Census
     from gpumemd.records.step import StepRecord
 
@@ -46,6 +46,7 @@ log = logging.getLogger("gpumemd")
 
 _TRACEBACK_CHARS = 20_000
 _MARK = "_gpumemd_oom_handled"  # set on an exception once handled, so guard + excepthook report it once
+_BURST_S = 1.0  # observer calls within this long of a capture, in the same step, reuse its snapshot
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class _Capture:
     snapshot: dict[str, Any] | None
     memory_summary: str | None
     steps_total: int = 0  # the agent's step count when the observer fired
+    captured_at: float | None = None  # the clock when the snapshot was taken (None: none was attempted)
 
 
 # PyTorch keeps observers forever (no detach API): one process-wide trampoline is attached once and
@@ -72,24 +74,49 @@ def _trampoline(device: int, alloc: int, total_or_cap: int, free: int) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class OomOptions:
+    """What the OOM component reads of the configuration (``Config.options(OomOptions)``)."""
+
+    oom_max_reports: int
+    oom_cooldown_s: float
+    record_history: bool
+    history_max_entries: int
+
+
+class FatalOomListener(Protocol):
+    """Told when an uncaught OOM is about to end the process (the exporter hands it to Prometheus)."""
+
+    def fatal_oom(self) -> None: ...
+
+
 class OomComponent:
-    """Writes a post-mortem directory per OOM (capped, with a cooldown) and publishes ``reports``."""
+    """Writes a post-mortem directory per OOM (capped, with a cooldown) and publishes ``reports``.
+
+    ``census`` takes the census at the OOM (else the agent's own); ``on_fatal`` (the exporter) is
+    told before a fatal OOM ends the process."""
 
     name = "oom"
 
     def __init__(
         self,
-        config: Config | None = None,
+        options: OomOptions | None = None,
         *,
         snapshot_probe: SnapshotProbe | None = None,
+        on_fatal: FatalOomListener | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self._config = config
+        if options is None:
+            from gpumemd.config import Config
+
+            options = Config().options(OomOptions)
+        self.config = options
+        self._on_fatal = on_fatal
         self._probe = snapshot_probe or SnapshotProbe()
         self._clock = clock
         self._wall = wall_clock
-        self._agent: Agent | None = None
+        self._agent: AgentView | None = None
         self._lock = threading.Lock()
         self._pending: _Capture | None = None
         self._written = 0
@@ -105,9 +132,8 @@ class OomComponent:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, agent: Agent) -> None:
+    def start(self, agent: AgentView) -> None:
         self._agent = agent
-        self._config = self._config or agent.config
         self._running = True
         self._install_excepthooks()
         available = getattr(self._probe, "cuda_available", None)
@@ -128,11 +154,6 @@ class OomComponent:
         self._probe.disable_history()
         self._pending = None
 
-    @property
-    def config(self) -> Config:
-        assert self._config is not None, "OomComponent not started"
-        return self._config
-
     # --- CUDA: history and the observer (lazy) -------------------------------------------------
 
     def _maybe_hook_cuda(self) -> None:
@@ -152,6 +173,10 @@ class OomComponent:
 
         PyTorch calls it as ``(device, alloc_size, allowed_memory_maximum or device_total, device_free)``:
         the third argument is the device total or the per-process cap, not allocated bytes.
+
+        A burst (cuDNN retrying with ever smaller workspaces, each retry an OOM it catches) takes one
+        snapshot: a call in the same step, within ``_BURST_S`` of the last snapshot, keeps that
+        snapshot and records its own numbers (the latest call is the one that may propagate).
         """
         agent = self._agent
         if not self._running or agent is None or not agent.running:
@@ -159,11 +184,18 @@ class OomComponent:
         call = ObserverCall(device=int(device), requested_bytes=int(alloc),
                             total_or_cap_bytes=int(total_or_cap), device_free_bytes=int(free),
                             wall_time=self._wall())
-        snapshot = summary = None
-        if self._may_write(self._clock()):  # no snapshot for an OOM we would not report anyway
-            snapshot = self._probe.capture()
-            summary = self._probe.memory_summary(int(device))
-        self._pending = _Capture(call, snapshot, summary, agent.steps_total)
+        steps, now = agent.steps_total, self._clock()
+        earlier = self._pending
+        snapshot = summary = captured_at = None
+        if (earlier is not None and earlier.captured_at is not None and earlier.steps_total == steps
+                and now - earlier.captured_at < _BURST_S):
+            snapshot, captured_at = earlier.snapshot, earlier.captured_at  # all devices: still this moment
+            summary = earlier.memory_summary if earlier.call.device == call.device else \
+                self._probe.memory_summary(call.device)
+        elif self._may_write(now):  # no snapshot for an OOM we would not report anyway
+            snapshot, captured_at = self._probe.capture(), now
+            summary = self._probe.memory_summary(call.device)
+        self._pending = _Capture(call, snapshot, summary, steps, captured_at)
 
     # --- excepthooks -------------------------------------------------------------------------
 
@@ -181,12 +213,19 @@ class OomComponent:
 
         def sys_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
             handled = report(exc, "excepthook")
-            prev_sys(exc_type, exc, tb)  # the user's traceback printer (or debugger) sees it unchanged
-            if handled:
-                traceback.clear_frames(tb)
-            me = component()
-            if me is not None and (handled or getattr(exc, _MARK, False)):  # oom_guard may have reported it
-                me._fatal()
+            called_handling = sys.exc_info()[1] is exc  # a caller in an except block (gpumemd run), not python
+            try:
+                prev_sys(exc_type, exc, tb)  # the user's traceback printer (or debugger) sees it unchanged
+            except SystemExit:
+                raise  # python exits with the hook's code, as it would without gpumemd
+            except BaseException as hook_error:  # noqa: BLE001 - shown as python shows it, not from here
+                _print_hook_failure(hook_error, exc_type, exc, tb, called_handling=called_handling)
+            finally:
+                if handled:
+                    traceback.clear_frames(tb)
+                me = component()
+                if me is not None and (handled or getattr(exc, _MARK, False)):  # oom_guard may have reported it
+                    me._fatal()
 
         def thread_hook(args: Any) -> None:
             handled = report(args.exc_value, "thread_excepthook")
@@ -205,11 +244,10 @@ class OomComponent:
         agent = self._agent
         if not self._running or agent is None or not agent.running or _interactive():
             return
-        fatal_oom = getattr(agent.component("exporter"), "fatal_oom", None)
-        if fatal_oom is None:
+        if self._on_fatal is None:
             return
         try:
-            fatal_oom()
+            self._on_fatal.fatal_oom()
         except Exception as err:  # noqa: BLE001 - the exit must go on whatever happens here
             log.debug("gpumemd: exporting the fatal OOM failed (%s: %s)", type(err).__name__, err)
 
@@ -260,7 +298,7 @@ class OomComponent:
             log.warning("gpumemd: could not write the OOM report (%s: %s)", type(err).__name__, err)
             return None
 
-    def _recent_capture(self, agent: Agent) -> _Capture | None:
+    def _recent_capture(self, agent: AgentView) -> _Capture | None:
         """The observer's capture, unless a step ended after it fired: that OOM was recovered (cuDNN
         retried with less workspace) and the capture is of a different moment."""
         capture = self._pending
@@ -299,7 +337,7 @@ class OomComponent:
         log.warning("gpumemd: out-of-memory report written to %s", path)
         return path
 
-    def _write(self, agent: Agent, exc: BaseException | None, message: OomMessage | None, source: str,
+    def _write(self, agent: AgentView, exc: BaseException | None, message: OomMessage | None, source: str,
                capture: _Capture | None) -> str:
         state = agent.state()
         snapshot = capture.snapshot if capture else None
@@ -346,13 +384,40 @@ class OomComponent:
         name = report_dir_name(state.identity.rank, step, inputs.created_at)
         return write_report_dir(agent.output_dir, name, files)
 
-    def _census(self, agent: Agent) -> tuple[Census | None, str | None]:
+    def _census(self, agent: AgentView) -> tuple[Census | None, str | None]:
         try:
             return agent.census(), None  # now, while the failing frames still hold their tensors
         except ImportError:
             return agent.state().census, "the census module is not available; showing the last census"
         except Exception as err:  # noqa: BLE001 - a census failure must not cost the report
             return agent.state().census, f"census at the OOM failed ({type(err).__name__}: {err})"
+
+
+def _print_hook_failure(error: BaseException, exc_type: type[BaseException], exc: BaseException,
+                        tb: TracebackType | None, *, called_handling: bool) -> None:
+    """What python prints when ``sys.excepthook`` raises (``_PyErr_PrintEx``), for the job's hook that
+    ours wraps: re-raising would add our wrapper's frame to the hook's traceback. Each exception is
+    shown by ``sys.__excepthook__``, which is python's own display (``PyErr_Display``)."""
+    try:
+        hook_tb = error.__traceback__
+        hook_tb = hook_tb.tb_next if hook_tb is not None else None  # from the job's hook on: not sys_hook
+        if called_handling and error.__context__ is exc:
+            error.__context__ = None  # python calls the hook outside any except block
+        _write_stderr("Error in sys.excepthook:\n")
+        sys.__excepthook__(type(error), error.with_traceback(hook_tb), hook_tb)
+        _write_stderr("\nOriginal exception was:\n")
+        sys.__excepthook__(exc_type, exc, tb)
+    except Exception:  # noqa: BLE001 - python ignores a failure to print here too
+        pass
+
+
+def _write_stderr(text: str) -> None:
+    """``PySys_WriteStderr``: to ``sys.stderr``, else to the process's stderr."""
+    try:
+        sys.stderr.write(text)
+    except Exception:  # noqa: BLE001 - no sys.stderr (None) or a broken one
+        with contextlib.suppress(OSError):
+            os.write(2, text.encode("utf-8", "backslashreplace"))
 
 
 def _interactive() -> bool:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.records.phases import PhaseBreakdown
 
 if TYPE_CHECKING:
-    from gpumemd.agent import Agent
+    from gpumemd.components.base import AgentView
     from gpumemd.probes.trace import SavedTensorCounter
     from gpumemd.records.step import StepRecord
 
@@ -50,9 +50,11 @@ class PhasesComponent:
 
     name = "phases"
 
-    def __init__(self, every_steps: int | None = None) -> None:
+    def __init__(self, every_steps: int = 50) -> None:
+        if every_steps < 1:
+            raise ValueError(f"PhasesComponent(every_steps={every_steps!r}) needs a step count of at least 1")
         self._every = every_steps
-        self._agent: Agent | None = None
+        self._agent: AgentView | None = None
         self._handles: list[Any] = []
         self._discovery: Any = None
         self._state = _IDLE
@@ -70,12 +72,10 @@ class PhasesComponent:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, agent: Agent) -> None:
+    def start(self, agent: AgentView) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._agent = agent
-        if self._every is None:
-            self._every = agent.config.phase_every_steps
         self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
         models = [m for m in list(agent.models) if hasattr(m, "register_forward_pre_hook")]
         if models:

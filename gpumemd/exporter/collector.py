@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd._version import __version__
 from gpumemd.analysis.leak_detector import LeakState
 from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, LEAK_STATE_VALUES
+from gpumemd.records.device import label as device_label
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import AgentState
 
@@ -45,6 +46,7 @@ _ALLOCATOR_GAUGES: dict[str, str] = {
     "allocated_peak_bytes": "gpumemd_allocator_peak_allocated_bytes",
     "reserved_peak_bytes": "gpumemd_allocator_peak_reserved_bytes",
     "segment_count": "gpumemd_allocator_segments",
+    "cap_bytes": "gpumemd_allocator_cap_bytes",  # None (no series) without a per-process cap
 }
 _SEVERITY = {state.value: state.severity for state in LeakState}
 
@@ -272,11 +274,7 @@ def _census(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_census_duration_seconds", census.duration_s)
     # Keys are "cuda:N" (the census's device names); the label is N, as on every allocator series.
     for device, nbytes in sorted(census.invisible_bytes_by_device.items()):
-        out.add("gpumemd_census_invisible_bytes", nbytes, device=_device_label(device))
-
-
-def _device_label(device: str) -> str:
-    return device[len("cuda:"):] if device.startswith("cuda:") else device
+        out.add("gpumemd_census_invisible_bytes", nbytes, device=device_label(device))
 
 
 def _phases(out: _Families, state: AgentState) -> None:

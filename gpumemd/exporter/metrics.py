@@ -47,7 +47,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_allocator_active_bytes", _D, "Bytes in active blocks (allocated, or freed but pending on a stream).",
        "memory_stats active_bytes.all.current"),
     _g("gpumemd_allocator_inactive_split_bytes", _D,
-       "Bytes in inactive split blocks: fragmentation empty_cache() cannot release.",
+       "Bytes in inactive split blocks: fragmentation empty_cache() cannot release. Absent under "
+       "expandable_segments:True and cudaMallocAsync, where torch does not maintain it (it reads 0).",
        "memory_stats inactive_split_bytes.all.current"),
     _g("gpumemd_allocator_requested_bytes", _D, "Bytes requested by callers before the allocator's rounding.",
        "memory_stats requested_bytes.all.current"),
@@ -58,6 +59,10 @@ SPECS: tuple[MetricSpec, ...] = (
        "memory_stats reserved_bytes.all.peak"),
     _g("gpumemd_allocator_segments", _D, "Segments (cudaMalloc'd or mapped regions) the allocator holds.",
        "memory_stats segment.all.current"),
+    _g("gpumemd_allocator_cap_bytes", _D,
+       "The per-process cap on reserved bytes (set_per_process_memory_fraction x device total); absent when "
+       "none is set. Under it the allocator can reserve min(device free, cap - reserved) more.",
+       "torch.cuda.get_per_process_memory_fraction, get_device_properties().total_memory"),
     _c("gpumemd_allocator_alloc_retries_total", _D,
        "cudaMalloc failures the allocator answered by flushing its cache and retrying, since attach.",
        "memory_stats num_alloc_retries minus its value at attach"),
@@ -74,8 +79,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_device_total_bytes", _D, "Total memory of the device, as NVML reports it.", "NVML memory info"),
     _g("gpumemd_device_used_bytes", _D, "Memory in use on the device by every process, as NVML reports it.",
        "NVML memory info"),
-    _g("gpumemd_device_free_bytes", _D, "Free memory on the device (headroom), as NVML reports it.",
-       "NVML memory info"),
+    _g("gpumemd_device_free_bytes", _D,
+       "Free memory on the device, as NVML reports it (device-wide: under a per-process cap the job's "
+       "headroom is min(this, gpumemd_allocator_cap_bytes - reserved)).", "NVML memory info"),
     _g("gpumemd_device_process_used_bytes", _D,
        "Device memory NVML attributes to this process (absent when NVML cannot see the pid, e.g. containers).",
        "NVML running compute processes"),

@@ -6,6 +6,8 @@ initialised CUDA, and only reports devices whose allocator has ever reserved mem
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +15,15 @@ from gpumemd.probes.health import ProbeHealth
 from gpumemd.records.samples import AllocatorSample
 
 StatsFn = Callable[[int], Mapping[str, Any]]
+CapFn = Callable[[int], tuple[float, int] | None]  # device -> (memory fraction, device total bytes)
+
+CAP_RECHECK_S = 30.0
+"""Seconds a device's memory fraction is trusted before it is read again. A job sets it once, at start
+(``set_per_process_memory_fraction``), so a read per device every 30 s keeps it true at no cost to
+the steps that sample the allocator (a clock read and a dict look-up between re-reads)."""
+
+# Where torch reads its allocator settings, in the order doctor reports them (gpumemd.doctor).
+_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 # AllocatorSample field -> flattened memory_stats key. Every key is optional (older torch,
 # cudaMallocAsync); a missing key becomes None, never 0.
@@ -43,18 +54,50 @@ _ASYNC_KEPT = frozenset({"allocated_bytes", "allocated_peak_bytes", "reserved_by
 ASYNC_BACKEND = "cudaMallocAsync"
 
 
-def sample_from_stats(device: int, stats: Mapping[str, Any], *, backend: str = "native") -> AllocatorSample | None:
+def expandable_segments_from_env(environ: Mapping[str, str]) -> bool:
+    """Is ``expandable_segments:True`` in the first allocator-settings variable set? torch reads these
+    when CUDA initialises. A job that switches it at run time (``torch.cuda.memory._set_allocator_settings``)
+    is not seen: the OOM report reads the snapshot's ``allocator_settings`` instead."""
+    text = next((environ[v] for v in _CONF_VARS if environ.get(v, "").strip()), "")
+    for item in text.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
+def sample_from_stats(device: int, stats: Mapping[str, Any], *, backend: str = "native",
+                      expandable_segments: bool = False, memory_fraction: float | None = None,
+                      cap_bytes: int | None = None) -> AllocatorSample | None:
     """Turn one flattened ``memory_stats`` dict into a sample; ``{}`` (CUDA not initialised) -> None.
     ``backend`` is ``torch.cuda.memory.get_allocator_backend()``: under ``cudaMallocAsync`` only the
-    stats that backend maintains are read."""
+    stats that backend maintains are read. Under ``expandable_segments`` torch does not count blocks of
+    expandable segments in ``inactive_split`` (pytorch/pytorch#159564): it reads 0 whatever the
+    fragmentation, so it is absent too. ``memory_fraction``/``cap_bytes``: the per-process cap."""
     if not stats:
         return None
     values: dict[str, int | None] = {}
     for field_name, key in _KEYS.items():
         raw = stats.get(key)
         kept = backend != ASYNC_BACKEND or field_name in _ASYNC_KEPT
+        if expandable_segments and field_name == "inactive_split_bytes":
+            kept = False
         values[field_name] = int(raw) if kept and isinstance(raw, (int, float)) else None
-    return AllocatorSample(device=device, **values)
+    return AllocatorSample(device=device, memory_fraction=memory_fraction, cap_bytes=cap_bytes, **values)
+
+
+def torch_cap_reader(torch: Any) -> CapFn:
+    """(fraction, device total) from torch, or None where it cannot say. Both getters call
+    ``_lazy_init()``: they are asked only once the job itself initialised CUDA, so that never starts it.
+    An older torch without ``get_per_process_memory_fraction``: no cap known (as if the fraction were 1)."""
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+
+    def read(device: int) -> tuple[float, int] | None:
+        if get_fraction is None or not torch.cuda.is_initialized():
+            return None
+        return float(get_fraction(device)), int(torch.cuda.get_device_properties(device).total_memory)
+
+    return read
 
 
 def touched(stats: Mapping[str, Any]) -> bool:
@@ -65,7 +108,8 @@ def touched(stats: Mapping[str, Any]) -> bool:
 
 class AllocatorProbe:
     """Reads every touched device's allocator. Seams: ``stats_fn``, ``is_initialized``,
-    ``device_count``, ``backend_fn``."""
+    ``device_count``, ``backend_fn``; ``cap_fn`` (the memory fraction and device total: torch's when
+    torch supplies the other seams, else none), ``environ`` (allocator settings), ``clock``."""
 
     def __init__(
         self,
@@ -73,6 +117,10 @@ class AllocatorProbe:
         is_initialized: Callable[[], bool] | None = None,
         device_count: Callable[[], int] | None = None,
         backend_fn: Callable[[], str] | None = None,
+        *,
+        cap_fn: CapFn | None = None,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.health = ProbeHealth("allocator")
         self._never = False  # CUDA can never come up here: read() returns at once
@@ -92,12 +140,18 @@ class AllocatorProbe:
             is_initialized = is_initialized or torch.cuda.is_initialized
             device_count = device_count or torch.cuda.device_count
             backend_fn = backend_fn or torch.cuda.memory.get_allocator_backend
+            cap_fn = cap_fn or torch_cap_reader(torch)
         self._stats_fn = stats_fn
         self._is_initialized = is_initialized
         self._device_count = device_count
         self._backend_fn = backend_fn
         self._count: int | None = None
         self.backend: str | None = None  # read once CUDA is up (the backend is fixed by then)
+        self._cap_fn = cap_fn
+        self._environ = os.environ if environ is None else environ
+        self._clock = clock
+        self.expandable_segments: bool | None = None  # read with the backend, from the environment
+        self._caps: dict[int, tuple[float, float | None, int | None]] = {}  # device -> (read at, fraction, cap)
 
     def read(self) -> tuple[AllocatorSample, ...]:
         if self._never or not self._safe_initialized():
@@ -107,12 +161,16 @@ class AllocatorProbe:
                 self._count = int(self._device_count())
             if self.backend is None:
                 self.backend = self._read_backend()
+                self.expandable_segments = expandable_segments_from_env(self._environ)
             samples = []
             for device in range(self._count):
                 stats = self._stats_fn(device)
                 if not touched(stats):
                     continue
-                sample = sample_from_stats(device, stats, backend=self.backend)
+                fraction, cap = self._cap(device)
+                sample = sample_from_stats(device, stats, backend=self.backend,
+                                           expandable_segments=bool(self.expandable_segments),
+                                           memory_fraction=fraction, cap_bytes=cap)
                 if sample is not None:
                     samples.append(sample)
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into the training loop
@@ -120,6 +178,29 @@ class AllocatorProbe:
             return ()
         self.health.ok()
         return tuple(samples)
+
+    def _cap(self, device: int) -> tuple[float | None, int | None]:
+        """The device's (memory fraction, cap): cached, read again after ``CAP_RECHECK_S``."""
+        now = self._clock()
+        cached = self._caps.get(device)
+        if cached is not None and now - cached[0] < CAP_RECHECK_S:
+            return cached[1], cached[2]
+        fraction, cap = self._read_cap(device)
+        self._caps[device] = (now, fraction, cap)
+        return fraction, cap
+
+    def _read_cap(self, device: int) -> tuple[float | None, int | None]:
+        if self._cap_fn is None:
+            return None, None
+        try:
+            read = self._cap_fn(device)
+        except Exception:  # noqa: BLE001 - no cap figure is no reason to lose the allocator's sample
+            return None, None
+        if read is None:
+            return None, None
+        fraction, total = read
+        # torch: allowed_memory_maximum = fraction x total; getMemoryFraction returns 1.0 when none is set
+        return fraction, (int(fraction * total) if 0 <= fraction < 1 else None)
 
     def _read_backend(self) -> str:
         try:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gpumemd.records.census import CATEGORIES, Census, CensusGroup, GroupKey, TensorEntry
+from gpumemd.records.device import cuda_device
 from gpumemd.records.samples import AllocatorSample
 
 log = logging.getLogger("gpumemd")
@@ -77,7 +78,6 @@ class _Storage:
 
 
 def take_census(
-    agent: Any = None,
     *,
     models: Iterable[Any] = (),
     optimizers: Iterable[Any] = (),
@@ -93,27 +93,15 @@ def take_census(
 ) -> Census:
     """Count every live tensor storage once, classify and name it; see the module docstring.
 
-    ``agent`` contributes its registered/seen models and optimizers, its step number, its last
-    allocator reading (for invisible bytes) and its last census (``previous``, for holders);
-    ``models``/``optimizers`` add more. ``holders`` is how many groups get a ``who_holds`` line:
-    the anonymous groups that grew most since ``previous``, or the largest anonymous groups when
-    there is no ``previous``; all lookups together stop after ``HOLDERS_TIME_BUDGET_S``.
+    ``models``/``optimizers`` name parameters, gradients and optimizer state; ``step`` is the
+    step the census is of; ``allocator`` (the last allocator reading) gives the invisible bytes and
+    ``previous`` (the last census) the groups that grew, for holders. ``holders`` is how many
+    groups get a ``who_holds`` line: the anonymous groups that grew most since ``previous``, or the
+    largest anonymous groups when there is no ``previous``; all lookups together stop after ``HOLDERS_TIME_BUDGET_S``.
     """
     start = clock()
-    models = list(models)
-    optimizers = list(optimizers)
-    if agent is not None:
-        # identity, not ==: a model may define __eq__ (and a tensor-valued one cannot be a bool)
-        models.extend(m for m in list(agent.models) if not any(m is x for x in models))
-        optimizers.extend(o for o in list(agent.optimizers) if not any(o is x for x in optimizers))
-        try:
-            state = agent.state()
-        except RuntimeError:  # an agent that was never started has no state yet
-            state = None
-        if state is not None:
-            step = state.step if step is None else step
-            allocator = state.allocator if allocator is None else allocator
-            previous = state.census if previous is None else previous
+    models = _distinct(models)
+    optimizers = _distinct(optimizers)
     census = _Pass(graph_max_nodes)
     census.run(models, optimizers, graph=graph)
     groups, samples, owners = census.groups()
@@ -137,6 +125,15 @@ def take_census(
         graph_truncated=truncated,
         errors=errors,
     )
+
+
+def _distinct(objects: Iterable[Any]) -> list[Any]:
+    """Each object once, by identity: a model may define ``__eq__`` (a tensor-valued one cannot be a bool)."""
+    out: list[Any] = []
+    for obj in objects:
+        if not any(obj is seen for seen in out):
+            out.append(obj)
+    return out
 
 
 class _Pass:
@@ -577,7 +574,7 @@ class _Pass:
         for sample in allocator:
             if sample.allocated_bytes is None:
                 continue
-            name = f"cuda:{sample.device}"
+            name = cuda_device(sample.device)
             out[name] = max(0, sample.allocated_bytes - visible.get(name, 0))
         return out
 

@@ -33,6 +33,7 @@ BREAKDOWN_LABELS: dict[str, str] = {
     "reserved_unallocated": "cached by PyTorch, unallocated",
     "non_pytorch": "outside PyTorch (CUDA context, NCCL, other processes)",
     "free": "free on the device",
+    "headroom": "free under the process cap (min of the device's free memory and cap − reserved)",
 }
 HOST_LABELS: dict[str, str] = {
     "process_other": "rest of this process (interpreter, libraries, unseen tensors)",
@@ -105,16 +106,24 @@ class Breakdown:
     """Where the memory of the failing device went, against its total."""
 
     device: str  # "cuda:0", "cpu"
-    total_bytes: int | None  # device total, or the cap when one is set; host total for "cpu"
+    total_bytes: int | None  # device total, or the cap when one is set (cap_bytes); host total for "cpu"
     items: tuple[BreakdownItem, ...]
     requested_bytes: int | None
     allocated_bytes: int | None
     reserved_bytes: int | None
-    largest_free_block_bytes: int | None  # largest inactive block in the allocator's cache
+    largest_free_block_bytes: int | None  # largest inactive large-pool block (on the failing stream)
     device_free_bytes: int | None  # free outside PyTorch's cache (driver view)
     verdict: str  # one of VERDICTS
     verdict_why: str
     leak: LeakCause | None = None  # an active leak at the OOM (the cause when verdict == "leak")
+    # Under torch.cuda.set_per_process_memory_fraction the items partition the cap (total_bytes): what
+    # PyTorch reserved, and the ``headroom`` item for what it could still reserve. Memory outside PyTorch
+    # is not counted against the cap, so it is a figure of its own then, not an item.
+    cap_bytes: int | None = None  # the per-process cap; None: no cap set (or none known)
+    memory_fraction: float | None = None  # the cap over the device total, when known
+    device_total_bytes: int | None = None  # the device's own total (equals total_bytes without a cap)
+    headroom_bytes: int | None = None  # what the allocator could still reserve: min(device free, cap − reserved)
+    non_pytorch_bytes: int | None = None  # device memory outside PyTorch's allocator (other processes included)
 
     def get(self, key: str) -> int:
         """Bytes of the item ``key`` (0 when the breakdown has no such item)."""
@@ -167,7 +176,7 @@ class SnapshotSummary:
     allocated_bytes: int
     active_bytes: int
     inactive_bytes: int
-    largest_free_block_bytes: int
+    largest_free_block_bytes: int  # inactive, large pool, on the OOM's stream when the trace names it
     expandable_segments: int  # segments with is_expandable
     trace_entries: int
     oom_requested_bytes: int | None = None  # size of the last "oom" trace entry

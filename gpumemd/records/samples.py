@@ -29,6 +29,11 @@ class AllocatorSample:
     num_device_alloc: int | None = None
     num_device_free: int | None = None
     segment_count: int | None = None
+    # The per-process cap (``torch.cuda.set_per_process_memory_fraction``): the allocator refuses to
+    # reserve past ``cap_bytes`` whatever the device has free. ``memory_fraction`` is None when it was
+    # not read (older torch, fake probes), 1.0 with no cap; ``cap_bytes`` is None unless a cap is set.
+    memory_fraction: float | None = None
+    cap_bytes: int | None = None
 
     @property
     def cached_free_bytes(self) -> int | None:

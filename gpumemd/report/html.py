@@ -29,6 +29,7 @@ from gpumemd.report.view import (
     sentence,
     slug,
     timeline_columns,
+    total_words,
     verdict_lines,
 )
 
@@ -117,7 +118,7 @@ def _breakdown(report: dict[str, Any]) -> str:
     return "".join([
         _h2("Breakdown"), breakdown_bar(drawn, total or None), f"<p>{legend(drawn)}</p>",
         _table(["part", "bytes", "of total"], rows),
-        f"<p>Device total {_e(fmt_bytes(b.get('total_bytes')))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
+        f"<p>{_e(total_words(b))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
         f"largest free block {_e(fmt_bytes(b.get('largest_free_block_bytes')))}; "
         f"peak seen {_e(fmt_bytes(report.get('peak_bytes')))}.</p>",
     ])

@@ -22,6 +22,7 @@ from gpumemd.report.view import (
     sentence,
     slug,
     timeline_columns,
+    total_words,
     verdict_lines,
 )
 
@@ -105,7 +106,7 @@ def _breakdown(report: dict[str, Any]) -> list[str]:
     rows = [[item_label(i, b.get("device")), fmt_bytes(i["nbytes"]),
              f"{100 * i['nbytes'] / total:.1f}%" if total else "-"] for i in b.get("items", [])]
     return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], rows), "",
-            f"Device total: {fmt_bytes(b.get('total_bytes'))}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
+            f"{total_words(b)}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
             f"reserved {fmt_bytes(b.get('reserved_bytes'))}; largest free block "
             f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
 

@@ -18,7 +18,7 @@ PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#e
            "#ff9da7", "#9c755f", "#bab0ac")
 MARKER_COLOURS = {"leak": "#e8702a", "oom": "#c0392b"}  # marker kind -> colour (others: grey)
 # Breakdown items whose colour carries meaning: the leak stands out, what is free recedes.
-ITEM_COLOURS = {"leaked": "#e15759", "free": "#e4e4e4", "reserved_unallocated": "#bab0ac",
+ITEM_COLOURS = {"leaked": "#e15759", "free": "#e4e4e4", "headroom": "#e4e4e4", "reserved_unallocated": "#bab0ac",
                 "non_pytorch": "#9c755f", "process_other": "#c9c1bb"}
 _HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label legible over a line
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

@@ -158,6 +158,21 @@ def item_label(item: dict[str, Any], device: Any) -> str:
     return breakdown_label(str(item.get("key")), device if isinstance(device, str) else None, item.get("label"))
 
 
+def total_words(b: dict[str, Any]) -> str:
+    """What the breakdown's items are measured against: "Device total: 79.10 GiB", or under a
+    per-process cap "Process cap: 12.00 GiB (fraction 0.50 of the device's 24.00 GiB); free under it
+    30.00 MiB; free on the device 10.20 GiB; outside PyTorch 1.50 GiB (not counted against the cap)"."""
+    cap = b.get("cap_bytes")
+    if not isinstance(cap, int):
+        return f"Device total: {fmt_bytes(b.get('total_bytes'))}"
+    fraction = b.get("memory_fraction")
+    of = f"fraction {fraction:.2f} of " if isinstance(fraction, (int, float)) else ""
+    return (f"Process cap: {fmt_bytes(cap)} ({of}the device's {fmt_bytes(b.get('device_total_bytes'))}); "
+            f"free under it {fmt_bytes(b.get('headroom_bytes'))}; free on the device "
+            f"{fmt_bytes(b.get('device_free_bytes'))}; outside PyTorch {fmt_bytes(b.get('non_pytorch_bytes'))} "
+            "(not counted against the cap)")
+
+
 # (key, column / series label): what a timeline row may hold.
 TIMELINE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("allocated_bytes", "allocated"),

@@ -23,7 +23,8 @@ import torch
 from prom_binaries import require_binary
 from prometheus_server import Prometheus
 
-from gpumemd.agent import Agent
+from gpumemd.api import build_agent
+from gpumemd.components.leak import LeakComponent
 from gpumemd.config import Config
 from gpumemd.probes.allocator import AllocatorProbe
 from gpumemd.probes.host import HostProbe
@@ -144,7 +145,7 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         leak_check_every_steps=20, census_every_steps=50,
         phases=True, phase_every_steps=10,  # the dashboard's "Memory by step phase" panel needs data
     )
-    agent = Agent(
+    agent = build_agent(
         config,
         allocator_probe=AllocatorProbe(stats_fn=memory_stats_fn(ledger), is_initialized=lambda: True,
                                        device_count=lambda: 1),
@@ -157,7 +158,7 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         assert url is not None
         target = url.split("//")[1].split("/")[0]
         prometheus.start([target], [str(RULES)])
-        assert agent.component("leak") is not None, "the default components lost the leak detector"
+        assert agent.component(LeakComponent) is not None, "the default components lost the leak detector"
 
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import gpumemd
+from gpumemd.components.leak import LeakComponent
 
 STEPS = 2_000  # healthy jobs
 LEAK_STEPS = 3_000  # leaking jobs stop earlier, once the leak is confirmed
@@ -496,7 +497,7 @@ def run_scenario(scenario: Scenario, output_dir: str, steps: int | None = None, 
     _STOP[0] = False
     start = time.perf_counter()
     with gpumemd.attached(output_dir=output_dir, **{**SETTINGS, **scenario.settings}) as agent:
-        component = agent.component("leak")
+        component = agent.component(LeakComponent)
         assert component is not None, "the leak component is not registered"
         timed = _Timed(agent, component, stop_when_confirmed and scenario.leak)
         component.on_step = timed  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import gpumemd
 from gpumemd.agent import MAX_STRIDE, Agent
+from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
 
@@ -173,7 +174,7 @@ class BrokenComponent:
 
 def test_a_failing_component_never_breaks_the_job(out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     broken = BrokenComponent()
-    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0), components=[broken]).start()
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0), components=[broken]).start()
     model, opt = make_job()
     with caplog.at_level("WARNING", logger="gpumemd"):
         train(model, opt, 3)

@@ -41,7 +41,7 @@ def test_censuses_run_on_their_cadence_and_name_what_attach_registered(out_dir: 
     state = agent.state()
     assert state.censuses_total == 4
     assert state.census is not None and state.census.step == 19
-    component = agent.component("census")
+    component = agent.component(CensusComponent)
     assert isinstance(component, CensusComponent)
     assert [c.step for c in component.history()] == [4, 9, 14, 19]
     at = component.at_or_after(6)
@@ -79,8 +79,8 @@ def _leaky_training(steps: int, agent: Any) -> tuple[Any, Any]:
         out = _step(model, opt)
         outputs_seen.append(out.detach())
         if i == 4:
-            first = agent.component("census").take_now()
-    last = agent.component("census").take_now()
+            first = agent.component(CensusComponent).take_now()
+    last = agent.component(CensusComponent).take_now()
     return first, last
 
 
@@ -104,7 +104,7 @@ def test_a_loss_summed_with_its_graph_is_seen_as_growing_graph_memory(
     gc.collect()
     torch.manual_seed(0)
     agent = gpumemd.attach(output_dir=out_dir, census_every_steps=1000, **SETTINGS)
-    component = agent.component("census")
+    component = agent.component(CensusComponent)
     assert isinstance(component, CensusComponent)
     model = nn.Sequential(nn.Linear(12, 256), nn.ReLU(), nn.Linear(256, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -210,9 +210,7 @@ def failing_hook(exc_type, exc, tb):
 
 
 sys.excepthook = failing_hook
-""", xfail={GUARD: "gpumemd/components/oom.py (not changed here): the agent's sys.excepthook wraps the job's "
-                   "hook (installed before attach), so python's 'Error in sys.excepthook' traceback shows the "
-                   "agent's sys_hook frame; fixable there by printing python's fallback itself"}),
+"""),
     "RecursionError": Kind(
         """
 def fail(step):

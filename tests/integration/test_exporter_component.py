@@ -25,6 +25,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import gpumemd
+from gpumemd.components.exporter import ExporterComponent
 
 
 def train(steps: int) -> None:
@@ -89,7 +90,7 @@ def test_serves_live_state_and_tears_down_completely(out_dir: str) -> None:
 def test_no_port_no_server(out_dir: str) -> None:
     agent = gpumemd.attach(output_dir=out_dir, sample_interval_s=0)
     assert agent.exporter_url is None
-    assert agent.component("exporter") is None
+    assert agent.component(ExporterComponent) is None
 
 
 def test_gpumemd_port_env_turns_it_on(out_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

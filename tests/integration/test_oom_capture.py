@@ -19,8 +19,9 @@ import torch
 
 import gpumemd
 from gpumemd.agent import Agent
+from gpumemd.api import build_agent
 from gpumemd.components import oom as oom_module
-from gpumemd.components.oom import OomComponent
+from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.report import writer
@@ -149,13 +150,14 @@ class _Clock:
 def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
                     **over)
-    return Agent(config, components=[component]).start()
+    return build_agent(config, components=[component]).start()
 
 
 def test_cap_and_cooldown(out_dir: str) -> None:
     clock = _Clock()
-    component = OomComponent(clock=clock)
-    agent = _agent(out_dir, component, oom_max_reports=2, oom_cooldown_s=10)
+    options = Config(output_dir=out_dir, oom_max_reports=2, oom_cooldown_s=10).options(OomOptions)
+    component = OomComponent(options, clock=clock)
+    agent = _agent(out_dir, component)
     try:
         results = []
         for now in (0.0, 5.0, 11.0, 30.0):  # written, cooldown, written, cap
@@ -215,8 +217,8 @@ def test_the_observer_attaches_lazily_and_its_capture_is_used(out_dir: str, monk
     monkeypatch.setattr(oom_module, "_observer_installed", False)
     snap = _snapshot()
     probe = _FakeCudaProbe(snap)
-    component = OomComponent(snapshot_probe=probe)
-    agent = _agent(out_dir, component, oom_cooldown_s=0)
+    component = OomComponent(Config(output_dir=out_dir, oom_cooldown_s=0).options(OomOptions), snapshot_probe=probe)
+    agent = _agent(out_dir, component)
     try:
         agent.mark_step()
         assert probe.observers == []  # the job has not initialised CUDA: we must not either

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import gpumemd
+from gpumemd.components.phases import PhasesComponent
 from gpumemd.probes.trace import SavedTensorCounter
 
 
@@ -130,9 +131,9 @@ def test_user_exception_propagates_and_hooks_are_popped(out_dir: str) -> None:
 
 def test_off_by_default(out_dir: str) -> None:
     with gpumemd.attached(output_dir=out_dir, sample_interval_s=0) as agent:
-        assert agent.component("phases") is None
+        assert agent.component(PhasesComponent) is None
     with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, phases=True) as agent:
-        assert agent.component("phases") is not None
+        assert agent.component(PhasesComponent) is not None
 
 
 def test_a_failing_measurement_turns_phases_off_not_the_job(out_dir: str, caplog: pytest.LogCaptureFixture,
@@ -140,7 +141,7 @@ def test_a_failing_measurement_turns_phases_off_not_the_job(out_dir: str, caplog
     model, opt = make()
     with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, phases=True,
                           phase_every_steps=1, sample_interval_s=0) as agent:
-        component = agent.component("phases")
+        component = agent.component(PhasesComponent)
 
         def broken(*, reset_peak: bool) -> int:
             raise RuntimeError("allocator went away")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gpumemd
+from gpumemd.components.oom import OomComponent
 from gpumemd.exporter.collector import build_families
 
 
@@ -24,7 +25,7 @@ def test_a_real_loops_phases_reach_the_metrics_and_the_oom_report(out_dir: str) 
             loss.backward()
             opt.step()
         state = agent.state()
-        oom = agent.component("oom")
+        oom = agent.component(OomComponent)
         assert oom is not None
         path = oom.write_report()
     assert state.phases is not None and state.phases.step == 3

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gpumemd.agent import MAX_STRIDE, Agent
+from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
 
@@ -52,7 +53,7 @@ class Costly:
 def _run(out_dir: str, *, step_s: float, cost_s: float, steps: int, **config: Any) -> tuple[Agent, Costly]:
     clock = Clock()
     component = Costly(clock, cost_s)
-    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, **config),
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, **config),
                   components=[component], clock=clock, wall_clock=clock)
     agent.start()
     try:
@@ -97,7 +98,7 @@ def test_the_stride_shrinks_when_the_step_gets_slower(out_dir: str) -> None:
 def test_a_pause_between_steps_is_not_step_time(out_dir: str) -> None:
     clock = Clock()
     component = Costly(clock, 0.0)
-    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
                   clock=clock, wall_clock=clock)
     agent.start()
     try:
@@ -112,7 +113,7 @@ def test_a_pause_between_steps_is_not_step_time(out_dir: str) -> None:
 def test_phase_changes_and_components_get_the_steps_they_need(out_dir: str) -> None:
     clock = Clock()
     component = Costly(clock, 60e-6)
-    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
                   clock=clock, wall_clock=clock)
     agent.start()
     try:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import gpumemd
-from gpumemd.agent import Agent
 from gpumemd.announce import StartFacts, exit_summary, start_line
+from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.findings import Finding
 from gpumemd.records.step import AgentState, Identity, Overhead
@@ -98,7 +98,7 @@ def test_quiet_and_other_ranks_say_nothing(out_dir: str, caplog: pytest.LogCaptu
     caplog.set_level(logging.INFO, logger="gpumemd.status")
     with gpumemd.attached(output_dir=out_dir, quiet=True):
         _train(2)
-    agent = Agent(Config(output_dir=out_dir), identity=Identity(rank=3, world_size=4)).start()
+    agent = build_agent(Config(output_dir=out_dir), identity=Identity(rank=3, world_size=4)).start()
     _train(2)
     agent.stop()
     assert _said(caplog) == []

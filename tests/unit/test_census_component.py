@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpumemd.agent import Agent
-from gpumemd.components import build_default
+from gpumemd.api import build_agent, build_components
 from gpumemd.components.census import CensusComponent
 from gpumemd.config import Config
 from gpumemd.records.census import Census
@@ -35,7 +35,7 @@ class CostlyCensus:
         self.holders: list[int] = []
         self.fail = False
 
-    def __call__(self, agent: Any, *, step: int | None, holders: int, **kwargs: Any) -> Census:
+    def __call__(self, *, step: int | None, holders: int, **kwargs: Any) -> Census:
         self.clock.now += self.cost
         self.attempts.append(step)
         if self.fail:
@@ -52,7 +52,7 @@ def clock() -> ManualClock:
 
 def _agent(out_dir: str, component: CensusComponent, clock: ManualClock) -> Agent:
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, overhead_budget=0.01)
-    return Agent(config, components=[component], clock=clock, wall_clock=clock, max_stride=1)
+    return build_agent(config, components=[component], clock=clock, wall_clock=clock, max_stride=1)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def test_a_costlier_census_or_faster_steps_space_censuses_out_further(
 
 def test_census_every_steps_forces_the_interval(clock: ManualClock, out_dir: str) -> None:
     census = CostlyCensus(clock, cost=5.0)  # far over budget: ignored when the interval is forced
-    component = CensusComponent(Config(output_dir=out_dir, census_every_steps=3), census_fn=census, clock=clock)
+    component = CensusComponent(every_steps=3, census_fn=census, clock=clock)
     agent = _agent(out_dir, component, clock)
     agent.start()
     try:
@@ -159,9 +159,9 @@ def test_history_is_bounded_spread_and_searchable(clock: ManualClock, out_dir: s
 
 
 def test_census_component_is_registered_first_and_only_when_enabled(out_dir: str) -> None:
-    on = build_default(Config(output_dir=out_dir))
+    on = build_components(Config(output_dir=out_dir))
     assert on and on[0].name == "census" and isinstance(on[0], CensusComponent)
-    off = build_default(Config(output_dir=out_dir, census=False))
+    off = build_components(Config(output_dir=out_dir, census=False))
     assert all(c.name != "census" for c in off)
 
 

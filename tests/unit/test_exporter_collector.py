@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -57,6 +58,8 @@ def cuda_phases(step: int = 39) -> PhaseBreakdown:
 
 def full_state(n_devices: int = 2) -> AgentState:
     allocator = tuple(cuda_sample(d, retries=d) for d in range(n_devices))
+    # device 0 runs under a per-process cap: set_per_process_memory_fraction(0.5) of its 80 GiB
+    allocator = (dataclasses.replace(allocator[0], memory_fraction=0.5, cap_bytes=40 * GiB), *allocator[1:])
     census = Census(
         step=40, taken_at=1000.0, duration_s=0.02,
         groups=(

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from gpumemd.agent import Agent
-from gpumemd.components.leak import LeakComponent
+from gpumemd.api import build_agent
+from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.config import Config
+from gpumemd.probes.allocation_history import AllocationHistory
 from gpumemd.probes.allocator import AllocatorProbe
 from gpumemd.probes.nvml import NvmlProbe
 from gpumemd.records.step import Identity
@@ -89,12 +91,28 @@ class FakeDevice:
                 "device_traces": [[]]}
 
 
-def run(device: FakeDevice, out_dir: str, steps: int = 300, **config: Any) -> tuple[Agent, LeakComponent, list[int]]:
-    enabled: list[int] = []
-    component = LeakComponent(snapshot_fn=device.snapshot, enable_history_fn=enabled.append)
-    agent = Agent(
-        Config(output_dir=out_dir, sample_interval_s=0, census=False, leak_warmup_steps=20,
-               leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024, **config),
+class HistoryTorch:
+    """torch's allocation-history switch, recording what it was asked (``(enabled, max_entries)``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str | None, int | None]] = []
+        self.cuda = SimpleNamespace(memory=SimpleNamespace(_record_memory_history=self._record))
+        self._C = SimpleNamespace()  # no _cuda_isHistoryEnabled: the job records nothing itself
+
+    def _record(self, enabled: str | None = "all", context: str | None = "all", stacks: str = "all",
+                max_entries: int | None = None) -> None:
+        self.calls.append((enabled, max_entries))
+
+
+def run(device: FakeDevice, out_dir: str, steps: int = 300,
+        **config: Any) -> tuple[Agent, LeakComponent, list[tuple[str | None, int | None]]]:
+    torch_history = HistoryTorch()
+    config_ = Config(output_dir=out_dir, sample_interval_s=0, census=False, leak_warmup_steps=20,
+                     leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024, **config)
+    component = LeakComponent(config_.options(LeakOptions), snapshot_fn=device.snapshot,
+                              history=AllocationHistory(torch_history))
+    agent = build_agent(
+        config_,
         allocator_probe=AllocatorProbe(stats_fn=device.stats, is_initialized=lambda: True, device_count=lambda: 1),
         nvml_probe=NvmlProbe(nvml=FakeNvml(), visible="0"),
         identity=Identity(rank=3, world_size=4),
@@ -106,15 +124,16 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300, **config: Any) -> tu
         for step in range(steps):
             device.step = step
             agent.mark_step(step)
-        return agent, component, enabled
+        return agent, component, torch_history.calls
     finally:
         agent.stop()
 
 
 def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: str) -> None:
     device = FakeDevice(leak=2 * MIB)
-    agent, component, enabled = run(device, out_dir, leak_history_on_suspect=True, history_max_entries=5000)
-    assert enabled == [5000]  # switched on once, when the leak was first suspected
+    agent, component, history_calls = run(device, out_dir, leak_history_on_suspect=True, history_max_entries=5000)
+    # switched on once, when the leak was first suspected, and off once its sites were named (issue 12 item 6)
+    assert history_calls == [("all", 5000), (None, None)]
     findings = agent.findings()
     assert [(f.kind, f.series, f.state) for f in findings] == [("tensor_leak", "allocated_bytes{device=0}",
                                                                "confirmed")]
@@ -138,10 +157,10 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
 
 
 def test_growing_cache_is_fragmentation_not_a_tensor_leak(out_dir: str) -> None:
-    agent, _, enabled = run(FakeDevice(frag=1 * MIB), out_dir)
+    agent, _, history_calls = run(FakeDevice(frag=1 * MIB), out_dir)
     kinds = {(f.kind, f.series) for f in agent.findings()}
-    assert kinds == {("fragmentation", "reserved_minus_allocated_bytes{device=0}")}
-    assert enabled == []  # history is only for tensor leaks, and off by default
+    assert kinds == {("fragmentation", "inactive_split_bytes{device=0}")}  # what empty_cache() cannot release
+    assert history_calls == []  # history is only for tensor leaks, and off by default
 
 
 def test_flat_device_raises_nothing(out_dir: str) -> None:

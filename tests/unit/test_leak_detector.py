@@ -172,6 +172,11 @@ def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
     # a later update of the same series replaces it in the published tuple
     newer = build_finding(statuses[1])
     assert merge_findings((finding,), {(newer.series, newer.phase): newer}) == (newer,)
+    # The sentence is rewritten at every evaluation; a holder looked up earlier says when (its
+    # container size is from then), one looked up now does not.
+    assert "looked up at step" not in build_finding(status, culprits=culprits, culprits_step=status.step).summary
+    stale = build_finding(status, culprits=culprits, culprits_step=status.step - 400).summary
+    assert stale.endswith(f"(culprit looked up at step {status.step - 400:,})")
 
 
 def test_culprit_sentence_rates() -> None:

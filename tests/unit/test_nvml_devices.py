@@ -13,7 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumemd.agent import Agent
+from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.exporter.collector import StateCollector
 from gpumemd.probes.nvml import NvmlProbe, parse_visible_devices, uuids_to_indices, visible_indices
@@ -149,7 +149,7 @@ def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     identity = Identity(rank=11, local_rank=3, world_size=16, source="torchrun")
-    agent = Agent(Config(output_dir=out_dir, sample_interval_s=0, census=False),
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, census=False),
                   nvml_probe=NvmlProbe(nvml=FakeNvml(8, pids=(99,)), pid=12345, visible=None),
                   identity=identity).start()
     try:

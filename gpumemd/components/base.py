@@ -1,0 +1,97 @@
+"""What a component is, and the narrow view of the agent it gets.
+
+The agent drives components (``start``, ``on_step`` at sampled step ends, ``stop``); a component
+sees the agent only through ``AgentView``: the step counters and timings it reads, the published
+state, and the few calls it makes back (publish a result, ask for a sample, account for its time).
+It never reaches the agent's hooks, probes, configuration or sibling components: those are given
+to it by the composition root (``gpumemd.api.build_agent``) as typed constructor arguments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import weakref
+
+    from gpumemd.records.census import Census
+    from gpumemd.records.step import AgentState, Overhead, StepRecord
+
+
+class AgentView(Protocol):
+    """The part of ``gpumemd.agent.Agent`` a component may use."""
+
+    @property
+    def output_dir(self) -> str: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def steps_total(self) -> int: ...
+
+    @property
+    def samples_total(self) -> int: ...
+
+    @property
+    def current_step(self) -> int | None: ...
+
+    @property
+    def seconds_per_step(self) -> float | None: ...
+
+    @property
+    def current_phase(self) -> str: ...
+
+    @property
+    def published(self) -> AgentState: ...
+
+    # The job's own models and optimizers (duck-typed, as the job made them: hence Any).
+    @property
+    def models(self) -> weakref.WeakSet[Any]: ...
+
+    @property
+    def optimizers(self) -> weakref.WeakSet[Any]: ...
+
+    def state(self) -> AgentState: ...
+
+    def publish(self, **changes: object) -> AgentState: ...
+
+    def overhead(self) -> Overhead: ...
+
+    def steps(self) -> list[StepRecord]: ...
+
+    def tick(self) -> None: ...
+
+    def census(self) -> Census: ...
+
+    def sample_within(self, steps: int = 1) -> None: ...
+
+    def add_census_seconds(self, seconds: float) -> None: ...
+
+    def add_thread_seconds(self, seconds: float) -> None: ...
+
+
+class Component(Protocol):
+    """A capability plugged into the agent (census, leak detection, OOM capture, exporter, ...).
+
+    ``on_step`` runs on the training thread at every *sampled* step end (``record.steps`` says how
+    many steps the record stands for) and must be cheap or self-spacing. A component may also
+    define ``on_eve()``, called at the end of the step before each sampled one (O(1) work only).
+    Components publish results with ``agent.publish(field=value)``; they never mutate state.
+    """
+
+    name: str
+
+    def start(self, agent: AgentView) -> None: ...
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Serving(Protocol):
+    """A component that serves something at a URL while it runs (the exporter's ``/metrics``)."""
+
+    @property
+    def url(self) -> str | None: ...

@@ -1,0 +1,91 @@
+"""api.build_agent is the one place that builds probes, the allocation history and components (issue 12)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import gpumemd
+from gpumemd.api import build_agent, build_components
+from gpumemd.components.census import CensusComponent
+from gpumemd.components.exporter import ExporterComponent
+from gpumemd.components.leak import LeakComponent, LeakOptions
+from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.config import Config
+from gpumemd.probes.allocation_history import AllocationHistory
+
+PACKAGE = pathlib.Path(gpumemd.__file__).parent
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return out
+
+
+def test_the_agent_imports_no_component() -> None:
+    imported = _imported_modules(PACKAGE / "agent.py")
+    components = {m for m in imported if m.startswith("gpumemd.components")}
+    assert components <= {"gpumemd.components.base"}, components
+
+
+def test_components_see_the_agent_only_through_the_view() -> None:
+    for path in sorted((PACKAGE / "components").glob("*.py")):
+        assert "gpumemd.agent" not in _imported_modules(path), f"{path.name} imports the agent"
+
+
+def test_one_allocation_history_is_shared_and_siblings_are_given_not_looked_up(out_dir: str) -> None:
+    history = AllocationHistory(torch_module=object())
+    config = Config(output_dir=out_dir, port=0)
+    components = build_components(config, history=history)
+    census = next(c for c in components if isinstance(c, CensusComponent))
+    leak = next(c for c in components if isinstance(c, LeakComponent))
+    oom = next(c for c in components if isinstance(c, OomComponent))
+    exporter = next(c for c in components if isinstance(c, ExporterComponent))
+    assert [type(c) for c in components] == [CensusComponent, LeakComponent, OomComponent, ExporterComponent]
+    assert leak._census is census and leak._history is history
+    assert oom._probe._history is history and oom._on_fatal is exporter
+
+
+def test_each_component_gets_its_own_options_from_the_config(out_dir: str) -> None:
+    config = Config(output_dir=out_dir, leak_window_steps=800, oom_max_reports=2, census_every_steps=7)
+    components = build_components(config)
+    leak = next(c for c in components if isinstance(c, LeakComponent))
+    oom = next(c for c in components if isinstance(c, OomComponent))
+    census = next(c for c in components if isinstance(c, CensusComponent))
+    assert leak._options == config.options(LeakOptions) and leak._options.leak_window_steps == 800
+    assert oom.config == config.options(OomOptions) and oom.config.oom_max_reports == 2
+    assert census.interval == 7
+    assert not any(isinstance(c, ExporterComponent) for c in components)  # nowhere to export to
+
+
+def test_switched_off_components_are_not_built(out_dir: str) -> None:
+    config = Config(output_dir=out_dir, census=False, leak_detection=False, oom_reports=False)
+    assert build_components(config) == []
+    leak_only = build_components(Config(output_dir=out_dir, census=False, oom_reports=False))
+    assert len(leak_only) == 1 and isinstance(leak_only[0], LeakComponent) and leak_only[0]._census is None
+
+
+def test_components_are_found_by_type(out_dir: str) -> None:
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, quiet=True)).start()
+    try:
+        oom = agent.component(OomComponent)
+        assert isinstance(oom, OomComponent)
+        assert agent.component(ExporterComponent) is None
+    finally:
+        agent.stop()
+
+
+@pytest.mark.parametrize("every", [0, -3])
+def test_phases_component_needs_a_positive_cadence(every: int) -> None:
+    from gpumemd.components.phases import PhasesComponent
+
+    with pytest.raises(ValueError, match="every_steps"):
+        PhasesComponent(every)
