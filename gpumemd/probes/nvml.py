@@ -5,6 +5,12 @@ report host-namespace PIDs: "this process's use" is then absent (None), not 0, a
 Devices are numbered as CUDA numbers them under ``CUDA_VISIBLE_DEVICES`` (parsed as torch parses
 it), and the agent reads only the devices its process uses: under torchrun, eight ranks each
 reading eight GPUs would multiply every series by eight and blame each rank for the others' memory.
+
+``CUDA_VISIBLE_DEVICES`` alone names NVML's device only under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's
+order) or on a one-GPU machine: CUDA's default order is fastest first. Once the job has initialised
+CUDA (``read(..., has_context=True)``), each ordinal is matched once by UUID
+(``torch.cuda.get_device_properties(i).uuid`` against ``nvmlDeviceGetUUID``, MIG instances included);
+the probe never initialises CUDA itself.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Collection
+import sys
+from collections.abc import Callable, Collection
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth, log
@@ -91,34 +98,90 @@ def visible_handles(nvml: Any, count: int, visible: str | None) -> list[Any]:
     parsed = parse_visible_devices(visible)
     if not (parsed and isinstance(parsed[0], str) and parsed[0].startswith("MIG-")):
         return [nvml.nvmlDeviceGetHandleByIndex(i) for i in visible_indices(nvml, count, visible)]
-    instances: list[tuple[str, Any]] = []
-    for i in range(count):
-        parent = nvml.nvmlDeviceGetHandleByIndex(i)
-        try:
-            current, _pending = nvml.nvmlDeviceGetMigMode(parent)
-        except Exception:  # noqa: BLE001 - no MIG support on this GPU or driver
-            continue
-        if not current:
-            continue
-        for j in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
-            try:
-                child = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
-            except Exception:  # noqa: BLE001 - an empty slot
-                continue
-            instances.append((_text(nvml.nvmlDeviceGetUUID(child)), child))
+    instances = [m for i in range(count) for m in mig_instances(nvml, nvml.nvmlDeviceGetHandleByIndex(i))]
     picked = uuids_to_indices([str(p) for p in parsed], [u for u, _ in instances])
     return [instances[k][1] for k in picked]
 
 
-class NvmlProbe:
-    """Per visible device: total/used/free and this process's own use. Seam: ``nvml`` module."""
+def mig_instances(nvml: Any, parent: Any) -> list[tuple[str, Any]]:
+    """(UUID, handle) of each MIG instance of ``parent``; none when it is not in MIG mode (or the GPU or
+    driver has no MIG)."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(parent)
+    except Exception:  # noqa: BLE001 - no MIG support on this GPU or driver
+        return []
+    if not current:
+        return []
+    out: list[tuple[str, Any]] = []
+    for j in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
+        try:
+            child = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
+        except Exception:  # noqa: BLE001 - an empty slot
+            continue
+        out.append((_text(nvml.nvmlDeviceGetUUID(child)), child))
+    return out
 
-    def __init__(self, nvml: Any = None, pid: int | None = None, visible: str | None = None) -> None:
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def uuid_key(raw: Any) -> str | None:
+    """The 32 hex digits of a device UUID, lower case, for comparing CUDA's and NVML's spellings: NVML's
+    ``GPU-8-4-4-4-12`` and ``MIG-8-4-4-4-12``, torch's bare ``8-4-4-4-12`` (``str(_CUuuid)``). None for
+    anything else, such as older drivers' ``MIG-GPU-<uuid>/<gi>/<ci>`` (which no CUDA UUID equals)."""
+    if raw is None:
+        return None
+    text = _text(raw).strip().lower()
+    for prefix in ("mig-", "gpu-"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    digits = text.replace("-", "")
+    return digits if _HEX32.fullmatch(digits) else None
+
+
+def torch_cuda_uuid(ordinal: int) -> str | None:
+    """``str(torch.cuda.get_device_properties(ordinal).uuid)`` where the job has initialised CUDA; None
+    otherwise (this never initialises CUDA: that would take GPU memory and poison fork)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(ordinal), "uuid", None)
+    return None if uuid is None else str(uuid)
+
+
+class _Gpu:
+    """One NVML whole GPU as a UUID match candidate, with its MIG instances when in MIG mode."""
+
+    __slots__ = ("handle", "index", "instances", "key")
+
+    def __init__(self, index: int, handle: Any, key: str | None, instances: list[tuple[str | None, Any]]) -> None:
+        self.index, self.handle, self.key, self.instances = index, handle, key, instances
+
+
+def nvml_gpus(nvml: Any) -> list[_Gpu]:
+    gpus = []
+    for i in range(int(nvml.nvmlDeviceGetCount())):
+        handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        instances = [(uuid_key(u), h) for u, h in mig_instances(nvml, handle)]
+        gpus.append(_Gpu(i, handle, uuid_key(nvml.nvmlDeviceGetUUID(handle)), instances))
+    return gpus
+
+
+class NvmlProbe:
+    """Per visible device: total/used/free and this process's own use. Seams: ``nvml`` module;
+    ``cuda_uuid`` (ordinal -> CUDA's UUID of that device, or None), called only once CUDA is up."""
+
+    def __init__(self, nvml: Any = None, pid: int | None = None, visible: str | None = None,
+                 cuda_uuid: Callable[[int], str | None] | None = None) -> None:
         self.health = ProbeHealth("nvml")
         self._nvml = nvml
         self._pid = os.getpid() if pid is None else pid
         self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-        self._handles: list[tuple[int, Any]] | None = None
+        self._cuda_uuid = torch_cuda_uuid if cuda_uuid is None else cuda_uuid
+        self._handles: list[tuple[int, Any]] | None = None  # from CUDA_VISIBLE_DEVICES
+        self._by_uuid: dict[int, Any] = {}  # ordinal -> handle matched by UUID, or None: keep the env's
+        self._targets: list[tuple[int, Any]] = []  # what read() reads: _handles with _by_uuid applied
         self._pid_note_logged = False
         self._memory_v2: bool | None = None  # None until tried; False: the driver has only v1
         self._process_calls: list[str] | None = None  # pynvml names that work here, newest first
@@ -141,6 +204,8 @@ class NvmlProbe:
             if not self._handles:
                 self.health.absent("NVML sees no device visible to this process")
                 self._handles = None
+            else:
+                self._targets = list(self._handles)
 
     @property
     def visible_count(self) -> int:
@@ -149,12 +214,19 @@ class NvmlProbe:
     def read(self, devices: Collection[int] | None = None, *,
              has_context: bool = False) -> tuple[NvmlDeviceSample, ...]:
         """The visible devices, or only the CUDA ordinals in ``devices``. ``has_context``: this process
-        has a CUDA context on them, so NVML must list its pid (else that is a PID namespace)."""
+        has a CUDA context on them, so NVML must list its pid (else that is a PID namespace), and CUDA
+        can say each device's UUID: an ordinal not matched yet is matched now (once; later reads, with
+        or without ``has_context``, use the match)."""
         if self._handles is None:
             return ()
+        if has_context:
+            wanted = (o for o, _ in self._handles) if devices is None else devices
+            todo = sorted({o for o in wanted if o not in self._by_uuid})
+            if todo:
+                self._match_by_uuid(todo)
         out = []
         try:
-            for ordinal, handle in self._handles:
+            for ordinal, handle in self._targets:
                 if devices is not None and ordinal not in devices:
                     continue
                 mem = self._memory(handle)
@@ -172,6 +244,77 @@ class NvmlProbe:
             return ()
         self.health.ok()
         return tuple(out)
+
+    def _match_by_uuid(self, ordinals: list[int]) -> None:
+        """Match each ordinal to the NVML device (whole GPU, or MIG instance) with CUDA's UUID for it;
+        where that fails, keep the ``CUDA_VISIBLE_DEVICES`` handle. Each outcome is cached and said
+        once. Never raises: a mismatch here must not cost the sample."""
+        env = dict(self._handles or ())
+        missed: list[str] = []
+        moved: list[str] = []
+        gpus: list[_Gpu] | None = None
+        for ordinal in ordinals:
+            self._by_uuid[ordinal] = None
+            try:
+                key = uuid_key(self._cuda_uuid(ordinal))
+                if key is None:
+                    missed.append(f"{ordinal} (CUDA gives no UUID)")
+                    continue
+                if gpus is None:
+                    gpus = nvml_gpus(self._nvml)
+                handle, where, why = self._find(gpus, key, env.get(ordinal))
+                same = handle is not None and ordinal in env and where == self._env_place(gpus, env[ordinal])
+            except Exception as exc:  # noqa: BLE001 - torch or NVML refused: the env's handle stays
+                missed.append(f"{ordinal} ({type(exc).__name__}: {exc})")
+                continue
+            if handle is None:
+                missed.append(f"{ordinal} ({why})")
+                continue
+            self._by_uuid[ordinal] = handle
+            if not same:
+                moved.append(f"{ordinal} -> {where}")
+        if moved:
+            log.info("gpumemd: CUDA device %s by UUID (CUDA_VISIBLE_DEVICES alone named another NVML device: "
+                     "CUDA_DEVICE_ORDER is not NVML's PCI order?)", ", ".join(moved))
+        if missed:
+            log.info("gpumemd: NVML device of CUDA device %s not found by UUID; numbering it by "
+                     "CUDA_VISIBLE_DEVICES", ", ".join(missed))
+        merged = dict(self._handles or ())
+        merged.update({o: h for o, h in self._by_uuid.items() if h is not None})
+        self._targets = sorted(merged.items(), key=lambda pair: pair[0])
+
+    def _find(self, gpus: list[_Gpu], key: str, env_handle: Any) -> tuple[Any, str, str]:
+        """(handle, where, why not): the MIG instance or whole GPU whose UUID is ``key``."""
+        for gpu in gpus:
+            for j, (mig_key, mig_handle) in enumerate(gpu.instances):
+                if mig_key == key:
+                    return mig_handle, f"NVML GPU {gpu.index} MIG instance {j}", ""
+        for gpu in gpus:
+            if gpu.key != key:
+                continue
+            if not gpu.instances:
+                return gpu.handle, f"NVML GPU {gpu.index}", ""
+            # CUDA gave the parent's UUID (older drivers do for a MIG device): its memory is not ours.
+            if env_handle is not None:
+                env_key = uuid_key(self._nvml.nvmlDeviceGetUUID(env_handle))
+                for j, (mig_key, _) in enumerate(gpu.instances):
+                    if mig_key is not None and mig_key == env_key:
+                        return env_handle, f"NVML GPU {gpu.index} MIG instance {j}", ""
+            if len(gpu.instances) == 1:
+                return gpu.instances[0][1], f"NVML GPU {gpu.index} MIG instance 0", ""
+            return None, "", f"on MIG GPU {gpu.index}, instance unknown"
+        return None, "", "no NVML device has its UUID"
+
+    def _env_place(self, gpus: list[_Gpu], handle: Any) -> str:
+        """``where`` for the env's handle, found by UUID (pynvml handles compare by identity)."""
+        key = uuid_key(self._nvml.nvmlDeviceGetUUID(handle))
+        for gpu in gpus:
+            if gpu.key == key and not gpu.instances:
+                return f"NVML GPU {gpu.index}"
+            for j, (mig_key, _) in enumerate(gpu.instances):
+                if mig_key == key:
+                    return f"NVML GPU {gpu.index} MIG instance {j}"
+        return ""
 
     def _memory(self, handle: Any) -> Any:
         """Memory info v2 where the driver has it: v1's ``used`` includes the driver's reserved
@@ -232,3 +375,4 @@ class NvmlProbe:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
             self._handles = None
+            self._targets = []

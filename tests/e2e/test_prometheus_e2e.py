@@ -39,6 +39,7 @@ MIB = 1024**2
 GIB = 1024**3
 LEAK_BYTES_PER_STEP = 256 * 1024
 DEADLINE_S = 75.0
+DEVICE_TOTAL = 16 * GIB
 
 
 class Ledger:
@@ -107,7 +108,7 @@ class FakeNvml:
         return stats_reserved(self._ledger) + 500 * MIB  # CUDA context + libraries outside the allocator
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
-        return self._Mem(16 * GIB, self._process_used() + 300 * MIB)
+        return self._Mem(DEVICE_TOTAL, self._process_used() + 300 * MIB)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
         return [self._Proc(os.getpid(), self._process_used())]
@@ -147,8 +148,10 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
     )
     agent = build_agent(
         config,
+        # the job capped itself at half the device (set_per_process_memory_fraction): the cap series
+        # and the capped headroom panel need it
         allocator_probe=AllocatorProbe(stats_fn=memory_stats_fn(ledger), is_initialized=lambda: True,
-                                       device_count=lambda: 1),
+                                       device_count=lambda: 1, cap_fn=lambda device: (0.5, DEVICE_TOTAL)),
         nvml_probe=NvmlProbe(nvml=FakeNvml(ledger), visible="0"),
         host_probe=HostProbe(pinned_fn=lambda: 64 * MIB),
     )
