@@ -124,6 +124,10 @@ class Breakdown:
     device_total_bytes: int | None = None  # the device's own total (equals total_bytes without a cap)
     headroom_bytes: int | None = None  # what the allocator could still reserve: min(device free, cap − reserved)
     non_pytorch_bytes: int | None = None  # device memory outside PyTorch's allocator (other processes included)
+    # Why this device is the one shown when the error did not name its own (a device OOM in a process
+    # that uses several): "The error does not name its device; showing cuda:1, the fullest ...". None
+    # when the error (or the observer, or the only device in use) named it.
+    device_note: str | None = None
 
     def get(self, key: str) -> int:
         """Bytes of the item ``key`` (0 when the breakdown has no such item)."""

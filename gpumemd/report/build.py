@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, leak_at_oom, with_leak
+from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, fmt, leak_at_oom, with_leak
+from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.findings import Finding
@@ -74,7 +75,8 @@ class ReportInputs:
 
 
 def oom_device(inputs: ReportInputs) -> int | None:
-    """The failing CUDA device ordinal, or None for a host (CPU) failure."""
+    """The failing CUDA device ordinal; None for a host (CPU) failure and for a device the error does
+    not name in a process that uses several (``breakdown_device`` says which one the report shows)."""
     msg = inputs.message
     if msg is not None and msg.kind == "cpu":
         return None
@@ -91,17 +93,99 @@ def oom_device(inputs: ReportInputs) -> int | None:
     return None
 
 
-def _device_breakdown(inputs: ReportInputs) -> Breakdown:
+@dataclass(frozen=True)
+class ShownDevice:
+    """The device a report's breakdown shows (None: the host) and, when the error did not name it, why
+    this one (``Breakdown.device_note``)."""
+
+    device: int | None
+    note: str | None = None
+
+
+def breakdown_device(inputs: ReportInputs) -> ShownDevice:
+    """The device the breakdown shows: ``oom_device`` where that is known. A CUDA (or other device) OOM
+    whose device is unknown, in a process whose allocator was sampled on several devices, shows the
+    fullest of them with a note saying so, never the host's memory as if the host had run out. A host
+    failure, and a device OOM with no allocator sample, show the host."""
     device = oom_device(inputs)
+    msg = inputs.message
+    if device is not None or msg is None or msg.kind not in ("cuda", "device"):
+        return ShownDevice(device)
+    used = sorted({a.device for a in inputs.allocator})
+    if not used:
+        return ShownDevice(None)  # no allocator sampled: nothing on a device to show
+    return _fullest(inputs, used)
+
+
+def _sample_of(inputs: ReportInputs, device: int) -> tuple[AllocatorSample | None, NvmlDeviceSample | None]:
+    """The allocator and NVML samples of ``device`` (the first of each, as the breakdown reads them)."""
+    return (next((a for a in inputs.allocator if a.device == device), None),
+            next((n for n in inputs.nvml if n.device == device), None))
+
+
+def _room_left(inputs: ReportInputs, device: int) -> int | None:
+    """What the allocator on ``device`` could still reserve: min(NVML free, cap − reserved)."""
+    allocator, nvml = _sample_of(inputs, device)
+    if allocator is None:
+        return None
+    return reservable_bytes(nvml.free_bytes if nvml else None, allocator.reserved_bytes, allocator.cap_bytes)
+
+
+def _share_allocated(inputs: ReportInputs, device: int) -> float | None:
+    """Allocated over what the job could use on ``device``: its cap when one is set, else its total."""
+    allocator, nvml = _sample_of(inputs, device)
+    total = (allocator.cap_bytes if allocator else None) or (nvml.total_bytes if nvml else None)
+    if allocator is None or allocator.allocated_bytes is None or not total:
+        return None
+    return allocator.allocated_bytes / total
+
+
+def _reserved(inputs: ReportInputs, device: int) -> float | None:
+    """What PyTorch reserved on ``device`` (every allocator backend reports it)."""
+    allocator, _ = _sample_of(inputs, device)
+    return allocator.reserved_bytes if allocator else None
+
+
+# How to tell the fullest device, best first; the first measure known for every device decides:
+# (words, reader, higher is fuller, how a value reads).
+_FULLNESS: tuple[tuple[str, Callable[[ReportInputs, int], float | None], bool, Callable[[float], str]], ...] = (
+    ("the least room left to reserve", _room_left, False, lambda v: fmt(int(v))),
+    ("the highest share allocated", _share_allocated, True, lambda v: f"{v:.1%}"),
+    ("the most reserved by PyTorch", _reserved, True, lambda v: fmt(int(v))),  # no NVML, no cap
+)
+
+
+def _fullest(inputs: ReportInputs, used: list[int]) -> ShownDevice:
+    """The fullest of the devices in ``used`` (two or more) by the first measure in ``_FULLNESS`` known
+    for all of them; the note names the device, the measure and the runner-up."""
+    for words, read, higher, show in _FULLNESS:
+        values = {d: read(inputs, d) for d in used}
+        known = {d: v for d, v in values.items() if v is not None}
+        if len(known) < len(used):
+            continue
+        order = sorted(used, key=lambda d: (-known[d] if higher else known[d], d))
+        first, second = order[0], order[1]
+        also = (f"; tied with cuda:{second}, the lower number is shown" if known[first] == known[second]
+                else f", against {show(known[second])} on cuda:{second}"
+                + ("" if len(used) == 2 else ", the next fullest"))
+        return ShownDevice(first, f"The error does not name its device; showing cuda:{first}, the fullest of "
+                                  f"the {len(used)} devices this process uses ({words}, {show(known[first])}{also})")
+    return ShownDevice(used[0], f"The error does not name its device, and the samples of the {len(used)} devices "
+                                f"this process uses do not say which was fullest; showing cuda:{used[0]}, the first")
+
+
+def _device_breakdown(inputs: ReportInputs) -> Breakdown:
+    shown = breakdown_device(inputs)
+    device = shown.device
     if device is None:
         return cpu_breakdown(message=inputs.message, host=inputs.host, census=inputs.census)
-    allocator = next((a for a in inputs.allocator if a.device == device), None)
-    nvml = next((n for n in inputs.nvml if n.device == device), None)
-    return cuda_breakdown(
+    allocator, nvml = _sample_of(inputs, device)
+    breakdown = cuda_breakdown(
         device=device, message=inputs.message, observer=inputs.observer,
         snapshot=inputs.snapshot_summaries.get(device), allocator=allocator, census=inputs.census,
         nvml_total_bytes=nvml.total_bytes if nvml else None,
     )
+    return dataclasses.replace(breakdown, device_note=shown.note) if shown.note else breakdown
 
 
 def compute_breakdown(inputs: ReportInputs) -> Breakdown:
@@ -176,7 +260,7 @@ def _phases(phases: PhaseBreakdown | None) -> dict[str, Any] | None:
 def build_report(inputs: ReportInputs) -> dict[str, Any]:
     """The report as a JSON-ready dict (finite floats, lists, str keys)."""
     breakdown = compute_breakdown(inputs)
-    device = oom_device(inputs)
+    device = breakdown_device(inputs).device  # the timeline and the peak follow the device shown
     suggestions = suggest(breakdown, findings=inputs.findings, phase=inputs.phase,
                           expandable_segments=inputs.expandable_segments)
     timeline = [_timeline_row(r, device) for r in list(inputs.steps)[-TIMELINE_STEPS:]]

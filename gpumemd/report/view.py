@@ -33,9 +33,13 @@ def leak_of(report: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:
-    """The verdict's reason, then, when a leak was active but did not cause this OOM, a line naming it."""
+    """The verdict's reason; then, when the error did not name its device, which device the breakdown
+    shows and why; then, when a leak was active but did not cause this OOM, a line naming it."""
     b = report.get("breakdown") or {}
     lines = [sentence(b.get("verdict_why"))]
+    note = b.get("device_note")  # optional: absent from older reports and when the error named its device
+    if isinstance(note, str) and note.strip():
+        lines.append(sentence(note))
     leak = leak_of(report)
     if leak is not None and b.get("verdict") != "leak" and leak.get("summary"):
         lines.append(f"Also leaking: {sentence(leak['summary'])}")
