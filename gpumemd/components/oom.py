@@ -25,7 +25,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumemd.analysis.oom_message import classify_exception
@@ -229,9 +229,13 @@ class OomComponent:
 
         def thread_hook(args: Any) -> None:
             handled = report(args.exc_value, "thread_excepthook")
-            prev_thread(args)
-            if handled:
-                traceback.clear_frames(args.exc_traceback)  # the process lives on: give the memory back
+            try:
+                prev_thread(args)
+            except Exception as hook_error:  # noqa: BLE001 - shown as threading shows it, not from here
+                _print_thread_hook_failure(hook_error, sys._getframe(1), args)
+            finally:
+                if handled:
+                    traceback.clear_frames(args.exc_traceback)  # the process lives on: give the memory back
 
         self._prev_sys_hook, self._prev_thread_hook = prev_sys, prev_thread
         self._sys_hook, self._thread_hook = sys_hook, thread_hook
@@ -408,6 +412,24 @@ def _print_hook_failure(error: BaseException, exc_type: type[BaseException], exc
         _write_stderr("\nOriginal exception was:\n")
         sys.__excepthook__(exc_type, exc, tb)
     except Exception:  # noqa: BLE001 - python ignores a failure to print here too
+        pass
+
+
+def _print_thread_hook_failure(error: Exception, caller: FrameType, args: Any) -> None:
+    """What ``threading`` prints when ``threading.excepthook`` raises (``_make_invoke_excepthook``), for
+    the job's hook that ours wraps: "Exception in threading.excepthook:", then ``sys.excepthook`` with
+    the hook's exception, its traceback starting in the caller's frame as it would without gpumemd
+    (re-raising would put this wrapper's frame in it)."""
+    try:
+        error.__suppress_context__ = True
+        tb = error.__traceback__
+        hook_tb = tb.tb_next if tb is not None else None  # from the job's hook on: not thread_hook
+        shown = TracebackType(hook_tb, caller, caller.f_lasti, caller.f_lineno)
+        stderr = sys.stderr if sys.stderr is not None else getattr(args.thread, "_stderr", None)
+        print("Exception in threading.excepthook:", file=stderr, flush=True)
+        hook = sys.excepthook if sys.excepthook is not None else sys.__excepthook__  # None at shutdown
+        hook(type(error), error.with_traceback(shown), shown)
+    except Exception:  # noqa: BLE001 - threading ignores a failure to print here too
         pass
 
 

@@ -6,6 +6,7 @@ wrapper (the subprocess comparison is in tests/integration/test_exception_transp
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from types import TracebackType
@@ -110,3 +111,32 @@ def test_a_system_exit_from_the_job_hook_still_ends_the_process(monkeypatch: pyt
         assert info.value.code == 5
     finally:
         oom.stop()
+
+
+def _failing_thread_hook(args: threading.ExceptHookArgs) -> None:
+    raise ValueError(f"the job's thread excepthook failed on {args.exc_type.__name__}")
+
+
+def _thread_output(capsys: pytest.CaptureFixture[str]) -> str:
+    thread = threading.Thread(target=_fail, args=(3,), name="loader")
+    thread.start()
+    thread.join()
+    return capsys.readouterr().err
+
+
+def test_a_failing_job_thread_hook_is_shown_as_threading_shows_it(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(threading, "excepthook", _failing_thread_hook)  # the job's, before attach
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    expected = _thread_output(capsys)  # threading alone: "Exception in threading.excepthook:" ...
+    assert expected.startswith("Exception in threading.excepthook:\n") and "_failing_thread_hook" in expected
+    oom = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
+                                  history_max_entries=0), snapshot_probe=_CpuProbe())
+    oom.start(cast(AgentView, _Agent()))
+    try:
+        assert threading.excepthook is not _failing_thread_hook  # wrapped
+        shown = _thread_output(capsys)
+    finally:
+        oom.stop()
+    assert shown == expected
+    assert "thread_hook" not in shown.replace("_failing_thread_hook", "")
