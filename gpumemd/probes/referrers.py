@@ -232,10 +232,13 @@ def _drop_locals_snapshot(frame: types.FrameType, f_locals: dict[str, Any]) -> N
 
 
 def _module_dicts() -> dict[int, str]:
+    """Module namespace id -> the module's name. One namespace can have several names: multiprocessing
+    aliases the main script as ``__mp_main__`` (spawn and forkserver workers, and a parent preparing
+    them); it is named ``__main__``, as the job knows it."""
     out: dict[int, str] = {}
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict):
+        if isinstance(namespace, dict) and (name == "__main__" or id(namespace) not in out):
             out[id(namespace)] = name
     return out
 

@@ -103,6 +103,18 @@ def test_a_module_global_is_named_by_module_and_name() -> None:
     assert line.startswith("module global `") and line.endswith("test_census_referrers.CACHE` → dict key 'preds'")
 
 
+def test_the_main_script_is_main_even_when_multiprocessing_aliases_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    script = types.ModuleType("__main__")
+    script.kept = [torch.zeros(7)]  # type: ignore[attr-defined]
+    # multiprocessing registers the main script a second time, as __mp_main__, after __main__
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    monkeypatch.setitem(sys.modules, "__mp_main__", script)
+    line = _holds(script.kept[0])  # type: ignore[attr-defined]
+    assert line is not None and "__main__.kept" in line and "__mp_main__" not in line
+
+
 def test_a_closure_variable_names_the_function() -> None:
     def make() -> Any:
         kept = [torch.zeros(8)]
