@@ -184,17 +184,18 @@ def cost_table() -> None:
     print()
 
 
-def overhead_table(rounds: int) -> None:
+def overhead_table(seconds: float) -> None:
     """The agent's step-time overhead at its defaults at 10 ms and 1 ms steps (bench_step_overhead.measure:
-    one job, the agent switched on and off in rotating blocks, with the measurement's noise floor)."""
-    from bench_step_overhead import TABLE_HEADER, measure, table_row
+    one job, the agent switched on and off in short blocks in random order, with the measurement's noise floor)."""
+    from bench_step_overhead import NOTES, TABLE_HEADER, measure, table_row
 
-    print("## The agent's step-time overhead at defaults (one job, agent on/off in rotating blocks)\n")
-    print(f"MLP with AdamW (bench_step_overhead.py), 1 thread, width chosen for the step time; {rounds} rounds.\n")
+    print("## The agent's step-time overhead at defaults (one job, agent on/off in short interleaved blocks)\n")
+    print(f"MLP with AdamW (bench_step_overhead.py), 1 thread, width chosen for the step time; {seconds:g} s of "
+          "rounds per step time.\n")
     print(TABLE_HEADER)
     for target_ms, target in ((10.0, "≤ 1%"), (1.0, "≤ 3% (≤ 30 µs)")):
-        print(table_row(measure(target_ms / 1e3, rounds), target), flush=True)
-    print("\nnoise floor: the same difference between the two blocks with the agent off, in the same rounds.\n")
+        print(table_row(measure(target_ms / 1e3, seconds), target), flush=True)
+    print("\n" + NOTES.format(block=20) + "\n")
 
 
 def main() -> None:
@@ -204,15 +205,16 @@ def main() -> None:
     parser.add_argument("--scenarios-only", action="store_true", help="only the scenario suite")
     parser.add_argument("--repeats", type=int, default=3, help="seeds of each healthy job (default 3)")
     parser.add_argument("--overhead-only", action="store_true", help="only the step-time overhead table")
-    parser.add_argument("--rounds", type=int, default=20, help="rounds of the overhead table (default 20)")
+    parser.add_argument("--overhead-seconds", type=float, default=60.0,
+                        help="measurement time per step time of the overhead table (default 60)")
     args = parser.parse_args()
     if args.overhead_only:
-        overhead_table(args.rounds)
+        overhead_table(args.overhead_seconds)
         return
     seeds = 5 if args.quick else 20
     if not args.skip_scenarios:
         scenario_table(args.repeats)
-        overhead_table(args.rounds)
+        overhead_table(args.overhead_seconds)
     if args.scenarios_only:
         return
     generated_table(seeds)

@@ -256,8 +256,20 @@ class Agent:
 
         def _post_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             agent = agent_ref()
-            if agent is not None:
-                agent._on_optimizer_step(optimizer)
+            if agent is None:
+                return
+            # _on_optimizer_step's fast path (an unsampled step of the primary optimizer), inlined:
+            # most steps of a fast job end here, and the method call saved is ~0.5 µs of each after a
+            # step of compute. Anything else goes to _on_optimizer_step, which starts from scratch.
+            primary = agent._primary_optimizer
+            left = agent._until_sample - 1
+            if left > 0 and primary is not None and primary() is optimizer and not agent._manual_steps:
+                agent._steps_total += 1
+                agent._until_sample = left
+                if left == 1 and agent._eve_callbacks:
+                    agent._eve()
+                return
+            agent._on_optimizer_step(optimizer)
 
         self._hook_handle = register_optimizer_step_post_hook(_post_step)
 
@@ -404,9 +416,11 @@ class Agent:
                           "gpumemd: %s failed on step %d (%s: %s); the job continues",
                           getattr(component, "name", component), number, type(exc).__name__, exc)
         end = self._clock()
+        self._plan_next_sample(end - start, duration)
+        # Clocked after planning: the planning (~10 µs after a step of compute) is the agent's time too.
+        end = self._clock()
         self._thread_seconds += end - start
         self._last_step_clock = end
-        self._plan_next_sample(end - start, duration)
         return record
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:

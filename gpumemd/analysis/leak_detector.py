@@ -26,14 +26,17 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpumemd.analysis.trend import Verdict, assess, floor_growth, theil_sen
+from gpumemd.analysis.trend import Verdict, assess, theil_sen
 from gpumemd.records.findings import FINDING_KINDS
 
 _MAX_TRACKS = 256  # bounded: a week-long job must not grow the detector (series x phases)
@@ -151,6 +154,7 @@ class _Track:
         "floors",
         "last_status",
         "onset",
+        "ordered",
         "peak",
         "previous",
         "resets",
@@ -163,6 +167,7 @@ class _Track:
     def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
         self.spec = spec
         self.floors: deque[tuple[float, float]] = deque(maxlen=max_floors)
+        self.ordered = True  # floors in step order (steps numbered forwards), so a window is a suffix
         self.block_id = -1  # step // block of the open block
         self.block_min = math.inf
         self.block_n = 0
@@ -182,6 +187,8 @@ class _Track:
         self.resets: deque[float] = deque(maxlen=_MAX_RESETS)
 
     def add_floor(self, x: float, y: float, min_rise: float) -> None:
+        if self.floors and x < self.floors[-1][0]:
+            self.ordered = False
         self.floors.append((x, y))
         rise = self.peak - self.trough
         if rise >= min_rise and y <= self.trough + 0.5 * rise:
@@ -195,11 +202,43 @@ class _Track:
         self.peak = max(self.peak, y)
 
     def window(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
+        return _thin(*self._points(now, steps, min_points))
+
+    def may_rise(self, now: int, steps: float, min_points: int, min_slope: float) -> bool:
+        """``floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0])`` on ``window(now, steps, min_points)``,
+        worked out on the floors as ``_thin`` would merge them (the same floats, in the same order)
+        without building the thinned window: the test every evaluation makes of a flat series."""
+        xs, ys = self._points(now, steps, min_points)
+        n = len(xs)
+        if n <= _MAX_WINDOW_POINTS:  # _thin keeps them as they are
+            k, start = 1, 0
+            last, first = xs[-1], xs[0]
+        else:  # groups of k neighbours, aligned to the newest: x their mean, y their minimum
+            k = math.ceil(n / _MAX_WINDOW_POINTS)
+            start = n % k
+            last, first = sum(xs[n - k :]) / k, sum(xs[start : start + k]) / k
+        m = (n - start) // k  # points in the thinned window
+        q = max(1, int(m * 0.25))  # floor_growth's quarter
+        growth = 0.0 if m < 2 * q else min(ys[n - q * k :]) - min(ys[start : start + q * k])
+        return growth >= 0.4 * min_slope * (last - first)
+
+    def _points(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
+        """The floors of the last ``steps`` steps (at least the last ``min_points``), unthinned."""
+        # Evaluations run at step ends, where time is the job's: the points are found by bisection
+        # and copied in C (``(lo,)`` sorts before every floor at ``lo`` and after every one below it).
         lo = now - steps
-        pts = [p for p in self.floors if p[0] >= lo]
+        floors = self.floors
+        pts: Sequence[tuple[float, float]]
+        if self.ordered:
+            pts = tuple(itertools.islice(floors, bisect.bisect_left(floors, (lo,)), None))
+        else:
+            pts = [p for p in floors if p[0] >= lo]
         if len(pts) < min_points:
-            pts = list(self.floors)[-min_points:]
-        return _thin([p[0] for p in pts], [p[1] for p in pts])
+            pts = list(floors)[-min_points:]
+        if not pts:
+            return [], []
+        xs, ys = zip(*pts, strict=True)
+        return list(xs), list(ys)
 
 
 def _thin(xs: list[float], ys: list[float], max_points: int = _MAX_WINDOW_POINTS) -> tuple[list[float], list[float]]:
@@ -210,10 +249,11 @@ def _thin(xs: list[float], ys: list[float], max_points: int = _MAX_WINDOW_POINTS
         return xs, ys
     k = math.ceil(n / max_points)
     start = n % k  # keep the newest points aligned; drop the oldest remainder
-    out_x, out_y = [], []
-    for i in range(start, n, k):
-        out_x.append(sum(xs[i : i + k]) / k)
-        out_y.append(min(ys[i : i + k]))
+    # Groups of k neighbours, as k strided slices zipped (every group is whole: n - start is a
+    # multiple of k), in C; sum() adds each group's x in order, so the means are a loop's to the bit.
+    out_x = list(map(operator.truediv, map(sum, zip(*(xs[start + j :: k] for j in range(k)), strict=True)),
+                     itertools.repeat(k)))
+    out_y = list(map(min, zip(*(ys[start + j :: k] for j in range(k)), strict=True)))
     return out_x, out_y
 
 
@@ -350,16 +390,18 @@ class LeakDetector:
         # found in about half the window. Sawtooths are safe: once one reset was seen the window
         # spans 2.5 periods, so the half still holds a reset.
         steps = self._window_steps(track)
-        xs, ys = track.window(step, steps, c.min_points)
-        hx, hy = track.window(step, steps / 2, c.min_points)
-        has_half = len(hx) < len(xs)
         active = track.state is not None and track.state.active
         if not active:
             # Cheap necessary condition of ``assess`` (slope >= min and floor growth >= 0.4 slope
-            # span): flat series, the common case, skip the O(n²) tests.
-            if not any(floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0]) for x, y in ((xs, ys), (hx, hy))):
+            # span), on the window and on its half: flat series, the common case, skip the O(n²)
+            # tests (and the thinning: ``may_rise`` is this test on the thinned window).
+            if not (track.may_rise(step, steps, c.min_points, min_slope)
+                    or track.may_rise(step, steps / 2, c.min_points, min_slope)):
                 return None
             self.rising.add((spec.name, phase))
+        xs, ys = track.window(step, steps, c.min_points)
+        hx, hy = track.window(step, steps / 2, c.min_points)
+        has_half = len(hx) < len(xs)
         verdict = self._assess(xs, ys, min_slope)
         if not verdict.passed and has_half:
             # The half window must clear a 1000x stricter p: fewer, more autocorrelated floors make

@@ -91,6 +91,9 @@ _COUNT_HISTORY = 64
 """Scans whose group counts are kept (per family) to start a new count series with its past: 64
 scans span 640 to 3,200 steps, more than a detection window."""
 
+_UNFED_MAX = 32
+"""Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
+
 HOST_LOOK_SHARE = 0.25
 """Share of ``overhead_budget`` that the heap scans looking for a host leak's culprit may use while
 host RSS merely rises (not yet a finding)."""
@@ -169,6 +172,7 @@ class LeakComponent:
         self._previous_scan_step: int | None = None
         self._count_history: dict[int, collections.deque[tuple[int, dict[Any, int]]]] = {}
         self._append_failed = False  # the last append to the findings file failed (logged once)
+        self._unfed: list[tuple[StepRecord, int]] = []  # records not yet fed to the detector (see on_step)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class LeakComponent:
             "host_rss_bytes", "host_leak",
             explained_by=("census_bytes{device=cpu}", "long_lived_bytes{device=cpu}", "tensors{device=cpu,*",
                           "graph_nodes{device=cpu,*"))
+        self._unfed = []  # a new detector: records fed to an earlier one stay with it
         self._seconds_per_step = None
         self._own_record_bytes = None
         self._scan_interval, self._last_scan_total, self._scan_cost = SCAN_EVERY, 0, None
@@ -234,7 +239,16 @@ class LeakComponent:
         agent = self._agent
         if detector is None or agent is None:
             return
-        self._feed(record)
+        # The record waits in a short list and is fed to the detector, in one loop, just before the
+        # evaluation that reads it (or once _UNFED_MAX wait). A sampled step end runs after a step of
+        # compute, with the agent's code and data out of the cache: there each detector call costs
+        # ~20 µs, in the loop ~2 µs. Same values, same order, so the detector decides the same.
+        unfed = self._unfed
+        unfed.append((record, agent.samples_total))
+        census = agent.published.census
+        if census is not None and census is not self._last_census:
+            self._last_census = census
+            self._feed_census(census, record)
         tracker = self._tracker
         total = agent.steps_total
         if tracker is not None:
@@ -247,16 +261,28 @@ class LeakComponent:
                     self._feed_counts(record)
                 finally:
                     self._scanned(time.perf_counter() - start)
-        if detector.due(record.step):
+        due = detector.next_due_step()
+        if record.step >= due:
             start = time.perf_counter()
             try:
+                self._feed_unfed(unfed)
                 self._evaluate(record.step)
             finally:
                 self.evaluate_seconds += time.perf_counter() - start
+            due = detector.next_due_step()
+        elif len(unfed) >= _UNFED_MAX:
+            self._feed_unfed(unfed)
         # The next scan: every ``_scan_interval`` steps, and at every evaluation, so the culprit
         # search samples tensors and chain roots of that very step (an EMA's root is new each step).
-        evaluation_at = total + max(1, detector.next_due_step() - record.step)
+        evaluation_at = total + max(1, due - record.step)
         self._next_scan_total = min(self._last_scan_total + self._scan_interval, evaluation_at)
+
+    def _feed_unfed(self, unfed: list[tuple[StepRecord, int]]) -> None:
+        try:
+            for record, samples in unfed:
+                self._feed(record, samples)
+        finally:
+            unfed.clear()
 
     def on_eve(self) -> None:
         """The step before a sampled one: if that one will scan, mark where its graphs begin."""
@@ -285,7 +311,8 @@ class LeakComponent:
             self._detector.add_series(spec)
         self._detector.observe(spec.name, step, value, phase)
 
-    def _feed(self, record: StepRecord) -> None:
+    def _feed(self, record: StepRecord, samples: int) -> None:
+        """Feed one record's series (``samples``: the agent's records made when it was)."""
         step, phase = record.step, record.phase
         nvml = {n.device: n for n in record.nvml} if record.allocator else {}
         for a in record.allocator:
@@ -313,18 +340,12 @@ class LeakComponent:
         host = record.host
         if host is not None:
             # The agent's own step history grows until the ring buffer is full: not the job's memory.
-            self._observe(self._host_spec, step, host.rss_bytes - self._own_bytes(record), phase)
-        assert self._agent is not None
-        census = self._agent.published.census
-        if census is not None and census is not self._last_census:
-            self._last_census = census
-            self._feed_census(census, record)
+            self._observe(self._host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
 
-    def _own_bytes(self, record: StepRecord) -> float:
+    def _own_bytes(self, record: StepRecord, samples: int) -> float:
         if self._own_record_bytes is None:
             self._own_record_bytes = float(_deep_size(record))
-        assert self._agent is not None
-        return self._own_record_bytes * min(self._agent.samples_total, self._options.history_steps)
+        return self._own_record_bytes * min(samples, self._options.history_steps)
 
     def _feed_counts(self, record: StepRecord) -> None:
         """Scan for long-lived tensors and feed the count series (every ``_scan_interval`` steps).
@@ -538,10 +559,12 @@ class LeakComponent:
 
     def _headroom(self, spec: SeriesSpec) -> float | None:
         assert self._agent is not None
-        state = self._agent.state()
         if spec.device is None:
-            host = state.host
+            # Host RAM available is the sampler's figure: a step's host sample carries the published
+            # one, so the published state has it without building a state at every evaluation.
+            host = self._agent.published.host
             return float(host.available_bytes) if host is not None and host.available_bytes is not None else None
+        state = self._agent.state()
         nv = next((n for n in state.nvml if n.device == spec.device), None)
         a = next((s for s in state.allocator if s.device == spec.device), None)
         # What the allocator may still reserve: the driver's free memory, and under a per-process cap

@@ -227,3 +227,42 @@ def test_count_sentence_says_one_tensor_per_step_and_who_holds_them() -> None:
     graph = count_sentence(0.5, "float32[] with grad_fn", 4, 32 * KIB, None)
     assert graph.startswith("+0.5 tensors/step: float32[] with grad_fn")
     assert "keeping ~16.0 KiB/step of autograd graph alive" in graph and graph.endswith("holder not found")
+
+
+def test_window_shortcuts_give_what_the_plain_computation_gives() -> None:
+    """``_Track.window`` finds its points by bisection and thins them in C, and ``may_rise`` tests a
+    window's floor growth without thinning it (the evaluation's fast path for flat series): both must
+    give exactly what the plain loops give, on ordered and on out-of-order floors."""
+    import math
+    import random
+
+    from gpumemd.analysis.leak_detector import _Track
+    from gpumemd.analysis.trend import floor_growth
+
+    def plain_window(track: _Track, now: float, steps: float, min_points: int) -> tuple[list[float], list[float]]:
+        pts = [p for p in track.floors if p[0] >= now - steps]
+        if len(pts) < min_points:
+            pts = list(track.floors)[-min_points:]
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if len(xs) <= 64:
+            return xs, ys
+        k = math.ceil(len(xs) / 64)
+        starts = range(len(xs) % k, len(xs), k)
+        return [sum(xs[i : i + k]) / k for i in starts], [min(ys[i : i + k]) for i in starts]
+
+    rng = random.Random(0)
+    outcomes = set()
+    for _ in range(300):
+        track = _Track(SeriesSpec(SERIES, "tensor_leak"), rng.choice([64, 266, 1000]))
+        x, slope, out_of_order = rng.uniform(0, 100), rng.choice([0.0, 1e3, 1e5]), rng.random() < 0.2
+        for _ in range(rng.randrange(8, 1200)):
+            x = x - rng.uniform(0, 50) if out_of_order and rng.random() < 0.05 else x + rng.choice([0.5, 1, 10])
+            track.add_floor(x, slope * x + rng.uniform(-1e6, 1e6) * rng.choice([0, 1, 10]), 1e12)
+        for steps in (rng.uniform(1, 3000), 250.0, 1250.0, 2500.0):
+            now, min_points, min_slope = x + rng.uniform(0, 20), rng.choice([4, 8]), rng.choice([0.0, 1e3, 16384.0])
+            xs, ys = plain_window(track, now, steps, min_points)
+            assert track.window(now, steps, min_points) == (xs, ys)
+            rises = floor_growth(ys) >= 0.4 * min_slope * (xs[-1] - xs[0])
+            assert track.may_rise(now, steps, min_points, min_slope) == rises
+            outcomes.add(rises)
+    assert outcomes == {True, False}
