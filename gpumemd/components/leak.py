@@ -218,6 +218,7 @@ class LeakComponent:
         self._count_specs.clear()
         self._chain_specs.clear()
         self._count_history.clear()
+        self._unfed.clear()
         self._release_history()
         self._host_baseline = None
         self._sites_before.clear()
