@@ -215,8 +215,7 @@ class Agent:
         log.removeFilter(self._log_filter)
         if self._nvml is not None:
             self._nvml.close()
-        if self._host is not None:
-            self._host.close()
+        self._host.close()
         atexit.unregister(self.stop)
         if summary is not None:
             self._announce(summary)
@@ -279,17 +278,11 @@ class Agent:
             self._hook_handle = None
 
     def _on_optimizer_step(self, optimizer: Any) -> None:
-        # The fast path: most steps of a fast job end here, so it is kept to a few attribute reads
-        # (see the module docstring). Everything else goes through _other_step.
+        """A step the hook's fast path (``_install_step_hook``) did not end: a sampled step of the
+        primary optimizer, or a step of any other optimizer (``_other_step``)."""
         primary = self._primary_optimizer
         if primary is not None and primary() is optimizer and not self._manual_steps:
             self._steps_total += 1
-            left = self._until_sample - 1
-            if left > 0:
-                self._until_sample = left
-                if left == 1 and self._eve_callbacks:
-                    self._eve()
-                return
             self._end_step(None)
             return
         self._other_step(optimizer)
@@ -377,7 +370,7 @@ class Agent:
         number = step if step is not None else self._step_base + (self._steps_total - self._step_base_total)
         self._step_base, self._step_base_total = number, self._steps_total
         duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
-        assert self._allocator is not None and self._host is not None and self._state is not None
+        assert self._state is not None
         allocator = self._allocator.read()
         if self.config.reset_peak_each_step and allocator:
             _reset_peaks(allocator)
@@ -475,7 +468,7 @@ class Agent:
 
     def tick(self) -> None:
         """One background sample of allocator, NVML and host. The sampler thread calls it; tests too."""
-        if not self.running or self._allocator is None or self._host is None:
+        if not self.running:
             return
         start = self._clock()
         allocator = self._allocator.read()

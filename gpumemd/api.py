@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -124,8 +125,8 @@ def build_agent(
     nvml_probe: NvmlProbe | None = None,
     identity: Identity | None = None,
     history: AllocationHistory | None = None,
-    clock: Callable[[], float] | None = None,
-    wall_clock: Callable[[], float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    wall_clock: Callable[[], float] = time.time,
     max_stride: int | None = None,
 ) -> Agent:
     """An agent (not started) with the probes and components ``config`` asks for; any of them can be
@@ -140,14 +141,9 @@ def build_agent(
         from gpumemd.probes.nvml import NvmlProbe
 
         nvml_probe = NvmlProbe()
-    clocks: dict[str, Callable[[], float]] = {}
-    if clock is not None:
-        clocks["clock"] = clock
-    if wall_clock is not None:
-        clocks["wall_clock"] = wall_clock
     return Agent(config, allocator_probe=allocator_probe or AllocatorProbe(), host_probe=host_probe or HostProbe(),
                  nvml_probe=nvml_probe, components=components, model=model, optimizer=optimizer,
-                 identity=identity, max_stride=max_stride, **clocks)
+                 identity=identity, clock=clock, wall_clock=wall_clock, max_stride=max_stride)
 
 
 def build_components(config: Config, *, history: AllocationHistory | None = None) -> list[Component]:

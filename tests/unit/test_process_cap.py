@@ -188,34 +188,9 @@ def test_torch_reader_never_initialises_cuda() -> None:
 # --- steps to OOM and the exporter -------------------------------------------------------------------
 
 
-class FakeNvml:
-    """pynvml's call shapes for one 80 GiB device with 68 GiB free."""
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-
-    def nvmlDeviceGetCount(self) -> int:
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
-        return SimpleNamespace(total=80 * GiB, used=12 * GiB, free=68 * GiB)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
-        return []
-
-
-class NoHistory:
-    """torch's history switch, never called by a run that records no history."""
-
-    def __init__(self) -> None:
-        self.cuda = SimpleNamespace(memory=SimpleNamespace(_record_memory_history=lambda *a, **k: None))
-        self._C = SimpleNamespace()
-
-
 def test_steps_to_oom_counts_only_the_room_under_the_cap(tmp_path: Any) -> None:
+    from test_leak_component import FakeNvml, HistoryTorch  # one 80 GiB device, 68 GiB free
+
     step = {"n": 0}
 
     def stats(device: int) -> dict[str, int]:
@@ -225,7 +200,7 @@ def test_steps_to_oom_counts_only_the_room_under_the_cap(tmp_path: Any) -> None:
     config = Config(output_dir=str(tmp_path), sample_interval_s=0, census=False, leak_warmup_steps=20,
                     leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024)
     component = LeakComponent(config.options(LeakOptions), snapshot_fn=lambda: {"segments": []},
-                              history=AllocationHistory(NoHistory()))
+                              history=AllocationHistory(HistoryTorch()))
     probe = AllocatorProbe(stats_fn=stats, is_initialized=lambda: True, device_count=lambda: 1,
                            backend_fn=lambda: "native", cap_fn=lambda d: (0.1, 80 * GiB))  # an 8 GiB cap
     agent = build_agent(config, allocator_probe=probe, nvml_probe=NvmlProbe(nvml=FakeNvml(), visible="0"),
