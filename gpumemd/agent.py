@@ -674,7 +674,8 @@ the host-buffer leak at 128 KiB/step was suspected 600 steps after onset instead
 
 SAMPLE_SHARE = 0.2
 """Share of ``overhead_budget`` the sampled step ends may take at the job's step time (the census
-gets what the rest of the agent leaves, survivor scans ``leak.SCAN_SHARE``)."""
+gets what the rest of the agent leaves of ``census.UNCLOCKED_SHARE``'s complement, survivor scans
+``leak.SCAN_SHARE``)."""
 
 _COST_WINDOW = 9  # sampled step ends whose median cost sets the stride
 _NO_REQUEST = 1 << 62  # the countdown while a sampled step end runs, before anyone asked for a sample

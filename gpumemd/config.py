@@ -68,7 +68,8 @@ class Config:
     sampler thread)."""
 
     overhead_budget: float = 0.01
-    """Largest share of training-thread time the agent may spend (0..1); censuses are spaced to fit."""
+    """Share of the job's step time the agent may cost it (0..1); censuses are spaced to fit, leaving a
+    quarter of it for the costs it cannot clock."""
 
     census: bool = True
     """Take tensor censuses at step boundaries, spaced to stay inside ``overhead_budget``."""
