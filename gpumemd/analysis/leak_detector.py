@@ -9,7 +9,8 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
 2. Phases: each (series, phase) pair is its own track, so eval steps are compared with eval steps
    and never make the training baseline look like it grows.
 3. Block floors: the minimum of every ``block`` samples (dense series); sparse series such as the
-   census give one point per census (the minimum of it and the previous census).
+   census give one point per census, at its step, once the next census is in: the minimum of the
+   two (a one-off high is removed; a steady rise keeps its true slope).
 4. Every ``check_every_steps`` the short window (``window_steps``, widened to 2.5 reset periods
    once the track has shown sawtooth resets) and, when the history covers it, the long window
    (``long_window_factor`` x) are assessed: Mann-Kendall p, Theil-Sen lower bound >= the series'
@@ -156,7 +157,7 @@ class _Track:
         "onset",
         "ordered",
         "peak",
-        "previous",
+        "pending",
         "resets",
         "spec",
         "state",
@@ -172,7 +173,7 @@ class _Track:
         self.block_min = math.inf
         self.block_n = 0
         self.block_xsum = 0.0
-        self.previous = math.inf  # sparse series: the previous observation
+        self.pending: tuple[int, float] | None = None  # sparse series: the newest observation, not a point yet
         self.state: LeakState | None = None
         self.first_step: int | None = None
         self.episode_slope = 0.0  # the slope when the current episode was last passed
@@ -299,9 +300,14 @@ class LeakDetector:
         block = 1 if spec.sparse else self.config.block
         if spec.sparse:
             # One point per census, and a census sees whatever the step left alive (this batch's
-            # output, its graph): the minimum with the previous census removes such one-off highs
-            # while a leak, present in both, only lags by one census.
-            value, track.previous = min(value, track.previous), value
+            # output, its graph): the point at a census's step is the minimum of it and the *next*
+            # census, which removes such one-off highs. (The minimum with the previous one, labelled
+            # with the newer step, shifted a rising series by one census: with censuses spaced
+            # further apart as the run goes on, one tensor per step read "+0.91 tensors/step".)
+            pending, track.pending = track.pending, (step, value)
+            if pending is None:
+                return
+            step, value = pending[0], min(pending[1], value)
         # Dense series: one floor per block of ``block`` steps, aligned to step numbers, so a series
         # sampled every Nth step (the agent's stride) gives one floor per block it has a sample in.
         block_id = step // block
