@@ -243,13 +243,18 @@ def build_finding(
 
 
 def count_sentence(per_step: float, description: str, own_bytes: float, graph_bytes: float,
-                   holder: str | None) -> str:
+                   holder: str | None, *, graph_nodes: int = 0) -> str:
     """The culprit sentence of a count series, written from the tensors themselves: '+1 tensor/step:
-    float32[4, 128] (~2.0 KiB/step), held by `kept` in main() at train.py:12 → list of 1,204 items'."""
+    float32[4, 128] (~2.0 KiB/step), held by `kept` in main() at train.py:12 → list of 1,204 items'.
+    ``graph_nodes``: the autograd nodes one of them keeps alive when backward() freed what they saved
+    (the nodes still hold host memory, which this process's RSS shows rather than any tensor)."""
     n = _count(per_step)
     text = f"+{n} tensor{'' if n == '1' else 's'}/step: {description} (~{format_bytes(per_step * own_bytes)}/step"
     if graph_bytes:
         text += f", keeping ~{format_bytes(per_step * graph_bytes)}/step of autograd graph alive"
+    elif graph_nodes > 1:
+        text += (f", each keeping its autograd graph of {graph_nodes:,} nodes alive: backward() freed its "
+                 "saved tensors, the nodes stay in host memory")
     return text + ")" + (f", held by {holder}" if holder else ", holder not found")
 
 

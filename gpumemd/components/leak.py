@@ -91,6 +91,13 @@ _COUNT_HISTORY = 64
 """Scans whose group counts are kept (per family) to start a new count series with its past: 64
 scans span 640 to 3,200 steps, more than a detection window."""
 
+_GRAPH_NODES_MAX = 5_000
+"""Nodes walked at most when counting the graph one leaked tensor keeps (one look per finding)."""
+
+_GRAPH_NODES_KEPT = 8
+"""A leaked tensor whose own graph has at least this many nodes is a graph leak (an output kept with
+its forward's graph), not a tensor leak (a tensor with the one node of its last operation)."""
+
 _UNFED_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
 
@@ -607,7 +614,7 @@ class LeakComponent:
         group = next((g for g in tracker.groups() if g.key == key), None)
         sample = tracker.sample(key)
         holder = None
-        graph_bytes = 0
+        graph_bytes = graph_nodes = 0
         graph_kept = False
         garbage = sample is None  # every tensor of the group died since the scan: nothing to blame
         try:
@@ -629,16 +636,21 @@ class LeakComponent:
                         holder = (f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
                                   f"held by {root.holder}")
                 if status.spec.kind == "graph_leak":
-                    from gpumemd.probes.host_objects import saved_bytes
+                    from gpumemd.probes.host_objects import graph_size, saved_bytes
 
                     graph_bytes = saved_bytes(sample)
+                    if not graph_bytes:  # backward() freed them: the nodes are what it keeps
+                        graph_nodes = graph_size(sample, max_nodes=_GRAPH_NODES_MAX)
         finally:
             del sample
         own = group.nbytes / group.count if group is not None and group.count else 0.0
         per_tensor = own + graph_bytes
         desc = group.describe() if group is not None else status.spec.name
-        sentence = count_sentence(self._stated_rate(status), desc, own, graph_bytes, holder)
-        graphy = graph_kept or (status.spec.kind == "graph_leak" and graph_bytes >= own)
+        sentence = count_sentence(self._stated_rate(status), desc, own, graph_bytes, holder, graph_nodes=graph_nodes)
+        # a graph leak when what one tensor keeps is mostly its graph: saved tensors, or (freed by
+        # backward()) a graph of its own nodes, which cost host memory per node
+        graphy = graph_kept or (status.spec.kind == "graph_leak"
+                                and (graph_bytes >= own or graph_nodes >= _GRAPH_NODES_KEPT))
         kind = "graph_leak" if graphy else "tensor_leak"
         culprit = Culprit(description=desc, count_delta=round(status.growth_bytes),
                           bytes_delta=round(status.growth_bytes * own), holder=holder,

@@ -227,6 +227,11 @@ def test_count_sentence_says_one_tensor_per_step_and_who_holds_them() -> None:
     graph = count_sentence(0.5, "float32[] with grad_fn", 4, 32 * KIB, None)
     assert graph.startswith("+0.5 tensors/step: float32[] with grad_fn")
     assert "keeping ~16.0 KiB/step of autograd graph alive" in graph and graph.endswith("holder not found")
+    # backward() freed what the graph saved: the nodes it keeps are named instead of bytes
+    nodes = count_sentence(1.0, "float32[16, 8] with grad_fn", 512, 0, "`history`", graph_nodes=189)
+    assert nodes == ("+1 tensor/step: float32[16, 8] with grad_fn (~512 B/step, each keeping its autograd graph "
+                     "of 189 nodes alive: backward() freed its saved tensors, the nodes stay in host memory), "
+                     "held by `history`")
 
 
 def test_window_shortcuts_give_what_the_plain_computation_gives() -> None:
