@@ -302,8 +302,8 @@ class LeakDetector:
             # One point per census, and a census sees whatever the step left alive (this batch's
             # output, its graph): the point at a census's step is the minimum of it and the *next*
             # census, which removes such one-off highs. (The minimum with the previous one, labelled
-            # with the newer step, shifted a rising series by one census: with censuses spaced
-            # further apart as the run goes on, one tensor per step read "+0.91 tensors/step".)
+            # with the newer step, shifted a rising series by one observation: at unevenly spaced
+            # scans, 30, 10 and 20 steps apart, one tensor per step read "+0.91 tensors/step".)
             pending, track.pending = track.pending, (step, value)
             if pending is None:
                 return

@@ -4,9 +4,8 @@ A census holds the GIL for tens to hundreds of milliseconds, so it cannot run ev
 census is due ``N = ceil(cost / (share x seconds per step))`` steps after the last one, where
 ``cost`` is what the last census took, ``share = overhead_budget x (1 - UNCLOCKED_SHARE) - (the rest
 of the agent's clocked cost per step, as a share of the step)`` (at least a quarter of the budget) and
-the seconds per step are
-the agent's typical step time (the median of recent sampled steps: a pause between steps, such as
-an evaluation loop or a checkpoint, is not step time). So N adapts as the heap (cost) or the step
+the seconds per step are the agent's typical step time (the median of recent sampled steps: a pause
+between steps, such as an evaluation loop or a checkpoint, is not step time). So N adapts as the heap (cost) or the step
 time changes, and the census costs ``share`` of the *step time*, which is what the job notices.
 ``census_every_steps > 0`` forces N instead. The first census runs at the first step end (it
 measures the cost). A failing census is retried after 2, 4, 8... steps.
@@ -49,6 +48,7 @@ the optimizer hook's call on every step, and the cache misses its work leaves to
 ``benchmarks/bench_step_overhead.py`` measures it as "not clocked" (wall-clock minus the agent's own
 figure): 6-9 µs of 23-28 µs per step at 0.5-1.2 ms steps here, a quarter to a third. Without it the
 census filled the whole budget with clocked work and the job paid the budget plus that."""
+
 
 class CensusFn(Protocol):
     """``gpumemd.probes.census.take_census``, as the component calls it (tests give their own)."""
