@@ -5,13 +5,13 @@ post-step hook -> the step is counted. On a *sampled* step the agent then reads 
 host RSS, appends a ``StepRecord`` to a bounded ring buffer and calls each component's ``on_step``
 (census, leak detector, ...). Outputs (exporter, reports) only ever read the published state.
 
-Which steps are sampled (issue 15, "an honest budget"): every step while the sampled step end fits
-``SAMPLE_SHARE`` of ``overhead_budget`` at the job's measured step time; on faster steps every Nth
-(N <= ``MAX_STRIDE``), the others costing one counter decrement. A record then stands for
-``record.steps`` steps and its ``duration_s`` is their mean. Why: on a 1 ms CPU step a single
-``/proc`` read costs as much as the whole per-step target (one syscall after a step of compute is
-~20 µs here), while the leak detector, which works on floors of 10-step blocks, loses nothing.
-Phase changes and ``sample_within()`` (a component that measured a step) override the stride.
+Which steps are sampled (issue 15, "an honest budget"): every step while the sampled step end fits its
+share of ``overhead_budget`` (``gpumemd.budget``, ``Part.STEP_ENDS``) at the job's measured step time;
+on faster steps every Nth (N <= ``MAX_STRIDE``), the others costing one counter decrement. A record then
+stands for ``record.steps`` steps and its ``duration_s`` is their mean. Why: on a 1 ms CPU step a single
+``/proc`` read costs as much as the whole per-step target (one syscall after a step of compute is ~20 µs
+here), while the leak detector, which works on floors of 10-step blocks, loses nothing. Phase changes
+and ``sample_within()`` (a component that measured a step) override the stride.
 
 What one "step" is:
 - By default, one ``step()`` of the *primary* optimizer: the first optimizer seen stepping after
@@ -31,7 +31,6 @@ import atexit
 import collections
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -40,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpumemd import budget
 from gpumemd.announce import StartFacts, emit, exit_summary, start_line
 from gpumemd.config import Config
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
@@ -417,8 +417,9 @@ class Agent:
         return record
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
-        """Sample every step while a sampled step end costs at most ``SAMPLE_SHARE`` of the budget
-        at this step time, else every Nth step (``MAX_STRIDE`` at most). Both figures are medians of
+        """Sample every step while a sampled step end costs at most its share of the budget
+        (``budget.Part.STEP_ENDS``) at this step time, else every Nth step (``MAX_STRIDE`` at most).
+        Both figures are medians of
         the last few samples: a census or a scan (budgeted on their own) does not count as the cost,
         and a pause between steps (an evaluation, a checkpoint) not as the step time."""
         costs, durations = self._sample_costs, self._durations
@@ -430,8 +431,8 @@ class Agent:
         typical_step = self._seconds_per_step
         if typical_step and len(costs) >= 3:
             typical = sorted(costs)[len(costs) // 2]
-            allowed = self.config.overhead_budget * SAMPLE_SHARE * typical_step
-            stride = max(1, min(self._max_stride, math.ceil(typical / allowed)))
+            allowed = budget.share(self.config.overhead_budget, budget.Part.STEP_ENDS)
+            stride = min(self._max_stride, budget.steps_between(typical, allowed, typical_step))
         self._stride = stride
         self._until_sample = min(self._until_sample, stride)  # a component's sample_within() may be sooner
         if self._until_sample == 1 and self._eve_callbacks:
@@ -671,11 +672,6 @@ MAX_STRIDE = 10
 sample every 10 steps still gives every block a point. (At 20 the scenario suite still passed, but
 the host-buffer leak at 128 KiB/step was suspected 600 steps after onset instead of 450, past the
 500 the issue asks for: half the floors make the rank test slower to convince.)"""
-
-SAMPLE_SHARE = 0.2
-"""Share of ``overhead_budget`` the sampled step ends may take at the job's step time (the census
-gets what the rest of the agent leaves of ``census.UNCLOCKED_SHARE``'s complement, survivor scans
-``leak.SCAN_SHARE``)."""
 
 _COST_WINDOW = 9  # sampled step ends whose median cost sets the stride
 _NO_REQUEST = 1 << 62  # the countdown while a sampled step end runs, before anyone asked for a sample

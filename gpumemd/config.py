@@ -68,8 +68,9 @@ class Config:
     sampler thread)."""
 
     overhead_budget: float = 0.01
-    """Share of the job's step time the agent may cost it (0..1); censuses are spaced to fit, leaving a
-    quarter of it for the costs it cannot clock."""
+    """Share of the job's step time the agent may cost it (0..1). One table (``gpumemd.budget``) divides
+    it between the agent's parts (sampled step ends, leak checks, heap looks, censuses), each spacing its
+    work to fit, and leaves a quarter for the costs the agent cannot clock."""
 
     census: bool = True
     """Take tensor censuses at step boundaries, spaced to stay inside ``overhead_budget``."""

@@ -1,14 +1,14 @@
 """Tensor censuses at step ends, spaced so the agent stays inside its overhead budget.
 
 A census holds the GIL for tens to hundreds of milliseconds, so it cannot run every step. The next
-census is due ``N = ceil(cost / (share x seconds per step))`` steps after the last one, where
-``cost`` is what the last census took, ``share = overhead_budget x (1 - UNCLOCKED_SHARE) - (the rest
-of the agent's clocked cost per step, as a share of the step)`` (at least a quarter of the budget) and
-the seconds per step are the agent's typical step time (the median of recent sampled steps: a pause
-between steps, such as an evaluation loop or a checkpoint, is not step time). So N adapts as the heap (cost) or the step
-time changes, and the census costs ``share`` of the *step time*, which is what the job notices.
-``census_every_steps > 0`` forces N instead. The first census runs at the first step end (it
-measures the cost). A failing census is retried after 2, 4, 8... steps.
+census is due ``N = ceil(cost / (share x seconds per step))`` steps after the last one, where ``cost``
+is what the last census took, ``share`` is ``gpumemd.budget.census_share``: the budget's clocked plan
+less the rest of the agent's clocked cost per step (as a share of the step), at least the census's own
+share of the plan, and the seconds per step are the agent's typical step time (the median of recent
+sampled steps: a pause between steps, such as an evaluation loop or a checkpoint, is not step time). So
+N adapts as the heap (cost) or the step time changes, and the census costs ``share`` of the *step time*,
+which is what the job notices. ``census_every_steps > 0`` forces N instead. The first census runs at the
+first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
 
 The component keeps a small history of earlier censuses (thinned so it spans the whole run, not just
 the last few intervals) for the leak detector and the OOM report: ``history()``, ``at_or_after(step)``
@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from gpumemd.budget import census_share
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -39,15 +41,6 @@ HISTORY = 8
 
 MAX_INTERVAL = 100_000
 """Never go longer than this many steps without a census."""
-
-_MIN_SHARE = 0.25  # the census always gets at least this part of the budget, whatever else costs
-
-UNCLOCKED_SHARE = 0.25
-"""Part of ``overhead_budget`` the census leaves for what the agent costs the job but cannot clock:
-the optimizer hook's call on every step, and the cache misses its work leaves to the job's next steps.
-``benchmarks/bench_step_overhead.py`` measures it as "not clocked" (wall-clock minus the agent's own
-figure): 6-9 µs of 23-28 µs per step at 0.5-1.2 ms steps here, a quarter to a third. Without it the
-census filled the whole budget with clocked work and the job paid the budget plus that."""
 
 
 class CensusFn(Protocol):
@@ -136,8 +129,7 @@ class CensusComponent:
         return self._steps_since >= interval
 
     def _share(self, seconds_per_step: float) -> float:
-        planned = self._budget * (1.0 - UNCLOCKED_SHARE)
-        return max(self._budget * _MIN_SHARE, planned - _other_share(self._agent, seconds_per_step))
+        return census_share(self._budget, _other_share(self._agent, seconds_per_step))
 
     def take_now(self) -> Census:
         """Run a census now (outside the cadence), keep it in the history and publish it."""

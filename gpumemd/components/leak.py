@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gpumemd import budget
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
@@ -78,9 +79,6 @@ SCAN_EVERY_MAX = 50
 """Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
 10 points of every count series, so the budget never starves detection (issue 11, item 4)."""
 
-SCAN_SHARE = 0.3
-"""Share of ``overhead_budget`` the survivor scans may take at the job's step time: they run every
-``SCAN_EVERY`` steps on slow steps, spaced out to ``SCAN_EVERY_MAX`` on fast ones."""
 
 MAX_COUNT_SERIES = 16
 """Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
@@ -101,9 +99,6 @@ its forward's graph), not a tensor leak (a tensor with the one node of its last 
 _UNFED_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
 
-HOST_LOOK_SHARE = 0.25
-"""Share of ``overhead_budget`` that the heap scans looking for a host leak's culprit may use while
-host RSS merely rises (not yet a finding)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +167,7 @@ class LeakComponent:
         self._chain_specs: dict[Any, SeriesSpec] = {}  # chain group key -> its node-count series
         self._seconds_per_step: float | None = None
         self._own_record_bytes: float | None = None
-        self._scan_interval = SCAN_EVERY  # steps between scans now (budgeted, see SCAN_SHARE)
+        self._scan_interval = SCAN_EVERY  # steps between scans now (budgeted, see _scanned)
         self._last_scan_total = 0  # agent.steps_total at the last scan
         self._next_scan_total = SCAN_EVERY  # agent.steps_total at which the next scan runs
         self._scan_cost: float | None = None  # moving average of a scan's seconds
@@ -299,8 +294,10 @@ class LeakComponent:
             self._chains.mark_step(agent.current_step)
 
     def _scanned(self, seconds: float) -> None:
-        """Space the next scan so scans take ``SCAN_SHARE`` of the budget at this step time, within
-        ``SCAN_EVERY`` .. ``SCAN_EVERY_MAX`` steps."""
+        """Space the next scan so scans and evaluations together keep to their share of the budget
+        (``budget.Part.LEAK_CHECKS``) at this step time, within ``SCAN_EVERY`` .. ``SCAN_EVERY_MAX``
+        steps. Evaluations run on their own cadence (``leak_check_every_steps``), so the scans get the
+        share less what the evaluations took so far, at least half of it."""
         self.scan_seconds += seconds
         cost = self._scan_cost = seconds if self._scan_cost is None else 0.8 * self._scan_cost + 0.2 * seconds
         assert self._agent is not None
@@ -309,7 +306,10 @@ class LeakComponent:
         interval = SCAN_EVERY
         step_seconds = self._agent.seconds_per_step  # typical step time: pauses between steps do not count
         if step_seconds:
-            interval = math.ceil(cost / (config.overhead_budget * SCAN_SHARE * step_seconds))
+            allowed = budget.share(config.overhead_budget, budget.Part.LEAK_CHECKS)
+            steps = max(1, self._agent.steps_total)
+            evaluations = self.evaluate_seconds / steps / step_seconds
+            interval = budget.steps_between(cost, max(allowed / 2, allowed - evaluations), step_seconds)
         self._scan_interval = max(min(SCAN_EVERY, longest), min(longest, interval))
 
     def _observe(self, spec: SeriesSpec, step: int, value: float, phase: str) -> None:
@@ -743,8 +743,8 @@ class LeakComponent:
     def _host_look(self, step: int, *, force: bool = False) -> None:
         """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
         while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap). At most once per two
-        windows, and, unless ``force`` (a state change), within ``HOST_LOOK_SHARE`` of the overhead
-        budget: RSS rises while a healthy job warms up, and a look every 1,000 steps of 1 ms would
+        windows, and, unless ``force`` (a state change), within its share of the overhead budget
+        (``budget.Part.HOST_LOOKS``): RSS rises while a healthy job warms up, and a look every 1,000 steps of 1 ms would
         cost a quarter of the job."""
         from gpumemd.probes.host_objects import container_lengths, largest_graph_nodes
 
@@ -754,7 +754,8 @@ class LeakComponent:
             return
         now = time.monotonic()
         if not force and self._host_look_at is not None and (
-                (now - self._host_look_at) * config.overhead_budget * HOST_LOOK_SHARE < self._host_look_cost):
+                (now - self._host_look_at) * budget.share(config.overhead_budget, budget.Part.HOST_LOOKS)
+                < self._host_look_cost):
             return  # the last look cost more than this share of the budget allows yet
         self._host_baseline = (step, container_lengths(), largest_graph_nodes())
         self._host_look_at = time.monotonic()

@@ -12,7 +12,8 @@ import pytest
 
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent, build_components
-from gpumemd.components.census import UNCLOCKED_SHARE, CensusComponent
+from gpumemd.budget import Part, clocked_plan, share
+from gpumemd.components.census import CensusComponent
 from gpumemd.config import Config
 from gpumemd.records.census import Census
 
@@ -83,7 +84,7 @@ def test_interval_adapts_so_census_time_stays_within_the_budget(clock: ManualClo
     # step 0 measures the cost; then a census once the job ran 0.1 s / (1% less the part left for
     # what the agent cannot clock, 0.75%) = 13.3 s: every 14 steps (15 when float rounding leaves the
     # agent's other share a hair above zero).
-    planned = 0.01 * (1 - UNCLOCKED_SHARE)
+    planned = clocked_plan(0.01)
     expected = math.ceil(0.1 / planned)
     steps = [s for s in census.steps if s is not None]
     assert steps[0] == 0
@@ -107,9 +108,50 @@ def test_a_costlier_census_or_faster_steps_space_censuses_out_further(
     run_steps(component, 300, step_seconds=0.5)
 
     # 0.5 s / 0.75% = 66.7 s of job time = 134 steps of 0.5 s
-    expected = math.ceil(0.5 / (0.01 * (1 - UNCLOCKED_SHARE)) / 0.5)
+    expected = math.ceil(0.5 / clocked_plan(0.01) / 0.5)
     assert census.steps[:3] == [0, expected, 2 * expected]
     assert component.interval == expected
+
+
+class Busy:
+    """Another component whose every sampled step end costs ``cost`` seconds of the manual clock."""
+
+    name = "busy"
+
+    def __init__(self, clock: ManualClock, cost: float) -> None:
+        self.clock, self.cost = clock, cost
+
+    def start(self, agent: Any) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def on_step(self, record: Any) -> None:
+        self.clock.now += self.cost
+
+
+@pytest.mark.parametrize(("busy_share", "census_share"), [
+    (0.004, clocked_plan(0.01) - 0.004),  # the others take 0.4% of the step: the census the rest of 0.75%
+    (0.006, share(0.01, Part.CENSUS)),  # the others take more than their shares: the census its own share
+])
+def test_the_census_gets_what_the_rest_of_the_agent_leaves_of_the_plan(
+    clock: ManualClock, out_dir: str, busy_share: float, census_share: float
+) -> None:
+    census = CostlyCensus(clock, cost=0.1)
+    component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
+    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, overhead_budget=0.01)
+    agent = build_agent(config, components=[component, Busy(clock, busy_share)], clock=clock, wall_clock=clock,
+                        max_stride=1)
+    agent.start()
+    try:
+        for _ in range(300):
+            clock.now += 1.0
+            agent.mark_step()
+    finally:
+        agent.stop()
+
+    expected = math.ceil(0.1 / census_share)  # steps of 1 s
+    gaps = [b - a for a, b in itertools.pairwise(s for s in census.steps if s is not None)]
+    assert gaps and all(expected - 1 <= gap <= expected + 1 for gap in gaps), (expected, gaps)
 
 
 def test_census_every_steps_forces_the_interval(clock: ManualClock, out_dir: str) -> None:
