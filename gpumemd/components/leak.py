@@ -135,6 +135,7 @@ class LeakComponent:
         history: AllocationHistory | None = None,
         snapshot_fn: Callable[[], Mapping[str, Any]] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if options is None:
             from gpumemd.config import Config
@@ -145,6 +146,7 @@ class LeakComponent:
         self._history = history if history is not None else process_history()
         self._snapshot_fn = snapshot_fn
         self._wall = wall_clock
+        self._clock = clock  # times the budgeted work (scans, evaluations, heap looks)
         self._agent: AgentView | None = None
         self._detector: LeakDetector | None = None
         self._known: set[str] = set()
@@ -153,7 +155,7 @@ class LeakComponent:
         self._attempts: dict[tuple[str, str], int] = {}  # step of the last culprit search per finding
         self._last_census: Census | None = None
         self._host_baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
-        self._host_look_at: float | None = None  # monotonic time of the last host look
+        self._host_look_at: int | None = None  # the agent's steps_total at the last host look
         self._host_look_cost = 0.0  # seconds it took
         self._sites_before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}
         self._named_sites: dict[int, tuple[str, ...]] = {}  # per device, once a finding is confirmed
@@ -259,19 +261,19 @@ class LeakComponent:
                 agent.add_thread_seconds(tracker.take_callback_seconds())
             if total >= self._next_scan_total:
                 self._last_scan_total = total
-                start = time.perf_counter()
+                start = self._clock()
                 try:
                     self._feed_counts(record)
                 finally:
-                    self._scanned(time.perf_counter() - start)
+                    self._scanned(self._clock() - start)
         due = detector.next_due_step()
         if record.step >= due:
-            start = time.perf_counter()
+            start = self._clock()
             try:
                 self._feed_unfed(unfed)
                 self._evaluate(record.step)
             finally:
-                self.evaluate_seconds += time.perf_counter() - start
+                self.evaluate_seconds += self._clock() - start
             due = detector.next_due_step()
         elif len(unfed) >= _UNFED_MAX:
             self._feed_unfed(unfed)
@@ -744,22 +746,28 @@ class LeakComponent:
         """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
         while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap). At most once per two
         windows, and, unless ``force`` (a state change), within its share of the overhead budget
-        (``budget.Part.HOST_LOOKS``): RSS rises while a healthy job warms up, and a look every 1,000 steps of 1 ms would
-        cost a quarter of the job."""
+        (``budget.Part.HOST_LOOKS``) of the job's step time since the last look: RSS rises while a
+        healthy job warms up, and a look every 1,000 steps of 1 ms would cost a quarter of the job.
+        Step time, not wall time, as every budgeted part: a pause between steps (an eval loop, a
+        checkpoint) does not make looks more frequent. The first look is not waited for: it is the
+        baseline that lets a host leak's culprit be named when the leak is first suspected, and it
+        comes in the job's first thousand steps, where RSS rises as heaps warm up (a one-time cost,
+        like the first census: ``bench_step_overhead.py`` reports both as start-up)."""
         from gpumemd.probes.host_objects import container_lengths, largest_graph_nodes
 
-        assert self._agent is not None
+        agent = self._agent
+        assert agent is not None
         config = self._options
         if self._host_baseline is not None and step - self._host_baseline[0] < 2 * config.leak_window_steps:
             return
-        now = time.monotonic()
-        if not force and self._host_look_at is not None and (
-                (now - self._host_look_at) * budget.share(config.overhead_budget, budget.Part.HOST_LOOKS)
-                < self._host_look_cost):
-            return  # the last look cost more than this share of the budget allows yet
+        if not force and self._host_look_at is not None:
+            job_seconds = (agent.steps_total - self._host_look_at) * (agent.seconds_per_step or 0.0)
+            if job_seconds * budget.share(config.overhead_budget, budget.Part.HOST_LOOKS) < self._host_look_cost:
+                return  # the job has not yet paid for the last look within this share of the budget
+        started = self._clock()
         self._host_baseline = (step, container_lengths(), largest_graph_nodes())
-        self._host_look_at = time.monotonic()
-        self._host_look_cost = self._host_look_at - now
+        self._host_look_at = agent.steps_total
+        self._host_look_cost = self._clock() - started
 
     def _host_culprits(self, status: TrackStatus) -> _Evidence:
         from gpumemd.probes.host_objects import growing_containers, growing_graph
