@@ -5,8 +5,8 @@ Usage: python benchmarks/bench_step_overhead.py [--seconds 60] [--steps-ms 0.2 1
 
 One job (an MLP with AdamW, one intra-op thread, width calibrated to each step time; SGD and batch 8
 for steps under 0.8 ms; under 0.45 ms, the MLP's shortest here, a linear classifier of width 8) and one attachment with
-the defaults. After a warm-up (the first census and the other start-up costs, paid once per attach and
-reported apart), the job runs for ``--seconds`` in *rounds*. A round is three short blocks of
+the defaults. After a warm-up (the first census, the first heap look while RSS rises as heaps warm up,
+and the other start-up costs, paid once per attach and reported apart), the job runs for ``--seconds`` in *rounds*. A round is three short blocks of
 ``--block`` steps (20: two sampled step ends at the usual stride of 10) in a random order: one with
 the agent on and two with it off (its optimizer hook and gc callback removed, so nothing of the agent
 runs on the training thread; the sampler thread, one read every 5 s, runs throughout). The same job,
