@@ -226,8 +226,9 @@ class _Switch:
 
 
 def _checks_seconds(leak: Any) -> float:
-    """The leak component's survivor scans and evaluations so far (seconds)."""
-    return float(getattr(leak, "scan_seconds", 0.0) + getattr(leak, "evaluate_seconds", 0.0))
+    """The leak component's survivor scans and evaluations so far, heap looks left out (seconds)."""
+    return float(getattr(leak, "scan_seconds", 0.0) + getattr(leak, "evaluate_seconds", 0.0)
+                 - getattr(leak, "host_look_seconds", 0.0))
 
 
 def _own_seconds(agent: Any) -> float:

@@ -419,9 +419,9 @@ class Agent:
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """Sample every step while a sampled step end costs at most its share of the budget
         (``budget.Part.STEP_ENDS``) at this step time, else every Nth step (``MAX_STRIDE`` at most).
-        Both figures are medians of
-        the last few samples: a census or a scan (budgeted on their own) does not count as the cost,
-        and a pause between steps (an evaluation, a checkpoint) not as the step time."""
+        Both figures are medians of the last few samples: a census or a scan (budgeted on their own)
+        does not count as the cost, and a pause between steps (an evaluation, a checkpoint) not as the
+        step time."""
         costs, durations = self._sample_costs, self._durations
         costs.append(cost)
         if seconds_per_step:

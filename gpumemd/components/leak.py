@@ -79,7 +79,6 @@ SCAN_EVERY_MAX = 50
 """Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
 10 points of every count series, so the budget never starves detection (issue 11, item 4)."""
 
-
 MAX_COUNT_SERIES = 16
 """Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
 
@@ -98,7 +97,6 @@ its forward's graph), not a tensor leak (a tensor with the one node of its last 
 
 _UNFED_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +161,7 @@ class LeakComponent:
         self._host_spec = SeriesSpec("host_rss_bytes", "host_leak")
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
         self.scan_seconds = 0.0  # time spent in survivor scans (benchmarks read it)
+        self.host_look_seconds = 0.0  # of evaluate_seconds, the heap looks (budgeted apart)
         self._tracker: Any = None
         self._count_specs: dict[Any, SeriesSpec] = {}  # survivor group key -> its count series
         self._chains: Any = None
@@ -310,7 +309,7 @@ class LeakComponent:
         if step_seconds:
             allowed = budget.share(config.overhead_budget, budget.Part.LEAK_CHECKS)
             steps = max(1, self._agent.steps_total)
-            evaluations = self.evaluate_seconds / steps / step_seconds
+            evaluations = (self.evaluate_seconds - self.host_look_seconds) / steps / step_seconds
             interval = budget.steps_between(cost, max(allowed / 2, allowed - evaluations), step_seconds)
         self._scan_interval = max(min(SCAN_EVERY, longest), min(longest, interval))
 
@@ -768,6 +767,7 @@ class LeakComponent:
         self._host_baseline = (step, container_lengths(), largest_graph_nodes())
         self._host_look_at = agent.steps_total
         self._host_look_cost = self._clock() - started
+        self.host_look_seconds += self._host_look_cost
 
     def _host_culprits(self, status: TrackStatus) -> _Evidence:
         from gpumemd.probes.host_objects import growing_containers, growing_graph
