@@ -46,6 +46,9 @@ def add_parser(sub: Any) -> None:
             "or `torchrun -m gpumemd run train.py`; under Slurm: `srun gpumemd run train.py`."
         ),
         usage="gpumemd run [options] (script.py | -m module) [args...]",
+        # No abbreviations: argparse matches every argument, the script's own too, against our option
+        # names, and a script's `--leak` (the start of several of ours) was refused as ambiguous.
+        allow_abbrev=False,
     )
     add_config_options(p)
     p.add_argument(

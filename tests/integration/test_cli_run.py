@@ -75,12 +75,13 @@ def test_script_runs_as_main_with_its_argv_and_directory(script: Path, tmp_path:
     argv_before, path_before = list(sys.argv), list(sys.path)
 
     code = _run(out_dir, "--history-steps", "77", "--no-census", str(script), str(report),
-                "return", "--port", "5", "-m", "x")
+                "return", "--port", "5", "-m", "x", "--leak", "--help")
 
     assert code == 0
     seen = json.loads(report.read_text())
-    # Options after the script are the script's own, even when they look like ours.
-    assert seen["argv"] == [str(script), str(report), "return", "--port", "5", "-m", "x"]
+    # Options after the script are the script's own, even when they look like ours, or like the start
+    # of several of ours (`--leak`: argparse's abbreviations once refused it as ambiguous).
+    assert seen["argv"] == [str(script), str(report), "return", "--port", "5", "-m", "x", "--leak", "--help"]
     assert seen["name"] == "__main__"
     assert seen["path0"] == str(script.parent)
     assert seen["attached"] is True
