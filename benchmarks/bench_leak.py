@@ -184,19 +184,27 @@ def cost_table() -> None:
     print()
 
 
-def overhead_table(seconds: float) -> None:
+OVERHEAD_SECONDS = {10.0: 540.0, 1.0: 90.0}
+"""Measurement time per step time by default: at 10 ms one round's difference spreads over ~1 ms
+(the VM's drift), so 9 minutes of rounds are what make the interval tight enough to show 1% or not
+(±22.6 µs standard error in docs/overhead-and-benchmarks.md); at 1 ms 90 s is plenty."""
+
+
+def overhead_table(seconds: float | None = None) -> None:
     """The agent's step-time overhead at its defaults at 10 ms and 1 ms steps (bench_step_overhead.measure:
-    one job, the agent switched on and off in short blocks in random order, with the measurement's noise floor)."""
+    one job, the agent switched on and off in short blocks in random order, with the measurement's noise floor).
+    ``seconds``: the measurement time of each step time (default ``OVERHEAD_SECONDS``)."""
     from bench_step_overhead import NOTES, TABLE_HEADER, measure, table_row
 
+    times = {ms: seconds or default for ms, default in OVERHEAD_SECONDS.items()}
     print("## The agent's step-time overhead at defaults (one job, agent on/off in short interleaved blocks)\n")
-    print(f"MLP with AdamW (bench_step_overhead.py), 1 thread, width chosen for the step time; {seconds:g} s of "
-          "rounds per step time. At 10 ms: batch 1,024 and blocks of 4 steps (a narrow MLP whose working set stays "
-          "in cache, and short blocks that see less drift: the tightest estimate at that step time here); at 1 ms: "
-          "batch 64 and blocks of 20.\n")
+    print(f"MLP with AdamW (bench_step_overhead.py), 1 thread, width chosen for the step time; {times[10.0]:g} s of "
+          f"rounds at 10 ms, {times[1.0]:g} s at 1 ms. At 10 ms: batch 1,024 and blocks of 4 steps (a narrow MLP "
+          "whose working set stays in cache, and short blocks that see less drift: the tightest estimate at that "
+          "step time here); at 1 ms: batch 64 and blocks of 20.\n")
     print(TABLE_HEADER)
     for target_ms, target, batch, block in ((10.0, "≤ 1%", 1024, 4), (1.0, "≤ 3% (≤ 30 µs)", 64, 20)):
-        print(table_row(measure(target_ms / 1e3, seconds, batch=batch, block=block), target), flush=True)
+        print(table_row(measure(target_ms / 1e3, times[target_ms], batch=batch, block=block), target), flush=True)
     print("\n" + NOTES.format(block="4 at 10 ms, 20 at 1 ms") + "\n")
 
 
@@ -207,8 +215,9 @@ def main() -> None:
     parser.add_argument("--scenarios-only", action="store_true", help="only the scenario suite")
     parser.add_argument("--repeats", type=int, default=3, help="seeds of each healthy job (default 3)")
     parser.add_argument("--overhead-only", action="store_true", help="only the step-time overhead table")
-    parser.add_argument("--overhead-seconds", type=float, default=60.0,
-                        help="measurement time per step time of the overhead table (default 60)")
+    parser.add_argument("--overhead-seconds", type=float, default=None,
+                        help="measurement time per step time of the overhead table (default 540 at 10 ms, "
+                             "90 at 1 ms)")
     args = parser.parse_args()
     if args.overhead_only:
         overhead_table(args.overhead_seconds)
