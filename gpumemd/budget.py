@@ -11,7 +11,8 @@ the budget: at 10-15 ms steps the agent clocked 0.94-1.24% of the step before th
 - ``UNCLOCKED_SHARE`` of the budget is left for what the agent costs the job but cannot clock: the
   optimizer hook's call on every step and the cache misses its work leaves to the job's next steps.
   ``benchmarks/bench_step_overhead.py`` measures it ("not clocked", wall-clock minus the agent's own
-  figure): 6-9 µs of 21-28 µs per step at 0.26-1.06 ms steps, a quarter to a third;
+  figure): 6-9 µs of 21-28 µs per step at 0.26-1.06 ms steps on a quiet box, a quarter to a third
+  (8-17 µs of 28-40 µs with busy neighbours), and 0 within the error at 12 ms;
 - the rest, the *clocked plan*, is split by ``SHARES``. Every part but the census keeps inside its
   share by spacing its work; the census takes what the others left (the plan less their measured
   cost), never less than its own share. So the clocked total stays inside the plan.
