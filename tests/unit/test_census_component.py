@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -52,17 +52,17 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-def _agent(out_dir: str, component: CensusComponent, clock: ManualClock) -> Agent:
+def _agent(out_dir: str, component: CensusComponent, clock: ManualClock, others: Sequence[Any] = ()) -> Agent:
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, overhead_budget=0.01)
-    return build_agent(config, components=[component], clock=clock, wall_clock=clock, max_stride=1)
+    return build_agent(config, components=[component, *others], clock=clock, wall_clock=clock, max_stride=1)
 
 
 @pytest.fixture
 def run_steps(out_dir: str, clock: ManualClock) -> Iterator[Any]:
     agents: list[Agent] = []
 
-    def run(component: CensusComponent, steps: int, step_seconds: float = 1.0) -> Agent:
-        agent = _agent(out_dir, component, clock)
+    def run(component: CensusComponent, steps: int, step_seconds: float = 1.0, others: Sequence[Any] = ()) -> Agent:
+        agent = _agent(out_dir, component, clock, others)
         agents.append(agent)
         agent.start()
         for _ in range(steps):
@@ -134,20 +134,12 @@ class Busy:
     (0.006, share(0.01, Part.CENSUS)),  # the others take more than their shares: the census its own share
 ])
 def test_the_census_gets_what_the_rest_of_the_agent_leaves_of_the_plan(
-    clock: ManualClock, out_dir: str, busy_share: float, census_share: float
+    clock: ManualClock, run_steps: Any, busy_share: float, census_share: float
 ) -> None:
     census = CostlyCensus(clock, cost=0.1)
     component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
-    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, overhead_budget=0.01)
-    agent = build_agent(config, components=[component, Busy(clock, busy_share)], clock=clock, wall_clock=clock,
-                        max_stride=1)
-    agent.start()
-    try:
-        for _ in range(300):
-            clock.now += 1.0
-            agent.mark_step()
-    finally:
-        agent.stop()
+
+    run_steps(component, 300, others=[Busy(clock, busy_share)])
 
     expected = math.ceil(0.1 / census_share)  # steps of 1 s
     gaps = [b - a for a, b in itertools.pairwise(s for s in census.steps if s is not None)]
