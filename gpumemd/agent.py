@@ -5,7 +5,7 @@ post-step hook -> the step is counted. On a *sampled* step the agent then reads 
 host RSS, appends a ``StepRecord`` to a bounded ring buffer and calls each component's ``on_step``
 (census, leak detector, ...). Outputs (exporter, reports) only ever read the published state.
 
-Which steps are sampled (issue 15, "an honest budget"): every step while the sampled step end fits its
+Which steps are sampled: every step while the sampled step end fits its
 share of ``overhead_budget`` (``gpumemd.budget``, ``Part.STEP_ENDS``) at the job's measured step time;
 on faster steps every Nth (N <= ``MAX_STRIDE``), the others costing one counter decrement. A record then
 stands for ``record.steps`` steps and its ``duration_s`` is their mean. Why: on a 1 ms CPU step a single
@@ -127,7 +127,7 @@ class Agent:
         self._view: tuple[AgentState, tuple[StepRecord, int] | None, int, AgentState] | None = None
         self._health_key: tuple[Any, ...] = ()
         self._health: tuple[dict[str, int], dict[str, bool]] = ({}, {})
-        # Jobs often attach before init_process_group: re-read the rank on the first steps (issue 8).
+        # Jobs often attach before init_process_group: re-read the rank on the first steps.
         self._identity_checks_left = 0 if identity is not None else _IDENTITY_REFRESH_STEPS
         self._log_filter = RankLogFilter(lambda: self._state.identity if self._state is not None else None)
         self._stop = threading.Event()

@@ -169,7 +169,7 @@ class Config:
     warnings and findings are still logged. Only rank 0 prints them in any case."""
 
     def __post_init__(self) -> None:
-        # Every number is bounded above too (issue 15): a value that passes here must not fail later
+        # Every number is bounded above too: a value that passes here must not fail later
         # inside the job (``deque(maxlen=2**63)``, a sampler thread that waits ``inf`` or spins).
         _require(1 <= self.history_steps <= 10_000_000, "history_steps", self.history_steps,
                  "an integer from 1 to 10,000,000")

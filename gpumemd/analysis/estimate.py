@@ -48,7 +48,7 @@ generalised to an activation width of ``w`` bytes as ``s·b·h·(16w + 2) + a·s
 layer's activations while it is recomputed. With a vocabulary the logits and the fp32
 log-softmax the loss saves add ``s·b·V·(w + 4)``.
 
-**Peak** (the Hugging Face rule, as quoted in gpumemd issue 7)::
+**Peak** (the Hugging Face rule)::
 
     peak = weights + optimizer state + max(gradients + optimizer intermediates, activations)
            (+ the stage-3 gather buffer)

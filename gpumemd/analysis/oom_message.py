@@ -27,7 +27,7 @@ from gpumemd.records.oom import OomMessage
 
 # Bounded digit runs, never preceded by another digit: a message is outside input (a user's exception
 # can say anything), and ``\d+`` without a literal prefix makes ``search`` quadratic on a long digit
-# run (issue 15: 7.6 s for 20k digits inside an excepthook). Real sizes have at most ~20 digits.
+# run. Real sizes have at most ~20 digits.
 _SIZE = r"(?<![\d.])(\d{1,20}(?:\.\d{1,6})?) (bytes|KiB|MiB|GiB|TiB)"
 _NEW = re.compile(
     r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of "
@@ -116,7 +116,7 @@ def parse_oom_message(text: str) -> OomMessage | None:
 
 
 def _async_message(device: int, text: str) -> OomMessage:
-    """cudaMallocAsync's message. Its "Currently allocated" is what PyTorch holds from the pool (that
+    """CudaMallocAsync's message. Its "Currently allocated" is what PyTorch holds from the pool (that
     backend keeps no separate cache), and the memory-fraction limit, when one was set, is the cap."""
     sizes = {name: parse_size(m[1], m[2]) for name, pattern in _ASYNC_LINES.items() if (m := pattern.search(text))}
     total, limit = sizes.get("total"), sizes.get("limit")

@@ -77,7 +77,7 @@ SCAN_EVERY = 10
 
 SCAN_EVERY_MAX = 50
 """Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
-10 points of every count series, so the budget never starves detection (issue 11, item 4)."""
+10 points of every count series, so the budget never starves detection."""
 
 MAX_COUNT_SERIES = 16
 """Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
@@ -933,7 +933,7 @@ def _family(name: str) -> str:
 
 
 def _deep_size(obj: Any, depth: int = 4) -> int:
-    """sys.getsizeof of an object and what its fields and tuples hold (bounded depth): the memory
+    """Sys.getsizeof of an object and what its fields and tuples hold (bounded depth): the memory
     one step record costs in the agent's ring buffer."""
     import sys
 

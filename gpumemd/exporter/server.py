@@ -3,7 +3,7 @@
 The server is prometheus_client's WSGI app (``make_wsgi_app``) in a server of our own, because the
 one ``start_http_server`` gives runs one unbounded thread per connection with no socket timeout
 (200 idle connections were 200 threads in the training process, alive after detach) and leaves its
-listening socket to forked DataLoader workers. Here (issue 15, item 5):
+listening socket to forked DataLoader workers. Here:
 
 - at most ``MAX_CONNECTIONS`` connections are served at once; one more is closed at accept;
 - every connection has a socket timeout (``REQUEST_TIMEOUT_S``): a client that sends nothing, or stalls
@@ -289,7 +289,7 @@ def _url_host(bind: str) -> str:
 
 
 def write_textfile(path: str, registry: Any) -> None:
-    """node_exporter textfile-collector output, written whole (``gpumemd.files.replace_file``)."""
+    """Node_exporter textfile-collector output, written whole (``gpumemd.files.replace_file``)."""
     from prometheus_client import generate_latest
 
     from gpumemd.files import replace_file

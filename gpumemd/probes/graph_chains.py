@@ -1,6 +1,6 @@
 """Autograd graphs chained across steps: the ``total_loss += loss`` leak, counted in graph nodes.
 
-Why this exists (issue 11): after ``backward()`` frees a graph's saved tensors, a tensor that keeps
+Why this exists: after ``backward()`` frees a graph's saved tensors, a tensor that keeps
 accumulating the loss (``epoch_loss = epoch_loss + loss``, an EMA kept as a tensor attribute) holds
 every step's graph *nodes*: C++ objects that no tensor count, census or allocator counter sees, and
 that grow host memory by a few hundred bytes per step (below RSS noise for hours). What does show is

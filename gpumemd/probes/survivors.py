@@ -1,6 +1,6 @@
 """Long-lived tensors, counted per group between censuses, from the garbage collector's young generations.
 
-Why this design (issue 11, "cheap per-step evidence"): a census scans the whole heap (tens of ms), so
+Why this design: a census scans the whole heap (tens of ms), so
 under a 1% budget it runs every few thousand steps on a fast job, and a list gaining one 2 KiB tensor
 per step is invisible in host RSS (freed heap chunks absorb it). What is cheap is where new objects
 live: CPython keeps every gc-tracked object allocated since the last collection in generation 0, and

@@ -1,4 +1,4 @@
-"""End to end at the shipped scrape interval: alerts that fire when they should (issue 13 item 4).
+"""End to end at the shipped scrape interval: alerts that fire when they should.
 
 Five real CPU training processes (``gpumemd`` attached, metrics on a free port) and one real
 Prometheus with the *shipped* global settings (``exporters/prometheus/prometheus.yml``: scrape and

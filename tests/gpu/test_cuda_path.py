@@ -1,4 +1,4 @@
-"""What only a real CUDA device can check (issue 12): the per-process cap at an OOM, the
+"""What only a real CUDA device can check: the per-process cap at an OOM, the
 cudaMallocAsync backend, expandable segments, an allocation history the job switched on itself,
 CUDA_VISIBLE_DEVICES by index and by UUID, and a CPU job that must leave CUDA alone.
 
@@ -129,8 +129,8 @@ CAP_JOB = """
     gpumemd.detach()
 """
 
-# Breakdown items that stand for memory the job could still have had. Today there is "free"; issue 12
-# item 2 may add a separate headroom item; whichever the breakdown has must respect the cap.
+# Breakdown items that stand for memory the job could still have had. Today there is "free"; a separate
+# headroom item may come; whichever the breakdown has must respect the cap.
 FREE_KEYS = frozenset({"free", "headroom"})
 
 
@@ -154,7 +154,7 @@ def test_under_a_per_process_cap_the_oom_breakdown_is_bounded_by_the_cap(tmp_pat
         pytest.skip(f"the device itself was nearly full ({device_free} bytes free): the cap and the device "
                     "cannot be told apart here")
 
-    # Issue 12 item 2: headroom is min(device_free, cap - reserved), never the device-wide free memory
+    # Headroom is min(device_free, cap - reserved), never the device-wide free memory
     # (tens of GiB here, while the cap left less than one 64 MiB chunk). The breakdown in
     # gpumemd/analysis/breakdown.py has no cap-aware field yet: its "free" item is the device's free
     # memory, so these assertions fail until that change lands. They hold whatever the field is called.
@@ -244,7 +244,7 @@ def test_expandable_segments_oom_report(tmp_path: Path) -> None:
     assert breakdown["verdict"] not in ("request_exceeds_device", "unknown"), breakdown["verdict_why"]
     # It is on already: the report must not tell the job to switch it on.
     assert "expandable_segments" not in {s["kind"] for s in report["suggestions"]}
-    # Issue 12 item 12 ("inactive_split_bytes is not maintained under expandable segments: say so") has
+    # "inactive_split_bytes is not maintained under expandable segments" has
     # no field in gpumemd yet (only `gpumemd doctor` explains it), so there is nothing to check there.
 
 

@@ -220,7 +220,7 @@ def test_forked_dataloader_workers_run_no_sampler_and_record_nothing(out_dir: st
 
 def test_a_second_attach_with_other_options_says_they_were_not_applied(
         out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 15 item 3: under `gpumemd run` the script's own attach(port=...) must not vanish silently."""
+    """Under `gpumemd run` the script's own attach(port=...) must not vanish silently."""
     first = gpumemd.attach(output_dir=out_dir, sample_interval_s=0, history_steps=100)
     try:
         with caplog.at_level("WARNING", logger="gpumemd"):

@@ -1,4 +1,4 @@
-"""find_batch_size on real CPU training steps with an explicit budget."""
+"""Find_batch_size on real CPU training steps with an explicit budget."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_exported_lazily() -> None:
 
 
 def test_reset_fn_runs_after_every_try_failed_or_not() -> None:
-    """Issue 12 item 14: a step_fn that never zeroes its gradients lets one try's gradients count
+    """A step_fn that never zeroes its gradients lets one try's gradients count
     against the next; ``reset_fn`` is the documented way to clear them."""
     import gpumemd
 
@@ -122,7 +122,7 @@ def test_reset_fn_runs_after_every_try_failed_or_not() -> None:
 
 
 def test_cuda_capacity_counts_other_processes_and_the_context(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Issue 12 item 14 on torch-shaped numbers: an 80 GiB GPU capped at 0.9, with 30 GiB used by
+    """An 80 GiB GPU capped at 0.9, with 30 GiB used by
     another process, leaves this one free + its own reserved, not 72 GiB."""
     from gpumemd import batch_size
 

@@ -54,7 +54,7 @@ def test_unknown_command_exits_2() -> None:
 
 
 def test_no_numpy_warning_in_gpumemds_own_commands(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Issue 14 item 3: in a venv without NumPy, `import torch` warns "Failed to initialize NumPy";
+    """In a venv without NumPy, `import torch` warns "Failed to initialize NumPy";
     that must not be the first thing `gpumemd demo` prints (`gpumemd run` leaves it to the script)."""
     blocked = tmp_path / "no-numpy" / "numpy"
     blocked.mkdir(parents=True)

@@ -62,7 +62,7 @@ def script(tmp_path: Path) -> Path:
 
 
 def _job_stderr(stderr: str) -> str:
-    """stderr without gpumemd's own lines (its start line and exit summary, said at attach and exit)."""
+    """Stderr without gpumemd's own lines (its start line and exit summary, said at attach and exit)."""
     return "".join(line for line in stderr.splitlines(keepends=True) if not line.startswith("gpumemd:"))
 
 
@@ -236,7 +236,7 @@ def test_real_process_exit_code_and_traceback(script: Path, tmp_path: Path, out_
 
 
 def test_a_script_cannot_tell_gpumemd_run_from_python(tmp_path: Path, out_dir: str) -> None:
-    """Issue 15 item 3: ``__file__`` absolute (the script chdirs, then reads next to itself), and an
+    """``__file__`` absolute (the script chdirs, then reads next to itself), and an
     uncaught KeyboardInterrupt kills the process by SIGINT, traceback and all, as with ``python``."""
     scripts = tmp_path / "job"
     scripts.mkdir()

@@ -1,5 +1,4 @@
-"""The default output directory cannot shadow the package (issue 14: a folder named ``gpumemd`` next to
-a script was imported instead of gpumemd on the next run, under an editable install)."""
+"""The default output directory cannot shadow the package."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15: the job's exceptions come out of gpumemd exactly as ``python script.py`` shows them.
+"""The job's exceptions come out of gpumemd exactly as ``python script.py`` shows them.
 
 Each script raises one kind of exception (or exits) two calls deep from top level. It runs as
 ``python script.py`` (the baseline), then with gpumemd: ``gpumemd run script.py``; ``gpumemd.attach()``

@@ -211,7 +211,7 @@ def test_serves_https_with_a_certificate(out_dir: str) -> None:
         urllib.request.urlopen(url.replace("https://", "http://"), timeout=5)
 
 
-# --- a fatal OOM reaches Prometheus (issue 13 item 4): linger until one scrape, push/write at once ------
+# --- a fatal OOM reaches Prometheus: linger until one scrape, push/write at once ------
 # The excepthook runs in a thread here, as the process would at exit; the real exit is the subprocess
 # test at the end. (An uncaught exception's hook is the last thing the process runs before atexit.)
 

@@ -221,7 +221,7 @@ def test_lightning_fit_at_defaults_raises_nothing(out_dir: str, seed: int) -> No
     agent, _, trainer = _lightning_fit(out_dir, leak=False, steps=2000, settings={}, seed=seed)
     assert trainer.global_step == 2000 and agent is not None
     assert agent.findings() == [], [f.summary for f in agent.findings()]
-    # After fit the callback keeps the finished run reachable (issue 14), detached: no hooks, no threads.
+    # After fit the callback keeps the finished run reachable, detached: no hooks, no threads.
     callback = next(c for c in trainer.callbacks if isinstance(c, GpumemdCallback))
     assert callback.agent is agent and not agent.running and gpumemd.current() is None
     assert len(callback.agent.steps()) > 0

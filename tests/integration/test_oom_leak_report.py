@@ -1,4 +1,4 @@
-"""Acceptance (issue 13): a job that leaks, then dies of out-of-memory, at default settings (only
+"""Acceptance: a job that leaks, then dies of out-of-memory, at default settings (only
 ``output_dir`` set). The first screen of report.md and report.html names the holder and the leak,
 and no tensor group appears as more than one row; ``gpumemd report`` says the same, and report.html
 renders in a real browser without asking the network for anything.

@@ -67,7 +67,7 @@ def test_device_filter_and_bare_segment_list() -> None:
 
 
 def test_a_users_folder_named_like_a_package_is_user_code() -> None:
-    """Issue 12 item 10: "/torch/" and "/gpumemd/" as substrings hid user code in folders of those
+    """"/torch/" and "/gpumemd/" as substrings hid user code in folders of those
     names (this repository's checkout on a CI runner); only the real package directories are internal."""
     user = [{"filename": "/builds/gpumemd/torch/train.py", "line": 9, "name": "step"}]
     assert first_user_frame([*TORCH_FRAMES, *user], INTERNAL) == "train.py:9 in step"

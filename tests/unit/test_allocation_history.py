@@ -1,4 +1,4 @@
-"""One owner for torch's process-wide allocation history (issue 12 items 1 and 6), on a fake torch
+"""One owner for torch's process-wide allocation history, on a fake torch
 with the real call shapes: a recording the job switched on is used and never switched off; gpumemd
 switches on once for all its users and off after the last."""
 

@@ -1,4 +1,4 @@
-"""The start line and the exit summary (issue 14 item 1): wording on data, then said by a real agent."""
+"""The start line and the exit summary: wording on data, then said by a real agent."""
 
 from __future__ import annotations
 

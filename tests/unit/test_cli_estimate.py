@@ -113,7 +113,7 @@ def test_params_from_shape_and_mixed_precision_trace(capsys: pytest.CaptureFixtu
 
 def test_subtotal_before_activations_is_printed_and_returned(capsys: pytest.CaptureFixture[str]) -> None:
     """The seed's headline: weights + gradients + optimizer state = 16 B/param = 112 GB for 7B in
-    bf16-mixed AdamW (issue 14, item 6)."""
+    bf16-mixed AdamW."""
     argv = ["estimate", "--params", "7e9", "--precision", "bf16-mixed", "--optimizer", "adamw"]
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["before_activations_bytes"] == 112_000_000_000

@@ -134,7 +134,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Any, capsys: Any, case: str)
         assert os.path.exists(os.path.join(target, "report.json"))  # the pickle did not run
 
 
-# --- report.json is outside input: any edit is read or refused in one line (issue 15, item 6) ----------
+# --- report.json is outside input: any edit is read or refused in one line ----------
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)

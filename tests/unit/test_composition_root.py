@@ -1,4 +1,4 @@
-"""api.build_agent is the one place that builds probes, the allocation history and components (issue 12)."""
+"""Api.build_agent is the one place that builds probes, the allocation history and components."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def test_unrelated_env_vars_are_ignored() -> None:
         ({}, {"bind": "localhost:80"}, "attach(bind='localhost:80') is not valid: expected an IP address"),
         ({}, {"tls_certfile": "c.pem"}, "attach(tls_certfile='c.pem') is not valid"),
         ({"GPUMEMD_HISTORY_STEPS": "0"}, {}, "GPUMEMD_HISTORY_STEPS=0 is not valid: expected an integer from 1"),
-        # Bad numbers (issue 15, item 4): each names the variable, never a traceback from deeper down.
+        # Bad numbers: each names the variable, never a traceback from deeper down.
         ({"GPUMEMD_HISTORY_STEPS": "1e999"}, {}, "GPUMEMD_HISTORY_STEPS='1e999' is not valid: expected an integer"),
         ({}, {"history_steps": 2**63}, f"attach(history_steps={2**63}) is not valid: expected an integer from 1"),
         ({}, {"sample_interval_s": float("inf")}, "attach(sample_interval_s=inf) is not valid"),
@@ -94,7 +94,7 @@ def test_field_types_unwrap_optional() -> None:
        raw=st.one_of(st.text(max_size=40), st.sampled_from(["1e999", "-1e999", "nan", "inf", "-inf", "9" * 5000,
                                                              "0x10", "1_000", " 5 ", "", "1e-9", str(2**63)])))
 def test_any_environment_value_gives_a_config_or_a_config_error(field: str, raw: str) -> None:
-    """Outside input (issue 15): every GPUMEMD_* value is accepted or refused with a ConfigError naming
+    """Outside input: every GPUMEMD_* value is accepted or refused with a ConfigError naming
     the variable; nothing else escapes, and an accepted value is within its bounds (Config validates)."""
     key = "GPUMEMD_" + field.upper()
     try:

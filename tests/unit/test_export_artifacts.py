@@ -1,4 +1,4 @@
-"""``gpumemd export`` and the wheel: the dashboard, rules and scrape configs ship with the package (issue 13, 5).
+"""``gpumemd export`` and the wheel: the dashboard, rules and scrape configs ship with the package.
 
 What ``gpumemd export`` writes must pass promtool and the dashboard checks of test_grafana_dashboard.py,
 must not clobber a file without ``--force``, and a non-editable wheel must carry the files (and LICENSE)

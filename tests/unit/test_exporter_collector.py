@@ -342,7 +342,7 @@ def test_reference_table_lists_every_metric() -> None:
         assert f"`{spec.name}`" in table
 
 
-# --- step progress: what the stale alert reads (issue 13 item 4) ------------------------------------
+# --- step progress: what the stale alert reads ------------------------------------
 
 
 def _stepped(steps_total: int, record_step: int, wall_time: float, phase: str = "train",

@@ -52,7 +52,7 @@ def test_textfile_replaces_the_old_file_whole(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.prom"]
 
 
-# --- containment (issue 15, item 5): bounded threads, timeouts, nothing left after stop or in a fork --
+# --- containment: bounded threads, timeouts, nothing left after stop or in a fork --
 
 
 def _registry() -> CollectorRegistry:

@@ -1,4 +1,4 @@
-"""append_line: one whole JSON line per write, or the file as it was (issue 15, item 7)."""
+"""Append_line: one whole JSON line per write, or the file as it was."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12 item 12: fragmentation is what ``empty_cache()`` cannot release.
+"""Fragmentation is what ``empty_cache()`` cannot release.
 
 ``reserved − allocated`` also counts whole cached segments, which the allocator frees and retries with
 before it raises an OOM; the non-releasable part is ``inactive_split_bytes.all.current``. torch does not

@@ -203,7 +203,7 @@ def test_provisioning_files() -> None:
     assert provider["type"] == "file" and provider["options"]["path"]
 
 
-# --- what the panels say (issue 13 item 4): allocator-aware headroom, units, healthy states, alerts ----
+# --- what the panels say: allocator-aware headroom, units, healthy states, alerts ----
 
 
 def panel(title: str) -> dict:
@@ -212,7 +212,7 @@ def panel(title: str) -> dict:
 
 
 def evaluate(tmp_path: Path, expr: str, series: dict[str, str], expected: list[tuple[str, float]]) -> None:
-    """promtool evaluates a dashboard query on ``series`` (selector -> values) and checks its samples."""
+    """Promtool evaluates a dashboard query on ``series`` (selector -> values) and checks its samples."""
     (tmp_path / "none.yml").write_text(yaml.safe_dump({"groups": []}))
     test = {"rule_files": ["none.yml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",

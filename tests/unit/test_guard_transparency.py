@@ -1,5 +1,5 @@
 """The job's exceptions pass through ``oom_guard`` / ``oom_report`` unchanged, whatever they carry, and
-the OOM message parser gives a result or None on any text (issue 15, item 1)."""
+the OOM message parser gives a result or None on any text."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ ONSET = 60
 
 
 class FakeNvml:
-    """pynvml's call shapes for one 80 GiB device."""
+    """Pynvml's call shapes for one 80 GiB device."""
 
     def __init__(self) -> None:
         self.used = 12 * GIB
@@ -92,7 +92,7 @@ class FakeDevice:
 
 
 class HistoryTorch:
-    """torch's allocation-history switch, recording what it was asked (``(enabled, max_entries)``)."""
+    """Torch's allocation-history switch, recording what it was asked (``(enabled, max_entries)``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str | None, int | None]] = []
@@ -132,7 +132,7 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300,
 def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: str) -> None:
     device = FakeDevice(leak=2 * MIB)
     agent, component, history_calls = run(device, out_dir, leak_history_on_suspect=True, history_max_entries=5000)
-    # switched on once, when the leak was first suspected, and off once its sites were named (issue 12 item 6)
+    # switched on once, when the leak was first suspected, and off once its sites were named
     assert history_calls == [("all", 5000), (None, None)]
     findings = agent.findings()
     assert [(f.kind, f.series, f.state) for f in findings] == [("tensor_leak", "allocated_bytes{device=0}",
@@ -147,7 +147,7 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
     assert f.steps_to_oom == pytest.approx(headroom / f.slope_bytes_per_step, rel=0.01)  # read 9 steps earlier
     assert f.sites and f.sites[0].startswith("train.py:57 in main (+")
     assert "allocated at train.py:57 in main" in f.summary
-    assert not component._history_enabled_by_us  # issue 12 item 6: off once the sites are named
+    assert not component._history_enabled_by_us  # off once the sites are named
     # the findings file carries the rank in its name and one line per state change
     path = os.path.join(out_dir, "leak-findings-rank3.jsonl")
     assert component.findings_path == path

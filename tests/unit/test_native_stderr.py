@@ -1,5 +1,5 @@
 """Kineto's start/stop lines stay out of the job's stderr; everything else written meanwhile is kept
-(issue 14 item 3: ``find_batch_size`` on CPU printed a dozen ``USDT:... profiler_start`` lines)."""
+(``find_batch_size`` on CPU printed a dozen ``USDT:... profiler_start`` lines)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NVML device selection and details on fake NVML in pynvml's call shapes (issue 12 items 7, 8, 9):
+"""NVML device selection and details on fake NVML in pynvml's call shapes:
 CUDA_VISIBLE_DEVICES parsed as torch parses it, MIG instances, only the devices a rank uses, memory
 info v2 and compute-process fallbacks."""
 
@@ -133,7 +133,7 @@ def test_compute_processes_v3_then_v2_said_once(caplog: pytest.LogCaptureFixture
 
 
 def test_pid_namespace_note_only_where_this_process_has_a_context(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 12 item 8: before CUDA is up (or on another rank's GPU) this pid is not listed on bare
+    """Before CUDA is up (or on another rank's GPU) this pid is not listed on bare
     metal either; only a device this process holds memory on can tell a PID namespace."""
     probe = NvmlProbe(nvml=FakeNvml(2, pids=(7, 8)), pid=42, visible="0,1")
     with caplog.at_level(logging.INFO, logger="gpumemd"):
@@ -145,7 +145,7 @@ def test_pid_namespace_note_only_where_this_process_has_a_context(caplog: pytest
 
 def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
         monkeypatch: pytest.MonkeyPatch, out_dir: str) -> None:
-    """Issue 12 item 8: eight ranks each reading all eight GPUs gave 8x the series per rank."""
+    """Eight ranks each reading all eight GPUs gave 8x the series per rank."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     identity = Identity(rank=11, local_rank=3, world_size=16, source="torchrun")

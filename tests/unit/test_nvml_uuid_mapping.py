@@ -1,4 +1,4 @@
-"""CUDA ordinals matched to NVML devices by UUID once CUDA is up (issue 12 item 7): CUDA's default
+"""CUDA ordinals matched to NVML devices by UUID once CUDA is up: CUDA's default
 order is fastest first, NVML's is PCI bus order, so ``CUDA_VISIBLE_DEVICES`` alone (or nothing) can
 name the wrong GPU on a mixed-GPU machine. Fake NVML in pynvml's call shapes: ``nvmlDeviceGetUUID``
 returns ``str`` (``@convertStrBytes``), ``nvmlDeviceGetMigMode`` a ``[current, pending]`` list, and every

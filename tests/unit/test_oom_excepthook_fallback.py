@@ -1,4 +1,4 @@
-"""Issue 15: a job's ``sys.excepthook`` installed before attach that raises. Python then prints "Error in
+"""A job's ``sys.excepthook`` installed before attach that raises. Python then prints "Error in
 sys.excepthook:", the hook's exception (its traceback starting in the hook) and "Original exception
 was:" with the job's exception. The agent's hook wraps the job's: what is printed must not show the
 wrapper (the subprocess comparison is in tests/integration/test_exception_transparency.py)."""

@@ -115,7 +115,7 @@ ASYNC_MESSAGE = (
 
 
 def test_cuda_malloc_async_message_names_its_device_and_numbers() -> None:
-    """Issue 12 item 3: the cudaMallocAsync text was not parsed, and the report then blamed GPU 0."""
+    """The cudaMallocAsync text was not parsed, and the report then blamed GPU 0."""
     m = classify_exception(torch.OutOfMemoryError(ASYNC_MESSAGE))
     assert m is not None and (m.kind, m.format, m.device) == ("cuda", "cuda-async", 1)
     assert m.requested_bytes == 640 * 2**20
@@ -127,7 +127,7 @@ def test_cuda_malloc_async_message_names_its_device_and_numbers() -> None:
 
 
 def test_pre_2_1_message_with_a_memory_fraction_parses() -> None:
-    """Issue 12 item 11: torch < 2.1 puts "X allowed;" before "reserved" when a fraction is set."""
+    """Torch < 2.1 puts "X allowed;" before "reserved" when a fraction is set."""
     text = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 2; 15.78 GiB total capacity; 14.56 GiB "
             "already allocated; 3.88 MiB free; 14.75 GiB allowed; 14.71 GiB reserved in total by PyTorch)")
     m = parse_oom_message(text)
@@ -143,7 +143,7 @@ def test_pre_2_1_message_with_a_memory_fraction_parses() -> None:
     lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
 ], ids=["AcceleratorError", "cuBLAS", "cuDNN"])
 def test_runtime_and_library_allocation_failures_are_ooms_for_every_caller(make) -> None:  # type: ignore[no-untyped-def]
-    """Issue 12 items 11 and 14: one classifier for the reports, oom_guard and find_batch_size."""
+    """One classifier for the reports, oom_guard and find_batch_size."""
     from gpumemd.batch_size import is_out_of_memory
 
     exc = make()
@@ -160,7 +160,7 @@ def test_cpu_not_enough_memory_wording() -> None:
 
 
 def test_a_device_the_message_does_not_name_is_never_gpu_0() -> None:
-    """Issue 12 item 3: an OOM without a device (a runtime/library allocation failure) was blamed on
+    """An OOM without a device (a runtime/library allocation failure) was blamed on
     GPU 0; it is the one device this process uses, or unknown."""
     from gpumemd.records.samples import AllocatorSample
     from gpumemd.records.step import Identity

@@ -1,4 +1,4 @@
-"""Issue 12 item 5: the CUDA OOM observer fires in bursts (cuDNN halving its workspace, each try an OOM
+"""The CUDA OOM observer fires in bursts (cuDNN halving its workspace, each try an OOM
 PyTorch catches itself). A burst takes one snapshot per step and second; the pending capture keeps the
 latest call's numbers, the one whose OOM may propagate. The observer is called as PyTorch calls it:
 ``(device, alloc_size, allowed_memory_maximum or device_total, device_free)``."""

@@ -143,7 +143,7 @@ def test_history_is_bounded_and_feature_detected() -> None:
 
 
 def test_summary_names_the_first_user_frame_and_survives_wrong_types() -> None:
-    """Issue 12 item 10 (the OOM report's sites) and a snapshot with wrong field types (a pickle that
+    """The OOM report's sites, and a snapshot with wrong field types (a pickle that
     loads fine can still say ``"device": "x"``): the summary never raises on it."""
     import os
 

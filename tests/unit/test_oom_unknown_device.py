@@ -1,4 +1,4 @@
-"""A device OOM whose error names no device, in a process that uses several (issue 12 item 3 follow-up):
+"""A device OOM whose error names no device, in a process that uses several:
 the report shows the fullest device and says so, never the host's memory as if the host had run out.
 
 The inputs are in torch's shapes: the ``torch.AcceleratorError`` text c10's ``C10_CUDA_CHECK`` builds for a

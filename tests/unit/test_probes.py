@@ -175,7 +175,7 @@ def test_identity_defaults_to_single_process() -> None:
 
 
 def test_cuda_malloc_async_zeros_are_absent_not_zero() -> None:
-    """Issue 12 item 4: under backend:cudaMallocAsync torch reports OOMs, retries, fragmentation,
+    """Under backend:cudaMallocAsync torch reports OOMs, retries, fragmentation,
     segments and requested bytes as 0 whatever happens; they are absent, not a measured 0."""
     stats = torch_stats(1000, 4096)
     native = sample_from_stats(0, stats)
@@ -194,7 +194,7 @@ def test_cuda_malloc_async_zeros_are_absent_not_zero() -> None:
 
 
 def test_allocator_probe_never_asks_cuda_runtime_for_availability(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 12 item 13: torch.cuda.is_available() calls cudaGetDeviceCount (cuInit) unless
+    """Torch.cuda.is_available() calls cudaGetDeviceCount (cuInit) unless
     PYTORCH_NVML_BASED_CUDA_CHECK is set, which poisons fork for DataLoader workers."""
     import torch
 

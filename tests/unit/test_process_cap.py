@@ -1,4 +1,4 @@
-"""Issue 12 item 2: a per-process cap (``torch.cuda.set_per_process_memory_fraction``) bounds headroom.
+"""A per-process cap (``torch.cuda.set_per_process_memory_fraction``) bounds headroom.
 
 torch 2.13's allocator refuses to reserve past ``cap = fraction × total`` whatever the device has free,
 so the room left is ``min(device_free, cap − reserved)``. Data in torch's shapes: the OOM message as
