@@ -5,7 +5,8 @@ parts of the agent spend it, each spacing its own work by the job's typical step
 ends (the stride), survivor scans and leak evaluations (the scan interval), heap looks for a host
 leak's culprit (the time between looks) and tensor censuses (the census interval). When each part
 kept its own share and nothing added them up, the shares and the census's minimum came to more than
-the budget: at 10-15 ms steps the agent clocked 0.94-1.24% of the step before the cost it cannot clock. This table is the one place the budget is divided, and its shares add up to the whole:
+the budget: at 10-15 ms steps the agent clocked 0.94-1.24% of the step before the cost it cannot clock.
+This table is the one place the budget is divided, and its shares add up to the whole:
 
 - ``UNCLOCKED_SHARE`` of the budget is left for what the agent costs the job but cannot clock: the
   optimizer hook's call on every step and the cache misses its work leaves to the job's next steps.
