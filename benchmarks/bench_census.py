@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from gpumemd.probes.census import take_census
-    from gpumemd.probes.referrers import who_holds
+    from gpumemd.probes.holders import who_holds
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

@@ -39,6 +39,7 @@ from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_wording import build_finding, count_sentence, culprits_from_diff, refine_kind
 from gpumemd.probes.allocation_history import AllocationHistory, process_history
+from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
 from gpumemd.probes.package_dirs import internal_dirs
 from gpumemd.records.device import CPU, cuda_device, cuda_index
 from gpumemd.records.findings import Culprit, Finding
@@ -46,13 +47,12 @@ from gpumemd.records.findings import Culprit, Finding
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census import CensusComponent
-    from gpumemd.records.census import Census, GroupDelta, GroupKey
+    from gpumemd.records.census import Census, GroupDelta
     from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
 _HISTORY_USER = "leak"  # this component's name among the users of the allocation history
 
-_HOLDER_BUDGET_S = 0.5  # one holder look-up (heap scans) per state change, at most this long
 
 # Noise floors: the smallest growth per step each kind of series can tell from its own noise, whatever
 # the materiality. The allocator's and the census's counters are exact; host RSS moves in pages and
@@ -606,8 +606,6 @@ class LeakComponent:
     def _count_culprits(self, status: TrackStatus) -> _Evidence:
         """Who holds the tensors of a growing count series: a sample of the group, looked up now (so
         the container's size is the one when the sentence is written), and what one of them costs."""
-        from gpumemd.probes.referrers import who_holds
-
         key = next((k for k, spec in self._count_specs.items() if spec is status.spec), None)
         tracker = self._tracker
         if key is None or tracker is None:
@@ -620,11 +618,11 @@ class LeakComponent:
         garbage = sample is None  # every tensor of the group died since the scan: nothing to blame
         try:
             if sample is not None:
-                cycle = _cycle_holder(sample)
+                cycle = cycle_holder(sample)
                 # Cyclic garbage while the collector runs is freed at its next collection (a burst),
                 # not leaked; with gc disabled nothing will ever free it: that is the leak.
                 garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
-                holder = cycle or who_holds(sample, time_budget_s=_HOLDER_BUDGET_S, ignore=(self._count_specs,))
+                holder = cycle or who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._count_specs,))
                 if holder is None:
                     # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it
                     # (torch preserves the Python wrapper of saved tensors). Name the root of the
@@ -666,15 +664,13 @@ class LeakComponent:
         and what its saved tensors cost (zero once backward() freed them: the nodes alone grow)."""
         from gpumemd.analysis.leak_wording import chain_sentence
         from gpumemd.probes.host_objects import graph_size, saved_bytes
-        from gpumemd.probes.referrers import who_holds
-
         key = next((k for k, spec in self._chain_specs.items() if spec is status.spec), None)
         chains = self._chains
         sample = chains.sample(key) if key is not None and chains is not None else None
         if sample is None:
             return _NO_EVIDENCE
         try:
-            holder = who_holds(sample, time_budget_s=_HOLDER_BUDGET_S, ignore=(self._chain_specs,))
+            holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._chain_specs,))
             nodes = graph_size(sample)
             saved = saved_bytes(sample)
         finally:
@@ -738,7 +734,7 @@ class LeakComponent:
                     culprit, holder=f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
                                     f"held by {root.holder}")
         top = next((d for d in deltas if describe_matches(d, culprit)), None)
-        holder = _holder_of_group(top.key) if top is not None else None
+        holder = holder_of_group(top.key) if top is not None else None
         return dataclasses.replace(culprit, holder=holder) if holder is not None else culprit
 
     def _host_look(self, step: int, *, force: bool = False) -> None:
@@ -974,75 +970,6 @@ def _chain_spec(group: Any) -> SeriesSpec:
 
 def describe_matches(delta: GroupDelta, culprit: Culprit) -> bool:
     return delta.bytes_delta == culprit.bytes_delta and delta.graph_bytes_delta == culprit.graph_bytes_delta
-
-
-def _holder_of_group(key: GroupKey) -> str | None:
-    """Who holds a live tensor of this census group (the census looks holders up only for groups
-    whose count grew; a retained graph grows behind one tensor)."""
-    import gc
-
-    import torch
-
-    from gpumemd.probes.referrers import who_holds
-
-    deadline = time.monotonic() + _HOLDER_BUDGET_S
-    sample = None
-    for i, obj in enumerate(gc.get_objects()):
-        if i % 4096 == 0 and time.monotonic() > deadline:
-            return None
-        if type(obj) is not torch.Tensor:  # exact type: cheap, and parameters are never culprits here
-            continue
-        try:
-            if (tuple(obj.shape) == key.shape and str(obj.dtype).removeprefix("torch.") ==
-                    key.dtype.removeprefix("torch.") and str(obj.device) == key.device
-                    and (key.category != "graph" or obj.grad_fn is not None)):
-                sample = obj
-                break
-        except Exception:  # noqa: BLE001 - an odd tensor subclass must not stop the search
-            continue
-    if sample is None:
-        return None
-    try:
-        return who_holds(sample, time_budget_s=max(0.05, deadline - time.monotonic())) or _cycle_holder(sample)
-    finally:
-        del sample
-
-
-def _cycle_holder(obj: Any, max_objects: int = 32) -> str | None:
-    """``Node.payload, in a reference cycle nothing else refers to`` when ``obj`` is an attribute of
-    an object whose referrers close into a small cycle: garbage the collector has not freed (gc
-    disabled, frozen, or not run yet). ``who_holds`` finds no name for it: there is none."""
-    import gc
-    import types
-
-    refs = gc.get_referrers(obj)
-    owner, attr = None, None
-    for ref in refs:
-        attrs = getattr(ref, "__dict__", None)
-        if isinstance(attrs, dict) and not isinstance(ref, type):
-            attr = next((k for k, v in attrs.items() if v is obj), None)
-            if attr is not None:
-                owner = ref
-                break
-    refs.clear()
-    if owner is None:
-        return None
-    closure: dict[int, Any] = {id(owner): owner}
-    frontier = [owner]
-    while frontier:
-        current = frontier.pop()
-        found = gc.get_referrers(current)
-        for ref in found:
-            if ref is frontier or ref is closure or ref is found or id(ref) in closure:
-                continue
-            if isinstance(ref, (types.FrameType, types.ModuleType)):
-                return None  # a running frame or a module holds it: not garbage
-            closure[id(ref)] = ref
-            if len(closure) > max_objects:
-                return None  # reachable from something larger: not an isolated cycle
-            frontier.append(ref)
-        found.clear()
-    return f"{type(owner).__name__}.{attr}, in a reference cycle nothing else refers to (garbage gc has not freed)"
 
 
 def _jsonable(value: Any) -> Any:

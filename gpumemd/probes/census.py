@@ -701,7 +701,7 @@ def _fill_holders(
 
     A tensor that only an autograd graph keeps (a saved activation) has no gc referrer: it is
     described as ``autograd graph of <who holds the tensor that keeps the graph>``."""
-    from gpumemd.probes.referrers import who_holds
+    from gpumemd.probes.holders import who_holds
 
     anonymous = [g for g in groups if g.key.name is None]
     if previous is not None:

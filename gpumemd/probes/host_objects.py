@@ -88,7 +88,7 @@ def growing_containers(
     for rank, (approx, obj, added, item) in enumerate(found[:limit]):
         holder = None
         if rank == 0 and item is not None:
-            from gpumemd.probes.referrers import who_holds
+            from gpumemd.probes.holders import who_holds
 
             holder = who_holds(item, time_budget_s=0.5, ignore=(found,))
         out.append(ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj), holder))
@@ -165,7 +165,7 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     n, tensor = _largest_graph()
     if tensor is None or n - before_nodes < min_added:
         return None
-    from gpumemd.probes.referrers import who_holds
+    from gpumemd.probes.holders import who_holds
 
     try:
         dtype = str(tensor.dtype).removeprefix("torch.")

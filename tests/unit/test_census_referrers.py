@@ -15,7 +15,7 @@ import torch
 import gpumemd
 from gpumemd.probes import census as census_probe
 from gpumemd.probes.census import take_census
-from gpumemd.probes.referrers import who_holds
+from gpumemd.probes.holders import who_holds
 
 CACHE: dict[str, Any] = {}
 
@@ -206,7 +206,7 @@ def test_reading_frame_locals_does_not_keep_deleted_locals_alive() -> None:
 def test_who_holds_is_exported_lazily() -> None:
     assert gpumemd.who_holds is who_holds
     assert "who_holds" in gpumemd.__all__
-    assert "gpumemd.probes.referrers" in sys.modules
+    assert "gpumemd.probes.holders" in sys.modules
 
 
 def test_census_fills_holders_only_for_growing_anonymous_groups(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,13 +23,19 @@ import time
 import types
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpumemd.records.census import GroupKey
 
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
 _FRONTIER_MAX = 256
 _KEY_TEXT_MAX = 40
 _RANK = {"local": 0, "global": 1, "attribute": 2, "other": 3}
 _SEQUENCES = (list, tuple, set, frozenset, deque)
+
+HOLDER_BUDGET_S = 0.5
+"""One holder look-up (heap scans) per state change takes at most this long."""
 
 
 def who_holds(
@@ -328,3 +334,65 @@ def _short_path(path: str) -> str:
     """The file name with its parent directory: enough to find it, short enough for one line."""
     parts = path.replace("\\", "/").rsplit("/", 2)
     return "/".join(parts[-2:]) if len(parts) > 2 else path
+
+
+def holder_of_group(key: GroupKey) -> str | None:
+    """Who holds a live tensor of this census group (the census looks holders up only for groups
+    whose count grew; a retained graph grows behind one tensor)."""
+    import torch  # lazily: `import gpumemd` stays light
+
+    deadline = time.monotonic() + HOLDER_BUDGET_S
+    sample = None
+    for i, obj in enumerate(gc.get_objects()):
+        if i % 4096 == 0 and time.monotonic() > deadline:
+            return None
+        if type(obj) is not torch.Tensor:  # exact type: cheap, and parameters are never culprits here
+            continue
+        try:
+            if (tuple(obj.shape) == key.shape and str(obj.dtype).removeprefix("torch.") ==
+                    key.dtype.removeprefix("torch.") and str(obj.device) == key.device
+                    and (key.category != "graph" or obj.grad_fn is not None)):
+                sample = obj
+                break
+        except Exception:  # noqa: BLE001 - an odd tensor subclass must not stop the search
+            continue
+    if sample is None:
+        return None
+    try:
+        return who_holds(sample, time_budget_s=max(0.05, deadline - time.monotonic())) or cycle_holder(sample)
+    finally:
+        del sample
+
+
+def cycle_holder(obj: Any, max_objects: int = 32) -> str | None:
+    """``Node.payload, in a reference cycle nothing else refers to`` when ``obj`` is an attribute of
+    an object whose referrers close into a small cycle: garbage the collector has not freed (gc
+    disabled, frozen, or not run yet). ``who_holds`` finds no name for it: there is none."""
+    refs = gc.get_referrers(obj)
+    owner, attr = None, None
+    for ref in refs:
+        attrs = getattr(ref, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(ref, type):
+            attr = next((k for k, v in attrs.items() if v is obj), None)
+            if attr is not None:
+                owner = ref
+                break
+    refs.clear()
+    if owner is None:
+        return None
+    closure: dict[int, Any] = {id(owner): owner}
+    frontier = [owner]
+    while frontier:
+        current = frontier.pop()
+        found = gc.get_referrers(current)
+        for ref in found:
+            if ref is frontier or ref is closure or ref is found or id(ref) in closure:
+                continue
+            if isinstance(ref, (types.FrameType, types.ModuleType)):
+                return None  # a running frame or a module holds it: not garbage
+            closure[id(ref)] = ref
+            if len(closure) > max_objects:
+                return None  # reachable from something larger: not an isolated cycle
+            frontier.append(ref)
+        found.clear()
+    return f"{type(owner).__name__}.{attr}, in a reference cycle nothing else refers to (garbage gc has not freed)"
