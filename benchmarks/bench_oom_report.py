@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from gpumemd.api import build_agent
+from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
+from gpumemd.probes.census import take_census
 from gpumemd.probes.snapshot import SnapshotProbe
 
 MiB = 2**20
@@ -102,7 +104,8 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="gpumemd-bench-oom-")
     config = Config(output_dir=out, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
                     oom_cooldown_s=0, oom_max_reports=args.rounds + 1, history_steps=args.steps)
-    component = OomComponent(config.options(OomOptions), snapshot_probe=probe)
+    census = CensusComponent(config.options(CensusOptions), census_fn=take_census)
+    component = OomComponent(config.options(OomOptions), snapshot_probe=probe, census=census)
     agent = build_agent(config, model=model, optimizer=opt, components=[component]).start()
     try:
         for _ in range(args.steps):  # the timeline; a real step is cheap here, the report is what we time

@@ -17,6 +17,7 @@ from gpumemd.config import Config
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
     from gpumemd.components.base import Component
+    from gpumemd.components.census import CensusComponent
     from gpumemd.probes.allocation_history import AllocationHistory
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
@@ -153,25 +154,24 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     exports and so never serves a half-started agent; it stops first).
 
     ``history`` is the process's one allocation-history owner (torch's recording is process-wide),
-    shared by the leak detector and the OOM capture."""
+    shared by the leak detector and the OOM capture. With periodic censuses off the OOM capture still
+    gets a census component of its own (it runs it), for the census at the OOM."""
     from gpumemd.probes.allocation_history import process_history
 
     history = history if history is not None else process_history()
     components: list[Component] = []
     census = None
     if config.census:
-        from gpumemd.components.census import CensusComponent
-
-        census = CensusComponent(every_steps=config.census_every_steps, overhead_budget=config.overhead_budget)
+        census = _census_component(config)
         components.append(census)
     if config.leak_detection:
         from gpumemd.components.leak import LeakComponent, LeakOptions
 
         components.append(LeakComponent(config.options(LeakOptions), census=census, history=history))
     if config.phases:
-        from gpumemd.components.phases import PhasesComponent
+        from gpumemd.components.phases import PhasesComponent, PhasesOptions
 
-        components.append(PhasesComponent(config.phase_every_steps))
+        components.append(PhasesComponent(config.options(PhasesOptions)))
     from gpumemd.components.exporter import ExporterComponent, ExporterOptions
 
     exporter_options = config.options(ExporterOptions)
@@ -181,7 +181,14 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
         from gpumemd.probes.snapshot import SnapshotProbe
 
         components.append(OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(history=history),
-                                       on_fatal=exporter))
+                                       census=census or _census_component(config), on_fatal=exporter))
     if exporter is not None:
         components.append(exporter)
     return components
+
+
+def _census_component(config: Config) -> CensusComponent:
+    from gpumemd.components.census import CensusComponent, CensusOptions
+    from gpumemd.probes.census import take_census
+
+    return CensusComponent(config.options(CensusOptions), census_fn=take_census)

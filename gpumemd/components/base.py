@@ -1,6 +1,7 @@
 """What a component is, and the narrow view of the agent it gets.
 
-The agent drives components (``start``, ``on_step`` at sampled step ends, ``stop``); a component
+The agent drives components (``start``, ``on_eve`` and ``on_step`` around sampled step ends, ``stop``),
+each hook named in ``Component``; ``ComponentBase`` gives the ones a component does not need. A component
 sees the agent only through ``AgentView``: the step counters and timings it reads, the published
 state, and the few calls it makes back (publish a result, ask for a sample, account for its time).
 It never reaches the agent's hooks, probes, configuration or sibling components: those are given
@@ -62,8 +63,6 @@ class AgentView(Protocol):
 
     def tick(self) -> None: ...
 
-    def census(self) -> Census: ...
-
     def sample_within(self, steps: int = 1) -> None: ...
 
     def add_census_seconds(self, seconds: float) -> None: ...
@@ -75,18 +74,32 @@ class Component(Protocol):
     """A capability plugged into the agent (census, leak detection, OOM capture, exporter, ...).
 
     ``on_step`` runs on the training thread at every *sampled* step end (``record.steps`` says how
-    many steps the record stands for) and must be cheap or self-spacing. A component may also
-    define ``on_eve()``, called at the end of the step before each sampled one (O(1) work only).
-    Components publish results with ``agent.publish(field=value)``; they never mutate state.
+    many steps the record stands for) and must be cheap or self-spacing. ``on_eve`` runs at the end of
+    the step before each sampled one (O(1) work only: most step ends are eves of none, and this one is
+    a job's step). Components publish results with ``agent.publish(field=value)``; they never mutate
+    state.
     """
 
     name: str
 
     def start(self, agent: AgentView) -> None: ...
 
+    def on_eve(self) -> None: ...
+
     def on_step(self, record: StepRecord) -> None: ...
 
     def stop(self) -> None: ...
+
+
+class ComponentBase:
+    """The step hooks as no-ops, for components that need only some of them (``start`` and ``stop``
+    each component writes: they are where it takes and gives back what it uses)."""
+
+    def on_eve(self) -> None:
+        return None
+
+    def on_step(self, record: StepRecord) -> None:
+        return None
 
 
 @runtime_checkable
@@ -95,3 +108,11 @@ class Serving(Protocol):
 
     @property
     def url(self) -> str | None: ...
+
+
+@runtime_checkable
+class TakesCensus(Protocol):
+    """A component that takes a census on request (the census component): ``Agent.census()`` asks it,
+    so the job's censuses join the ones the leak detector and the OOM report compare."""
+
+    def take_outside_step(self) -> Census: ...

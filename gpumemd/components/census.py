@@ -12,7 +12,8 @@ first step end (it measures the cost). A failing census is retried after 2, 4, 8
 
 The component keeps a small history of earlier censuses (thinned so it spans the whole run, not just
 the last few intervals) for the leak detector and the OOM report: ``history()``, ``at_or_after(step)``
-and ``take_now()``.
+and ``take_now()``. It is the one way a census is taken: periodic ones, the leak detector's
+``take_now()``, and ``take_outside_step()`` for the job's ``Agent.census()`` and the census at an OOM.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.budget import census_share
+from gpumemd.components.base import ComponentBase
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,25 +53,32 @@ class CensusFn(Protocol):
                  allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int) -> Census: ...
 
 
-class CensusComponent:
-    """Runs ``take_census`` every N steps and publishes ``census=`` and ``censuses_total=``."""
+@dataclass(frozen=True)
+class CensusOptions:
+    """What the census component reads of the configuration (``Config.options(CensusOptions)``)."""
+
+    census_every_steps: int
+    overhead_budget: float
+
+
+class CensusComponent(ComponentBase):
+    """Runs ``census_fn`` (``take_census``) every N steps and publishes ``census=`` and ``censuses_total=``."""
 
     name = "census"
 
     def __init__(
         self,
+        options: CensusOptions,
         *,
-        every_steps: int = 0,
-        overhead_budget: float = 0.01,
+        census_fn: CensusFn,
         holders: int = 3,
         history: int = HISTORY,
         clock: Callable[[], float] = time.perf_counter,
-        census_fn: CensusFn | None = None,
     ) -> None:
         if history < 2:
             raise ValueError(f"CensusComponent(history={history!r}) must keep at least 2 censuses")
-        self._every = every_steps  # > 0 forces the cadence (``census_every_steps``)
-        self._budget = overhead_budget
+        self._every = options.census_every_steps  # > 0 forces the cadence
+        self._budget = options.overhead_budget
         self._holders = holders
         self._max_history = history
         self._clock = clock
@@ -85,6 +95,11 @@ class CensusComponent:
 
     def start(self, agent: AgentView) -> None:
         self._agent = agent
+
+    @property
+    def started(self) -> bool:
+        """Started and not stopped (the OOM component starts it when the agent does not run it)."""
+        return self._agent is not None
 
     def stop(self) -> None:
         self._agent = None
@@ -139,46 +154,65 @@ class CensusComponent:
             raise RuntimeError("gpumemd: the census failed; see the gpumemd log for the reason")
         return census
 
-    def _take(self, step: int | None, allocator: Sequence[AllocatorSample] | None) -> Census | None:
+    def take_outside_step(self) -> Census:
+        """A census asked for outside a step end: by the job (``Agent.census()``) or at an OOM, while
+        the failing frames still hold their tensors. Unlike a step's census it compares with the
+        published census (the job's own censuses included), names holders even without one (the
+        largest groups then), counts its time as training-thread time too (no step end clocks it), and
+        raises what the census raised: the caller says why it has none."""
+        agent = self._agent
+        state = agent.state() if agent is not None else None
+        census = self._take(state.step if state else None, state.allocator if state else None, outside_step=True)
+        assert census is not None  # outside a step, a failure raises
+        return census
+
+    def _take(self, step: int | None, allocator: Sequence[AllocatorSample] | None, *,
+              outside_step: bool = False) -> Census | None:
         agent = self._agent
         with self._lock:
-            previous = self._history[-1] if self._history else None
+            previous = self._previous(agent, outside_step=outside_step)
             started = self._clock()
             try:
-                census = self._run(agent, step, allocator, previous)
-            except Exception as exc:  # noqa: BLE001 - the job comes first: back off and carry on
-                self._account(agent, self._clock() - started)
+                census = self._run(agent, step, allocator, previous, outside_step=outside_step)
+            except Exception as exc:  # the job comes first: back off and carry on
+                self._account(agent, self._clock() - started, outside_step=outside_step)
                 self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
+                if outside_step:
+                    raise  # the caller reports it (the OOM report's census note, the job's own call)
                 level = logging.WARNING if self._retry_after == 2 else logging.DEBUG  # said once
                 log.log(level, "gpumemd: census failed at step %s (%s: %s); next try in %d steps",
                         step, type(exc).__name__, exc, self._retry_after)
                 return None
             self._remember(census)
-            self._account(agent, self._clock() - started)
+            self._account(agent, self._clock() - started, outside_step=outside_step)
             self._retry_after = 0
         if agent is not None:
             agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
         return census
 
-    def _run(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
-             previous: Census | None) -> Census:
-        fn = self._census_fn
-        if fn is None:
-            from gpumemd.probes.census import take_census
+    def _previous(self, agent: AgentView | None, *, outside_step: bool) -> Census | None:
+        if outside_step:
+            return agent.published.census if agent is not None else None
+        return self._history[-1] if self._history else None
 
-            fn = take_census
+    def _run(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
+             previous: Census | None, *, outside_step: bool) -> Census:
         models = list(agent.models) if agent is not None else []
         optimizers = list(agent.optimizers) if agent is not None else []
-        # Holders only for what grew since the previous census: the first one has nothing to compare.
-        return fn(models=models, optimizers=optimizers, step=step, allocator=allocator, previous=previous,
-                  holders=self._holders if previous is not None else 0)
+        # Holders only for what grew since the previous census: a step's first one has nothing to
+        # compare. Outside a step (an OOM) the largest groups get theirs: there is no later chance.
+        holders = self._holders if previous is not None or outside_step else 0
+        return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
+                               previous=previous, holders=holders)
 
-    def _account(self, agent: AgentView | None, cost: float) -> None:
+    def _account(self, agent: AgentView | None, cost: float, *, outside_step: bool) -> None:
         self._last_cost = cost
         self._steps_since = 0
         self._next_look = 0
         if agent is not None:
             agent.add_census_seconds(cost)
+            if outside_step:
+                agent.add_thread_seconds(cost)  # training-thread time that no step end clocked
 
     # --- history -----------------------------------------------------------------------------
 

@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpumemd.components.base import ComponentBase
 from gpumemd.exporter.server import MetricsServer, ServeOptions, push_once, write_textfile
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from gpumemd.components.base import AgentView
-    from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
 
@@ -48,7 +48,7 @@ class ExporterOptions:
         return self.port is not None or bool(self.textfile) or bool(self.pushgateway)
 
 
-class ExporterComponent:
+class ExporterComponent(ComponentBase):
     """``url`` is the ``/metrics`` URL while serving (``Agent.exporter_url`` reads it), else None."""
 
     name = "exporter"
@@ -99,9 +99,6 @@ class ExporterComponent:
             return
         self._server = server
         log.info("gpumemd: serving metrics at %s", self.url)
-
-    def on_step(self, record: StepRecord) -> None:
-        return None  # scrapes read the published state; nothing to do on the training thread
 
     def fatal_oom(self) -> None:
         """An uncaught OOM is about to end the process (the OOM component's excepthook, after the report

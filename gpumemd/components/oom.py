@@ -30,15 +30,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
+from gpumemd.components.base import ComponentBase
 from gpumemd.probes.environment import collect_environment
 from gpumemd.probes.package_dirs import internal_dirs
-from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.report.build import ReportInputs, build_report, oom_device
 from gpumemd.report.writer import report_dir_name, write_report_dir
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
+    from gpumemd.components.census import CensusComponent
+    from gpumemd.probes.snapshot import SnapshotProbe
     from gpumemd.records.census import Census
     from gpumemd.records.step import StepRecord
 
@@ -90,30 +92,31 @@ class FatalOomListener(Protocol):
     def fatal_oom(self) -> None: ...
 
 
-class OomComponent:
+class OomComponent(ComponentBase):
     """Writes a post-mortem directory per OOM (capped, with a cooldown) and publishes ``reports``.
 
-    ``census`` takes the census at the OOM (else the agent's own); ``on_fatal`` (the exporter) is
+    ``snapshot_probe`` captures the allocator's state; ``census`` (the census component) takes the
+    census at the OOM, and when the agent does not run it (periodic censuses off) this component
+    starts and stops it, so an OOM report has its census either way; ``on_fatal`` (the exporter) is
     told before a fatal OOM ends the process."""
 
     name = "oom"
 
     def __init__(
         self,
-        options: OomOptions | None = None,
+        options: OomOptions,
         *,
-        snapshot_probe: SnapshotProbe | None = None,
+        snapshot_probe: SnapshotProbe,
+        census: CensusComponent,
         on_fatal: FatalOomListener | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        if options is None:
-            from gpumemd.config import Config
-
-            options = Config().options(OomOptions)
         self.config = options
         self._on_fatal = on_fatal
-        self._probe = snapshot_probe or SnapshotProbe()
+        self._probe = snapshot_probe
+        self._census = census
+        self._owns_census = False  # started here: the agent does not run it
         self._clock = clock
         self._wall = wall_clock
         self._agent: AgentView | None = None
@@ -134,6 +137,9 @@ class OomComponent:
 
     def start(self, agent: AgentView) -> None:
         self._agent = agent
+        if not self._census.started:
+            self._census.start(agent)
+            self._owns_census = True
         self._running = True
         self._install_excepthooks()
         available = getattr(self._probe, "cuda_available", None)
@@ -153,6 +159,9 @@ class OomComponent:
                 _observer_target = None
         self._probe.disable_history()
         self._pending = None
+        if self._owns_census:
+            self._owns_census = False
+            self._census.stop()
 
     # --- CUDA: history and the observer (lazy) -------------------------------------------------
 
@@ -351,7 +360,7 @@ class OomComponent:
             snapshot = self._probe.capture()  # no observer yet (OOM in the first step): the state now
             snapshot_source = "report_time" if snapshot is not None else None
         census_before = state.census  # the last census before the OOM's: what grew since
-        census, note = self._census(agent)
+        census, note = self._census_at_oom(agent)
         step = 0 if state.step is None else state.step + 1  # the step that was running
         inputs = ReportInputs(
             created_at=self._wall(),
@@ -388,9 +397,9 @@ class OomComponent:
         name = report_dir_name(state.identity.rank, step, inputs.created_at)
         return write_report_dir(agent.output_dir, name, files)
 
-    def _census(self, agent: AgentView) -> tuple[Census | None, str | None]:
+    def _census_at_oom(self, agent: AgentView) -> tuple[Census | None, str | None]:
         try:
-            return agent.census(), None  # now, while the failing frames still hold their tensors
+            return self._census.take_outside_step(), None  # now, while the failing frames still hold their tensors
         except ImportError:
             return agent.state().census, "the census module is not available; showing the last census"
         except Exception as err:  # noqa: BLE001 - a census failure must not cost the report

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpumemd.components.base import ComponentBase
 from gpumemd.records.phases import PhaseBreakdown
 
 if TYPE_CHECKING:
@@ -45,12 +47,20 @@ log = logging.getLogger("gpumemd")
 _IDLE, _FORWARD, _BACKWARD, _STEP = "idle", "forward", "backward", "step"
 
 
-class PhasesComponent:
+@dataclass(frozen=True)
+class PhasesOptions:
+    """What the phases component reads of the configuration (``Config.options(PhasesOptions)``)."""
+
+    phase_every_steps: int
+
+
+class PhasesComponent(ComponentBase):
     """Publishes ``phases=PhaseBreakdown`` after each sampled step."""
 
     name = "phases"
 
-    def __init__(self, every_steps: int = 50) -> None:
+    def __init__(self, options: PhasesOptions) -> None:
+        every_steps = options.phase_every_steps
         if every_steps < 1:
             raise ValueError(f"PhasesComponent(every_steps={every_steps!r}) needs a step count of at least 1")
         self._every = every_steps

@@ -14,6 +14,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 import gpumemd
 from gpumemd.agent import MAX_STRIDE, Agent
 from gpumemd.api import build_agent
+from gpumemd.components.base import ComponentBase
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
 
@@ -155,7 +156,7 @@ def test_sampler_thread_refreshes_state_and_stops_on_detach(out_dir: str) -> Non
     assert not any(t.name == "gpumemd-sampler" for t in threading.enumerate())
 
 
-class BrokenComponent:
+class BrokenComponent(ComponentBase):
     name = "broken"
 
     def __init__(self) -> None:

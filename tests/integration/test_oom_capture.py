@@ -21,8 +21,10 @@ import gpumemd
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent
 from gpumemd.components import oom as oom_module
+from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
+from gpumemd.probes.census import take_census
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.report import writer
 
@@ -147,6 +149,10 @@ class _Clock:
         return self.now
 
 
+def _census() -> CensusComponent:
+    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census)
+
+
 def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
                     **over)
@@ -156,7 +162,7 @@ def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:
 def test_cap_and_cooldown(out_dir: str) -> None:
     clock = _Clock()
     options = Config(output_dir=out_dir, oom_max_reports=2, oom_cooldown_s=10).options(OomOptions)
-    component = OomComponent(options, clock=clock)
+    component = OomComponent(options, snapshot_probe=SnapshotProbe(), census=_census(), clock=clock)
     agent = _agent(out_dir, component)
     try:
         results = []
@@ -217,7 +223,8 @@ def test_the_observer_attaches_lazily_and_its_capture_is_used(out_dir: str, monk
     monkeypatch.setattr(oom_module, "_observer_installed", False)
     snap = _snapshot()
     probe = _FakeCudaProbe(snap)
-    component = OomComponent(Config(output_dir=out_dir, oom_cooldown_s=0).options(OomOptions), snapshot_probe=probe)
+    component = OomComponent(Config(output_dir=out_dir, oom_cooldown_s=0).options(OomOptions), snapshot_probe=probe,
+                             census=_census())
     agent = _agent(out_dir, component)
     try:
         agent.mark_step()

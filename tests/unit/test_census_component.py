@@ -13,8 +13,10 @@ import pytest
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent, build_components
 from gpumemd.budget import Part, clocked_plan, share
-from gpumemd.components.census import CensusComponent
+from gpumemd.components.base import ComponentBase
+from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.config import Config
+from gpumemd.probes.census import take_census
 from gpumemd.records.census import Census
 
 
@@ -77,7 +79,8 @@ def run_steps(out_dir: str, clock: ManualClock) -> Iterator[Any]:
 
 def test_interval_adapts_so_census_time_stays_within_the_budget(clock: ManualClock, run_steps: Any) -> None:
     census = CostlyCensus(clock, cost=0.1)
-    component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
+    component = CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
 
     agent = run_steps(component, 200)
 
@@ -103,7 +106,8 @@ def test_a_costlier_census_or_faster_steps_space_censuses_out_further(
     clock: ManualClock, run_steps: Any
 ) -> None:
     census = CostlyCensus(clock, cost=0.5)
-    component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
+    component = CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
 
     run_steps(component, 300, step_seconds=0.5)
 
@@ -113,7 +117,7 @@ def test_a_costlier_census_or_faster_steps_space_censuses_out_further(
     assert component.interval == expected
 
 
-class Busy:
+class Busy(ComponentBase):
     """Another component whose every sampled step end costs ``cost`` seconds of the manual clock."""
 
     name = "busy"
@@ -137,7 +141,8 @@ def test_the_census_gets_what_the_rest_of_the_agent_leaves_of_the_plan(
     clock: ManualClock, run_steps: Any, busy_share: float, census_share: float
 ) -> None:
     census = CostlyCensus(clock, cost=0.1)
-    component = CensusComponent(census_fn=census, overhead_budget=0.01, clock=clock)
+    component = CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
 
     run_steps(component, 300, others=[Busy(clock, busy_share)])
 
@@ -148,7 +153,8 @@ def test_the_census_gets_what_the_rest_of_the_agent_leaves_of_the_plan(
 
 def test_census_every_steps_forces_the_interval(clock: ManualClock, out_dir: str) -> None:
     census = CostlyCensus(clock, cost=5.0)  # far over budget: ignored when the interval is forced
-    component = CensusComponent(every_steps=3, census_fn=census, clock=clock)
+    component = CensusComponent(CensusOptions(census_every_steps=3, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
     agent = _agent(out_dir, component, clock)
     agent.start()
     try:
@@ -165,7 +171,8 @@ def test_census_every_steps_forces_the_interval(clock: ManualClock, out_dir: str
 def test_a_failing_census_never_raises_and_backs_off(clock: ManualClock, run_steps: Any) -> None:
     census = CostlyCensus(clock, cost=0.01)
     census.fail = True
-    component = CensusComponent(census_fn=census, clock=clock)
+    component = CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
 
     agent = run_steps(component, 8)
 
@@ -179,7 +186,8 @@ def test_a_failing_census_never_raises_and_backs_off(clock: ManualClock, run_ste
 
 def test_history_is_bounded_spread_and_searchable(clock: ManualClock, out_dir: str) -> None:
     census = CostlyCensus(clock, cost=0.0)
-    component = CensusComponent(every_steps=1, history=4, census_fn=census, clock=clock)
+    component = CensusComponent(CensusOptions(census_every_steps=1, overhead_budget=0.01), history=4, census_fn=census,
+                                clock=clock)
     agent = _agent(out_dir, component, clock)
     agent.start()
     try:
@@ -207,4 +215,4 @@ def test_census_component_is_registered_first_and_only_when_enabled(out_dir: str
 
 def test_history_must_keep_two() -> None:
     with pytest.raises(ValueError, match="history=1"):
-        CensusComponent(history=1)
+        CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census, history=1)

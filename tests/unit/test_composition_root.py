@@ -52,6 +52,14 @@ def test_one_allocation_history_is_shared_and_siblings_are_given_not_looked_up(o
     assert [type(c) for c in components] == [CensusComponent, LeakComponent, OomComponent, ExporterComponent]
     assert leak._census is census and leak._history is history
     assert oom._probe._history is history and oom._on_fatal is exporter
+    assert oom._census is census  # one census path: the OOM report's census is the census component's
+
+
+def test_with_censuses_off_the_oom_capture_still_has_a_census_component(out_dir: str) -> None:
+    components = build_components(Config(output_dir=out_dir, census=False, leak_detection=False))
+    assert [type(c) for c in components] == [OomComponent]
+    oom = components[0]
+    assert isinstance(oom, OomComponent) and isinstance(oom._census, CensusComponent)
 
 
 def test_each_component_gets_its_own_options_from_the_config(out_dir: str) -> None:
@@ -62,7 +70,7 @@ def test_each_component_gets_its_own_options_from_the_config(out_dir: str) -> No
     census = next(c for c in components if isinstance(c, CensusComponent))
     assert leak._options == config.options(LeakOptions) and leak._options.leak_window_steps == 800
     assert oom.config == config.options(OomOptions) and oom.config.oom_max_reports == 2
-    assert census.interval == 7
+    assert census.interval == 7 and census._budget == config.overhead_budget
     assert not any(isinstance(c, ExporterComponent) for c in components)  # nowhere to export to
 
 
@@ -85,7 +93,7 @@ def test_components_are_found_by_type(out_dir: str) -> None:
 
 @pytest.mark.parametrize("every", [0, -3])
 def test_phases_component_needs_a_positive_cadence(every: int) -> None:
-    from gpumemd.components.phases import PhasesComponent
+    from gpumemd.components.phases import PhasesComponent, PhasesOptions
 
     with pytest.raises(ValueError, match="every_steps"):
-        PhasesComponent(every)
+        PhasesComponent(PhasesOptions(phase_every_steps=every))

@@ -15,7 +15,9 @@ from typing import cast
 import pytest
 
 from gpumemd.components.base import AgentView
+from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.probes.census import take_census
 from gpumemd.probes.snapshot import SnapshotProbe
 
 
@@ -25,6 +27,10 @@ class _CpuProbe(SnapshotProbe):
 
     def cuda_initialized(self) -> bool:
         return False
+
+
+def _census() -> CensusComponent:
+    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census)
 
 
 class _Agent:
@@ -68,7 +74,8 @@ def _python_prints(exc: BaseException) -> str:
 def component(monkeypatch: pytest.MonkeyPatch) -> Iterator[OomComponent]:
     monkeypatch.setattr(sys, "excepthook", _failing_hook)  # the job's, before attach
     oom = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
-                                  history_max_entries=0), snapshot_probe=_CpuProbe())
+                                  history_max_entries=0), snapshot_probe=_CpuProbe(),
+                       census=_census())
     oom.start(cast(AgentView, _Agent()))
     try:
         assert sys.excepthook is not _failing_hook  # wrapped
@@ -102,7 +109,8 @@ def test_called_from_an_except_block_adds_no_context(capsys: pytest.CaptureFixtu
 def test_a_system_exit_from_the_job_hook_still_ends_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "excepthook", _exiting_hook)
     oom = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
-                                  history_max_entries=0), snapshot_probe=_CpuProbe())
+                                  history_max_entries=0), snapshot_probe=_CpuProbe(),
+                       census=_census())
     oom.start(cast(AgentView, _Agent()))
     try:
         exc = _raised()
@@ -131,7 +139,8 @@ def test_a_failing_job_thread_hook_is_shown_as_threading_shows_it(monkeypatch: p
     expected = _thread_output(capsys)  # threading alone: "Exception in threading.excepthook:" ...
     assert expected.startswith("Exception in threading.excepthook:\n") and "_failing_thread_hook" in expected
     oom = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
-                                  history_max_entries=0), snapshot_probe=_CpuProbe())
+                                  history_max_entries=0), snapshot_probe=_CpuProbe(),
+                       census=_census())
     oom.start(cast(AgentView, _Agent()))
     try:
         assert threading.excepthook is not _failing_thread_hook  # wrapped

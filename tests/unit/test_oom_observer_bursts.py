@@ -11,7 +11,9 @@ from typing import Any, cast
 import pytest
 
 from gpumemd.components.base import AgentView
+from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.probes.census import take_census
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.oom import ObserverCall
 
@@ -64,7 +66,9 @@ def setup() -> Iterator[tuple[OomComponent, _Probe, _Agent, _Clock]]:
     wall = iter(range(1_000_000))
     component = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
                                         history_max_entries=0),
-                             snapshot_probe=probe, clock=clock, wall_clock=lambda: float(next(wall)))
+                             snapshot_probe=probe, clock=clock, wall_clock=lambda: float(next(wall)),
+                             census=CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01),
+                                                    census_fn=take_census))
     component.start(cast(AgentView, agent))
     try:
         yield component, probe, agent, clock

@@ -1,0 +1,50 @@
+"""What the agent says when it attaches and when it stops (the lines themselves are
+``gpumemd.announce``'s): the facts it gathers for them, and who says them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gpumemd.announce import StartFacts, emit, exit_summary
+from gpumemd.records.device import cuda_device
+
+if TYPE_CHECKING:
+    from gpumemd.records.step import AgentState
+    from gpumemd.state_board import Probe
+
+log = logging.getLogger("gpumemd")
+
+
+def start_facts(state: AgentState, probes: Mapping[str, Probe], *, nvml_on: bool, output_dir: str,
+                metrics_url: str | None) -> StartFacts:
+    """The start line's facts: where output goes, the devices watched, and the probes that cannot work here."""
+    identity = state.identity
+    absent = {name: reason for name, probe in probes.items() if (reason := probe.health.absent_reason)}
+    if not nvml_on:
+        absent["nvml"] = "off by configuration"
+    devices: tuple[str, ...] = ()
+    if "allocator" not in absent:
+        devices = tuple(cuda_device(s.device) for s in state.allocator) or ("the CUDA devices the job uses",)
+    return StartFacts(pid=os.getpid(), rank=identity.rank, world_size=identity.world_size,
+                      output_dir=output_dir, metrics_url=metrics_url, devices=devices, absent=absent)
+
+
+def say(line: str, *, rank: int, quiet: bool) -> None:
+    """Rank 0 speaks for the job; a 1,024-rank job must not print 1,024 start lines."""
+    if quiet or rank != 0:
+        log.debug("%s", line)
+        return
+    emit(line)
+
+
+def exit_line(state: AgentState, output_dir: str) -> str | None:
+    """The exit summary, or None when it cannot be made: stopping must finish whatever it meets."""
+    try:
+        return exit_summary(state, output_dir)
+    except Exception:  # stopping must finish whatever the summary meets
+        log.debug("gpumemd: no exit summary", exc_info=True)
+        return None

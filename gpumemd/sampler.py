@@ -1,0 +1,88 @@
+"""The background sampler: every ``sample_interval_s`` it reads the allocator, NVML and the host
+between steps, so the published state stays fresh while a step runs long (or the job hangs).
+
+It reads and times; publishing what it read is the agent's (``Agent.tick``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpumemd.probes.allocator import AllocatorProbe
+    from gpumemd.probes.host import HostProbe
+    from gpumemd.probes.nvml import NvmlProbe
+    from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
+
+class Sampler:
+    """Reads the probes on request (``read``) and, once started, on its own thread (``tick`` each
+    interval); ``seconds`` is the time its reads took, which the agent counts as its overhead."""
+
+    def __init__(self, *, allocator: AllocatorProbe, host: HostProbe, nvml: NvmlProbe | None,
+                 clock: Callable[[], float]) -> None:
+        self._allocator = allocator
+        self._host = host
+        self._nvml = nvml
+        self._clock = clock
+        self._local_world_size = 1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.seconds = 0.0
+
+    def attached(self) -> None:
+        """The agent is attaching: learn the node's rank count (for ``read`` before CUDA is up)."""
+        self._local_world_size = _local_world_size()
+
+    def start(self, tick: Callable[[], None], interval_s: float) -> None:
+        """Call ``tick`` every ``interval_s`` on a thread of its own (0: no thread)."""
+        if interval_s > 0:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, args=(tick, interval_s), name="gpumemd-sampler",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _loop(self, tick: Callable[[], None], interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            tick()
+
+    def read(self, local_rank: int) -> tuple[tuple[AllocatorSample, ...], tuple[NvmlDeviceSample, ...],
+                                             HostSample | None]:
+        """One reading of allocator, NVML and host (timed into ``seconds``)."""
+        start = self._clock()
+        allocator = self._allocator.read()
+        nvml = self._read_nvml(allocator, local_rank)
+        host = self._host.read()
+        self.seconds += self._clock() - start
+        return allocator, nvml, host
+
+    def _read_nvml(self, allocator: tuple[AllocatorSample, ...], local_rank: int) -> tuple[NvmlDeviceSample, ...]:
+        """Only the devices this process uses: those its allocator holds memory on; before CUDA is up,
+        under a launcher with several ranks per node and several visible GPUs, LOCAL_RANK's
+        (torchrun's convention); else every visible device (a one-GPU job, or ranks pinned by
+        CUDA_VISIBLE_DEVICES)."""
+        nvml = self._nvml
+        if nvml is None:
+            return ()
+        if allocator:
+            return nvml.read({a.device for a in allocator}, has_context=True)
+        if self._local_world_size > 1 and nvml.visible_count > 1:
+            return nvml.read({local_rank % nvml.visible_count})
+        return nvml.read()
+
+
+def _local_world_size() -> int:
+    """Ranks on this node, from the launcher's environment (torchrun, Slurm, Open MPI); 1 if unknown."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        raw = os.environ.get(name, "")
+        if raw.strip().isdigit():
+            return max(1, int(raw))
+    return 1

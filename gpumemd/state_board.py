@@ -1,0 +1,112 @@
+"""The agent's published state: one immutable ``AgentState``, swapped whole, and the newest step.
+
+Writers (components, the sampler thread) take a lock and swap in a new state (``publish``); readers
+never lock. A sampled step end only records its record (``pending``, one reference assignment); the
+state that includes it is built by the first reader (``state``) and cached until the next step or
+publish, so a step costs no state construction and a reader never waits on the training thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gpumemd.probes.health import ProbeHealth
+    from gpumemd.records.step import AgentState, Overhead, StepRecord
+
+
+class Probe(Protocol):
+    """A probe as the state sees it: its health (errors, availability, why it is absent)."""
+
+    @property
+    def health(self) -> ProbeHealth: ...
+
+
+class StepCounts(Protocol):
+    """What the board reads of the agent when it builds a state."""
+
+    @property
+    def current_step(self) -> int | None: ...
+
+    @property
+    def steps_total(self) -> int: ...
+
+    @property
+    def current_phase(self) -> str: ...
+
+    def overhead(self) -> Overhead: ...
+
+
+class StateBoard:
+    """``base`` is the last published state (None before the agent starts); ``pending`` the newest
+    step record with the step count when it was made, not yet in a built state."""
+
+    def __init__(self, counts: StepCounts, probes: Mapping[str, Probe], wall_clock: Callable[[], float]) -> None:
+        self._counts = counts
+        self._probes = probes
+        self._wall = wall_clock
+        self._lock = threading.Lock()  # writers only (training + sampler thread); readers never lock
+        self.base: AgentState | None = None
+        self.pending: tuple[StepRecord, int] | None = None
+        self._view: tuple[AgentState, tuple[StepRecord, int] | None, int, AgentState] | None = None
+        self._health_key: tuple[tuple[str, int, bool | None], ...] = ()
+        self._health: tuple[dict[str, int], dict[str, bool]] = ({}, {})
+
+    def publish(self, changes: Mapping[str, object]) -> None:
+        """Swap in a new state with ``changes`` applied (plus fresh overhead, probe health and phase)."""
+        with self._lock:
+            current = self.base
+            assert current is not None, "agent not started"
+            errors, available = self._probe_health()
+            self.base = dataclasses.replace(  # one reference assignment: readers see old or new
+                current,
+                updated_at=self._wall(),
+                overhead=self._counts.overhead(),
+                probe_errors=errors,
+                probes_available=available,
+                phase=self._counts.current_phase,
+                **changes,  # type: ignore[arg-type]
+            )
+
+    def _probe_health(self) -> tuple[dict[str, int], dict[str, bool]]:
+        """Errors and availability per probe; the same dicts are reused while nothing changes, so
+        the per-step publish allocates nothing for them."""
+        probes = [(name, p.health) for name, p in self._probes.items()]
+        key = tuple((name, h.errors, h.available) for name, h in probes)
+        if key != self._health_key:
+            self._health_key = key
+            self._health = ({n: h.errors for n, h in probes}, {n: bool(h.available) for n, h in probes})
+        return self._health
+
+    def state(self) -> AgentState:
+        """The latest immutable state, the newest step included (built on first read, then cached)."""
+        base, pending, total = self.base, self.pending, self._counts.steps_total
+        if base is None:
+            raise RuntimeError("gpumemd: the agent has not been started; use gpumemd.attach()")
+        view = self._view
+        if view is not None and view[0] is base and view[1] is pending and view[2] == total:
+            return view[3]
+        state = base if pending is None else self._with_step(base, pending[0])
+        self._view = (base, pending, total, state)
+        return state
+
+    def _with_step(self, base: AgentState, record: StepRecord) -> AgentState:
+        """The published state with the newest record, and the step count of the steps since it."""
+        counts = self._counts
+        sampler_newer = base.updated_at > record.wall_time  # the sampler read after this step ended
+        allocator = base.allocator if sampler_newer and base.allocator else (record.allocator or base.allocator)
+        host = base.host if sampler_newer and base.host else (record.host or base.host)
+        return dataclasses.replace(
+            base,
+            updated_at=max(base.updated_at, record.wall_time),
+            step=counts.current_step,
+            steps_total=counts.steps_total,
+            last_step=record,
+            allocator=allocator,
+            host=host,
+            overhead=counts.overhead(),
+            phase=counts.current_phase,
+        )
