@@ -25,13 +25,17 @@ itself, because growth needs the same chain to be reached again scan after scan.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpumemd.probes.autograd_graph import LEAF_SEQUENCE_NR, oldest_first
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
 
 log = logging.getLogger("gpumemd")
 
@@ -54,8 +58,6 @@ DATE_BUDGET = 4_096
 
 MAX_MARKS = 256
 """Marks kept (step, sequence number) to date a chain's oldest node: 256 scans, 2,560+ steps."""
-
-_LEAF_SEQ = 2**64 - 1  # AccumulateGrad: parameters' grad accumulators, shared by every step
 
 ChainKey = tuple[str, str, tuple[int, ...]]  # device, dtype, shape of the chain's root tensor
 
@@ -170,7 +172,7 @@ class GraphChainTracker:
             if chain is not None:  # the same root as at the last scan: the chain did not move
                 extended.add(id(chain))
                 continue
-            if seq < mark or seq == _LEAF_SEQ or not self._spans(fn, mark):
+            if seq < mark or seq == LEAF_SEQUENCE_NR or not self._spans(fn, mark):
                 continue
             hit, walked = self._follow(fn, targets)
             chain = targets.get(hit) if hit is not None else None
@@ -196,74 +198,44 @@ class GraphChainTracker:
         fn = t.grad_fn if t is not None else None
         return fn is not None and fn._sequence_nr() == chain.root_seq
 
-    def _spans(self, fn: Any, mark: int) -> bool:
+    def _spans(self, fn: Node, mark: int) -> bool:
         """Whether ``fn``'s graph reaches a node made before ``mark`` within ``SPAN_BUDGET`` pops."""
-        heap: list[tuple[int, int, Any]] = []
-        seen: set[int] = set()
         popped = 0
         try:
-            self._push_children(heap, fn, -1, seen)
-            while heap and popped < SPAN_BUDGET:
-                s, _, node = heapq.heappop(heap)
+            for s, _ in oldest_first(fn, SPAN_BUDGET):
                 popped += 1
                 if s < mark:
                     return True
-                self._push_children(heap, node, -1, seen)
             return False
         finally:
             self.popped += popped
-            heap.clear()  # the nodes (and the graph they keep) are not ours to hold
 
-    def _oldest(self, fn: Any) -> int | None:
+    def _oldest(self, fn: Node) -> int | None:
         """The smallest sequence number in ``fn``'s graph (parameters' accumulators aside), or None
         when ``DATE_BUDGET`` pops do not exhaust it. Once per new chain: it dates where it began."""
-        heap: list[tuple[int, int, Any]] = []
-        seen: set[int] = set()
         popped = 0
         oldest = fn._sequence_nr()
         try:
-            self._push_children(heap, fn, -1, seen)
-            while heap:
+            for s, _ in oldest_first(fn, DATE_BUDGET + 1):  # one more: is anything left?
                 if popped >= DATE_BUDGET:
                     return None
-                s, _, node = heapq.heappop(heap)
                 popped += 1
                 oldest = min(oldest, s)
-                self._push_children(heap, node, -1, seen)
             return int(oldest)
         finally:
             self.popped += popped
-            heap.clear()
 
-    def _follow(self, fn: Any, targets: dict[int, _Chain]) -> tuple[int | None, int]:
+    def _follow(self, fn: Node, targets: dict[int, _Chain]) -> tuple[int | None, int]:
         """(the tracked root that ``fn`` reaches, or None; nodes popped on the way). Smallest
         sequence number first, never below the oldest target: those nodes cannot lead to one."""
         if not targets:
             return None, 0
-        floor = min(targets)
-        heap: list[tuple[int, int, Any]] = []
-        seen: set[int] = set()
         popped = 0
         try:
-            self._push_children(heap, fn, floor, seen)
-            while heap and popped < FOLLOW_BUDGET:
-                s, _, node = heapq.heappop(heap)
+            for s, _ in oldest_first(fn, FOLLOW_BUDGET, floor=min(targets)):
                 popped += 1
                 if s in targets:
                     return s, popped
-                self._push_children(heap, node, floor, seen)
             return None, popped
         finally:
             self.popped += popped
-            heap.clear()
-
-    @staticmethod
-    def _push_children(heap: list[tuple[int, int, Any]], node: Any, floor: int, seen: set[int]) -> None:
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            s = child._sequence_nr()
-            if s == _LEAF_SEQ or s < floor or s in seen:
-                continue
-            seen.add(s)
-            heapq.heappush(heap, (s, id(child), child))

@@ -12,6 +12,10 @@ a local variable of a running frame (found by reading the frames of every thread
 is not a gc referrer of its locals), a module global, an attribute of an object or class. Lists,
 tuples, sets and dicts on the way are described by their size or key. gpumemd's own frames and the
 containers the caller passes in ``ignore`` are never reported.
+
+Every heap scan for "who holds X" lives here: ``who_holds`` for one object, ``fill_holders`` for the
+few census groups worth naming, ``holder_of_group`` for a census group found again by its key, and
+``cycle_holder`` for garbage that only a reference cycle keeps.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from gpumemd.records.census import Census, CensusGroup, GroupKey
+
 if TYPE_CHECKING:
-    from gpumemd.records.census import GroupKey
+    import torch
 
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
 _FRONTIER_MAX = 256
@@ -78,33 +84,7 @@ class _Climb:
                     return self._render(*best)
                 if time.monotonic() > self.deadline:
                     return None
-                referrers = gc.get_referrers(*frontier)
-                self.own.add(id(referrers))
-                self.own.add(id(frontier))
-                terminals: list[tuple[int, str, int]] = []
-                following: list[Any] = []
-                for ref in referrers:
-                    rid = id(ref)
-                    if rid in self.own or rid in self.nodes:
-                        continue
-                    child = _held_child(ref, frontier_ids)
-                    if child is None:
-                        continue
-                    found = self._classify(ref, child)
-                    if found is None:
-                        continue
-                    kind, text, skip_child = found
-                    if skip_child:  # the child is the holder's own __dict__: its key is in the name
-                        child = self.nodes[self.child_of[id(child)]]
-                    self.nodes[rid] = ref
-                    self.child_of[rid] = id(child)
-                    if kind == "step":
-                        self.step_text[rid] = text
-                        if len(following) < _FRONTIER_MAX:
-                            following.append(ref)
-                    else:
-                        terminals.append((_RANK[kind], text, id(child)))
-                del referrers
+                terminals, following = self._climb(frontier, frontier_ids)
                 if terminals:
                     terminals.sort(key=lambda t: t[0])
                     _, text, child_id = terminals[0]
@@ -115,6 +95,38 @@ class _Climb:
             return None
         finally:
             self._release()
+
+    def _climb(self, frontier: list[Any], frontier_ids: set[int]) -> tuple[list[tuple[int, str, int]], list[Any]]:
+        """One level up (one heap scan): the terminals among the referrers of ``frontier`` as (rank,
+        text, id of the object they hold), and the containers to climb from next."""
+        referrers = gc.get_referrers(*frontier)
+        self.own.add(id(referrers))
+        self.own.add(id(frontier))
+        terminals: list[tuple[int, str, int]] = []
+        following: list[Any] = []
+        for ref in referrers:
+            rid = id(ref)
+            if rid in self.own or rid in self.nodes:
+                continue
+            child = _held_child(ref, frontier_ids)
+            if child is None:
+                continue
+            found = self._classify(ref, child)
+            if found is None:
+                continue
+            kind, text, skip_child = found
+            if skip_child:  # the child is the holder's own __dict__: its key is in the name
+                child = self.nodes[self.child_of[id(child)]]
+            self.nodes[rid] = ref
+            self.child_of[rid] = id(child)
+            if kind == "step":
+                self.step_text[rid] = text
+                if len(following) < _FRONTIER_MAX:
+                    following.append(ref)
+            else:
+                terminals.append((_RANK[kind], text, id(child)))
+        del referrers
+        return terminals, following
 
     # --- terminals and steps --------------------------------------------------------------------
 
@@ -133,19 +145,7 @@ class _Climb:
     def _classify(self, ref: Any, child: Any) -> tuple[str, str, bool] | None:
         """("local"|"global"|"attribute"|"other", terminal text) or ("step", container text)."""
         if isinstance(ref, types.FrameType):
-            # Running frames are no gc referrers of their locals (they are read directly): this is a
-            # finished frame that a traceback (a stored exception) still keeps, with all its locals.
-            if _is_ours(ref):
-                return None
-            f_locals = ref.f_locals
-            name = next((k for k, v in list(f_locals.items()) if v is child), None)
-            # frame.clear() (traceback.clear_frames) does not clear that snapshot: drop it now
-            _drop_locals_snapshot(ref, f_locals)
-            del f_locals
-            if name is None:
-                return None
-            where = f"{_short_path(ref.f_code.co_filename)}:{ref.f_lineno}"
-            return "local", f"`{name}` in {ref.f_code.co_name}() at {where} (a finished frame a traceback keeps)", False
+            return _finished_frame(ref, child)
         if isinstance(ref, dict):
             key = _key_for(ref, child)
             module = self.module_dicts.get(id(ref))
@@ -213,6 +213,22 @@ def _live_frames() -> list[tuple[types.FrameType, dict[str, Any]]]:
                     out.append((frame, frame.f_locals))
             frame = frame.f_back
     return out
+
+
+def _finished_frame(frame: types.FrameType, child: Any) -> tuple[str, str, bool] | None:
+    """Running frames are no gc referrers of their locals (they are read directly): this is a
+    finished frame that a traceback (a stored exception) still keeps, with all its locals."""
+    if _is_ours(frame):
+        return None
+    f_locals = frame.f_locals
+    name = next((k for k, v in list(f_locals.items()) if v is child), None)
+    # frame.clear() (traceback.clear_frames) does not clear that snapshot: drop it now
+    _drop_locals_snapshot(frame, f_locals)
+    del f_locals
+    if name is None:
+        return None
+    where = f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return "local", f"`{name}` in {frame.f_code.co_name}() at {where} (a finished frame a traceback keeps)", False
 
 
 # The demo's training loop is user code that happens to ship with gpumemd: its locals are holders.
@@ -396,3 +412,68 @@ def cycle_holder(obj: Any, max_objects: int = 32) -> str | None:
             frontier.append(ref)
         found.clear()
     return f"{type(owner).__name__}.{attr}, in a reference cycle nothing else refers to (garbage gc has not freed)"
+
+
+def fill_holders(
+    groups: list[CensusGroup],
+    samples: dict[GroupKey, torch.Tensor],
+    owners: dict[GroupKey, torch.Tensor],
+    *,
+    holders: int,
+    previous: Census | None,
+    budget_s: float,
+) -> list[CensusGroup]:
+    """A census's groups with ``holder`` set for the few that need it: the ``holders`` anonymous
+    groups that grew most since ``previous`` (or the largest ones, without it), looked up through
+    a sample tensor of each (``samples``), all lookups together within ``budget_s``.
+
+    A tensor that only an autograd graph keeps (a saved activation) has no gc referrer: it is
+    described as ``autograd graph of <who holds the tensor that keeps the graph>`` (``owners``)."""
+    chosen = _groups_to_look_up(groups, holders, previous)
+    if not chosen:
+        return groups
+    deadline = time.monotonic() + budget_s
+    found: dict[GroupKey, str] = {}
+    owner_lines: dict[int, str | None] = {}
+    for group in chosen:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        sample = samples.get(group.key)
+        if sample is None:
+            continue
+        holder = who_holds(sample, time_budget_s=remaining, ignore=(samples, owners))
+        del sample
+        owner = owners.get(group.key)
+        if holder is None and owner is not None:
+            if id(owner) not in owner_lines:
+                remaining = max(0.0, deadline - time.monotonic())
+                owner_lines[id(owner)] = who_holds(owner, time_budget_s=remaining, ignore=(samples, owners))
+            line = owner_lines[id(owner)]
+            holder = f"autograd graph of {line}" if line else "an autograd graph"
+        del owner
+        if holder is not None:
+            found[group.key] = holder
+    if not found:
+        return groups
+    return [
+        CensusGroup(g.key, g.count, g.nbytes, g.graph_bytes, found[g.key]) if g.key in found else g
+        for g in groups
+    ]
+
+
+def _groups_to_look_up(groups: list[CensusGroup], holders: int, previous: Census | None) -> list[CensusGroup]:
+    """The anonymous groups that grew most since ``previous`` (in count or bytes), or the largest."""
+    anonymous = [g for g in groups if g.key.name is None]
+    if previous is None:
+        return anonymous[:holders]
+    before = {g.key: g for g in previous.groups}
+
+    def growth(g: CensusGroup) -> int:
+        old = before.get(g.key)
+        return g.nbytes + g.graph_bytes - (old.nbytes + old.graph_bytes if old else 0)
+
+    grown = [(growth(g), g) for g in anonymous if g.count > getattr(before.get(g.key), "count", 0)
+             or growth(g) > 0]
+    grown.sort(key=lambda pair: pair[0], reverse=True)
+    return [g for _, g in grown[:holders]]

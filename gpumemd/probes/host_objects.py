@@ -16,7 +16,14 @@ import collections
 import gc
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpumemd.probes.autograd_graph import GraphWalk, count_nodes
+from gpumemd.probes.holders import who_holds
+from gpumemd.probes.storages import StorageKey, Storages
+
+if TYPE_CHECKING:
+    import torch
 
 _CONTAINERS = (list, dict, set, collections.deque)
 _MIN_LEN = 8  # smaller containers are not where a leak lives after a few hundred steps
@@ -88,8 +95,6 @@ def growing_containers(
     for rank, (approx, obj, added, item) in enumerate(found[:limit]):
         holder = None
         if rank == 0 and item is not None:
-            from gpumemd.probes.holders import who_holds
-
             holder = who_holds(item, time_budget_s=0.5, ignore=(found,))
         out.append(ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj), holder))
     found.clear()
@@ -111,25 +116,8 @@ class GraphGrowth:
     holder: str | None
 
 
-def _graph_nodes(fn: Any, limit: int) -> int:
-    # Node wrappers may be created on access: keep them alive during the walk so ids stay unique.
-    seen: dict[int, Any] = {id(fn): fn}
-    stack = [fn]
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        for nxt, _ in getattr(node, "next_functions", ()) or ():
-            if nxt is not None and id(nxt) not in seen:
-                seen[id(nxt)] = nxt
-                stack.append(nxt)
-    n = len(seen)
-    seen.clear()
-    return n
-
-
 def _largest_graph() -> tuple[int, Any]:
-    import sys as _sys
-
-    torch = _sys.modules.get("torch")
+    torch = sys.modules.get("torch")
     if torch is None:
         return 0, None
     tensor_type = torch.Tensor
@@ -146,7 +134,7 @@ def _largest_graph() -> tuple[int, Any]:
             continue
         if fn is None:
             continue
-        n = _graph_nodes(fn, budget)
+        n = count_nodes(fn, budget)
         budget -= n
         if n > best:
             best, best_tensor = n, obj
@@ -165,8 +153,6 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     n, tensor = _largest_graph()
     if tensor is None or n - before_nodes < min_added:
         return None
-    from gpumemd.probes.holders import who_holds
-
     try:
         dtype = str(tensor.dtype).removeprefix("torch.")
         shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
@@ -179,46 +165,39 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
 def graph_size(tensor: Any, *, max_nodes: int = 200_000) -> int:
     """Nodes in the autograd graph ``tensor`` keeps (a bounded walk: at most ``max_nodes``)."""
     fn = getattr(tensor, "grad_fn", None)
-    return 0 if fn is None else _graph_nodes(fn, max_nodes)
+    return 0 if fn is None else count_nodes(fn, max_nodes)
 
 
 def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
     """Bytes of the tensors that ``tensor``'s autograd graph saved (each storage once; a bounded
-    walk): what keeping this one tensor alive costs beyond its own storage."""
-    from gpumemd.probes.census import _saved_attrs, _tensors_in
-
+    walk): what keeping this one tensor alive costs beyond its own storage. A saved tensor counts its
+    own storage only (none for sparse or wrapper tensors), unlike the census, which counts their
+    components: the evidence sentences were measured this way."""
     torch = sys.modules.get("torch")
     fn = getattr(tensor, "grad_fn", None)
     if torch is None or fn is None:
         return 0
-    seen: dict[int, Any] = {id(fn): fn}
-    storages: set[int] = set()
+    walk = GraphWalk(max_nodes, overrun=True)
+    counted: set[StorageKey] = set()
     total = 0
-    stack = [fn]
     try:
-        while stack and len(seen) < max_nodes:
-            node = stack.pop()
-            for attr in _saved_attrs(type(node)):
+        for node in walk.walk(fn):
+            for saved in walk.saved(node):
                 try:
-                    value = getattr(node, attr)
-                except Exception:  # noqa: BLE001 - freed by backward(): nothing kept
+                    if _is_parameter(saved):
+                        continue  # alive anyway, not this graph's cost
+                    for key, nbytes in Storages.own(saved):
+                        if key not in counted:
+                            counted.add(key)
+                            total += nbytes
+                except Exception:  # noqa: BLE001
                     continue
-                for saved in _tensors_in(value, torch.Tensor):
-                    try:
-                        base = saved._base if saved._base is not None else saved
-                        if base.requires_grad and base.grad_fn is None:
-                            continue  # a parameter (or its view): alive anyway, not this graph's cost
-                        st = saved.untyped_storage()
-                        ptr = st.data_ptr()
-                        if ptr and ptr not in storages:
-                            storages.add(ptr)
-                            total += st.nbytes()
-                    except Exception:  # noqa: BLE001
-                        continue
-            for nxt, _ in getattr(node, "next_functions", ()) or ():
-                if nxt is not None and id(nxt) not in seen:
-                    seen[id(nxt)] = nxt
-                    stack.append(nxt)
     finally:
-        seen.clear()
+        walk.clear()
     return total
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter), or a view of one."""
+    base = t._base if t._base is not None else t
+    return bool(base.requires_grad and base.grad_fn is None)

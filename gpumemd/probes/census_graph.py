@@ -1,0 +1,124 @@
+"""Graph retention in the census: the saved storages nothing else counts, charged to the tensor
+whose autograd graph keeps them.
+
+Many roots (tensors with a live ``grad_fn``) are intermediates of one another: in
+``total = total + loss`` every saved activation that still has a Python wrapper is itself a root.
+A root whose ``grad_fn`` is reached from another root's graph is absorbed by it (union-find), so the
+bytes and the ``kept_by`` of visible saved tensors end up on the outermost tensor, the one a holder
+lookup can name. The walk is bounded in nodes; beyond it the graph bytes are a lower bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpumemd.probes.autograd_graph import GraphWalk
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
+    from gpumemd.probes.census_groups import StorageRecord
+    from gpumemd.probes.storages import StorageKey, Storages
+
+Root = tuple["StorageRecord", "Node"]  # a counted storage and a live grad_fn of a tensor on it
+OnError = Callable[[str, BaseException], None]
+
+
+def charge_graphs(
+    roots: list[Root],
+    counted: dict[StorageKey, StorageRecord],
+    storages: Storages,
+    max_nodes: int,
+    on_error: OnError,
+) -> bool:
+    """Add the bytes each root's graph saved (and nothing counted) to ``graph_bytes`` of the root
+    that owns that graph, set ``kept_by`` of the counted storages a graph saved, and make anonymous
+    ones "graph". Whether the walk stopped at ``max_nodes``."""
+    charge = _Charge(roots, counted, storages, on_error)
+    walk = GraphWalk(max_nodes)
+    try:
+        charge.run(walk)
+    finally:
+        walk.clear()
+        charge.settle()
+    return walk.truncated
+
+
+class _Charge:
+    def __init__(
+        self, roots: list[Root], counted: dict[StorageKey, StorageRecord], storages: Storages, on_error: OnError,
+    ) -> None:
+        self.roots = roots
+        self.counted = counted
+        self.storages = storages
+        self.on_error = on_error
+        self.parent = list(range(len(roots)))  # union-find over roots: the owner is the set's root
+        self.root_of_node: dict[int, int] = {}
+        for i, (_, grad_fn) in enumerate(roots):
+            self.root_of_node.setdefault(id(grad_fn), i)
+        self.charged: set[StorageKey] = set()
+        self.charged_bytes = [0] * len(roots)
+        self.kept: dict[int, tuple[StorageRecord, int]] = {}  # counted saved storage -> the root whose graph saved it
+
+    def run(self, walk: GraphWalk) -> None:
+        for i, (record, root) in enumerate(self.roots):
+            earlier = walk.walked_by(root)
+            if earlier is not None:
+                self._absorb(i, into=earlier)  # an intermediate of an earlier root's graph
+                continue
+            for node in walk.walk(root, i):
+                self._charge_node(walk, node, record, i)
+            for node in walk.met:
+                other = self.root_of_node.get(id(node))
+                if other is not None:
+                    self._absorb(other, into=i)  # that root lives inside this graph
+            walk.met.clear()
+            if walk.truncated:
+                return
+
+    def _charge_node(self, walk: GraphWalk, node: Node, record: StorageRecord, i: int) -> None:
+        counted, charged, kept = self.counted, self.charged, self.kept
+        for saved in walk.saved(node):
+            try:
+                parts = self.storages.parts(saved)
+            except Exception as exc:  # noqa: BLE001
+                self.on_error("a saved tensor", exc)
+                continue
+            for key, nbytes in parts:
+                visible = counted.get(key)
+                if visible is None:
+                    if key not in charged:
+                        charged.add(key)
+                        self.charged_bytes[i] += nbytes
+                elif visible is not record and id(visible) not in kept:
+                    kept[id(visible)] = (visible, i)
+
+    def settle(self) -> None:
+        """Charge what was walked (all of it, also when the walk stopped early) to the owners."""
+        roots = self.roots
+        for i, (record, _) in enumerate(roots):
+            owner = roots[self._find(i)][0]
+            owner.graph_bytes += self.charged_bytes[i]
+            if owner is not record and record.kept_by is None:
+                record.kept_by = owner
+        for record, i in self.kept.values():
+            owner = roots[self._find(i)][0]
+            if owner is not record and record.kept_by is None:
+                record.kept_by = owner
+            if record.category == "other":
+                # An anonymous tensor an autograd graph saves (its Python wrapper outlived the call
+                # by PyObject preservation) is graph memory, not "other": `total += loss` must show
+                # up as graph growth whether or not the saved inputs happen to be gc-visible.
+                record.category = "graph"
+
+    def _find(self, i: int) -> int:
+        parent = self.parent
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def _absorb(self, i: int, *, into: int) -> None:
+        if self._find(i) != self._find(into):
+            self.parent[self._find(i)] = self._find(into)
