@@ -135,13 +135,14 @@ class LeakComponent:
         self._parts = _Parts(series, culprits, tracker, chains)
 
     def stop(self) -> None:
+        # The series, their count history and the last census go with the parts; the trackers' gc
+        # callback and weak references are released now.
         parts, self._parts = self._parts, None
         if parts is not None:
             if parts.tracker is not None:
                 parts.tracker.uninstall()
             if parts.chains is not None:
                 parts.chains.clear()
-            parts.series.clear()
         self._unfed.clear()
         self._sites.clear()
         self._host.clear()

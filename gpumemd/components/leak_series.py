@@ -85,10 +85,6 @@ class GroupSeries(Generic[K]):
     def names(self) -> set[str]:
         return {spec.name for spec in self.specs.values()}
 
-    def clear(self) -> None:
-        self.specs.clear()
-        self.history.clear()
-
 
 class LeakSeries:
     """Feeds the detector (one per start) and says what growth matters; see the module docstring.
@@ -118,12 +114,6 @@ class LeakSeries:
         self._own_record_bytes: float | None = None
         self._previous_scan_step: int | None = None
         self._last_census: Census | None = None
-
-    def clear(self) -> None:
-        """Drop what the series keep between scans (at stop)."""
-        self.counts.clear()
-        self.chain_nodes.clear()
-        self._last_census = None
 
     # --- feeding -------------------------------------------------------------------------------
 
