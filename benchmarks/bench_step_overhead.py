@@ -169,7 +169,7 @@ class _Switch:
 
         self.agent = agent
         leak = agent.component(LeakComponent)
-        tracker = getattr(leak, "_tracker", None)
+        tracker = getattr(getattr(leak, "_parts", None), "tracker", None)
         self.gc_callback = getattr(tracker, "_on_gc", None)
         self.is_on = True
         self._off_since = 0.0

@@ -28,9 +28,11 @@ from gpumemd.components.leak import LeakComponent
 def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
     leak = agent.component(LeakComponent)
     census = agent.component(CensusComponent)
-    detector = leak._detector  # type: ignore[attr-defined]
-    tracker = leak._tracker  # type: ignore[attr-defined]
-    chains = leak._chains  # type: ignore[attr-defined]
+    parts = leak._parts  # type: ignore[union-attr]
+    assert parts is not None  # the agent is running
+    detector = parts.series.detector
+    tracker = parts.tracker
+    chains = parts.chains
     floors = sum(len(t.floors) for t in detector._tracks.values())
     return {
         "ring": len(agent._ring),
@@ -40,7 +42,7 @@ def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
         "tensor groups": len(tracker._counts) if tracker else 0,
         "chains": len(chains._chains) if chains else 0,
         "chain marks": len(chains._marks) if chains else 0,
-        "count history": sum(len(h) for h in leak._count_history.values()),  # type: ignore[attr-defined]
+        "count history": len(parts.series.counts.history) + len(parts.series.chain_nodes.history),
         "censuses kept": len(census.history()) if census is not None else 0,  # type: ignore[attr-defined]
         "findings": len(agent.findings()),
         "samples": agent.samples_total,

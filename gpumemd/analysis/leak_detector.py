@@ -27,23 +27,18 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import enum
-import itertools
 import math
-import operator
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gpumemd.analysis.leak_track import Track
 from gpumemd.analysis.trend import Verdict, assess, theil_sen
 from gpumemd.records.findings import FINDING_KINDS
 
 _MAX_TRACKS = 256  # bounded: a week-long job must not grow the detector (series x phases)
-_MAX_RESETS = 8
 _CONFIRMED_EVERY = 4  # confirmed tracks are re-tested every this many checks
-_MAX_WINDOW_POINTS = 64  # points per assessed window (O(n²) rank test): ~5 ms worst case in pure Python
 
 
 class LeakState(enum.Enum):
@@ -142,129 +137,13 @@ class TrackStatus:
         return self.state.value if self.state is not None else None
 
 
-class _Track:
-    __slots__ = (
-        "block_id",
-        "block_min",
-        "block_n",
-        "block_xsum",
-        "consecutive_fail",
-        "consecutive_pass",
-        "episode_slope",
-        "first_step",
-        "floors",
-        "last_status",
-        "onset",
-        "ordered",
-        "peak",
-        "pending",
-        "resets",
-        "spec",
-        "state",
-        "trough",
-        "trough_x",
-    )
-
-    def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
-        self.spec = spec
-        self.floors: deque[tuple[float, float]] = deque(maxlen=max_floors)
-        self.ordered = True  # floors in step order (steps numbered forwards), so a window is a suffix
-        self.block_id = -1  # step // block of the open block
-        self.block_min = math.inf
-        self.block_n = 0
-        self.block_xsum = 0.0
-        self.pending: tuple[int, float] | None = None  # sparse series: the newest observation, not a point yet
-        self.state: LeakState | None = None
-        self.first_step: int | None = None
-        self.episode_slope = 0.0  # the slope when the current episode was last passed
-        self.last_status: TrackStatus | None = None
-        self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
-        self.consecutive_pass = 0
-        self.consecutive_fail = 0
-        # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
-        self.trough = math.inf
-        self.trough_x = 0.0
-        self.peak = -math.inf
-        self.resets: deque[float] = deque(maxlen=_MAX_RESETS)
-
-    def add_floor(self, x: float, y: float, min_rise: float) -> None:
-        if self.floors and x < self.floors[-1][0]:
-            self.ordered = False
-        self.floors.append((x, y))
-        rise = self.peak - self.trough
-        if rise >= min_rise and y <= self.trough + 0.5 * rise:
-            # The floor fell back most of the way: an accumulation that resets (metric list,
-            # epoch cache, gc of reference cycles). Remember how long it rose.
-            self.resets.append(max(x - self.trough_x, 1.0))
-            self.trough, self.trough_x, self.peak = y, x, y
-            return
-        if y < self.trough:
-            self.trough, self.trough_x = y, x
-        self.peak = max(self.peak, y)
-
-    def window(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
-        return _thin(*self._points(now, steps, min_points))
-
-    def may_rise(self, now: int, steps: float, min_points: int, min_slope: float) -> bool:
-        """``floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0])`` on ``window(now, steps, min_points)``,
-        worked out on the floors as ``_thin`` would merge them (the same floats, in the same order)
-        without building the thinned window: the test every evaluation makes of a flat series."""
-        xs, ys = self._points(now, steps, min_points)
-        n = len(xs)
-        if n <= _MAX_WINDOW_POINTS:  # _thin keeps them as they are
-            k, start = 1, 0
-            last, first = xs[-1], xs[0]
-        else:  # groups of k neighbours, aligned to the newest: x their mean, y their minimum
-            k = math.ceil(n / _MAX_WINDOW_POINTS)
-            start = n % k
-            last, first = sum(xs[n - k :]) / k, sum(xs[start : start + k]) / k
-        m = (n - start) // k  # points in the thinned window
-        q = max(1, int(m * 0.25))  # floor_growth's quarter
-        growth = 0.0 if m < 2 * q else min(ys[n - q * k :]) - min(ys[start : start + q * k])
-        return growth >= 0.4 * min_slope * (last - first)
-
-    def _points(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
-        """The floors of the last ``steps`` steps (at least the last ``min_points``), unthinned."""
-        # Evaluations run at step ends, where time is the job's: the points are found by bisection
-        # and copied in C (``(lo,)`` sorts before every floor at ``lo`` and after every one below it).
-        lo = now - steps
-        floors = self.floors
-        pts: Sequence[tuple[float, float]]
-        if self.ordered:
-            pts = tuple(itertools.islice(floors, bisect.bisect_left(floors, (lo,)), None))
-        else:
-            pts = [p for p in floors if p[0] >= lo]
-        if len(pts) < min_points:
-            pts = list(floors)[-min_points:]
-        if not pts:
-            return [], []
-        xs, ys = zip(*pts, strict=True)
-        return list(xs), list(ys)
-
-
-def _thin(xs: list[float], ys: list[float], max_points: int = _MAX_WINDOW_POINTS) -> tuple[list[float], list[float]]:
-    """Floors of floors: merge neighbours (min y, mean x) so a window never has more than
-    ``max_points`` points and the O(n²) tests stay cheap on long windows."""
-    n = len(xs)
-    if n <= max_points:
-        return xs, ys
-    k = math.ceil(n / max_points)
-    start = n % k  # keep the newest points aligned; drop the oldest remainder
-    # Groups of k neighbours, as k strided slices zipped (every group is whole: n - start is a
-    # multiple of k), in C; sum() adds each group's x in order, so the means are a loop's to the bit.
-    out_x = list(map(operator.truediv, map(sum, zip(*(xs[start + j :: k] for j in range(k)), strict=True)),
-                     itertools.repeat(k)))
-    out_y = list(map(min, zip(*(ys[start + j :: k] for j in range(k)), strict=True)))
-    return out_x, out_y
-
-
 class LeakDetector:
     """Feed ``observe`` every step (cheap: O(1) per value); ``evaluate`` every check interval."""
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
         self._specs: dict[str, SeriesSpec] = {}
-        self._tracks: dict[tuple[str, str], _Track] = {}
+        self._tracks: dict[tuple[str, str], Track] = {}
         self._last_check: int | None = None
         self._phases_per_series: dict[str, int] = {}
         # (series, phase) of quiet tracks whose floor rose enough at the last evaluation to be
@@ -320,12 +199,12 @@ class LeakDetector:
         if step % block == block - 1:  # the block's last step: nothing more can join it
             self._close_block(track, block)
 
-    def _close_block(self, track: _Track, block: int) -> None:
+    def _close_block(self, track: Track, block: int) -> None:
         min_rise = self.config.min_bytes_per_step * max(block, 1) * 5
         track.add_floor(track.block_xsum / track.block_n, track.block_min, min_rise)
         track.block_min, track.block_n, track.block_xsum = math.inf, 0, 0.0
 
-    def _track(self, spec: SeriesSpec, phase: str) -> _Track | None:
+    def _track(self, spec: SeriesSpec, phase: str) -> Track | None:
         key = (spec.name, phase)
         track = self._tracks.get(key)
         if track is not None:
@@ -334,7 +213,7 @@ class LeakDetector:
         if phases >= self.config.max_phases or len(self._tracks) >= _MAX_TRACKS:
             return None
         self._phases_per_series[spec.name] = phases + 1
-        track = self._tracks[key] = _Track(spec, self._max_floors)
+        track = self._tracks[key] = Track(spec, self._max_floors)
         return track
 
     # --- deciding ------------------------------------------------------------------------------
@@ -364,7 +243,7 @@ class LeakDetector:
                 out.append(status)
         return out
 
-    def _window_steps(self, track: _Track) -> float:
+    def _window_steps(self, track: Track) -> float:
         steps = float(self.config.window_steps)
         if track.resets:
             steps = max(steps, 2.5 * max(track.resets))
@@ -376,17 +255,14 @@ class LeakDetector:
         return assess(xs, ys, min_slope=min_slope, p_max=p_max or c.p_max, min_points=c.min_points,
                       max_pairs=c.max_pairs)
 
-    def _evaluate_track(self, track: _Track, phase: str, step: int, min_slope: float) -> TrackStatus | None:
+    def _evaluate_track(self, track: Track, phase: str, step: int, min_slope: float) -> TrackStatus | None:
         c = self.config
         spec = track.spec
         if not spec.alarm or len(track.floors) < c.min_points:
             return None
-        last = track.last_status
-        if (track.state is LeakState.CONFIRMED and last is not None
-                and step - last.step < _CONFIRMED_EVERY * c.check_every_steps):
-            # A confirmed leak is re-tested less often: the O(n²) tests on every check of a finding
-            # that lasts for days would be the detector's main cost.
-            return dataclasses.replace(last, changed=False)
+        resting = self._resting(track, step)
+        if resting is not None:
+            return resting
         if track.state is None and track.floors[-1][0] - track.floors[0][0] < 0.9 * c.window_steps - c.block:
             # Until the history covers one short window, a rise cannot be told from the first half
             # of a sawtooth (a metric list, an epoch cache) that is about to reset.
@@ -405,6 +281,38 @@ class LeakDetector:
                     or track.may_rise(step, steps / 2, c.min_points, min_slope)):
                 return None
             self.rising.add((spec.name, phase))
+        verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope)
+        confirmed_long = verdict.passed and self._passes_long_window(track, step, min_slope)
+        previous = track.state
+        self._count_pass_or_fail(track, verdict, active, hx, hy)
+        state = track.state = self._next_state(track, verdict, active, confirmed_long, step)
+        if state is None:
+            return None
+        if state is not previous and state is LeakState.SUSPECTED:
+            track.onset = None  # a new episode
+        onset_step, growth = track.onset_and_growth()
+        status = TrackStatus(
+            spec=spec, phase=phase, state=state, changed=state is not previous, step=step,
+            first_step=track.first_step, verdict=verdict, window_start=window_start,
+            onset_step=onset_step, growth_bytes=growth, min_slope=min_slope,
+        )
+        track.last_status = status
+        return status
+
+    def _resting(self, track: Track, step: int) -> TrackStatus | None:
+        """A confirmed leak is re-tested less often: the O(n²) tests on every check of a finding
+        that lasts for days would be the detector's main cost. Its last status, unchanged, meanwhile."""
+        last = track.last_status
+        if (track.state is LeakState.CONFIRMED and last is not None
+                and step - last.step < _CONFIRMED_EVERY * self.config.check_every_steps):
+            return dataclasses.replace(last, changed=False)
+        return None
+
+    def _verdict(self, track: Track, phase: str, step: int, steps: float, min_slope: float,
+                 ) -> tuple[Verdict, float, list[float], list[float]]:
+        """The verdict on the window (or its newer half), the first step it assessed, and the half
+        window (whose recent slope tells a finding that still grows from one that stopped)."""
+        c = self.config
         xs, ys = track.window(step, steps, c.min_points)
         hx, hy = track.window(step, steps / 2, c.min_points)
         has_half = len(hx) < len(xs)
@@ -415,15 +323,21 @@ class LeakDetector:
             half_verdict = self._assess(hx, hy, min_slope, p_max=c.p_max / 1000)
             if half_verdict.passed:
                 verdict, xs, ys = half_verdict, hx, hy
+        spec = track.spec
         if verdict.passed and spec.explained_by and self._explained(spec, phase, xs[0], verdict):
             verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
-        confirmed_long = False
-        if verdict.passed and track.floors[0][0] <= step - 0.9 * c.long_window_steps:
-            lx, ly = track.window(step, c.long_window_steps, c.min_points)
-            long_verdict = self._assess(lx, ly, min_slope)
-            if long_verdict.passed:
-                confirmed_long = True
-        previous = track.state
+        return verdict, xs[0], hx, hy
+
+    def _passes_long_window(self, track: Track, step: int, min_slope: float) -> bool:
+        """Does the long window, once the history covers it, pass too (which confirms at once)?"""
+        c = self.config
+        if track.floors[0][0] > step - 0.9 * c.long_window_steps:
+            return False
+        lx, ly = track.window(step, c.long_window_steps, c.min_points)
+        return self._assess(lx, ly, min_slope).passed
+
+    def _count_pass_or_fail(self, track: Track, verdict: Verdict, active: bool,
+                            hx: Sequence[float], hy: Sequence[float]) -> None:
         if verdict.passed:
             track.consecutive_pass += 1
             track.consecutive_fail = 0
@@ -436,7 +350,11 @@ class LeakDetector:
         else:
             track.consecutive_fail += 1
             track.consecutive_pass = 0
-        state = previous
+
+    def _next_state(self, track: Track, verdict: Verdict, active: bool, confirmed_long: bool,
+                    step: int) -> LeakState | None:
+        c = self.config
+        state = track.state
         if verdict.passed:
             if not active:
                 state = LeakState.SUSPECTED
@@ -445,22 +363,10 @@ class LeakDetector:
                 state = LeakState.CONFIRMED
         elif active and track.consecutive_fail >= c.clear_after:
             state = LeakState.CLEARED
-        track.state = state
-        if state is None:
-            return None
-        if state is not previous and state is LeakState.SUSPECTED:
-            track.onset = None  # a new episode
-        onset_step, growth = self._onset(track)
-        status = TrackStatus(
-            spec=spec, phase=phase, state=state, changed=state is not previous, step=step,
-            first_step=track.first_step, verdict=verdict, window_start=xs[0],
-            onset_step=onset_step, growth_bytes=growth, min_slope=min_slope,
-        )
-        track.last_status = status
-        return status
+        return state
 
     @staticmethod
-    def _still_growing(track: _Track, hx: Sequence[float], hy: Sequence[float]) -> bool:
+    def _still_growing(track: Track, hx: Sequence[float], hy: Sequence[float]) -> bool:
         """Does the newer half window still rise at a quarter of the episode's slope or more?"""
         if len(hx) < 3 or track.episode_slope <= 0:
             return False
@@ -495,64 +401,6 @@ class LeakDetector:
             if other_slope is not None and other_slope >= 0.25 * verdict.slope.slope:
                 return True
         return False
-
-    def _onset(self, track: _Track) -> tuple[int | None, float]:
-        floors = list(track.floors)
-        if len(floors) < 3:
-            return None, 0.0
-        xs = [p[0] for p in floors]
-        ys = [p[1] for p in floors]
-        i = hinge_onset(xs, ys)
-        before = min(ys[: i + 1])
-        now = min(ys[-max(1, len(ys) // 20):])
-        if i > 0 or track.onset is None:
-            # i == 0: the flat start has left the bounded history; the onset found while it was
-            # there stays (never later than the data says).
-            track.onset = int(xs[i])
-        growth = max(0.0, now - before)
-        return track.onset, growth
-
-
-def hinge_onset(xs: Sequence[float], ys: Sequence[float]) -> int:
-    """Index where a flat series turns into a ramp: the breakpoint of the least-squares fit of
-    ``y = a + s * max(0, x - x[i])`` (flat, then linear), found in O(n) with suffix sums.
-
-    A CUSUM of differences marks where the *average* slope is first exceeded, which drifts towards
-    the window's start on a long ramp; the hinge fit puts the knee where the data bends."""
-    n = len(xs)
-    if n < 3:
-        return 0
-    sum_y = sum(ys)
-    sum_yy = sum(y * y for y in ys)
-    # suffix sums of 1, x, x², y, x·y over j >= i
-    best, arg = math.inf, 0
-    s1 = sx = sxx = sy = sxy = 0.0
-    suffix: list[tuple[float, float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0, 0.0)] * (n + 1)
-    for j in range(n - 1, -1, -1):
-        x, y = xs[j], ys[j]
-        s1 += 1
-        sx += x
-        sxx += x * x
-        sy += y
-        sxy += x * y
-        suffix[j] = (s1, sx, sxx, sy, sxy)
-    mean_y = sum_y / n
-    syy_centered = sum_yy - n * mean_y * mean_y
-    for i in range(n - 1):
-        b = xs[i]
-        c1, cx, cxx, cy, cxy = suffix[i]
-        # z = x - b on the suffix, 0 before it
-        sz = cx - b * c1
-        szz = cxx - 2 * b * cx + b * b * c1
-        szy = cxy - b * cy
-        var_z = szz - sz * sz / n
-        if var_z <= 0:
-            continue
-        cov = szy - sz * sum_y / n
-        sse = syy_centered - cov * cov / var_z
-        if cov > 0 and sse < best - 1e-9 * abs(best if math.isfinite(best) else 1.0):
-            best, arg = sse, i
-    return arg
 
 
 def _with_reason(v: Verdict, reason: str) -> Verdict:

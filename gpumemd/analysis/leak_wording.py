@@ -169,15 +169,10 @@ def build_finding(
     v = status.verdict
     kind = kind or refine_kind(status.spec.kind, culprits)
     counts = status.spec.unit != "bytes"
-    noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
     per_step = v.slope.slope if per_step is None else per_step
     slope = per_step * bytes_per_unit if counts else per_step
     active = status.state is not None and status.state.active
-    steps_to_oom = hours_to_oom = None
-    if headroom_bytes is not None and slope > 0 and active:
-        steps_to_oom = max(0.0, headroom_bytes) / slope
-        if seconds_per_step:
-            hours_to_oom = steps_to_oom * seconds_per_step / 3600
+    steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes, slope, seconds_per_step) if active else (None, None)
     name = status.spec.name
     parts = [f"{_KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
     if status.phase != "train":
@@ -185,36 +180,15 @@ def build_finding(
     if not active:
         parts.append(f"growth stopped ({v.reason})")
     else:
-        if counts:
-            n = _count(per_step)
-            rate = f"+{n} {noun}{'' if n == '1' else 's'}/step"
-            parts.append(f"{rate} (~{format_bytes(slope)}/step)" if slope >= 1 else rate)
-        else:
-            low = v.slope.low if math.isfinite(v.slope.low) else 0.0
-            parts.append(f"+{format_bytes(slope)}/step (>= {format_bytes(low)}/step at 95%)")
-        if status.onset_step is not None:
-            parts.append(f"since step {status.onset_step}")
-        grown = status.growth_bytes * bytes_per_unit if counts else status.growth_bytes
-        if counts and grown < 1:
-            parts.append(f"+{status.growth_bytes:,.0f} {noun}s so far")
-        else:
-            parts.append(f"+{format_bytes(grown)} so far")
+        parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
         if hours_to_oom is not None:
             parts.append(f"out of memory in ~{_duration(hours_to_oom)} (~{steps_to_oom:,.0f} steps)")
         elif steps_to_oom is not None:
             parts.append(f"out of memory in ~{steps_to_oom:,.0f} steps")
     summary = ", ".join(parts)
-    named = active and (holder_sentence or culprits)
-    if active and holder_sentence:
-        summary += "; " + holder_sentence
-    elif culprits and active:
-        summary += "; " + culprit_sentence(culprits[0], culprit_steps)
-        if len(culprits) > 1:
-            summary += f" (+{len(culprits) - 1} more group{'s' if len(culprits) > 2 else ''})"
-    if named and culprits_step is not None and culprits_step < status.step:
-        summary += f" (culprit looked up at step {culprits_step:,})"
-    if sites and active:
-        summary += "; allocated at " + sites[0]
+    if active:
+        summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
+                                  culprits_step=culprits_step, sites=sites)
     low, high = (v.slope.low, v.slope.high)
     if counts:
         low, high = low * bytes_per_unit, high * bytes_per_unit
@@ -240,6 +214,56 @@ def build_finding(
         hours_to_oom=hours_to_oom,
         severity=severity(hours_to_oom, status.state),
     )
+
+
+def _time_to_oom(headroom_bytes: float | None, slope: float,
+                 seconds_per_step: float | None) -> tuple[float | None, float | None]:
+    """Steps (and hours, at the measured step time) until the growth fills the headroom."""
+    if headroom_bytes is None or slope <= 0:
+        return None, None
+    steps_to_oom = max(0.0, headroom_bytes) / slope
+    hours_to_oom = steps_to_oom * seconds_per_step / 3600 if seconds_per_step else None
+    return steps_to_oom, hours_to_oom
+
+
+def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_unit: float) -> list[str]:
+    """The rate, the onset and the growth so far of an active finding."""
+    v = status.verdict
+    counts = status.spec.unit != "bytes"
+    noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
+    parts: list[str] = []
+    if counts:
+        n = _count(per_step)
+        rate = f"+{n} {noun}{'' if n == '1' else 's'}/step"
+        parts.append(f"{rate} (~{format_bytes(slope)}/step)" if slope >= 1 else rate)
+    else:
+        low = v.slope.low if math.isfinite(v.slope.low) else 0.0
+        parts.append(f"+{format_bytes(slope)}/step (>= {format_bytes(low)}/step at 95%)")
+    if status.onset_step is not None:
+        parts.append(f"since step {status.onset_step}")
+    grown = status.growth_bytes * bytes_per_unit if counts else status.growth_bytes
+    if counts and grown < 1:
+        parts.append(f"+{status.growth_bytes:,.0f} {noun}s so far")
+    else:
+        parts.append(f"+{format_bytes(grown)} so far")
+    return parts
+
+
+def _culprit_text(status: TrackStatus, culprits: Sequence[Culprit], culprit_steps: float, *,
+                  holder_sentence: str | None, culprits_step: int | None, sites: Sequence[str]) -> str:
+    """What an active finding's summary says after its rate: the culprit, and where it was allocated."""
+    text = ""
+    if holder_sentence:
+        text += "; " + holder_sentence
+    elif culprits:
+        text += "; " + culprit_sentence(culprits[0], culprit_steps)
+        if len(culprits) > 1:
+            text += f" (+{len(culprits) - 1} more group{'s' if len(culprits) > 2 else ''})"
+    if (holder_sentence or culprits) and culprits_step is not None and culprits_step < status.step:
+        text += f" (culprit looked up at step {culprits_step:,})"
+    if sites:
+        text += "; allocated at " + sites[0]
+    return text
 
 
 def count_sentence(per_step: float, description: str, own_bytes: float, graph_bytes: float,

@@ -82,7 +82,7 @@ def findings(tmp_path: Any, grow: str, environ: dict[str, str] | None = None) ->
 
     config = Config(output_dir=str(tmp_path), sample_interval_s=0, census=False, nvml=False, leak_warmup_steps=20,
                     leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024)
-    component = LeakComponent(config.options(LeakOptions), snapshot_fn=lambda: {"segments": []},
+    component = LeakComponent(config.options(LeakOptions), census=None, snapshot_fn=lambda: {"segments": []},
                               history=AllocationHistory(NoHistory()))
     agent = build_agent(config, allocator_probe=probe(stats_fn, environ), identity=Identity(rank=0, world_size=1),
                         components=[component], max_stride=1)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpumemd import budget
-from gpumemd.components.leak import LeakComponent, LeakOptions
+from gpumemd.components.leak_host import HostLooks
 from gpumemd.config import Config
 
 LOOK_COST = 0.1  # seconds one heap look takes here
@@ -24,7 +24,7 @@ class Clock:
 
 
 @pytest.fixture
-def looks(monkeypatch: pytest.MonkeyPatch) -> tuple[LeakComponent, SimpleNamespace, list[int]]:
+def looks() -> tuple[HostLooks, SimpleNamespace, list[int]]:
     clock = Clock()
     seen: list[int] = []
     agent = SimpleNamespace(steps_total=0, seconds_per_step=STEP)
@@ -34,15 +34,14 @@ def looks(monkeypatch: pytest.MonkeyPatch) -> tuple[LeakComponent, SimpleNamespa
         seen.append(agent.steps_total)
         return {}
 
-    monkeypatch.setattr("gpumemd.probes.host_objects.container_lengths", container_lengths)
-    monkeypatch.setattr("gpumemd.probes.host_objects.largest_graph_nodes", lambda: 0)
-    component = LeakComponent(Config(output_dir="unused").options(LeakOptions), clock=clock)
-    component._agent = agent  # type: ignore[assignment]  # the look reads only these two figures
+    config = Config(output_dir="unused")
+    component = HostLooks(window_steps=config.leak_window_steps, overhead_budget=config.overhead_budget, clock=clock,
+                          container_lengths=container_lengths, largest_graph_nodes=lambda: 0)
     return component, agent, seen
 
 
 def test_a_heap_look_waits_until_the_job_has_paid_for_the_last_within_its_share(
-    looks: tuple[LeakComponent, SimpleNamespace, list[int]],
+    looks: tuple[HostLooks, SimpleNamespace, list[int]],
 ) -> None:
     component, agent, seen = looks
     # 0.1 s per look at 0.1125% of the step time: one look per 88.9 s of job time, 8,889 steps of 10 ms.
@@ -52,27 +51,27 @@ def test_a_heap_look_waits_until_the_job_has_paid_for_the_last_within_its_share(
     assert 8_800 < due < 8_900
     for steps_total in (0, 2_000, 8_000, 8_880, 8_900, 12_000, 17_700, 17_800):
         agent.steps_total = steps_total
-        component._host_look(steps_total)
+        component.look(steps_total, agent)
     assert seen == [0, 8_900, 17_800]
 
 
 def test_time_between_steps_does_not_pay_for_a_look(
-    looks: tuple[LeakComponent, SimpleNamespace, list[int]],
+    looks: tuple[HostLooks, SimpleNamespace, list[int]],
 ) -> None:
     component, agent, seen = looks
-    component._host_look(0)
+    component.look(0, agent)
     component._clock.now += 3600.0  # type: ignore[attr-defined]  # an hour outside the job's steps
     agent.steps_total = 2_000  # 20 s of steps: a look would cost 0.5% of them
-    component._host_look(2_000)
+    component.look(2_000, agent)
     assert seen == [0]
 
 
 def test_a_state_change_looks_at_once_whatever_the_budget(
-    looks: tuple[LeakComponent, SimpleNamespace, list[int]],
+    looks: tuple[HostLooks, SimpleNamespace, list[int]],
 ) -> None:
     component, agent, seen = looks
-    component._host_look(0)
+    component.look(0, agent)
     agent.steps_total = 1_000  # two windows later, long before the budget allows a routine look
-    component._host_look(1_000)
-    component._host_look(1_000, force=True)
+    component.look(1_000, agent)
+    component.look(1_000, agent, force=True)
     assert seen == [0, 1_000]

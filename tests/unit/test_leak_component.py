@@ -109,7 +109,7 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300,
     torch_history = HistoryTorch()
     config_ = Config(output_dir=out_dir, sample_interval_s=0, census=False, leak_warmup_steps=20,
                      leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024, **config)
-    component = LeakComponent(config_.options(LeakOptions), snapshot_fn=device.snapshot,
+    component = LeakComponent(config_.options(LeakOptions), census=None, snapshot_fn=device.snapshot,
                               history=AllocationHistory(torch_history))
     agent = build_agent(
         config_,
@@ -147,7 +147,7 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
     assert f.steps_to_oom == pytest.approx(headroom / f.slope_bytes_per_step, rel=0.01)  # read 9 steps earlier
     assert f.sites and f.sites[0].startswith("train.py:57 in main (+")
     assert "allocated at train.py:57 in main" in f.summary
-    assert not component._history_enabled_by_us  # off once the sites are named
+    assert not component._sites.enabled_by_us  # off once the sites are named
     # the findings file carries the rank in its name and one line per state change
     path = os.path.join(out_dir, "leak-findings-rank3.jsonl")
     assert component.findings_path == path

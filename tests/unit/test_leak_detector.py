@@ -7,7 +7,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec, hinge_onset
+from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec
+from gpumemd.analysis.leak_track import hinge_onset
 from gpumemd.analysis.leak_wording import (
     build_finding,
     count_sentence,
@@ -241,7 +242,7 @@ def test_window_shortcuts_give_what_the_plain_computation_gives() -> None:
     import math
     import random
 
-    from gpumemd.analysis.leak_detector import _Track
+    from gpumemd.analysis.leak_track import Track as _Track
     from gpumemd.analysis.trend import floor_growth
 
     def plain_window(track: _Track, now: float, steps: float, min_points: int) -> tuple[list[float], list[float]]:

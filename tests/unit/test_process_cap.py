@@ -199,7 +199,7 @@ def test_steps_to_oom_counts_only_the_room_under_the_cap(tmp_path: Any) -> None:
 
     config = Config(output_dir=str(tmp_path), sample_interval_s=0, census=False, leak_warmup_steps=20,
                     leak_window_steps=100, leak_check_every_steps=10, leak_min_bytes_per_step=256 * 1024)
-    component = LeakComponent(config.options(LeakOptions), snapshot_fn=lambda: {"segments": []},
+    component = LeakComponent(config.options(LeakOptions), census=None, snapshot_fn=lambda: {"segments": []},
                               history=AllocationHistory(HistoryTorch()))
     probe = AllocatorProbe(stats_fn=stats, is_initialized=lambda: True, device_count=lambda: 1,
                            backend_fn=lambda: "native", cap_fn=lambda d: (0.1, 80 * GiB))  # an 8 GiB cap

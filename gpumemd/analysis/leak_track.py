@@ -1,0 +1,197 @@
+"""One (series, phase) track of the leak detector: its block floors, sawtooth resets and windows.
+
+Pure (no torch, no I/O, no clock). ``analysis.leak_detector`` decides on the windows a track gives;
+this module keeps the points: floors in step order, a bounded history, windows thinned so the O(n²)
+trend tests stay cheap, and where a flat series turned into a ramp (``hinge_onset``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import operator
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the detector imports this module
+    from gpumemd.analysis.leak_detector import LeakState, SeriesSpec, TrackStatus
+
+_MAX_RESETS = 8
+MAX_WINDOW_POINTS = 64  # points per assessed window (O(n²) rank test): ~5 ms worst case in pure Python
+
+
+class Track:
+    __slots__ = (
+        "block_id",
+        "block_min",
+        "block_n",
+        "block_xsum",
+        "consecutive_fail",
+        "consecutive_pass",
+        "episode_slope",
+        "first_step",
+        "floors",
+        "last_status",
+        "onset",
+        "ordered",
+        "peak",
+        "pending",
+        "resets",
+        "spec",
+        "state",
+        "trough",
+        "trough_x",
+    )
+
+    def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
+        self.spec = spec
+        self.floors: deque[tuple[float, float]] = deque(maxlen=max_floors)
+        self.ordered = True  # floors in step order (steps numbered forwards), so a window is a suffix
+        self.block_id = -1  # step // block of the open block
+        self.block_min = math.inf
+        self.block_n = 0
+        self.block_xsum = 0.0
+        self.pending: tuple[int, float] | None = None  # sparse series: the newest observation, not a point yet
+        self.state: LeakState | None = None
+        self.first_step: int | None = None
+        self.episode_slope = 0.0  # the slope when the current episode was last passed
+        self.last_status: TrackStatus | None = None
+        self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
+        self.consecutive_pass = 0
+        self.consecutive_fail = 0
+        # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
+        self.trough = math.inf
+        self.trough_x = 0.0
+        self.peak = -math.inf
+        self.resets: deque[float] = deque(maxlen=_MAX_RESETS)
+
+    def add_floor(self, x: float, y: float, min_rise: float) -> None:
+        if self.floors and x < self.floors[-1][0]:
+            self.ordered = False
+        self.floors.append((x, y))
+        rise = self.peak - self.trough
+        if rise >= min_rise and y <= self.trough + 0.5 * rise:
+            # The floor fell back most of the way: an accumulation that resets (metric list,
+            # epoch cache, gc of reference cycles). Remember how long it rose.
+            self.resets.append(max(x - self.trough_x, 1.0))
+            self.trough, self.trough_x, self.peak = y, x, y
+            return
+        if y < self.trough:
+            self.trough, self.trough_x = y, x
+        self.peak = max(self.peak, y)
+
+    def window(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
+        return thin(*self._points(now, steps, min_points))
+
+    def may_rise(self, now: int, steps: float, min_points: int, min_slope: float) -> bool:
+        """``floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0])`` on ``window(now, steps, min_points)``,
+        worked out on the floors as ``thin`` would merge them (the same floats, in the same order)
+        without building the thinned window: the test every evaluation makes of a flat series."""
+        xs, ys = self._points(now, steps, min_points)
+        n = len(xs)
+        if n <= MAX_WINDOW_POINTS:  # thin keeps them as they are
+            k, start = 1, 0
+            last, first = xs[-1], xs[0]
+        else:  # groups of k neighbours, aligned to the newest: x their mean, y their minimum
+            k = math.ceil(n / MAX_WINDOW_POINTS)
+            start = n % k
+            last, first = sum(xs[n - k :]) / k, sum(xs[start : start + k]) / k
+        m = (n - start) // k  # points in the thinned window
+        q = max(1, int(m * 0.25))  # floor_growth's quarter
+        growth = 0.0 if m < 2 * q else min(ys[n - q * k :]) - min(ys[start : start + q * k])
+        return growth >= 0.4 * min_slope * (last - first)
+
+    def onset_and_growth(self) -> tuple[int | None, float]:
+        """The current episode's onset (the hinge of the floors) and the growth since it."""
+        floors = list(self.floors)
+        if len(floors) < 3:
+            return None, 0.0
+        xs = [p[0] for p in floors]
+        ys = [p[1] for p in floors]
+        i = hinge_onset(xs, ys)
+        before = min(ys[: i + 1])
+        now = min(ys[-max(1, len(ys) // 20):])
+        if i > 0 or self.onset is None:
+            # i == 0: the flat start has left the bounded history; the onset found while it was
+            # there stays (never later than the data says).
+            self.onset = int(xs[i])
+        growth = max(0.0, now - before)
+        return self.onset, growth
+
+    def _points(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
+        """The floors of the last ``steps`` steps (at least the last ``min_points``), unthinned."""
+        # Evaluations run at step ends, where time is the job's: the points are found by bisection
+        # and copied in C (``(lo,)`` sorts before every floor at ``lo`` and after every one below it).
+        lo = now - steps
+        floors = self.floors
+        pts: Sequence[tuple[float, float]]
+        if self.ordered:
+            pts = tuple(itertools.islice(floors, bisect.bisect_left(floors, (lo,)), None))
+        else:
+            pts = [p for p in floors if p[0] >= lo]
+        if len(pts) < min_points:
+            pts = list(floors)[-min_points:]
+        if not pts:
+            return [], []
+        xs, ys = zip(*pts, strict=True)
+        return list(xs), list(ys)
+
+
+def thin(xs: list[float], ys: list[float], max_points: int = MAX_WINDOW_POINTS) -> tuple[list[float], list[float]]:
+    """Floors of floors: merge neighbours (min y, mean x) so a window never has more than
+    ``max_points`` points and the O(n²) tests stay cheap on long windows."""
+    n = len(xs)
+    if n <= max_points:
+        return xs, ys
+    k = math.ceil(n / max_points)
+    start = n % k  # keep the newest points aligned; drop the oldest remainder
+    # Groups of k neighbours, as k strided slices zipped (every group is whole: n - start is a
+    # multiple of k), in C; sum() adds each group's x in order, so the means are a loop's to the bit.
+    out_x = list(map(operator.truediv, map(sum, zip(*(xs[start + j :: k] for j in range(k)), strict=True)),
+                     itertools.repeat(k)))
+    out_y = list(map(min, zip(*(ys[start + j :: k] for j in range(k)), strict=True)))
+    return out_x, out_y
+
+def hinge_onset(xs: Sequence[float], ys: Sequence[float]) -> int:
+    """Index where a flat series turns into a ramp: the breakpoint of the least-squares fit of
+    ``y = a + s * max(0, x - x[i])`` (flat, then linear), found in O(n) with suffix sums.
+
+    A CUSUM of differences marks where the *average* slope is first exceeded, which drifts towards
+    the window's start on a long ramp; the hinge fit puts the knee where the data bends."""
+    n = len(xs)
+    if n < 3:
+        return 0
+    sum_y = sum(ys)
+    sum_yy = sum(y * y for y in ys)
+    # suffix sums of 1, x, x², y, x·y over j >= i
+    best, arg = math.inf, 0
+    s1 = sx = sxx = sy = sxy = 0.0
+    suffix: list[tuple[float, float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0, 0.0)] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        x, y = xs[j], ys[j]
+        s1 += 1
+        sx += x
+        sxx += x * x
+        sy += y
+        sxy += x * y
+        suffix[j] = (s1, sx, sxx, sy, sxy)
+    mean_y = sum_y / n
+    syy_centered = sum_yy - n * mean_y * mean_y
+    for i in range(n - 1):
+        b = xs[i]
+        c1, cx, cxx, cy, cxy = suffix[i]
+        # z = x - b on the suffix, 0 before it
+        sz = cx - b * c1
+        szz = cxx - 2 * b * cx + b * b * c1
+        szy = cxy - b * cy
+        var_z = szz - sz * sz / n
+        if var_z <= 0:
+            continue
+        cov = szy - sz * sum_y / n
+        sse = syy_centered - cov * cov / var_z
+        if cov > 0 and sse < best - 1e-9 * abs(best if math.isfinite(best) else 1.0):
+            best, arg = sse, i
+    return arg
+

@@ -1,0 +1,233 @@
+"""Who is behind a leak finding: the culprit search of the leak component.
+
+Per kind of series: a count series samples one tensor of its group and asks who holds it (and what
+its autograd graph keeps); a graph chain, who holds its newest root; a bytes series, the census diff
+between the window's start and now with who holds the top group, plus the CUDA allocation sites; a
+host leak, the CPU tensors when a census shows them growing as fast, else the Python containers or
+the autograd graph that grew (``leak_host``). The search reads the series (upstream) and returns
+``Evidence``, which the wording turns into a sentence; it never feeds the detector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import TYPE_CHECKING
+
+from gpumemd.analysis.leak_wording import chain_sentence, count_sentence, culprits_from_diff, refine_kind
+from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
+from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
+from gpumemd.probes import host_objects
+from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
+from gpumemd.records.device import CPU, cuda_device
+from gpumemd.records.findings import Culprit
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpumemd.analysis.leak_detector import TrackStatus
+    from gpumemd.components.base import AgentView
+    from gpumemd.components.census import CensusComponent
+    from gpumemd.components.leak_host import HostLooks
+    from gpumemd.components.leak_series import LeakSeries
+    from gpumemd.components.leak_sites import AllocationSites
+    from gpumemd.probes.graph_chains import GraphChainTracker
+    from gpumemd.probes.survivors import SurvivorTracker
+    from gpumemd.records.census import GroupDelta
+
+_GRAPH_NODES_MAX = 5_000
+"""Nodes walked at most when counting the graph one leaked tensor keeps (one look per finding)."""
+
+_GRAPH_NODES_KEPT = 8
+"""A leaked tensor whose own graph has at least this many nodes is a graph leak (an output kept with
+its forward's graph), not a tensor leak (a tensor with the one node of its last operation)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SampleHolder:
+    """Who keeps one sampled tensor of a growing group."""
+
+    holder: str | None = None
+    graph_kept: bool = False  # no Python holder: an autograd graph keeps it
+    garbage: bool = False  # in a reference cycle the (enabled) collector will free
+
+
+class CulpritSearch:
+    """Finds the evidence behind one track status; see the module docstring.
+
+    ``census`` is the census component (None when censuses are off); ``host`` and ``sites`` keep
+    their own state across starts (heap-look baselines, noted allocation sites)."""
+
+    def __init__(self, agent: AgentView, series: LeakSeries, *, tracker: SurvivorTracker | None,
+                 chains: GraphChainTracker | None, census: CensusComponent | None, host: HostLooks,
+                 sites: AllocationSites, check_every_steps: int) -> None:
+        self._agent = agent
+        self._series = series
+        self._tracker = tracker
+        self._chains = chains
+        self._census = census
+        self._host = host
+        self._sites = sites
+        self._check_every_steps = check_every_steps
+
+    def find(self, status: TrackStatus) -> Evidence:
+        kind = status.spec.kind
+        if kind == "host_leak":
+            return self._host_culprits(status)
+        if status.spec.unit == "tensors":
+            return self._count_culprits(status)
+        if status.spec.unit == "nodes":
+            return self._chain_culprits(status)
+        if kind in ("tensor_leak", "graph_leak"):
+            return self._census_culprits(status)
+        return NO_EVIDENCE
+
+    # --- count series: one tensor of the group ---------------------------------------------------
+
+    def _count_culprits(self, status: TrackStatus) -> Evidence:
+        """Who holds the tensors of a growing count series: a sample of the group, looked up now (so
+        the container's size is the one when the sentence is written), and what one of them costs."""
+        key = self._series.counts.key_of(status.spec)
+        tracker = self._tracker
+        if key is None or tracker is None:
+            return NO_EVIDENCE
+        group = next((g for g in tracker.groups() if g.key == key), None)
+        sample = tracker.sample(key)
+        held = _SampleHolder(garbage=True)  # every tensor of the group died since the scan: nothing to blame
+        graph_bytes = graph_nodes = 0
+        try:
+            if sample is not None:
+                held = self._holder_of_sample(sample)
+                if status.spec.kind == "graph_leak":
+                    graph_bytes = host_objects.saved_bytes(sample)
+                    if not graph_bytes:  # backward() freed them: the nodes are what it keeps
+                        graph_nodes = host_objects.graph_size(sample, max_nodes=_GRAPH_NODES_MAX)
+        finally:
+            del sample
+        own = group.nbytes / group.count if group is not None and group.count else 0.0
+        per_tensor = own + graph_bytes
+        desc = group.describe() if group is not None else status.spec.name
+        sentence = count_sentence(self._series.stated_rate(status), desc, own, graph_bytes, held.holder,
+                                  graph_nodes=graph_nodes)
+        # a graph leak when what one tensor keeps is mostly its graph: saved tensors, or (freed by
+        # backward()) a graph of its own nodes, which cost host memory per node
+        graphy = held.graph_kept or (status.spec.kind == "graph_leak"
+                                     and (graph_bytes >= own or graph_nodes >= _GRAPH_NODES_KEPT))
+        kind = "graph_leak" if graphy else "tensor_leak"
+        culprit = Culprit(description=desc, count_delta=round(status.growth_bytes),
+                          bytes_delta=round(status.growth_bytes * own), holder=held.holder,
+                          graph_bytes_delta=round(status.growth_bytes * graph_bytes),
+                          category="graph" if group is not None and group.graph else "other")
+        return Evidence((culprit,), status.step - (status.onset_step or status.step), (), kind,
+                        bytes_per_unit=max(per_tensor, 1.0), sentence=sentence, graph_kept=held.graph_kept,
+                        garbage=held.garbage)
+
+    def _holder_of_sample(self, sample: torch.Tensor) -> _SampleHolder:
+        cycle = cycle_holder(sample)
+        # Cyclic garbage while the collector runs is freed at its next collection (a burst),
+        # not leaked; with gc disabled nothing will ever free it: that is the leak.
+        garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
+        holder = cycle or who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.counts.specs,))
+        if holder is not None:
+            return _SampleHolder(holder, garbage=garbage)
+        # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it (torch
+        # preserves the Python wrapper of saved tensors). Name the root of the largest live graph
+        # and its holder.
+        root = host_objects.growing_graph(0, min_added=1)
+        if root is not None and root.holder is not None:
+            return _SampleHolder(f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
+                                 f"held by {root.holder}", graph_kept=True, garbage=garbage)
+        return _SampleHolder(garbage=garbage)
+
+    # --- graph chains: the newest root ---------------------------------------------------------
+
+    def _chain_culprits(self, status: TrackStatus) -> Evidence:
+        """Who holds the newest tensor of a growing graph chain, how large the graph it reaches is,
+        and what its saved tensors cost (zero once backward() freed them: the nodes alone grow)."""
+        key = self._series.chain_nodes.key_of(status.spec)
+        chains = self._chains
+        sample = chains.sample(key) if key is not None and chains is not None else None
+        if key is None or chains is None or sample is None:
+            return NO_EVIDENCE
+        try:
+            holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.chain_nodes.specs,))
+            nodes = host_objects.graph_size(sample)
+            saved = host_objects.saved_bytes(sample)
+        finally:
+            del sample
+        per_step = status.verdict.slope.slope
+        since = status.onset_step if status.onset_step is not None else status.window_start
+        saved_per_step = saved / max(1.0, status.step - since)
+        desc = key[1] + "[" + ", ".join(str(d) for d in key[2]) + "]"
+        sentence = chain_sentence(desc, nodes, saved_per_step, holder)
+        culprit = Culprit(description=f"{desc} with grad_fn (autograd graph of {nodes:,} nodes)",
+                          count_delta=round(status.growth_bytes), bytes_delta=0, holder=holder,
+                          graph_bytes_delta=round(saved_per_step * (status.step - since)), category="graph",
+                          noun="autograd node")
+        # What a node itself costs is not measurable from Python: bytes (and a time to OOM) only
+        # when the chain also keeps saved tensors worth a noise floor.
+        material = saved_per_step >= NOISE_FLOOR_BYTES["census"] and per_step > 0
+        began = next((g.began_at for g in chains.groups() if g.key == key), None)
+        return Evidence((culprit,), status.step - since, (), "graph_leak",
+                        bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence,
+                        onset_step=began)
+
+    # --- bytes series: the census diff ---------------------------------------------------------
+
+    def _census_culprits(self, status: TrackStatus) -> Evidence:
+        censuses = self._census
+        now = self._agent.state().census
+        stale = now is None or now.step is None or status.step - now.step > self._check_every_steps
+        if stale and censuses is not None:
+            now = censuses.take_now()
+        earlier = censuses.at_or_after(int(status.window_start)) if censuses is not None else None
+        if earlier is None or earlier is now:
+            # No census inside the window (a slow cadence on a big heap): the newest one before it.
+            older = [c for c in (censuses.history() if censuses is not None else [])
+                     if c is not now and c.step is not None]
+            earlier = older[-1] if older else earlier
+        sites = self._sites.sites(status)
+        if now is None or earlier is None or earlier is now or now.step is None or earlier.step is None:
+            return Evidence(sites=sites)
+        device = CPU if status.spec.device is None else cuda_device(status.spec.device)
+        deltas = [d for d in now.diff(earlier) if d.device == device]
+        culprits = list(culprits_from_diff(deltas))
+        kind = refine_kind(status.spec.kind, culprits) if culprits else None  # before holders are named
+        if culprits and culprits[0].holder is None:
+            culprits[0] = _name_holder(culprits[0], deltas)
+        return Evidence(tuple(culprits), float(now.step - earlier.step), sites, kind)
+
+    # --- host RSS: CPU tensors, else containers or a graph --------------------------------------
+
+    def _host_culprits(self, status: TrackStatus) -> Evidence:
+        # CPU tensors first: when a census taken now shows tensor/graph bytes growing at least half as
+        # fast as RSS, the host leak is theirs, and the census diff names them and who holds them.
+        census = self._census_culprits(status)
+        if census.culprits and census.steps > 0:
+            # The census interval may start before the onset: compare what the census saw grow with
+            # what RSS gained over the part of that interval where the leak ran.
+            in_census = sum(max(0, c.bytes_delta) + max(0, c.graph_bytes_delta) for c in census.culprits)
+            since = status.onset_step if status.onset_step is not None else status.window_start
+            leak_steps = min(census.steps, max(1.0, status.step - since))
+            if in_census >= 0.5 * status.verdict.slope.slope * leak_steps:
+                return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)
+        return self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids())
+
+
+def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Culprit:
+    """The census looks up holders only for groups whose count grew; name the others here."""
+    if culprit.category == "graph":
+        # Tensors with a grad_fn that nothing in Python holds are kept by an autograd graph:
+        # name the tensor at the root of the largest live graph and who holds it.
+        root = host_objects.growing_graph(0, min_added=1)
+        if root is not None and root.holder is not None:
+            return dataclasses.replace(
+                culprit, holder=f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
+                                f"held by {root.holder}")
+    top = next((d for d in deltas if _describes(d, culprit)), None)
+    holder = holder_of_group(top.key) if top is not None else None
+    return dataclasses.replace(culprit, holder=holder) if holder is not None else culprit
+
+
+def _describes(delta: GroupDelta, culprit: Culprit) -> bool:
+    return delta.bytes_delta == culprit.bytes_delta and delta.graph_bytes_delta == culprit.graph_bytes_delta

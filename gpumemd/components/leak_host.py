@@ -1,0 +1,112 @@
+"""A host leak's culprit when no tensor explains it: Python containers that grew, or an autograd graph.
+
+Two heap looks compared: container lengths and the largest autograd graph's node count, taken while
+host RSS rises (the baseline) and again when the leak is suspected. Each look scans the heap (0.1-0.3 s
+on a big one), so looks are spaced by their share of the overhead budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from gpumemd import budget
+from gpumemd.analysis.leak_detector import TrackStatus
+from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
+from gpumemd.probes import host_objects
+from gpumemd.records.findings import Culprit
+
+
+class JobSteps(Protocol):
+    """What a budgeted look reads of the job: its steps so far and its typical step time."""
+
+    @property
+    def steps_total(self) -> int: ...
+
+    @property
+    def seconds_per_step(self) -> float | None: ...
+
+
+class HostLooks:
+    """Budgeted heap looks and the host culprits they name; see the module docstring.
+
+    ``container_lengths`` and ``largest_graph_nodes`` take one look (``probes.host_objects``'s, or a
+    test's); ``clock`` times them."""
+
+    def __init__(self, *, window_steps: int, overhead_budget: float, clock: Callable[[], float],
+                 container_lengths: Callable[[], dict[int, int]] = host_objects.container_lengths,
+                 largest_graph_nodes: Callable[[], int] = host_objects.largest_graph_nodes) -> None:
+        self._window_steps = window_steps
+        self._overhead_budget = overhead_budget
+        self._clock = clock
+        self._container_lengths = container_lengths
+        self._largest_graph_nodes = largest_graph_nodes
+        self._baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
+        self._look_at: int | None = None  # the job's steps_total at the last look
+        self._look_cost = 0.0  # seconds it took
+        self.seconds = 0.0  # time spent in looks (budgeted apart from the leak checks)
+
+    def clear(self) -> None:
+        self._baseline = None
+
+    def look(self, step: int, job: JobSteps, *, force: bool = False) -> None:
+        """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
+        while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap). At most once per two
+        windows, and, unless ``force`` (a state change), within its share of the overhead budget
+        (``budget.Part.HOST_LOOKS``) of the job's step time since the last look: RSS rises while a
+        healthy job warms up, and a look every 1,000 steps of 1 ms would cost a quarter of the job.
+        Step time, not wall time, as every budgeted part: a pause between steps (an eval loop, a
+        checkpoint) does not make looks more frequent. The first look is not waited for: it is the
+        baseline that lets a host leak's culprit be named when the leak is first suspected, and it
+        comes in the job's first thousand steps, where RSS rises as heaps warm up (a one-time cost,
+        like the first census: ``bench_step_overhead.py`` reports both as start-up)."""
+        if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
+            return
+        if not force and self._look_at is not None:
+            job_seconds = (job.steps_total - self._look_at) * (job.seconds_per_step or 0.0)
+            if job_seconds * budget.share(self._overhead_budget, budget.Part.HOST_LOOKS) < self._look_cost:
+                return  # the job has not yet paid for the last look within this share of the budget
+        started = self._clock()
+        self._baseline = (step, self._container_lengths(), self._largest_graph_nodes())
+        self._look_at = job.steps_total
+        self._look_cost = self._clock() - started
+        self.seconds += self._look_cost
+
+    def culprits(self, status: TrackStatus, job: JobSteps, *, ignore: set[int]) -> Evidence:
+        """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
+        without a baseline, or with nothing grown, a fresh look that the next evaluation compares
+        with. ``ignore``: ids of containers that are the agent's own (the detector's buffers)."""
+        baseline = self._baseline
+        if baseline is None or baseline[0] >= status.step:
+            self._baseline = None
+            self.look(status.step, job, force=True)  # the next evaluation can compare
+            return NO_EVIDENCE
+        since, lengths, graph_nodes = baseline
+        steps = float(status.step - since)
+        growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
+        grown = host_objects.growing_containers(lengths, ignore=ignore)
+        contained = sum(g.approx_bytes for g in grown)
+        graph = host_objects.growing_graph(graph_nodes, min_added=max(1, int(steps) // 2))
+        if graph is not None and contained < 0.5 * growth:
+            # Nothing Python-visible grew enough, but one autograd graph gains nodes every step.
+            culprit = Culprit(description=f"{graph.description} (graph of {graph.nodes:,} autograd nodes, "
+                              f"+{graph.nodes_added / max(steps, 1):.0f}/step)", count_delta=0, bytes_delta=0,
+                              holder=graph.holder, graph_bytes_delta=int(growth))
+            return Evidence((culprit,), steps, (), "graph_leak")
+        if not grown:
+            self._baseline = None
+            self.look(status.step, job, force=True)
+            return NO_EVIDENCE
+        culprits = tuple(
+            Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",
+                    count_delta=g.items_added, bytes_delta=g.approx_bytes, holder=g.holder,
+                    noun=f"{g.item_type} object")
+            for g in grown
+        )
+        # RSS lags a leak (freed heap is reused first); the container dates it: its length at the
+        # rate it grew says when it started growing.
+        top = grown[0]
+        onset: int | None = None
+        if top.items_added > 0 and steps > 0:
+            onset = int(status.step - top.length * steps / top.items_added)
+        return Evidence(culprits, steps, onset_step=onset)

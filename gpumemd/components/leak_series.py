@@ -1,0 +1,374 @@
+"""The leak component's series: what each step record, survivor scan and census feeds the detector,
+and the growth per step that matters for each.
+
+Series fed per step (all cheap reads of the ``StepRecord`` and the published state):
+
+- CUDA, per device: step-end ``allocated`` (tensor/graph leak), ``inactive_split`` (fragmentation:
+  absent under expandable segments and cudaMallocAsync, which do not maintain it), NVML used −
+  reserved (memory outside PyTorch's allocator).
+- Host RSS (host leak) — unless the census of CPU tensors grows as fast, which makes it theirs.
+- Census, per device, whenever a new census is published: total bytes including the autograd graph
+  it keeps alive (on CPU this is the tensor/graph leak alarm), and CUDA's allocated − census
+  ("invisible", i.e. autograd-saved tensors), which turns an allocated-bytes leak into a graph leak.
+- Per survivor scan: long-lived tensors per group and autograd nodes per graph chain (count series).
+
+The threshold of each series is its noise floor or, above it, what would exhaust the headroom the
+series draws on within ``leak_horizon_hours`` at the measured step rate.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from gpumemd.analysis.headroom import reservable_bytes
+from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec, TrackStatus
+from gpumemd.probes.graph_chains import MAX_ROOTS
+from gpumemd.records.device import cuda_index
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpumemd.components.base import AgentView
+    from gpumemd.components.leak_options import LeakOptions
+    from gpumemd.probes.graph_chains import ChainGroup, ChainKey, GraphChainTracker
+    from gpumemd.probes.survivors import GroupKey, SurvivorGroup, SurvivorTracker
+    from gpumemd.records.census import Census
+    from gpumemd.records.step import StepRecord
+
+
+# Noise floors: the smallest growth per step each kind of series can tell from its own noise, whatever
+# the materiality. The allocator's and the census's counters are exact; host RSS moves in pages and
+# malloc chunks; inactive split bytes and NVML move in allocator blocks and segments.
+NOISE_FLOOR_BYTES = {
+    "allocated": 1024.0,
+    "census": 1024.0,
+    "host": 16 * 1024.0,  # a Hugging Face Trainer fit drifts by ~2-9 KiB/step of RSS while it warms up
+    "fragmentation": 256 * 1024.0,
+    "non_pytorch": 256 * 1024.0,
+}
+RSS_BURST_BYTES = 8 * 1024 * 1024
+"""Host RSS rises in malloc-arena bursts of a few MiB while heaps warm up (measured: 3-6 MiB in the demo
+and a Hugging Face Trainer fit). Over a short window one burst looks like a slope, so the host floor is
+at least this much per window: 16 KiB/step at the default 500-step window, more for shorter ones."""
+
+COUNT_FLOOR = 0.1
+"""Long-lived tensors per step below which a count series never fires (one per 10 steps)."""
+
+MAX_COUNT_SERIES = 16
+"""Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
+
+_COUNT_MIN = 8
+
+_COUNT_HISTORY = 64
+"""Scans whose group counts are kept (per family) to start a new count series with its past: 64
+scans span 640 to 3,200 steps, more than a detection window."""
+
+K = TypeVar("K", bound=Hashable)
+
+
+class GroupSeries(Generic[K]):
+    """The count series of one family of groups (survivor groups, graph chains): a spec per watched
+    group, and the counts of every group at the last scans (bounded), to start a new series with its past."""
+
+    def __init__(self) -> None:
+        self.specs: dict[K, SeriesSpec] = {}
+        self.history: collections.deque[tuple[int, dict[K, int]]] = collections.deque(maxlen=_COUNT_HISTORY)
+
+    def key_of(self, spec: SeriesSpec) -> K | None:
+        return next((k for k, s in self.specs.items() if s is spec), None)
+
+    def names(self) -> set[str]:
+        return {spec.name for spec in self.specs.values()}
+
+
+class LeakSeries:
+    """Feeds the detector (one per start) and says what growth matters; see the module docstring.
+
+    ``tracker`` and ``chains`` (None when long-lived tensor tracking is off) give the count series."""
+
+    def __init__(self, options: LeakOptions, agent: AgentView, *, tracker: SurvivorTracker | None,
+                 chains: GraphChainTracker | None) -> None:
+        self._options = options
+        self._agent = agent
+        self._tracker = tracker
+        self._chains = chains
+        self.detector = LeakDetector(DetectorConfig(
+            min_bytes_per_step=options.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
+            warmup_steps=options.leak_warmup_steps,
+            window_steps=options.leak_window_steps,
+            check_every_steps=options.leak_check_every_steps,
+        ))
+        self.host_spec = SeriesSpec(
+            "host_rss_bytes", "host_leak",
+            explained_by=("census_bytes{device=cpu}", "long_lived_bytes{device=cpu}", "tensors{device=cpu,*",
+                          "graph_nodes{device=cpu,*"))
+        self.counts: GroupSeries[GroupKey] = GroupSeries()
+        self.chain_nodes: GroupSeries[ChainKey] = GroupSeries()
+        self.seconds_per_step: float | None = None  # the mean step time, pauses included: time-to-OOM projections
+        self._known: set[str] = set()
+        self._own_record_bytes: float | None = None
+        self._previous_scan_step: int | None = None
+        self._last_census: Census | None = None
+
+    # --- feeding -------------------------------------------------------------------------------
+
+    def _observe(self, spec: SeriesSpec, step: int, value: float, phase: str) -> None:
+        if spec.name not in self._known:
+            self._known.add(spec.name)
+            self.detector.add_series(spec)
+        self.detector.observe(spec.name, step, value, phase)
+
+    def feed(self, record: StepRecord, samples: int) -> None:
+        """Feed one record's series (``samples``: the agent's records made when it was)."""
+        step, phase = record.step, record.phase
+        nvml = {n.device: n for n in record.nvml} if record.allocator else {}
+        for a in record.allocator:
+            d = a.device
+            if a.allocated_bytes is not None:
+                self._observe(_spec(f"allocated_bytes{{device={d}}}", "tensor_leak", d, explained_by=(
+                    f"long_lived_bytes{{device=cuda:{d}}}", f"tensors{{device=cuda:{d},*")), step,
+                              a.allocated_bytes, phase)
+            if a.inactive_split_bytes is not None:
+                # Fragmentation is what empty_cache() cannot release: inactive split blocks. Reserved −
+                # allocated also holds whole cached segments, which the allocator frees and retries
+                # with before any OOM: their growth is a cache, not fragmentation.
+                self._observe(_spec(f"inactive_split_bytes{{device={d}}}", "fragmentation", d),
+                              step, a.inactive_split_bytes, phase)
+            n = nvml.get(d)
+            # This process's own use only: the device's total use would count other processes (and,
+            # under torchrun, the other ranks) as this job's non-PyTorch growth.
+            if n is not None and a.reserved_bytes is not None and n.process_used_bytes is not None:
+                self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
+                              n.process_used_bytes - a.reserved_bytes, phase)
+        duration = record.duration_s
+        if duration is not None and duration > 0:
+            avg = self.seconds_per_step
+            self.seconds_per_step = duration if avg is None else 0.98 * avg + 0.02 * duration
+        host = record.host
+        if host is not None:
+            # The agent's own step history grows until the ring buffer is full: not the job's memory.
+            self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
+
+    def _own_bytes(self, record: StepRecord, samples: int) -> float:
+        if self._own_record_bytes is None:
+            self._own_record_bytes = float(_deep_size(record))
+        return self._own_record_bytes * min(samples, self._options.history_steps)
+
+    def feed_census(self, census: Census | None, record: StepRecord) -> None:
+        """Feed a census's series, once per census (the one published when ``record`` was made)."""
+        if census is None or census is self._last_census:
+            return
+        self._last_census = census
+        step = census.step if census.step is not None else record.step
+        cuda_devices = {a.device for a in record.allocator if a.allocated_bytes is not None}
+        for dev, nbytes in census.bytes_by_device().items():
+            index = cuda_index(dev)
+            # On CUDA the allocator's step-end bytes are the alarm; the census only attributes.
+            # CPU tensors are watched by the count series and host RSS; the census attributes.
+            alarm = False if index is None else index not in cuda_devices
+            self._observe(_spec(f"census_bytes{{device={dev}}}", "tensor_leak", index, sparse=True, alarm=alarm),
+                          step, nbytes, record.phase)
+        for dev, nbytes in census.invisible_bytes_by_device.items():
+            self._observe(_spec(f"invisible_bytes{{device={dev}}}", "graph_leak", cuda_index(dev), sparse=True,
+                                alarm=False), step, nbytes, record.phase)
+
+    def feed_counts(self, record: StepRecord) -> None:
+        """Scan for long-lived tensors and feed the count series (every scan interval).
+
+        A tensor is counted at the first scan it outlives whole, so every tensor counted now already
+        existed at the previous scan: the counts are observed at that scan's step, which keeps a
+        leak's onset where it began rather than one scan interval later."""
+        tracker = self._tracker
+        if tracker is None:
+            return
+        tracker.scan()
+        step = self._previous_scan_step if self._previous_scan_step is not None else record.step
+        self._previous_scan_step = record.step
+        _, by_device = tracker.total()
+        for device, nbytes in by_device.items():
+            self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", cuda_index(device),
+                                sparse=True, alarm=False), step, nbytes, record.phase)
+        self._observe_groups(self.counts, step, record.phase,
+                             [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
+        if self._chains is not None:
+            self._feed_chains(self._chains, tracker, record)
+
+    def _feed_chains(self, chains: GraphChainTracker, tracker: SurvivorTracker, record: StepRecord) -> None:
+        """Follow autograd graphs chained across steps and feed their node counts."""
+        roots = _chain_roots(tracker)
+        try:
+            chains.scan(roots)
+        finally:
+            roots.clear()
+        self._observe_groups(self.chain_nodes, record.step, record.phase,
+                             [(g.key, g.nodes, functools.partial(_chain_spec, g)) for g in chains.groups()])
+
+    def _observe_groups(self, family: GroupSeries[K], step: int, phase: str,
+                        groups: list[tuple[K, int, Callable[[], SeriesSpec]]]) -> None:
+        """Feed one count series per group (key, count, how to make its spec): a group gets a series
+        once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most), and with it the counts it had
+        at the earlier scans (kept per family, bounded), so its history starts where the group did,
+        not where it crossed the threshold; a watched group that is gone (all its tensors died, its
+        chain ended) drops to 0."""
+        specs = family.specs
+        present: dict[K, int] = {}
+        for key, count, make_spec in groups:
+            present[key] = count
+            spec = specs.get(key)
+            if spec is None:
+                if count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
+                    continue
+                spec = specs[key] = make_spec()
+                for earlier, counts in family.history:  # what this group counted at the scans before
+                    if earlier < step:
+                        self._observe(spec, earlier, counts.get(key, 0), phase)
+            self._observe(spec, step, count, phase)
+        for key, spec in specs.items():
+            if key not in present:
+                self._observe(spec, step, 0, phase)
+        family.history.append((step, present))
+
+    # --- what matters --------------------------------------------------------------------------
+
+    def evaluate(self, step: int) -> list[TrackStatus]:
+        """The detector's statuses at this step, each series judged against the growth that matters."""
+        return self.detector.evaluate(step, self._min_slopes())
+
+    def rising_names(self) -> set[str]:
+        """Series whose floor rose enough at the last evaluation to be assessed in full."""
+        return {name for name, _ in self.detector.rising}
+
+    def _min_slopes(self) -> dict[str, float]:
+        """Per series, the growth per step that matters: what would exhaust the headroom it draws on
+        within ``leak_horizon_hours`` at the measured step rate, never below its noise floor (or the
+        fixed effect size the user set)."""
+        c = self._options
+        horizon_steps = None
+        if self.seconds_per_step:
+            horizon_steps = c.leak_horizon_hours * 3600 / self.seconds_per_step
+        out: dict[str, float] = {}
+        for spec in self.detector.series():
+            if spec.unit != "bytes":
+                out[spec.name] = COUNT_FLOOR
+                continue
+            family = _family(spec.name)
+            fixed = c.leak_host_min_bytes_per_step if family == "host" else c.leak_min_bytes_per_step
+            if fixed is not None:
+                out[spec.name] = float(fixed)
+                continue
+            floor = NOISE_FLOOR_BYTES.get(family, NOISE_FLOOR_BYTES["allocated"])
+            if family == "host":
+                floor = max(floor, RSS_BURST_BYTES / c.leak_window_steps)
+            headroom = self.headroom(spec)
+            material = headroom / horizon_steps if headroom is not None and horizon_steps else 0.0
+            out[spec.name] = max(floor, material)
+        return out
+
+    def headroom(self, spec: SeriesSpec) -> float | None:
+        """The memory a series' growth draws on: host RAM available, or what the device's allocator
+        may still reserve plus what it caches beyond the step's peak."""
+        if spec.device is None:
+            # Host RAM available is the sampler's figure: a step's host sample carries the published
+            # one, so the published state has it without building a state at every evaluation.
+            host = self._agent.published.host
+            return float(host.available_bytes) if host is not None and host.available_bytes is not None else None
+        state = self._agent.state()
+        nv = next((n for n in state.nvml if n.device == spec.device), None)
+        a = next((s for s in state.allocator if s.device == spec.device), None)
+        # What the allocator may still reserve: the driver's free memory, and under a per-process cap
+        # (set_per_process_memory_fraction) no more than cap − reserved, however much the device has.
+        reserved, cap = (a.reserved_bytes, a.cap_bytes) if a is not None else (None, None)
+        reservable = reservable_bytes(nv.free_bytes if nv is not None else None, reserved, cap)
+        if reservable is None:
+            return None
+        cached = 0
+        if a is not None and a.reserved_bytes is not None:
+            in_use = a.allocated_peak_bytes if a.allocated_peak_bytes is not None else a.allocated_bytes
+            cached = max(0, a.reserved_bytes - (in_use or 0))
+        # ... plus what the allocator caches beyond the step's peak
+        return float(reservable + cached)
+
+    def stated_rate(self, status: TrackStatus) -> float:
+        """The growth per step a finding states. For a count series, the slope since its onset: the
+        window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step")."""
+        slope = status.verdict.slope.slope
+        if status.spec.unit == "bytes" or status.onset_step is None:
+            return slope
+        since = self.detector.slope_since(status.spec.name, status.phase, status.onset_step)
+        return since if since is not None and since > 0 else slope
+
+    def invisible_rate(self, status: TrackStatus) -> float | None:
+        """How fast the device's allocated bytes the census cannot see (autograd-saved tensors) grew
+        over the status's window; None off CUDA or without the points."""
+        if status.spec.device is None:
+            return None
+        return self.detector.slope_since(
+            f"invisible_bytes{{device=cuda:{status.spec.device}}}", status.phase, status.window_start)
+
+
+def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:
+    """Tensors a chain may end in: new ones with a ``grad_fn`` and long-lived ones (in-place
+    accumulators). Strong references: the caller drops the list soon."""
+    roots: list[torch.Tensor] = tracker.new_graph_roots(MAX_ROOTS)
+    seen = {id(t) for t in roots}
+    roots.extend(t for t in tracker.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
+    return roots
+
+
+_SPECS: dict[tuple[str, bool, bool], SeriesSpec] = {}
+
+
+def _family(name: str) -> str:
+    """The noise-floor family of a series name."""
+    if name.startswith("host_"):
+        return "host"
+    if name.startswith("inactive_split"):
+        return "fragmentation"
+    if name.startswith("non_pytorch"):
+        return "non_pytorch"
+    if name.startswith(("census", "invisible", "long_lived")):
+        return "census"
+    return "allocated"
+
+
+def _deep_size(obj: object, depth: int = 4) -> int:
+    """Sys.getsizeof of an object and what its fields and tuples hold (bounded depth): the memory
+    one step record costs in the agent's ring buffer."""
+    size = sys.getsizeof(obj)
+    if depth <= 0:
+        return size
+    if isinstance(obj, (tuple, list)):
+        return size + sum(_deep_size(v, depth - 1) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return size + sum(_deep_size(getattr(obj, f.name), depth - 1) for f in dataclasses.fields(obj))
+    return size
+
+
+def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, alarm: bool = True,
+          explained_by: tuple[str, ...] = ()) -> SeriesSpec:
+    # Specs are immutable and few: cache them so the per-step path builds nothing.
+    key = (name, sparse, alarm)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = SeriesSpec(name, kind, device, sparse=sparse, alarm=alarm, explained_by=explained_by)
+        if len(_SPECS) < 1024:
+            _SPECS[key] = spec
+    return spec
+
+
+def _tensor_spec(group: SurvivorGroup) -> SeriesSpec:
+    """The count series of a survivor group."""
+    return SeriesSpec(f"tensors{{device={group.device},group={group.describe()}}}",
+                      "graph_leak" if group.graph else "tensor_leak", cuda_index(group.device), sparse=True,
+                      unit="tensors")
+
+
+def _chain_spec(group: ChainGroup) -> SeriesSpec:
+    """The node-count series of a graph-chain group."""
+    return SeriesSpec(f"graph_nodes{{device={group.device},group={group.describe()}}}", "graph_leak",
+                      cuda_index(group.device), sparse=True, unit="nodes")
