@@ -29,6 +29,8 @@ from typing import Any, Literal
 from gpumemd._version import __version__
 from gpumemd.analysis.units import format_bytes
 from gpumemd.config import ENV_PREFIX, Config, ConfigError, field_types, is_optional, parse_value, unknown_env_lines
+from gpumemd.probes.identity import identity_from_env
+from gpumemd.probes.nvml import visible_indices
 
 Status = Literal["ok", "warn", "fail", "n/a"]
 
@@ -356,8 +358,6 @@ def check_nvml(nvml: Any, pid: int, *, visible: str | None = None, torch_sees_cu
     except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return [Check("nvml", absent, f"not available ({type(exc).__name__}: {exc}): {lost}"), skipped]
     try:
-        from gpumemd.probes.nvml import visible_indices
-
         driver = _text(nvml.nvmlSystemGetDriverVersion())
         count = int(nvml.nvmlDeviceGetCount())
         indices = visible_indices(nvml, count, visible)
@@ -558,8 +558,6 @@ def _nvml_checks(torch: Any, env: Mapping[str, str], pid: int) -> list[Check]:
 
 def _config_dependent(values: dict[str, Any], env: Mapping[str, str]) -> list[Check]:
     """Output directory and port; each skipped ("n/a") when its own configured value is invalid."""
-    from gpumemd.probes.identity import identity_from_env
-
     invalid = "not checked: its configured value is not valid (see config)"
     out = [Check("output dir", "n/a", invalid)] if values["output_dir"] is _INVALID \
         else guarded("output dir", True, check_output_dir, values["output_dir"])
