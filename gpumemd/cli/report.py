@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli.errors import CliError
-from gpumemd.probes.snapshot import SnapshotLoadError, load_snapshot
+from gpumemd.probes.snapshot_load import load_snapshot
+from gpumemd.probes.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
