@@ -61,6 +61,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import gpumemd
+from gpumemd.components.census import CensusComponent
+from gpumemd.components.leak import LeakComponent
+
 CAP = 2.0
 """A step's time beyond the agent's clocked time is capped at ``CAP`` x the median step (agent off)."""
 
@@ -165,8 +169,6 @@ class _Switch:
     the agent's own figure."""
 
     def __init__(self, agent: Any, inject_s: float = 0.0) -> None:
-        from gpumemd.components.leak import LeakComponent
-
         self.agent = agent
         leak = agent.component(LeakComponent)
         tracker = getattr(getattr(leak, "_parts", None), "tracker", None)
@@ -260,16 +262,44 @@ def _estimate(diffs: list[float], rng: random.Random, clocked: list[float] | Non
     return Estimate(mean, se, ci)
 
 
+def _round_differences(blocks: list[tuple[int, list[tuple[float, float]], float]], block: int
+                       ) -> tuple[dict[str, list[float]], list[float], list[float]]:
+    """Per round (three consecutive blocks): the on-minus-off differences per step (capped, uncapped,
+    the A/A noise floor and CPU time), the mean agent-off step, and the agent's clocked time per step."""
+    rounds = len(blocks) // 3
+    median_off = statistics.median(w for kind, steps, _ in blocks if kind for w, _ in steps)
+    cap = CAP * median_off
+
+    def per_step(i: int, *, capped: bool) -> float:
+        steps = blocks[i][1]
+        if capped:
+            return sum(min(w - a, cap) + a for w, a in steps) / block
+        return sum(w for w, _ in steps) / block
+
+    diffs: dict[str, list[float]] = {"capped": [], "uncapped": [], "noise": [], "cpu": []}
+    off_means: list[float] = []
+    clocked: list[float] = []  # the agent's clocked seconds per step of each round's "on" block
+    for r in range(rounds):
+        by_kind = {blocks[i][0]: i for i in range(3 * r, 3 * r + 3)}
+        on, off, off2 = by_kind[0], by_kind[1], by_kind[2]
+        clocked.append(sum(a for _, a in blocks[on][1]) / block)
+        for name, capped in (("capped", True), ("uncapped", False)):
+            a, b, c = (per_step(i, capped=capped) for i in (on, off, off2))
+            diffs[name].append(a - (b + c) / 2)
+            if capped:
+                diffs["noise"].append(c - b)
+            else:
+                off_means.append((b + c) / 2 * block / (block + 1))
+        diffs["cpu"].append((blocks[on][2] - (blocks[off][2] + blocks[off2][2]) / 2) / block)
+    return diffs, off_means, clocked
+
+
 def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: int = 20,
             seed: int = 0, inject_s: float = 0.0) -> OverheadResult:
     """Run the job at about ``target_s`` per step with the agent attached at its defaults and measure
     its cost for ``seconds`` of interleaved rounds (see the module docstring). ``inject_s``: a busy
     wait added to every step while the agent is on, so the result should rise by exactly that much."""
     import torch
-
-    import gpumemd
-    from gpumemd.components.census import CensusComponent
-    from gpumemd.components.leak import LeakComponent
 
     torch.set_num_threads(1)
     logging.getLogger("gpumemd").setLevel(logging.ERROR)
@@ -338,31 +368,7 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
         findings = tuple(f"{f.state} {f.kind} on {f.series} since step {f.first_step}: {f.summary}"
                          for f in agent.state().findings)
     rounds = len(blocks) // 3
-    blocks = blocks[: rounds * 3]
-    median_off = statistics.median(w for kind, steps, _ in blocks if kind for w, _ in steps)
-    cap = CAP * median_off
-
-    def per_step(i: int, *, capped: bool) -> float:
-        steps = blocks[i][1]
-        if capped:
-            return sum(min(w - a, cap) + a for w, a in steps) / block
-        return sum(w for w, _ in steps) / block
-
-    diffs: dict[str, list[float]] = {"capped": [], "uncapped": [], "noise": [], "cpu": []}
-    off_means: list[float] = []
-    clocked: list[float] = []  # the agent's clocked seconds per step of each round's "on" block
-    for r in range(rounds):
-        by_kind = {blocks[i][0]: i for i in range(3 * r, 3 * r + 3)}
-        on, off, off2 = by_kind[0], by_kind[1], by_kind[2]
-        clocked.append(sum(a for _, a in blocks[on][1]) / block)
-        for name, capped in (("capped", True), ("uncapped", False)):
-            a, b, c = (per_step(i, capped=capped) for i in (on, off, off2))
-            diffs[name].append(a - (b + c) / 2)
-            if capped:
-                diffs["noise"].append(c - b)
-            else:
-                off_means.append((b + c) / 2 * block / (block + 1))
-        diffs["cpu"].append((blocks[on][2] - (blocks[off][2] + blocks[off2][2]) / 2) / block)
+    diffs, off_means, clocked = _round_differences(blocks[: rounds * 3], block)
     est = {name: _estimate(values, rng, None if name == "noise" else clocked) for name, values in diffs.items()}
     return OverheadResult(
         step_s=statistics.fmean(off_means), hidden=hidden,

@@ -2,22 +2,19 @@
 
 Pure: every input is a record. Precedence for each number, most exact first: the allocator snapshot
 taken inside the OOM observer, the observer's arguments, the OOM message, the last allocator sample.
+What a leak held at the OOM, and the verdict that blames it, are in ``oom_leak``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
 
 from gpumemd.analysis.headroom import cap_from_observer, reservable_bytes
 from gpumemd.analysis.units import format_bytes
-from gpumemd.records.census import Census, CensusGroup, GroupKey
-from gpumemd.records.findings import Culprit, Finding
+from gpumemd.records.census import Census
 from gpumemd.records.oom import (
     Breakdown,
     BreakdownItem,
-    LeakCause,
     ObserverCall,
     OomMessage,
     SnapshotSummary,
@@ -36,7 +33,7 @@ CATEGORY_KEYS: dict[str, str] = {
 }
 
 
-def _item(key: str, nbytes: int, device: str) -> BreakdownItem:
+def breakdown_item(key: str, nbytes: int, device: str) -> BreakdownItem:
     return BreakdownItem(key, breakdown_label(key, device), nbytes)
 
 
@@ -121,12 +118,12 @@ def _room_items(limits: _Limits, reserved: int | None, name: str) -> tuple[list[
     items = []
     if limits.cap is not None:
         if limits.headroom is not None:
-            items.append(_item("headroom", limits.headroom, name))
+            items.append(breakdown_item("headroom", limits.headroom, name))
         return items, non_pytorch
     if non_pytorch is not None:
-        items.append(_item("non_pytorch", non_pytorch, name))
+        items.append(breakdown_item("non_pytorch", non_pytorch, name))
     if limits.device_free is not None:
-        items.append(_item("free", limits.device_free, name))
+        items.append(breakdown_item("free", limits.device_free, name))
     return items, non_pytorch
 
 
@@ -153,16 +150,16 @@ def cuda_breakdown(
     largest = snapshot.largest_free_block_bytes if snapshot else None
     name = f"cuda:{device}"
     by_cat = census_bytes_on(census, name)
-    items = [_item(key, by_cat[cat], name) for cat, key in CATEGORY_KEYS.items()]
+    items = [breakdown_item(key, by_cat[cat], name) for cat, key in CATEGORY_KEYS.items()]
     seen = sum(by_cat.values())
     if allocated is not None and census is None:
-        items.append(_item("unattributed", allocated, name))
+        items.append(breakdown_item("unattributed", allocated, name))
     elif allocated is not None:
         # Saved activations live in C++ (autograd), not in gc-visible tensors: allocated minus what
         # the census saw is, mid-step, mostly activations.
-        items.append(_item("invisible", max(0, allocated - seen), name))
+        items.append(breakdown_item("invisible", max(0, allocated - seen), name))
     if reserved is not None and allocated is not None:
-        items.append(_item("reserved_unallocated", max(0, reserved - allocated), name))
+        items.append(breakdown_item("reserved_unallocated", max(0, reserved - allocated), name))
     room, non_pytorch = _room_items(limits, reserved, name)
     items += room
     verdict, why = _cuda_verdict(requested=requested, allocated=allocated, reserved=reserved, limits=limits,
@@ -226,14 +223,14 @@ def cpu_breakdown(
     available = host.available_bytes if host else None
     rss = host.rss_bytes if host else None
     by_cat = census_bytes_on(census, "cpu")
-    items = [_item(key, by_cat[cat], "cpu") for cat, key in CATEGORY_KEYS.items()]
+    items = [breakdown_item(key, by_cat[cat], "cpu") for cat, key in CATEGORY_KEYS.items()]
     seen = sum(by_cat.values())
     if rss is not None:
-        items.append(_item("process_other", max(0, rss - seen), "cpu"))
+        items.append(breakdown_item("process_other", max(0, rss - seen), "cpu"))
     if total is not None and available is not None and rss is not None:
-        items.append(_item("non_pytorch", max(0, total - available - rss), "cpu"))
+        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), "cpu"))
     if available is not None:
-        items.append(_item("free", available, "cpu"))
+        items.append(breakdown_item("free", available, "cpu"))
     if requested is not None and total is not None and requested > total:
         verdict, why = ("request_exceeds_device",
                         f"one request of {fmt(requested)} is larger than the host's {fmt(total)} of RAM: "
@@ -247,279 +244,3 @@ def cpu_breakdown(
         allocated_bytes=rss, reserved_bytes=None, largest_free_block_bytes=None,
         device_free_bytes=available, verdict=verdict, verdict_why=why,
     )
-
-
-# --- the leak at the OOM -------------------------------------------------------------------------
-# A leak finding says what grew while the job ran; the census taken at the OOM says what that
-# holder held when the device ran out. Both together let the verdict name the cause, and keep the
-# leak's autograd graphs out of the "activations" that the suggestions size their advice on.
-
-_ACTIVE_STATES = ("suspected", "confirmed")
-_GRAPH_HOLDER = "autograd graph of "
-_MODEL_STATE = ("parameter", "gradient", "optimizer_state")  # grows with the model, never leaks
-
-
-def holder_root(holder: str | None) -> str | None:
-    """What keeps a group alive, without the path to it: "`kept` in main() at train.py:12" for
-    "`kept` in main() at train.py:12 → list of 770 items" and for "autograd graph of `kept` ... → ...".
-    The same holder's line changes between censuses (the list grows); its root does not."""
-    if not holder:
-        return None
-    return holder.split(" → ", 1)[0].removeprefix(_GRAPH_HOLDER).strip() or None
-
-
-def holder_name(holder: str | None) -> str | None:
-    """The name a person knows: "`kept`", "module global `job.CACHE`" -> "`job.CACHE`",
-    "TrainerState.history" as it is."""
-    root = holder_root(holder)
-    if root is None:
-        return None
-    start = root.find("`")
-    end = root.find("`", start + 1)
-    return root[start:end + 1] if 0 <= start < end else root
-
-
-def holder_variable(holder: str | None) -> str | None:
-    """The variable's own name: "losses" for "`losses` in main() at train.py:7 → ..." and for "module
-    global `__main__.losses` → ...". A frame that has unwound (an excepthook runs after it) leaves
-    the module global: the same list under another path, which the census at the OOM sees."""
-    name = holder_name(holder)
-    if name is None:
-        return None
-    return name.strip("`").rsplit(".", 1)[-1] or None
-
-
-def describe_key(dtype: str, shape: tuple[int, ...] | list[int], category: str, name: str | None) -> str:
-    """``float32[512, 1024]``, ``float32[] with grad_fn``, ``fc.bias float32[8] (parameter)``: the
-    words leak culprits use for a census group (``leak_wording.describe_group``), so they match."""
-    text = f"{dtype.removeprefix('torch.')}[{', '.join(str(d) for d in shape)}]"
-    if category == "graph":
-        text += " with grad_fn"
-    elif category != "other":
-        text += f" ({category})"
-    return f"{name} {text}" if name else text
-
-
-def _series_device(series: str) -> str | None:
-    """``tensors{device=cpu,group=...}`` -> "cpu"; ``allocated_bytes{device=0}`` -> "cuda:0"."""
-    at = series.find("device=")
-    if at < 0:
-        return "cpu" if series.startswith("host") else None
-    value = series[at + len("device="):].split(",", 1)[0].split("}", 1)[0]
-    return f"cuda:{value}" if value.isdigit() else normalize_device(value)
-
-
-def _series_group(series: str) -> str | None:
-    """The group a per-group count series follows: ``tensors{device=cpu,group=float32[4, 8]}``."""
-    at = series.find("group=")
-    return series[at + len("group="):].removesuffix("}") if at >= 0 else None
-
-
-def finding_device(finding: Finding) -> str | None:
-    """The device whose memory a finding is about (None: not said)."""
-    if finding.device is not None:
-        return f"cuda:{finding.device}"
-    if finding.kind == "host_leak":
-        return "cpu"
-    return _series_device(finding.series)
-
-
-def _matching_groups(census: Census, finding: Finding, device: str) -> list[CensusGroup]:
-    """The census groups on ``device`` the finding's culprits name: by holder (every group the same
-    variable keeps, its graphs' saved tensors included), else by the culprit's group."""
-    roots = {holder_root(c.holder) for c in finding.culprits} - {None}
-    names = {holder_variable(c.holder) for c in finding.culprits} - {None}
-    wanted = {c.description for c in finding.culprits}
-    group = _series_group(finding.series)
-    if group is not None:
-        wanted.add(group)
-    out = []
-    for g in census.groups:
-        if normalize_device(g.key.device) != device:
-            continue
-        by_holder = holder_root(g.holder) in roots or holder_variable(g.holder) in names
-        by_group = describe_key(g.key.dtype, g.key.shape, g.key.category, g.key.name) in wanted
-        if by_holder or (by_group and g.key.category not in _MODEL_STATE):
-            out.append(g)
-    return out
-
-
-def _by_category(groups: list[CensusGroup]) -> tuple[tuple[str, int], ...]:
-    out: dict[str, int] = {}
-    for g in groups:
-        out[g.key.category] = out.get(g.key.category, 0) + g.nbytes
-        if g.graph_bytes:
-            out["graph"] = out.get("graph", 0) + g.graph_bytes
-    return tuple(sorted(out.items()))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Held:
-    """What the leaking groups held at the OOM (the LeakCause fields the census decides)."""
-
-    held_bytes: int
-    graph_bytes: int
-    tensor_count: int
-    description: str
-    groups: int
-    bytes_by_category: tuple[tuple[str, int], ...]
-    holder_detail: str | None
-    group_keys: tuple[GroupKey, ...] = ()
-
-
-def _held_by(groups: list[CensusGroup], holder: str | None) -> _Held:
-    largest = max(groups, key=lambda g: g.nbytes + g.graph_bytes)
-    by_cat = _by_category(groups)
-    holder = holder or next((g.holder for g in sorted(groups, key=lambda g: -g.nbytes) if g.holder), None)
-    return _Held(
-        held_bytes=sum(g.nbytes + g.graph_bytes for g in groups), graph_bytes=dict(by_cat).get("graph", 0),
-        tensor_count=sum(g.count for g in groups),
-        description=describe_key(largest.key.dtype, largest.key.shape, largest.key.category, largest.key.name),
-        groups=len(groups), bytes_by_category=by_cat, holder_detail=holder,
-        group_keys=tuple(g.key for g in sorted(groups, key=lambda g: g.nbytes + g.graph_bytes, reverse=True)),
-    )
-
-
-def _held_per_finding(finding: Finding, culprit: Culprit | None) -> _Held:
-    """No census at the OOM, or it did not see the leak (host objects): the finding's own growth."""
-    grown = max(0, finding.growth_bytes)
-    category = "graph" if finding.kind == "graph_leak" else (culprit.category if culprit else None) or "other"
-    return _Held(
-        held_bytes=grown, graph_bytes=grown if category == "graph" else 0,
-        tensor_count=sum(max(0, c.count_delta) for c in finding.culprits),
-        description=culprit.description if culprit else (_series_group(finding.series) or finding.series),
-        groups=0, bytes_by_category=((category, grown),), holder_detail=culprit.holder if culprit else None,
-    )
-
-
-def _cause(held: _Held, **fields: Any) -> LeakCause:
-    return LeakCause(
-        holder=holder_name(held.holder_detail) or f"{held.description} tensors", held_bytes=held.held_bytes,
-        graph_bytes=held.graph_bytes, tensor_count=held.tensor_count, description=held.description,
-        groups=held.groups, bytes_by_category=held.bytes_by_category, holder_detail=held.holder_detail,
-        group_keys=held.group_keys, **fields,
-    )
-
-
-def leak_from_finding(finding: Finding, census: Census | None, device: str) -> LeakCause | None:
-    """What an active leak finding about ``device`` held at the OOM, or None (cleared, other device)."""
-    if finding.state not in _ACTIVE_STATES:
-        return None
-    where = finding_device(finding)
-    if where is not None and where != device:
-        return None  # a host leak does not fill a GPU, nor one GPU's leak another
-    culprit = next((c for c in finding.culprits if c.holder), finding.culprits[0] if finding.culprits else None)
-    groups = _matching_groups(census, finding, device) if census is not None else []
-    held = _held_by(groups, culprit.holder if culprit else None) if groups else _held_per_finding(finding, culprit)
-    return _cause(held, source="finding", kind=finding.kind, state=finding.state,
-                  slope_bytes_per_step=finding.slope_bytes_per_step, onset_step=finding.onset_step,
-                  series=finding.series, estimated=not groups)
-
-
-def leak_from_census(census: Census | None, before: Census | None, device: str) -> LeakCause | None:
-    """A group a named holder kept growing between the last census and the one at the OOM, for when
-    the detector had not spoken yet. Conservative: the group must already have held two tensors at
-    the earlier census (the failing step's activations are new groups, not grown ones)."""
-    if census is None or before is None or census.step is None or before.step is None:
-        return None
-    old = {g.key: g for g in before.groups}
-
-    def growth(g: CensusGroup) -> int:
-        prev = old.get(g.key)
-        return 0 if prev is None else g.nbytes + g.graph_bytes - prev.nbytes - prev.graph_bytes
-
-    grown = [g for g in census.groups
-             if g.holder and normalize_device(g.key.device) == device and g.key.category not in _MODEL_STATE
-             and g.key in old and old[g.key].count >= 2 and g.count > old[g.key].count and growth(g) > 0]
-    if not grown:
-        return None
-    top = max(grown, key=growth)
-    kind = "graph_leak" if top.key.category == "graph" else "tensor_leak"
-    return _cause(_held_by([top], top.holder), source="census", kind=kind, state="grew",
-                  slope_bytes_per_step=growth(top) / max(1, census.step - before.step), onset_step=before.step)
-
-
-def leak_at_oom(
-    *, findings: Sequence[Finding], census: Census | None, census_before: Census | None, device: str,
-) -> LeakCause | None:
-    """The active leak that held the most on ``device`` at the OOM: from the findings, else from the
-    growth between the last census and the OOM's."""
-    device = normalize_device(device)
-    leaks = [leak for f in findings if (leak := leak_from_finding(f, census, device)) is not None]
-    if leaks:
-        return max(leaks, key=lambda leak: (leak.held_bytes, leak.state == "confirmed"))
-    return leak_from_census(census, census_before, device)
-
-
-def _kind_words(leak: LeakCause) -> str:
-    kind = {"tensor_leak": "tensor leak", "graph_leak": "leak of autograd graphs",
-            "host_leak": "host memory leak"}.get(leak.kind, leak.kind.replace("_", " "))
-    if leak.source == "census":
-        return f"{kind} seen between censuses"
-    return f"{leak.state} {kind}"
-
-
-def leak_sentence(leak: LeakCause, total: int | None, device: str) -> str:
-    """"`kept` grew ~2.00 MiB/step since step 60 and held 1.50 GiB of the host's 23.54 GiB at the OOM
-    (770 × float32[512, 1024]; confirmed tensor leak)"."""
-    text = leak.holder
-    if leak.slope_bytes_per_step and leak.slope_bytes_per_step > 0:
-        text += f" grew ~{fmt(round(leak.slope_bytes_per_step))}/step"
-    else:
-        text += " grew"
-    if leak.onset_step is not None:
-        text += f" since step {leak.onset_step}"
-    whose = "the host's" if device == "cpu" else f"{device}'s"
-    of_total = f" of {whose} {fmt(total)}" if total else ""
-    held = f"by then at least {fmt(leak.held_bytes)}" if leak.estimated else f"{fmt(leak.held_bytes)}"
-    text += f" and held {held}{of_total} at the OOM"
-    if leak.groups > 1:
-        what = f"{leak.tensor_count:,} tensors in {leak.groups} groups, the largest {leak.description}"
-    else:
-        what = f"{leak.tensor_count:,} × {leak.description}" if leak.tensor_count else leak.description
-    return f"{text} ({what}; {_kind_words(leak)})"
-
-
-def is_leak_the_cause(breakdown: Breakdown, leak: LeakCause) -> bool:
-    """The device was full (capacity) or hit a limit it did not report (unknown), and the leak held
-    more than the request that failed: without it, that request would have had room. A request larger
-    than the device, or free memory in pieces, is a cause of its own, whatever leaks."""
-    if breakdown.verdict not in ("capacity", "unknown"):
-        return False
-    floor = max(2**20, int(0.01 * (breakdown.total_bytes or 0)))
-    return leak.held_bytes >= max(breakdown.requested_bytes or 0, floor)
-
-
-def _move_to_leaked(items: tuple[BreakdownItem, ...], leak: LeakCause, device: str) -> tuple[BreakdownItem, ...]:
-    """The leak's bytes out of the items the census put them in, into one ``leaked`` item first.
-    Bytes the census did not see (an estimated leak) come out of ``invisible`` when it has them."""
-    take: dict[str, int] = {}
-    for category, n in leak.bytes_by_category:
-        key = CATEGORY_KEYS.get(category, "other")
-        take[key] = take.get(key, 0) + n
-    if leak.estimated:  # the census did not see it: it is in what the census cannot see
-        take = {"process_other" if device == "cpu" else "invisible": leak.held_bytes}
-    out = []
-    moved = 0
-    for item in items:
-        n = min(item.nbytes, take.get(item.key, 0))
-        moved += n
-        out.append(BreakdownItem(item.key, item.label, item.nbytes - n))
-    return (_item("leaked", moved, device), *out) if moved else items
-
-
-def with_leak(breakdown: Breakdown, leak: LeakCause | None) -> Breakdown:
-    """The breakdown with the leak attached, its bytes in a ``leaked`` item (so no suggestion counts
-    them as activations), and the verdict "leak" when it is the cause."""
-    if leak is None:
-        return breakdown
-    sentence = leak_sentence(leak, breakdown.total_bytes, breakdown.device)
-    leak = dataclasses.replace(leak, summary=sentence)
-    items = _move_to_leaked(breakdown.items, leak, breakdown.device)
-    if not is_leak_the_cause(breakdown, leak):
-        return dataclasses.replace(breakdown, items=items, leak=leak)
-    why = sentence
-    if breakdown.requested_bytes is not None:
-        why += f", more than the {fmt(breakdown.requested_bytes)} request that failed"
-    why += f". Memory at the OOM: {breakdown.verdict_why}"
-    return dataclasses.replace(breakdown, items=items, leak=leak, verdict="leak", verdict_why=why)

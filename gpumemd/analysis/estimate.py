@@ -276,18 +276,9 @@ def dominant_term(terms: dict[str, int]) -> str:
     return max(terms, key=lambda name: terms[name])
 
 
-def estimate(
-    params: int | None = None,
-    *,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    gpus: int = 1,
-    zero_stage: int = 0,
-    offload: str = "none",
-    shape: TransformerShape | None = None,
-    sizes_gib: Sequence[int] = DEVICE_SIZES_GIB,
-) -> Estimate:
-    """Per-GPU memory of one training step; ``params`` defaults to the shape's parameter count."""
+def _checked_params(params: int | None, *, precision: str, optimizer: str, gpus: int, zero_stage: int,
+                    offload: str, shape: TransformerShape | None) -> int:
+    """``estimate``'s arguments checked (ValueError naming the bad one); the parameter count to use."""
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
     _check_choice("offload", offload, OFFLOADS)
@@ -308,7 +299,23 @@ def estimate(
         )
     if offload == "optimizer" and zero_stage == 0 and gpus > 1:
         raise ValueError("offload='optimizer' needs zero_stage >= 1 with several GPUs (ZeRO-Offload)")
+    return params
 
+
+def estimate(
+    params: int | None = None,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gpus: int = 1,
+    zero_stage: int = 0,
+    offload: str = "none",
+    shape: TransformerShape | None = None,
+    sizes_gib: Sequence[int] = DEVICE_SIZES_GIB,
+) -> Estimate:
+    """Per-GPU memory of one training step; ``params`` defaults to the shape's parameter count."""
+    params = _checked_params(params, precision=precision, optimizer=optimizer, gpus=gpus, zero_stage=zero_stage,
+                             offload=offload, shape=shape)
     per = bytes_per_param(precision, optimizer)
     weights = per.weights * params
     grads = per.gradients * params

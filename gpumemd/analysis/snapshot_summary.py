@@ -45,6 +45,36 @@ def _largest_free(by_stream: dict[int, int], oom: Mapping[str, Any] | None) -> i
     return max(by_stream.values(), default=0)
 
 
+def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], internal: Sequence[str]) -> None:
+    """One segment and its blocks into its device's tallies ``s``."""
+    s["segments"] += 1
+    s["reserved"] += _int(seg.get("total_size", 0))
+    s["expandable"] += 1 if seg.get("is_expandable") else 0
+    # A free block can serve a large request only from the large pool (small-pool segments are
+    # 2 MiB, for requests up to 1 MiB) and on its own stream. Older snapshots without the type count.
+    large = seg.get("segment_type", "large") == "large"
+    largest: dict[int, int] = s["largest_free"]  # stream -> largest free large-pool block
+    stream = _int(seg.get("stream", 0))
+    blocks = seg.get("blocks")
+    for block in blocks if isinstance(blocks, list) else ():
+        if not isinstance(block, Mapping):
+            continue
+        size = _int(block.get("size", 0))
+        state = block.get("state")
+        if state == "inactive":
+            s["inactive"] += size
+            if large:
+                largest[stream] = max(largest.get(stream, 0), size)
+            continue
+        s["active"] += size
+        if state == "active_allocated":
+            s["allocated"] += size
+            site = _frame_key(block.get("frames"), internal)
+            if site is not None:
+                bytes_, count = s["sites"].get(site, (0, 0))
+                s["sites"][site] = (bytes_ + size, count + 1)
+
+
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
                        internal: Sequence[str] = ()) -> dict[int, SnapshotSummary]:
     """Device ordinal -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
@@ -64,35 +94,8 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
         return acc[device]
 
     for seg in segments:
-        if not isinstance(seg, Mapping):
-            continue
-        s = slot(_int(seg.get("device", 0)))
-        s["segments"] += 1
-        s["reserved"] += _int(seg.get("total_size", 0))
-        s["expandable"] += 1 if seg.get("is_expandable") else 0
-        # A free block can serve a large request only from the large pool (small-pool segments are
-        # 2 MiB, for requests up to 1 MiB) and on its own stream. Older snapshots without the type count.
-        large = seg.get("segment_type", "large") == "large"
-        largest: dict[int, int] = s["largest_free"]  # stream -> largest free large-pool block
-        stream = _int(seg.get("stream", 0))
-        blocks = seg.get("blocks")
-        for block in blocks if isinstance(blocks, list) else ():
-            if not isinstance(block, Mapping):
-                continue
-            size = _int(block.get("size", 0))
-            state = block.get("state")
-            if state == "inactive":
-                s["inactive"] += size
-                if large:
-                    largest[stream] = max(largest.get(stream, 0), size)
-                continue
-            s["active"] += size
-            if state == "active_allocated":
-                s["allocated"] += size
-                site = _frame_key(block.get("frames"), internal)
-                if site is not None:
-                    bytes_, count = s["sites"].get(site, (0, 0))
-                    s["sites"][site] = (bytes_ + size, count + 1)
+        if isinstance(seg, Mapping):
+            _count_segment(slot(_int(seg.get("device", 0))), seg, internal)
     out: dict[int, SnapshotSummary] = {}
     for device in set(acc) | set(range(len(traces))):
         entries = traces[device] if device < len(traces) and isinstance(traces[device], list) else []

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpumemd.analysis.breakdown import fmt, holder_root
+from gpumemd.analysis.breakdown import fmt
+from gpumemd.analysis.oom_leak import holder_root
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, LeakCause, Suggestion
 

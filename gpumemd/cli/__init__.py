@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Sequence
 
 from gpumemd._version import __version__
+from gpumemd.cli import run
+from gpumemd.cli.errors import CliError
 
 # Subcommand -> module. Each module defines ``add_parser(subparsers)``, which registers its parser
 # and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
@@ -20,14 +22,6 @@ COMMANDS: dict[str, str] = {
     "doctor": "gpumemd.cli.doctor",
     "export": "gpumemd.cli.export",
 }
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line (no traceback) and turned into ``exit_code``."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console_main() -> None:
     code = main()
-    from gpumemd.cli import run
-
     if run.interrupted and sys.platform != "win32":  # as python: die by the signal itself
         run.die_by_sigint()
     sys.exit(code)

@@ -7,7 +7,9 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, TextIO
 
+import gpumemd
 from gpumemd.analysis.units import format_bytes
+from gpumemd.cli.errors import CliError
 
 if TYPE_CHECKING:
     from gpumemd.records.step import AgentState, Overhead
@@ -25,14 +27,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from gpumemd.cli import CliError
-
     out = out or sys.stdout
     if args.steps < 1:
         raise CliError(f"--steps={args.steps} is not valid: expected an integer >= 1")
     import torch
-
-    import gpumemd
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):

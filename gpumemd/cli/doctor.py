@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-if TYPE_CHECKING:
-    from gpumemd.doctor import Check
+from gpumemd.doctor import Check, failed_needed, run_checks
 
 _OPTIONS = ("output_dir", "port", "bind")  # the Config fields doctor checks against this machine
 
@@ -41,8 +40,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from gpumemd.doctor import failed_needed, run_checks
-
     stream = sys.stdout if out is None else out
     overrides = {name: getattr(args, name) for name in _OPTIONS if getattr(args, name) is not None}
     checks = run_checks(overrides=overrides)
@@ -61,8 +58,6 @@ def _as_dict(check: Check) -> dict[str, Any]:
 
 def render(checks: list[Check]) -> str:
     """Aligned lines, then the verdict: what failed among the needed checks, by name."""
-    from gpumemd.doctor import failed_needed
-
     width = max(len(c.name) for c in checks)
     lines = [f"{c.status:<4}  {c.name:<{width}}  {c.detail}" for c in checks]
     failed = failed_needed(checks)

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from gpumemd.analysis.estimate import (
     OFFLOADS,
@@ -27,9 +27,8 @@ from gpumemd.analysis.estimate import (
     estimate,
 )
 from gpumemd.analysis.units import format_bytes
-
-if TYPE_CHECKING:
-    from gpumemd.probes.trace import TraceResult
+from gpumemd.cli.errors import CliError
+from gpumemd.probes.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model
 
 _FSDP = {"no": 0, "grad-op": 2, "full": 3}
 _SHAPE_ARGS = ("layers", "hidden", "heads", "seq", "batch")
@@ -76,8 +75,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _parse_params(text: str) -> int:
-    from gpumemd.cli import CliError
-
     try:
         value = float(text.replace("_", ""))
     except ValueError:
@@ -88,8 +85,6 @@ def _parse_params(text: str) -> int:
 
 
 def _shape(args: argparse.Namespace) -> TransformerShape | None:
-    from gpumemd.cli import CliError
-
     given = [name for name in _SHAPE_ARGS if getattr(args, name) is not None]
     if not given:
         if args.flash or args.checkpointing or args.vocab:
@@ -109,8 +104,6 @@ def _shape(args: argparse.Namespace) -> TransformerShape | None:
 
 
 def _stage(args: argparse.Namespace) -> int:
-    from gpumemd.cli import CliError
-
     if args.zero is not None and args.fsdp is not None and args.zero != _FSDP[args.fsdp]:
         raise CliError(f"--zero {args.zero} and --fsdp {args.fsdp} disagree "
                        f"(fsdp {args.fsdp} is ZeRO stage {_FSDP[args.fsdp]})")
@@ -120,8 +113,6 @@ def _stage(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from gpumemd.cli import CliError
-
     out = out or sys.stdout
     from_shape = args.params is None and args.model is None and bool(args.vocab) and args.layers is not None
     if (args.params is None) == (args.model is None) and not from_shape:
@@ -136,8 +127,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.model is not None:
         if args.input_shape is None:
             raise CliError("--model needs --input-shape, e.g. --input-shape 32,100")
-        from gpumemd.probes.trace import TraceError, load_factory, parse_shape, trace_model
-
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # the console script does not see the working directory
 

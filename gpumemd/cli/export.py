@@ -16,6 +16,10 @@ import argparse
 import os
 from typing import Any
 
+from gpumemd import artifacts
+from gpumemd.cli.errors import CliError
+from gpumemd.files import replace_file
+
 _CHOICES = ("grafana", "prometheus", "all")
 
 
@@ -49,10 +53,6 @@ def _next_steps(kind: str, directory: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpumemd import artifacts
-    from gpumemd.cli import CliError
-    from gpumemd.files import replace_file
-
     kinds = artifacts.KINDS if args.what == "all" else (args.what,)
     directory: str = args.dir
     if os.path.exists(directory) and not os.path.isdir(directory):

@@ -13,7 +13,24 @@ import os
 import sys
 from typing import Any, TextIO
 
+from gpumemd.analysis.snapshot_summary import summarize_snapshot
+from gpumemd.cli.errors import CliError
+from gpumemd.probes.snapshot_load import load_snapshot
+from gpumemd.probes.snapshot_rules import SnapshotLoadError
+from gpumemd.records.oom import breakdown_label
 from gpumemd.report.fmt import fmt_bytes, fmt_time
+from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
+from gpumemd.report.markdown import headline
+from gpumemd.report.view import (
+    census_summary,
+    group_cells,
+    group_columns,
+    group_rows,
+    item_label,
+    leak_of,
+    total_words,
+    verdict_lines,
+)
 
 _TENSORS = 10
 _SUGGESTIONS = 5
@@ -28,11 +45,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _snapshot_check(directory: str) -> dict[str, Any] | None:
-    from gpumemd.analysis.snapshot_summary import summarize_snapshot
-    from gpumemd.cli import CliError
-    from gpumemd.probes.snapshot import SnapshotLoadError, load_snapshot
-    from gpumemd.report.load import SNAPSHOT_FILE
-
     path = os.path.join(directory, SNAPSHOT_FILE)
     if not os.path.exists(path):
         return None
@@ -54,8 +66,6 @@ def _snapshot_check(directory: str) -> dict[str, Any] | None:
 
 def _column_label(key: str) -> str:
     """The overview's column heads, in the words of the Markdown and HTML reports."""
-    from gpumemd.records.oom import breakdown_label
-
     return "activations" if key == "activations" else breakdown_label(key)
 
 
@@ -84,8 +94,6 @@ def _columns(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
 
 
 def _print_groups(report: dict[str, Any], out: TextIO) -> None:
-    from gpumemd.report.view import census_summary, group_cells, group_columns, group_rows, leak_of
-
     tensors = report.get("tensors") or {}
     if not tensors.get("available"):
         print(f"tensors: {tensors.get('note')}", file=out)
@@ -100,8 +108,6 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
 
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
-    from gpumemd.report.view import item_label, total_words
-
     b = report["breakdown"]
     total = b.get("total_bytes") or 0
     print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
@@ -116,9 +122,6 @@ def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
 
 
 def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
-    from gpumemd.report.markdown import headline
-    from gpumemd.report.view import verdict_lines
-
     b = report["breakdown"]
     print(f"gpumemd OOM report: {report['_dir']}", file=out)
     print(headline(report), file=out)
@@ -184,14 +187,9 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from gpumemd.cli import CliError
-    from gpumemd.report.load import ReportLoadError, find_report_dirs, load_report
-
     out = out or sys.stdout
     root = args.dir
     if os.path.isfile(root):
-        from gpumemd.report.load import REPORT_FILE
-
         if os.path.basename(root) != REPORT_FILE:
             raise CliError(f"{root} is a file: pass a report directory (the folder holding {REPORT_FILE}) "
                            "or the output dir")

@@ -24,6 +24,8 @@ import sys
 import types
 from typing import Any
 
+import gpumemd
+from gpumemd.cli.errors import CliError
 from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
 
 # Options of ``gpumemd run`` itself that are not Config fields (names must never collide).
@@ -81,8 +83,6 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The Config fields given on the command line, parsed; a bad value is a CliError naming the option."""
-    from gpumemd.cli import CliError
-
     overrides: dict[str, Any] = {}
     for name in field_docs():
         raw = getattr(args, name, None)
@@ -108,8 +108,6 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpumemd.cli import CliError
-
     overrides = config_overrides(args)
     command = list(args.target or [])
     if command and command[0] == "--":
@@ -125,8 +123,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise CliError("nothing to run: give a script (`gpumemd run train.py --lr 3e-4`) or -m module")
 
-    import gpumemd
-
     gpumemd.attach(**overrides)  # ValueError from a GPUMEMD_* variable: one line, exit 2 (cli.main)
     try:
         return _execute(target, script_args, is_module)
@@ -136,8 +132,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_script(target: str) -> None:
     """What python accepts: a file, or a directory (or zip) with ``__main__.py``; one line otherwise."""
-    from gpumemd.cli import CliError
-
     if os.path.isdir(target):
         if not os.path.isfile(os.path.join(target, "__main__.py")):
             raise CliError(f"{target!r} is a directory with no __main__.py: give the path of a Python script "
@@ -150,8 +144,6 @@ def _check_module(name: str) -> None:
     """``-m name`` must be importable from here (as ``python -m`` resolves it: the working directory
     first); one line and exit 2 otherwise, not a traceback through gpumemd."""
     import importlib.util
-
-    from gpumemd.cli import CliError
 
     saved = sys.path[0] if sys.path else None
     _set_path0(os.getcwd())

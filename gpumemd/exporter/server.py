@@ -33,6 +33,8 @@ from typing import Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from gpumemd.files import replace_file
+
 log = logging.getLogger("gpumemd")
 
 THREAD_NAME = "gpumemd-exporter"
@@ -291,8 +293,6 @@ def _url_host(bind: str) -> str:
 def write_textfile(path: str, registry: Any) -> None:
     """Node_exporter textfile-collector output, written whole (``gpumemd.files.replace_file``)."""
     from prometheus_client import generate_latest
-
-    from gpumemd.files import replace_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     replace_file(path, generate_latest(registry))

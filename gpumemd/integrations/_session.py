@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import gpumemd
 from gpumemd.config import Config
 
 if TYPE_CHECKING:
@@ -75,8 +76,6 @@ class FrameworkSession:
 
         ``global_step`` is the framework's optimizer-step counter now (non-zero when resuming).
         """
-        import gpumemd
-
         agent = gpumemd.current()
         if agent is None:
             agent = gpumemd.attach(**self.options)
@@ -138,10 +137,7 @@ class FrameworkSession:
         finished run's findings, steps and report paths remain readable after fit (its hooks and
         threads are gone); the next ``start`` attaches afresh."""
         self.exit_phase()
-        if self.owned:
-            import gpumemd
-
-            if gpumemd.current() is self.agent:
-                gpumemd.detach()
+        if self.owned and gpumemd.current() is self.agent:
+            gpumemd.detach()
         self.owned = False
         self._last_global_step = None

@@ -12,15 +12,16 @@ import functools
 import os
 import sysconfig
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))  # gpumemd/probes/package_dirs.py -> gpumemd/
 
 @functools.cache
 def internal_dirs() -> tuple[str, ...]:
     """Directory prefixes, ``/``-separated and ending in ``/``."""
-    import torch
+    import torch  # here, not at the top: `import gpumemd` stays free of torch
 
-    import gpumemd
-
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(gpumemd.__file__)]
+    # gpumemd's own directory from this file's place in it: importing the package here would close
+    # a circle (gpumemd -> api -> components -> this module -> gpumemd)
+    roots = [os.path.dirname(torch.__file__), _PACKAGE_DIR]
     paths = sysconfig.get_paths()
     roots += [paths[k] for k in ("stdlib", "platstdlib") if paths.get(k)]
     out: list[str] = []

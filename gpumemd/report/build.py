@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, fmt, leak_at_oom, with_leak
+from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, fmt
 from gpumemd.analysis.headroom import reservable_bytes
+from gpumemd.analysis.oom_leak import leak_at_oom, with_leak
 from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.findings import Finding

@@ -144,6 +144,107 @@ def by_instance(prom: Prometheus, expr: str) -> dict[str, dict[str, Any]]:
     return {r["metric"].get("instance", ""): r for r in prom.query(expr)}
 
 
+def diagnose(jobs: dict[str, Job], prometheus: Prometheus) -> str:
+    lines = [f"{j.name}: target {j.target} signalled {j.signalled_at} exited {j.exited_at} "
+             f"rc {j.proc.poll()} fired {j.fired_at}\n{j.stderr()}" for j in jobs.values()]
+    return "\n".join(lines) + "\nprometheus:\n" + prometheus.logs()
+
+
+def watch(prometheus: Prometheus, jobs: dict[str, Job], interval: float, deadline: float) -> None:
+    """Until ``deadline``: send the timed OOMs, and note when each OOM job exits and its alert fires,
+    until both have happened for every OOM job and the blocked jobs have been scraped 3 times."""
+    instance = {job.target: job for job in jobs.values()}
+    ooms = [job for job in jobs.values() if job.mode == "oom"]
+    first_scrape: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        for result in prometheus.query("up"):
+            first_scrape.setdefault(instance[result["metric"]["instance"]].name, now)
+        after, mid = jobs["oom_after_first_scrape"], jobs["oom_mid_interval"]
+        if after.signalled_at is None and after.name in first_scrape:
+            after.send("oom")  # right after a scrape: the next one is a whole interval away
+        if mid.signalled_at is None and mid.name in first_scrape and now >= first_scrape[mid.name] + interval / 2:
+            mid.send("oom")
+        for job in ooms:
+            if job.exited_at is None and job.proc.poll() is not None:
+                job.exited_at = now
+        for target in firing(prometheus, "GpumemdOutOfMemory"):
+            if target in instance and instance[target].fired_at is None:
+                instance[target].fired_at = now
+        stalled_samples = by_instance(prometheus, "count_over_time(gpumemd_last_step_timestamp_seconds[5m])")
+        enough = all(float(stalled_samples.get(jobs[n].target, {"value": (0, "0")})["value"][1]) >= 3
+                     for n in ("stall", "eval"))
+        if all(job.fired_at is not None and job.exited_at is not None for job in ooms) and enough:
+            break
+        time.sleep(0.25)  # polling Prometheus's API until the conditions hold (deadline above)
+
+
+def assert_fatal_ooms_fired(prometheus: Prometheus, jobs: dict[str, Job], started: float,
+                            prom_started: float) -> None:
+    """Every fatal OOM fired the alert, and the jobs ended as they would without gpumemd."""
+    ooms = [job for job in jobs.values() if job.mode == "oom"]
+    for job in ooms:
+        assert job.fired_at is not None, f"GpumemdOutOfMemory did not fire for {job.name}\n{diagnose(jobs, prometheus)}"
+        assert job.proc.wait(timeout=OOM_LINGER_S + 30) == 1, diagnose(jobs, prometheus)
+        stderr = job.stderr()
+        assert "Traceback (most recent call last)" in stderr and "DefaultCPUAllocator" in stderr, stderr
+        assert job.signalled_at is not None and job.exited_at is not None
+        # the wait ended on the scrape, not on the oom_linger_s bound
+        assert job.exited_at - job.signalled_at < OOM_LINGER_S - 2, diagnose(jobs, prometheus)
+    for job in ooms:  # the trials' timings, for `pytest -s`
+        assert job.fired_at is not None
+        print(f"{job.name}: jobs up {prom_started - started:.1f} s after start; OOM "
+              f"{job.signalled_at - prom_started:.1f} s after Prometheus started; exit "
+              f"{job.exited_at - job.signalled_at:.1f} s and alert firing {job.fired_at - job.signalled_at:.1f} s "
+              "after the OOM")
+    oom_targets = {job.target for job in ooms}
+    expression = by_instance(prometheus, rule_expr("GpumemdOutOfMemory"))
+    assert oom_targets <= set(expression), (expression, diagnose(jobs, prometheus))
+    for target in oom_targets:  # the scrape that saw the OOM also carried its report
+        [reports] = prometheus.query(f'max_over_time(gpumemd_oom_reports_total{{instance="{target}"}}[5m])')
+        assert float(reports["value"][1]) == 1
+        [count] = prometheus.query(f'max_over_time(gpumemd_ooms_total{{instance="{target}"}}[5m])')
+        assert float(count["value"][1]) == 1
+
+
+def assert_blocked_training_goes_stale(prometheus: Prometheus, jobs: dict[str, Job]) -> None:
+    """A blocked training thread: the step timestamp froze while the agent kept publishing."""
+    stall, evaluation = jobs["stall"], jobs["eval"]
+    for job in (stall, evaluation):
+        selector = f'{{instance="{job.target}"}}'
+        [samples] = prometheus.query(f"count_over_time(gpumemd_last_step_timestamp_seconds{selector}[5m])")
+        assert float(samples["value"][1]) >= 3, diagnose(jobs, prometheus)
+        [frozen] = prometheus.query(f"changes(gpumemd_last_step_timestamp_seconds{selector}[5m])")
+        assert float(frozen["value"][1]) == 0, diagnose(jobs, prometheus)
+        [alive] = prometheus.query(f"changes(gpumemd_agent_last_update_timestamp_seconds{selector}[5m])")
+        assert float(alive["value"][1]) >= 2, diagnose(jobs, prometheus)
+        [typical] = prometheus.query(f"gpumemd_step_typical_duration_seconds{selector}")
+        assert 0 < float(typical["value"][1]) < 1
+    [phase] = prometheus.query(f'gpumemd_job_phase_info{{instance="{evaluation.target}"}}')
+    assert (phase["metric"]["job_phase"], phase["metric"]["stepping"]) == ("eval", "false")
+    [phase] = prometheus.query(f'gpumemd_job_phase_info{{instance="{stall.target}"}}')
+    assert (phase["metric"]["job_phase"], phase["metric"]["stepping"]) == ("train", "true")
+
+    stale = rule_expr("GpumemdAgentStale")
+    assert stale.count("time()") == 1
+    assert not ({stall.target, evaluation.target} & set(by_instance(prometheus, stale)))  # not yet
+    an_hour_later = by_instance(prometheus, stale.replace("time()", "(time() + 3600)"))
+    assert stall.target in an_hour_later, (an_hour_later, diagnose(jobs, prometheus))
+    assert evaluation.target not in an_hour_later  # a labelled evaluation stays quiet
+
+
+def stop_jobs(jobs: dict[str, Job]) -> None:
+    for job in jobs.values():
+        if job.proc.poll() is None and job.proc.stdin is not None:
+            job.proc.stdin.close()  # the blocked jobs read EOF and end
+    for job in jobs.values():
+        try:
+            job.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
+
+
 def test_fatal_ooms_fire_at_the_shipped_interval_and_blocked_training_goes_stale(
         prometheus: Prometheus, tmp_path: Path) -> None:
     interval = seconds(SHIPPED["scrape_interval"])
@@ -152,99 +253,16 @@ def test_fatal_ooms_fire_at_the_shipped_interval_and_blocked_training_goes_stale
             "stall": "stall", "eval": "eval"}
     started = time.monotonic()
     jobs = {name: start_job(name, mode, tmp_path) for name, mode in plan.items()}
-    ooms = [job for job in jobs.values() if job.mode == "oom"]
     try:
         deadline = time.monotonic() + 90
         for job in jobs.values():
             job.read_target(deadline)
-        instance = {job.target: job for job in jobs.values()}
-        prometheus.start(list(instance), [str(RULES)], global_config=SHIPPED)
+        prometheus.start([job.target for job in jobs.values()], [str(RULES)], global_config=SHIPPED)
         prom_started = time.monotonic()
         jobs["oom_at_start"].send("oom")
-
-        first_scrape: dict[str, float] = {}
-        deadline = prom_started + 4 * interval + 20  # worst case: a scrape, an interval, an evaluation
-        while time.monotonic() < deadline:
-            now = time.monotonic()
-            for result in prometheus.query("up"):
-                first_scrape.setdefault(instance[result["metric"]["instance"]].name, now)
-            after, mid = jobs["oom_after_first_scrape"], jobs["oom_mid_interval"]
-            if after.signalled_at is None and after.name in first_scrape:
-                after.send("oom")  # right after a scrape: the next one is a whole interval away
-            if mid.signalled_at is None and mid.name in first_scrape and now >= first_scrape[mid.name] + interval / 2:
-                mid.send("oom")
-            for job in ooms:
-                if job.exited_at is None and job.proc.poll() is not None:
-                    job.exited_at = now
-            for target in firing(prometheus, "GpumemdOutOfMemory"):
-                if target in instance and instance[target].fired_at is None:
-                    instance[target].fired_at = now
-            stalled_samples = by_instance(prometheus, "count_over_time(gpumemd_last_step_timestamp_seconds[5m])")
-            enough = all(float(stalled_samples.get(jobs[n].target, {"value": (0, "0")})["value"][1]) >= 3
-                         for n in ("stall", "eval"))
-            if all(job.fired_at is not None and job.exited_at is not None for job in ooms) and enough:
-                break
-            time.sleep(0.25)  # polling Prometheus's API until the conditions hold (deadline above)
-
-        def diagnose() -> str:
-            lines = [f"{j.name}: target {j.target} signalled {j.signalled_at} exited {j.exited_at} "
-                     f"rc {j.proc.poll()} fired {j.fired_at}\n{j.stderr()}" for j in jobs.values()]
-            return "\n".join(lines) + "\nprometheus:\n" + prometheus.logs()
-
-        # --- every fatal OOM fired the alert, and the jobs ended as they would without gpumemd -----
-        for job in ooms:
-            assert job.fired_at is not None, f"GpumemdOutOfMemory did not fire for {job.name}\n{diagnose()}"
-            assert job.proc.wait(timeout=OOM_LINGER_S + 30) == 1, diagnose()
-            stderr = job.stderr()
-            assert "Traceback (most recent call last)" in stderr and "DefaultCPUAllocator" in stderr, stderr
-            assert job.signalled_at is not None and job.exited_at is not None
-            # the wait ended on the scrape, not on the oom_linger_s bound
-            assert job.exited_at - job.signalled_at < OOM_LINGER_S - 2, diagnose()
-        for job in ooms:  # the trials' timings, for `pytest -s`
-            assert job.fired_at is not None
-            print(f"{job.name}: jobs up {prom_started - started:.1f} s after start; OOM "
-                  f"{job.signalled_at - prom_started:.1f} s after Prometheus started; exit "
-                  f"{job.exited_at - job.signalled_at:.1f} s and alert firing {job.fired_at - job.signalled_at:.1f} s "
-                  "after the OOM")
-        oom_targets = {job.target for job in ooms}
-        expression = by_instance(prometheus, rule_expr("GpumemdOutOfMemory"))
-        assert oom_targets <= set(expression), (expression, diagnose())
-        for target in oom_targets:  # the scrape that saw the OOM also carried its report
-            [reports] = prometheus.query(f'max_over_time(gpumemd_oom_reports_total{{instance="{target}"}}[5m])')
-            assert float(reports["value"][1]) == 1
-            [count] = prometheus.query(f'max_over_time(gpumemd_ooms_total{{instance="{target}"}}[5m])')
-            assert float(count["value"][1]) == 1
-
-        # --- a blocked training thread: the step timestamp froze while the agent kept publishing --------
-        stall, evaluation = jobs["stall"], jobs["eval"]
-        for job in (stall, evaluation):
-            selector = f'{{instance="{job.target}"}}'
-            [samples] = prometheus.query(f"count_over_time(gpumemd_last_step_timestamp_seconds{selector}[5m])")
-            assert float(samples["value"][1]) >= 3, diagnose()
-            [frozen] = prometheus.query(f"changes(gpumemd_last_step_timestamp_seconds{selector}[5m])")
-            assert float(frozen["value"][1]) == 0, diagnose()
-            [alive] = prometheus.query(f"changes(gpumemd_agent_last_update_timestamp_seconds{selector}[5m])")
-            assert float(alive["value"][1]) >= 2, diagnose()
-            [typical] = prometheus.query(f"gpumemd_step_typical_duration_seconds{selector}")
-            assert 0 < float(typical["value"][1]) < 1
-        [phase] = prometheus.query(f'gpumemd_job_phase_info{{instance="{evaluation.target}"}}')
-        assert (phase["metric"]["job_phase"], phase["metric"]["stepping"]) == ("eval", "false")
-        [phase] = prometheus.query(f'gpumemd_job_phase_info{{instance="{stall.target}"}}')
-        assert (phase["metric"]["job_phase"], phase["metric"]["stepping"]) == ("train", "true")
-
-        stale = rule_expr("GpumemdAgentStale")
-        assert stale.count("time()") == 1
-        assert not ({stall.target, evaluation.target} & set(by_instance(prometheus, stale)))  # not yet
-        an_hour_later = by_instance(prometheus, stale.replace("time()", "(time() + 3600)"))
-        assert stall.target in an_hour_later, (an_hour_later, diagnose())
-        assert evaluation.target not in an_hour_later  # a labelled evaluation stays quiet
+        # worst case: a scrape, an interval, an evaluation
+        watch(prometheus, jobs, interval, prom_started + 4 * interval + 20)
+        assert_fatal_ooms_fired(prometheus, jobs, started, prom_started)
+        assert_blocked_training_goes_stale(prometheus, jobs)
     finally:
-        for job in jobs.values():
-            if job.proc.poll() is None and job.proc.stdin is not None:
-                job.proc.stdin.close()  # the blocked jobs read EOF and end
-        for job in jobs.values():
-            try:
-                job.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                job.proc.kill()
-                job.proc.wait()
+        stop_jobs(jobs)

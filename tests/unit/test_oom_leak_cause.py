@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumemd.analysis.breakdown import (
-    cpu_breakdown,
-    cuda_breakdown,
+from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown
+from gpumemd.analysis.oom_leak import (
     holder_name,
     holder_root,
     holder_variable,

@@ -13,7 +13,9 @@ import torch.cuda._memory_viz as memory_viz
 from oom_snapshot_data import SEG_A, MiB, make_snapshot
 
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
-from gpumemd.probes.snapshot import SnapshotLoadError, SnapshotProbe, load_snapshot, loads_snapshot
+from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.probes.snapshot_load import load_snapshot, loads_snapshot
+from gpumemd.probes.snapshot_rules import SnapshotLoadError
 
 
 def test_summary_reads_segments_blocks_and_the_oom_entry() -> None:
