@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: the detector imports this module
-    from gpumemd.analysis.leak_detector import LeakState, SeriesSpec, TrackStatus
+if TYPE_CHECKING:
+    from gpumemd.analysis.leak_types import LeakState, SeriesSpec, TrackStatus
 
 _MAX_RESETS = 8
 MAX_WINDOW_POINTS = 64  # points per assessed window (O(n²) rank test): ~5 ms worst case in pure Python
