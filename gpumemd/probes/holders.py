@@ -1,17 +1,21 @@
-"""Who holds an object: climb ``gc.get_referrers`` to something a human knows, in one line.
+"""Who holds an object: the path from a name the user wrote down to it, in one line.
 
 ``who_holds(tensor)`` answers, for example::
 
     `losses` in main() at train.py:57 → list of 1,204 items
-    TrainerState.history → list of 12 items
-    module global `myjob.data.CACHE` → dict key 'preds'
+    `trainer.history` in main() at train.py:40 → list of 12 items
+    module global `myjob.data.CACHE` → dict of 3 items
+    `callbacks` in train() at train.py:57 → list of 700 items → partial.args[0]
 
 The climb is breadth-first, one ``gc.get_referrers`` call (a heap scan) per level, so it is bounded
-in depth and time and meant for a few sample tensors, never for every tensor. Terminals, best first:
-a local variable of a running frame (found by reading the frames of every thread: a running frame
-is not a gc referrer of its locals), a module global, an attribute of an object or class. Lists,
-tuples, sets and dicts on the way are described by their size or key. gpumemd's own frames and the
-containers the caller passes in ``ignore`` are never reported.
+in depth and time and meant for a few sample tensors, never for every tensor; no scan starts that
+the longest one so far says would overrun the time budget. It climbs through containers, objects,
+closures, partials, bound methods, kept tracebacks and numpy arrays (which the gc does not track:
+``_Climb._untracked``) until a root: a local variable of a running frame (read from the frames of
+every thread: a running frame is not a gc referrer of its locals), a module global, or a class
+attribute. Cut by the bounds before any root, the path starts at the nearest owner it reached and
+says so. ``holder_paths`` writes the line; gpumemd's own frames and the containers the caller passes
+in ``ignore`` are never reported.
 
 Every heap scan for "who holds X" lives here: ``who_holds`` for one object, ``fill_holders`` for the
 few census groups worth naming, ``holder_of_group`` for a census group found again by its key, and
@@ -20,7 +24,6 @@ few census groups worth naming, ``holder_of_group`` for a census group found aga
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import time
@@ -29,16 +32,25 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from gpumemd.probes.holder_paths import Root, render, top_name
+from gpumemd.probes.holder_reach import reach_down
+from gpumemd.probes.holder_roots import (
+    RUNNING_LINE as _RUNNING_LINE,
+)
+from gpumemd.probes.holder_roots import (
+    drop_locals_snapshot,
+    is_ours,
+    live_frames,
+    module_dicts,
+    where_assigned,
+)
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 
 if TYPE_CHECKING:
     import torch
 
-_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
-_FRONTIER_MAX = 256
-_KEY_TEXT_MAX = 40
-_RANK = {"local": 0, "global": 1, "attribute": 2, "other": 3}
-_SEQUENCES = (list, tuple, set, frozenset, deque)
+_FRONTIER_MAX = 32  # get_referrers compares each reference it visits with every frontier object
+_UNTRACKED_CHUNK = 4096
 
 HOLDER_BUDGET_S = 0.5
 """One holder look-up (heap scans) per state change takes at most this long."""
@@ -47,12 +59,14 @@ HOLDER_BUDGET_S = 0.5
 def who_holds(
     obj: Any,
     *,
-    max_depth: int = 8,
+    max_depth: int = 12,
     time_budget_s: float = 1.0,
     ignore: Iterable[Any] = (),
 ) -> str | None:
-    """One line naming what keeps ``obj`` alive, or None when nothing recognisable was found in
-    ``max_depth`` levels and ``time_budget_s`` seconds. Never raises for an odd object."""
+    """One line naming what keeps ``obj`` alive, from a name the user wrote, or None when nothing
+    recognisable was found in ``max_depth`` levels and ``time_budget_s`` seconds. A path that the
+    bounds cut below any name starts at the nearest owner found and says "path cut at depth N".
+    Never raises for an odd object."""
     try:
         return _Climb(obj, ignore, time_budget_s).run(max_depth)
     except Exception:  # noqa: BLE001 - a diagnostic must never fail the caller; None means "unknown"
@@ -60,209 +74,187 @@ def who_holds(
 
 
 class _Climb:
+    """Breadth first up the referrers, one heap scan per level, until a root: a running frame's
+    local (read before each scan), a module global or a class attribute (found by the scan)."""
+
     def __init__(self, target: Any, ignore: Iterable[Any], time_budget_s: float) -> None:
         self.deadline = time.monotonic() + time_budget_s
         self.target_id = id(target)
         # Everything this search creates that references candidates must never be reported.
         self.nodes: dict[int, Any] = {id(target): target}  # id -> object, keeps ids unique while we run
         self.child_of: dict[int, int] = {}  # referrer id -> id of the object it holds on our path
-        self.step_text: dict[int, str] = {}  # referrer id -> how it holds that object
-        self.dict_key: dict[int, str] = {}  # dict id -> the key under which it holds the object
-        self.frames = _live_frames()
+        self.owner: int | None = None  # the nearest named owner (object, function, frame): where a cut path starts
+        self.scan_s = 0.0  # the longest heap scan so far: no scan starts that would overrun the deadline
+        self.frames = live_frames()
         self.own: set[int] = {id(x) for x in ignore}
-        self.own.update(id(x) for x in (self.nodes, self.child_of, self.step_text, self.dict_key, self.frames))
+        self.own.update(id(x) for x in (self.nodes, self.child_of, self.frames))
         self.own.update(id(f_locals) for _, f_locals in self.frames)
-        self.module_dicts = _module_dicts()
+        self.module_dicts = module_dicts()
+        # what the locals reach downwards, within a fifth of the budget: a climb stops where it meets it
+        self.reach = reach_down(self._local_roots(), self.own,
+                                self.module_dicts, min(self.deadline, time.monotonic() + time_budget_s / 5))
+        self.own.update(id(x) for x in (self.reach.objects, self.reach.parent, self.reach.roots, self.reach.depth))
 
     def run(self, max_depth: int) -> str | None:
         frontier = [self.nodes[self.target_id]]
+        depth = 0
+        searched_untracked = False
         try:
-            for _ in range(max_depth):
+            while True:
                 frontier_ids = {id(o) for o in frontier}
-                best = self._frame_terminal(frontier_ids)
-                if best is not None:
-                    return self._render(*best)
-                if time.monotonic() > self.deadline:
-                    return None
-                terminals, following = self._climb(frontier, frontier_ids)
-                if terminals:
-                    terminals.sort(key=lambda t: t[0])
-                    _, text, child_id = terminals[0]
-                    return self._render(text, child_id)
+                line = self._met(frontier_ids)
+                if line is not None:
+                    return line
+                if depth >= max_depth or time.monotonic() + self.scan_s > self.deadline:
+                    break
+                roots, following = self._climb(frontier, frontier_ids)
+                depth += 1
+                if roots:
+                    return self._render(*min(roots, key=lambda r: r[0])[1:])
+                if not following and not searched_untracked:
+                    # nothing tracked refers to what was reached: an untracked holder, perhaps
+                    following, searched_untracked = self._untracked(set(self.nodes)), True
                 if not following:
-                    return None
+                    break
                 frontier = following
-            return None
+            return self._cut(depth)
         finally:
             self._release()
 
-    def _climb(self, frontier: list[Any], frontier_ids: set[int]) -> tuple[list[tuple[int, str, int]], list[Any]]:
-        """One level up (one heap scan): the terminals among the referrers of ``frontier`` as (rank,
-        text, id of the object they hold), and the containers to climb from next."""
+    def _climb(self, frontier: list[Any], frontier_ids: set[int]) -> tuple[list[tuple[int, Root, int]], list[Any]]:
+        """One level up (one heap scan): the roots among the referrers of ``frontier`` as (rank, root,
+        id of the object the root names), and the referrers to climb from next."""
+        started = time.monotonic()
         referrers = gc.get_referrers(*frontier)
+        self.scan_s = max(self.scan_s, time.monotonic() - started)
         self.own.add(id(referrers))
         self.own.add(id(frontier))
-        terminals: list[tuple[int, str, int]] = []
+        roots: list[tuple[int, Root, int]] = []
         following: list[Any] = []
         for ref in referrers:
             rid = id(ref)
             if rid in self.own or rid in self.nodes:
                 continue
             child = _held_child(ref, frontier_ids)
-            if child is None:
+            if child is None or (isinstance(ref, types.FrameType) and is_ours(ref)):
                 continue
-            found = self._classify(ref, child)
-            if found is None:
+            if isinstance(ref, types.ModuleType):
+                continue  # a module refers to its dict, which is a root already
+            root = self._root(ref, child)
+            if root is not None:
+                roots.append(root)
                 continue
-            kind, text, skip_child = found
-            if skip_child:  # the child is the holder's own __dict__: its key is in the name
-                child = self.nodes[self.child_of[id(child)]]
+            if isinstance(ref, type):
+                continue  # mro tuples, bases: not how a class keeps an object alive
             self.nodes[rid] = ref
             self.child_of[rid] = id(child)
-            if kind == "step":
-                self.step_text[rid] = text
-                if len(following) < _FRONTIER_MAX:
-                    following.append(ref)
-            else:
-                terminals.append((_RANK[kind], text, id(child)))
+            if self.owner is None and _named_owner(ref):
+                self.owner = rid
+            if len(following) < _FRONTIER_MAX:
+                following.append(ref)
         del referrers
-        return terminals, following
+        return roots, following
 
-    # --- terminals and steps --------------------------------------------------------------------
-
-    def _frame_terminal(self, frontier_ids: set[int]) -> tuple[str, int] | None:
+    def _local_roots(self) -> list[tuple[Root, Any]]:
+        """The locals of the running frames, each with the name a user reads."""
+        assigned: list[tuple[Root, Any]] = []
+        parameters: list[tuple[Root, Any]] = []  # last: the caller's own variable says more than `self`
         for frame, f_locals in self.frames:
+            code = frame.f_code
             for name, value in f_locals.items():
-                if id(value) in frontier_ids:
-                    code = frame.f_code
-                    if name in code.co_freevars or not name.isidentifier():
-                        # a closure's view of an outer frame's variable (the outer frame is named
-                        # instead), or a compiler-made slot such as pytest's `@py_assert1`
-                        continue
-                    return f"`{name}` in {code.co_name}() {_where_assigned(code, name, frame.f_lineno)}", id(value)
-        return None
+                if name in code.co_freevars or not name.isidentifier():
+                    # a closure's view of an outer frame's variable (the outer frame is named
+                    # instead), or a compiler-made slot such as pytest's `@py_assert1`
+                    continue
+                where = where_assigned(code, name, frame.f_lineno)
+                found = (Root(name, "`", f"` in {code.co_name}() {where}"), value)
+                (parameters if where.endswith(_RUNNING_LINE) else assigned).append(found)
+        return assigned + parameters
 
-    def _classify(self, ref: Any, child: Any) -> tuple[str, str, bool] | None:
-        """("local"|"global"|"attribute"|"other", terminal text) or ("step", container text)."""
-        if isinstance(ref, types.FrameType):
-            return _finished_frame(ref, child)
+    def _met(self, frontier_ids: set[int]) -> str | None:
+        """The path, when the frontier meets what the locals reach (the nearest local first)."""
+        reach = self.reach
+        met = [i for i in frontier_ids if i in reach.objects]
+        if not met:
+            return None
+        meet = min(met, key=lambda i: reach.depth[i])
+        root, down = reach.chain_to(meet)
+        return render(root, down + self._chain(meet)[1:])
+
+    def _root(self, ref: Any, child: Any) -> tuple[int, Root, int] | None:
+        """(rank, root, id of the object it names) when ``ref`` is a module namespace or a class."""
         if isinstance(ref, dict):
-            key = _key_for(ref, child)
             module = self.module_dicts.get(id(ref))
             if module is not None:
-                return "global", f"module global `{module}.{_bare(key)}`", False
-            self.dict_key[id(ref)] = key
-            return "step", f"dict key {key}", False
-        if isinstance(ref, _SEQUENCES):
-            size = len(ref)
-            return "step", f"{type(ref).__name__} of {size:,} item{'' if size == 1 else 's'}", False
-        if isinstance(ref, type):
-            class_key = self.dict_key.get(id(child))
-            if class_key is not None:
-                return "attribute", f"{ref.__qualname__}.{_bare(class_key)}", True
-            return None  # mro tuples, bases: not how a class keeps an object alive
-        if isinstance(ref, types.ModuleType):
-            return None  # a module refers to its dict, which was reported as a global already
-        if isinstance(ref, (types.FunctionType, types.MethodType)):
-            return "other", f"function `{getattr(ref, '__qualname__', '?')}`", False
-        if isinstance(ref, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
-            return "local", f"a local of generator `{getattr(ref, '__qualname__', '?')}`", False
-        if isinstance(ref, types.CellType):
-            return "step", "closure cell", False
-        found = _attribute_of(ref, child, self.dict_key.get(id(child)))
-        if found is not None:
-            return "attribute", f"{type(ref).__qualname__}.{found[0]}", found[1]
-        return "step", type(ref).__qualname__, False
+                return 0, Root(f"{module}.{_key_text(ref, child)}", "module global `"), id(child)
+            return None
+        if isinstance(ref, type) and id(child) in self.child_of and child is _class_namespace(ref):
+            held = self.child_of[id(child)]
+            return 1, Root(f"{ref.__qualname__}.{_key_text(child, self.nodes[held])}"), held
+        return None
 
-    def _render(self, terminal: str, child_id: int) -> str:
-        parts = [terminal]
-        current = child_id
-        while current != self.target_id:
-            text = self.step_text.get(current)
-            nxt = self.child_of.get(current)
-            if nxt is None:
-                break
-            if text:
-                parts.append(text)
-            current = nxt
-        return " → ".join(parts)
+    def _untracked(self, reached: set[int]) -> list[Any]:
+        """Holders the gc does not track (a numpy array whose ``base`` is the object: ``t.numpy()``),
+        found from the side of their tracked referrers: what those refer to, chunk by chunk."""
+        numpy = sys.modules.get("numpy")
+        if numpy is None:
+            return []
+        ndarray = numpy.ndarray
+        found: list[Any] = []
+        objects = gc.get_objects()
+        self.own.add(id(objects))
+        try:
+            for start in range(0, len(objects), _UNTRACKED_CHUNK):
+                if time.monotonic() > self.deadline:
+                    break
+                for ref in gc.get_referents(*objects[start:start + _UNTRACKED_CHUNK]):
+                    if type(ref) is ndarray and id(ref.base) in reached and id(ref) not in self.nodes:
+                        self.nodes[id(ref)] = ref
+                        self.child_of[id(ref)] = id(ref.base)
+                        found.append(ref)
+                if found:
+                    break
+        finally:
+            objects.clear()
+        return found
+
+    def _render(self, root: Root, start_id: int) -> str:
+        return render(root, self._chain(start_id))
+
+    def _cut(self, depth: int) -> str | None:
+        """The path from the nearest named owner, when the bounds stopped the climb below any root."""
+        if self.owner is None:
+            return None
+        chain = self._chain(self.owner)
+        return f"{render(Root(top_name(chain[0]), '', ''), chain)} (path cut at depth {depth})"
+
+    def _chain(self, start_id: int) -> list[Any]:
+        chain = [self.nodes[start_id]]
+        current = start_id
+        while current != self.target_id and current in self.child_of:
+            current = self.child_of[current]
+            chain.append(self.nodes[current])
+        return chain
 
     def _release(self) -> None:
         for frame, f_locals in self.frames:
-            _drop_locals_snapshot(frame, f_locals)
+            drop_locals_snapshot(frame, f_locals)
         self.frames.clear()
         self.nodes.clear()
+        self.reach.clear()
 
 
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _live_frames() -> list[tuple[types.FrameType, dict[str, Any]]]:
-    """Every running frame of every thread with its locals, gpumemd's own frames left out."""
-    out: list[tuple[types.FrameType, dict[str, Any]]] = []
-    # This frame is among the tops: a local still referring to it when it returns would make a
-    # cycle that keeps the caller frames (and their locals, the target included) alive until the
-    # next gc. Both locals are empty at the end.
-    tops: list[types.FrameType] = list(sys._current_frames().values())
-    frame: types.FrameType | None = None
-    while tops:
-        frame = tops.pop()
-        while frame is not None:
-            if not _is_ours(frame):
-                with contextlib.suppress(Exception):  # a frame torn down under us
-                    out.append((frame, frame.f_locals))
-            frame = frame.f_back
-    return out
+def _named_owner(ref: Any) -> bool:
+    """An object a cut path can start at: anything but an anonymous container or a closure cell."""
+    return not isinstance(ref, (list, tuple, set, frozenset, deque, dict, types.CellType, types.TracebackType))
 
 
-def _finished_frame(frame: types.FrameType, child: Any) -> tuple[str, str, bool] | None:
-    """Running frames are no gc referrers of their locals (they are read directly): this is a
-    finished frame that a traceback (a stored exception) still keeps, with all its locals."""
-    if _is_ours(frame):
-        return None
-    f_locals = frame.f_locals
-    name = next((k for k, v in list(f_locals.items()) if v is child), None)
-    # frame.clear() (traceback.clear_frames) does not clear that snapshot: drop it now
-    _drop_locals_snapshot(frame, f_locals)
-    del f_locals
-    if name is None:
-        return None
-    where = f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
-    return "local", f"`{name}` in {frame.f_code.co_name}() at {where} (a finished frame a traceback keeps)", False
-
-
-# The demo's training loop is user code that happens to ship with gpumemd: its locals are holders.
-_USER_MODULES = frozenset({"gpumemd.cli.demo"})
-
-
-def _is_ours(frame: types.FrameType) -> bool:
-    name = frame.f_globals.get("__name__", "")
-    return isinstance(name, str) and name.startswith("gpumemd") and name not in _USER_MODULES
-
-
-def _drop_locals_snapshot(frame: types.FrameType, f_locals: dict[str, Any]) -> None:
-    """Before 3.13 reading ``f_locals`` of a function frame leaves a snapshot dict on the frame
-    that keeps every local alive until the frame ends: clear it, unless a tracer could write it
-    back into the frame (a Python tracer sets ``f_trace``), or it is a module/class namespace."""
-    if sys.version_info >= (3, 13):
-        return
-    if not frame.f_code.co_flags & _CO_OPTIMIZED or frame.f_trace is not None:
-        return
-    if f_locals is frame.f_globals:
-        return
-    f_locals.clear()
-
-
-def _module_dicts() -> dict[int, str]:
-    """Module namespace id -> the module's name. One namespace can have several names: multiprocessing
-    aliases the main script as ``__mp_main__`` (spawn and forkserver workers, and a parent preparing
-    them); it is named ``__main__``, as the job knows it."""
-    out: dict[int, str] = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and (name == "__main__" or id(namespace) not in out):
-            out[id(namespace)] = name
-    return out
+def _class_namespace(cls: type) -> Any:
+    """The dict behind ``cls.__dict__`` (a read-only proxy): the gc referrer of class attributes."""
+    return next((r for r in gc.get_referents(cls) if isinstance(r, dict) and "__module__" in r), None)
 
 
 def _held_child(ref: Any, frontier_ids: set[int]) -> Any:
@@ -272,84 +264,12 @@ def _held_child(ref: Any, frontier_ids: set[int]) -> Any:
     return None
 
 
-def _key_for(mapping: dict[Any, Any], child: Any) -> str:
+def _key_text(mapping: Any, child: Any) -> str:
+    """The name under which a namespace holds ``child`` (variable names are short and plain)."""
     for key, value in list(mapping.items()):
         if value is child:
-            return _key_text(key)
-        if key is child:
-            return f"(a key; {len(mapping):,} items)"
+            return key if isinstance(key, str) else f"<{type(key).__qualname__}>"
     return "?"
-
-
-def _key_text(key: Any) -> str:
-    # repr() only of plain scalars: repr() of a tensor would synchronise the device.
-    if isinstance(key, (str, int, float, bool)) or key is None:
-        text = repr(key)
-        return text if len(text) <= _KEY_TEXT_MAX else text[: _KEY_TEXT_MAX - 1] + "…"
-    return f"<{type(key).__qualname__}>"
-
-
-def _bare(key_text: str) -> str:
-    return key_text[1:-1] if len(key_text) >= 2 and key_text[0] == key_text[-1] == "'" else key_text
-
-
-def _attribute_of(obj: Any, child: Any, child_dict_key: str | None) -> tuple[str, bool] | None:
-    """(attribute name, whether ``child`` is ``obj.__dict__``) for how ``obj`` holds ``child``."""
-    try:
-        namespace = object.__getattribute__(obj, "__dict__")
-    except Exception:  # noqa: BLE001 - no __dict__, or a __getattribute__ that objects
-        namespace = None
-    if namespace is child and child_dict_key is not None:
-        return _bare(child_dict_key), True
-    if isinstance(namespace, dict):
-        for key, value in list(namespace.items()):
-            if value is child and isinstance(key, str):
-                return key, False
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            try:
-                if object.__getattribute__(obj, slot) is child:
-                    return str(slot), False
-            except Exception:  # noqa: BLE001 - an unset slot
-                continue
-    return None
-
-
-_ASSIGNED: dict[tuple[Any, str], int | None] = {}
-_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
-
-
-def _where_assigned(code: types.CodeType, name: str, running_line: int | None) -> str:
-    """``at train.py:12`` (the line that first assigns the variable in that function), or, when the
-    bytecode does not say, the line running when it was looked up, labelled as such."""
-    key = (code, name)
-    if key not in _ASSIGNED:
-        import dis
-
-        line = current = None
-        try:
-            for ins in dis.get_instructions(code):
-                current = ins.starts_line or current  # set on the first instruction of each line
-                if ins.opname in _STORES and ins.argval == name:
-                    line = current
-                    break
-        except Exception:  # noqa: BLE001 - odd code objects: fall back to the running line
-            line = None
-        if len(_ASSIGNED) < 4096:
-            _ASSIGNED[key] = line
-    else:
-        line = _ASSIGNED[key]
-    path = _short_path(code.co_filename)
-    if line is not None:
-        return f"at {path}:{line}"
-    return f"at {path}:{running_line} (the line running when it was looked up)"
-
-
-def _short_path(path: str) -> str:
-    """The file name with its parent directory: enough to find it, short enough for one line."""
-    parts = path.replace("\\", "/").rsplit("/", 2)
-    return "/".join(parts[-2:]) if len(parts) > 2 else path
 
 
 def holder_of_group(key: GroupKey) -> str | None:

@@ -1,0 +1,84 @@
+"""What the running frames' locals reach in a few hops, found downwards without any heap scan.
+
+Climbing from an object to a name costs one heap scan per level (tens of milliseconds on a large
+heap). The other half of the path is cheap: from each user local, ``gc.get_referents`` (what an
+object refers to) a few levels down, bounded in objects and time. The climb stops at the first level
+that meets an object reached from below: a forward hook's closure deep inside ``model`` is then a few
+scans away, not ten. Large containers are only followed through their newest items (the end of their
+referents): a leak appends, and the climb finds the container itself anyway.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import types
+from typing import Any
+
+from gpumemd.probes.holder_paths import Root
+
+_OBJECTS_MAX = 20_000
+_DEPTH_MAX = 10
+_NEWEST_ITEMS = 16  # referents followed in a container larger than this: the last ones
+_NOT_FOLLOWED = (type, types.ModuleType, types.CodeType, types.FrameType, str, bytes)
+
+
+class Reach:
+    """id -> (object, id of the object one level up or None at a root); roots name their object."""
+
+    def __init__(self) -> None:
+        self.objects: dict[int, Any] = {}
+        self.parent: dict[int, int | None] = {}
+        self.roots: dict[int, Root] = {}
+        self.depth: dict[int, int] = {}
+
+    def chain_to(self, obj_id: int) -> tuple[Root, list[Any]]:
+        """The root and the objects from its object down to ``obj_id``."""
+        chain: list[Any] = []
+        current: int | None = obj_id
+        while current is not None:
+            chain.append(self.objects[current])
+            root_id, current = current, self.parent[current]
+        chain.reverse()
+        return self.roots[root_id], chain
+
+    def clear(self) -> None:
+        self.objects.clear()
+        self.parent.clear()
+        self.roots.clear()
+        self.depth.clear()
+
+
+def reach_down(roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[int, str],
+               deadline: float) -> Reach:
+    """Breadth first from ``roots`` (a name and its object), at most ``_OBJECTS_MAX`` objects and
+    ``_DEPTH_MAX`` levels, never past ``deadline``; ``own`` and module namespaces are not followed."""
+    reach = Reach()
+    level: list[Any] = []
+    for root, obj in roots:
+        if id(obj) not in reach.objects:
+            reach.objects[id(obj)], reach.parent[id(obj)], reach.depth[id(obj)] = obj, None, 0
+            reach.roots[id(obj)] = root
+            level.append(obj)
+    for depth in range(1, _DEPTH_MAX + 1):
+        following: list[Any] = []
+        for obj in level:
+            if len(reach.objects) >= _OBJECTS_MAX or time.monotonic() > deadline:
+                return reach
+            if isinstance(obj, _NOT_FOLLOWED) or id(obj) in module_dicts:
+                continue
+            # an ndarray is untracked and has no referents for the gc: its base is what it keeps
+            referents = [obj.base] if type(obj).__name__ == "ndarray" else gc.get_referents(obj)
+            for ref in referents[-_NEWEST_ITEMS:] if len(referents) > _NEWEST_ITEMS else referents:
+                rid = id(ref)
+                if rid in reach.objects or rid in own or (not gc.is_tracked(ref) and not _untracked_holder(ref)):
+                    continue
+                reach.objects[rid], reach.parent[rid], reach.depth[rid] = ref, id(obj), depth
+                following.append(ref)
+        level = following
+    return reach
+
+
+def _untracked_holder(obj: Any) -> bool:
+    """Untracked objects worth following all the same: tensors (the target may be one) and arrays."""
+    return type(obj).__name__ in ("Tensor", "Parameter", "ndarray")

@@ -1,0 +1,108 @@
+"""Where a holder path starts: the names a user wrote, read without a heap scan.
+
+The running frames of every thread with their locals (a running frame is no gc referrer of its
+locals, so they are read directly), the namespaces of loaded modules, and the line that assigns a
+variable. gpumemd's own frames are never roots: the agent's locals are no user's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Any
+
+_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
+
+
+def live_frames() -> list[tuple[types.FrameType, dict[str, Any]]]:
+    """Every running frame of every thread with its locals, gpumemd's own frames left out."""
+    out: list[tuple[types.FrameType, dict[str, Any]]] = []
+    # This frame is among the tops: a local still referring to it when it returns would make a
+    # cycle that keeps the caller frames (and their locals, the target included) alive until the
+    # next gc. Both locals are empty at the end.
+    tops: list[types.FrameType] = list(sys._current_frames().values())
+    frame: types.FrameType | None = None
+    while tops:
+        frame = tops.pop()
+        while frame is not None:
+            if not is_ours(frame):
+                with contextlib.suppress(Exception):  # a frame torn down under us
+                    out.append((frame, frame.f_locals))
+            frame = frame.f_back
+    return out
+
+
+# The demo's training loop is user code that happens to ship with gpumemd: its locals are holders.
+_USER_MODULES = frozenset({"gpumemd.cli.demo"})
+
+
+def is_ours(frame: types.FrameType) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return isinstance(name, str) and name.startswith("gpumemd") and name not in _USER_MODULES
+
+
+def drop_locals_snapshot(frame: types.FrameType, f_locals: dict[str, Any]) -> None:
+    """Before 3.13 reading ``f_locals`` of a function frame leaves a snapshot dict on the frame
+    that keeps every local alive until the frame ends: clear it, unless a tracer could write it
+    back into the frame (a Python tracer sets ``f_trace``), or it is a module/class namespace."""
+    if sys.version_info >= (3, 13):
+        return
+    if not frame.f_code.co_flags & _CO_OPTIMIZED or frame.f_trace is not None:
+        return
+    if f_locals is frame.f_globals:
+        return
+    f_locals.clear()
+
+
+def module_dicts() -> dict[int, str]:
+    """Module namespace id -> the module's name. One namespace can have several names: multiprocessing
+    aliases the main script as ``__mp_main__`` (spawn and forkserver workers, and a parent preparing
+    them); it is named ``__main__``, as the job knows it."""
+    out: dict[int, str] = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and (name == "__main__" or id(namespace) not in out):
+            out[id(namespace)] = name
+    return out
+
+
+
+
+RUNNING_LINE = " (the line running when it was looked up)"
+"""How ``where_assigned`` ends when no store names the variable: a parameter, most often."""
+
+_ASSIGNED: dict[tuple[Any, str], int | None] = {}
+_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+
+
+def where_assigned(code: types.CodeType, name: str, running_line: int | None) -> str:
+    """``at train.py:12`` (the line that first assigns the variable in that function), or, when the
+    bytecode does not say, the line running when it was looked up, labelled as such."""
+    key = (code, name)
+    if key not in _ASSIGNED:
+        import dis
+
+        line = current = None
+        try:
+            for ins in dis.get_instructions(code):
+                current = ins.starts_line or current  # set on the first instruction of each line
+                if ins.opname in _STORES and ins.argval == name:
+                    line = current
+                    break
+        except Exception:  # noqa: BLE001 - odd code objects: fall back to the running line
+            line = None
+        if len(_ASSIGNED) < 4096:
+            _ASSIGNED[key] = line
+    else:
+        line = _ASSIGNED[key]
+    path = short_path(code.co_filename)
+    if line is not None:
+        return f"at {path}:{line}"
+    return f"at {path}:{running_line}{RUNNING_LINE}"
+
+
+def short_path(path: str) -> str:
+    """The file name with its parent directory: enough to find it, short enough for one line."""
+    parts = path.replace("\\", "/").rsplit("/", 2)
+    return "/".join(parts[-2:]) if len(parts) > 2 else path
