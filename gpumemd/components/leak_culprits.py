@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from typing import TYPE_CHECKING
 
 from gpumemd.analysis.leak_wording import chain_sentence, count_sentence, culprits_from_diff, refine_kind
@@ -123,16 +124,22 @@ class CulpritSearch:
                         garbage=held.garbage)
 
     def _holder_of_sample(self, sample: torch.Tensor) -> _SampleHolder:
+        started = time.monotonic()
         cycle = cycle_holder(sample)
         # Cyclic garbage while the collector runs is freed at its next collection (a burst),
         # not leaked; with gc disabled nothing will ever free it: that is the leak.
         garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
-        holder = cycle or who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.counts.specs,))
+        # one pause for both look-ups: the path gets what the cycle check left of the budget
+        remaining = max(0.05, HOLDER_BUDGET_S - (time.monotonic() - started))
+        holder = cycle or who_holds(sample, time_budget_s=remaining, ignore=(self._series.counts.specs,))
         if holder is not None:
             return _SampleHolder(holder, garbage=garbage)
         # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it (torch
         # preserves the Python wrapper of saved tensors). Name the root of the largest live graph
-        # and its holder.
+        # and its holder. A tensor without grad_fn is said to be kept by a graph only when that
+        # graph saves it: else (a look-up the budget cut short) its holder is unknown, not a graph.
+        if sample.grad_fn is None and not host_objects.saved_by_largest_graph(sample):
+            return _SampleHolder(garbage=garbage)
         root = host_objects.growing_graph(0, min_added=1)
         if root is not None and root.holder is not None:
             return _SampleHolder(f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "

@@ -202,7 +202,10 @@ def _function_hop(w: _Writer, fn: types.FunctionType, child: object, chain: Sequ
 def _class_hop(w: _Writer, cls: type, child: object, after: object) -> int:
     """A class holds its attributes in its namespace dict: ``Class.attr``."""
     for key, value in list(vars(cls).items()):
-        if value is after and isinstance(key, str):
+        if value is child and isinstance(key, str):  # reached from the class itself
+            w.access(f".{key}")
+            return 1
+        if value is after and isinstance(key, str):  # through its namespace dict
             w.access(f".{key}")
             return 2
     w.piece(cls.__qualname__)

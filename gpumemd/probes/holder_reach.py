@@ -10,7 +10,9 @@ referents): a leak appends, and the climb finds the container itself anyway.
 
 from __future__ import annotations
 
+import collections
 import gc
+import itertools
 import time
 import types
 from typing import Any
@@ -19,8 +21,8 @@ from gpumemd.probes.holder_paths import Root
 
 _OBJECTS_MAX = 20_000
 _DEPTH_MAX = 10
-_NEWEST_ITEMS = 16  # referents followed in a container larger than this: the last ones
-_NOT_FOLLOWED = (type, types.ModuleType, types.CodeType, types.FrameType, str, bytes)
+_NEWEST_ITEMS = 64  # items followed in a container larger than this: the last ones
+_NOT_FOLLOWED = (type, types.ModuleType, types.CodeType, str, bytes)
 
 
 class Reach:
@@ -65,18 +67,38 @@ def reach_down(roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[
         for obj in level:
             if len(reach.objects) >= _OBJECTS_MAX or time.monotonic() > deadline:
                 return reach
-            if isinstance(obj, _NOT_FOLLOWED) or id(obj) in module_dicts:
+            if isinstance(obj, type) and depth == 1:
+                children: list[Any] = list(vars(obj).values())  # a class root: its attributes
+            elif isinstance(obj, _NOT_FOLLOWED) or id(obj) in module_dicts:
                 continue
-            # an ndarray is untracked and has no referents for the gc: its base is what it keeps
-            referents = [obj.base] if type(obj).__name__ == "ndarray" else gc.get_referents(obj)
-            for ref in referents[-_NEWEST_ITEMS:] if len(referents) > _NEWEST_ITEMS else referents:
+            else:
+                children = _referents(obj)
+            for ref in children:
                 rid = id(ref)
+                if isinstance(ref, types.FrameType) and not isinstance(obj, types.TracebackType):
+                    continue  # f_back and the like: only a frame a kept traceback holds is followed
                 if rid in reach.objects or rid in own or (not gc.is_tracked(ref) and not _untracked_holder(ref)):
                     continue
                 reach.objects[rid], reach.parent[rid], reach.depth[rid] = ref, id(obj), depth
                 following.append(ref)
         level = following
     return reach
+
+
+def _referents(obj: Any) -> list[Any]:
+    """What ``obj`` refers to; of a large container, only its newest items (never a copy of all)."""
+    if type(obj).__name__ == "ndarray":
+        return [obj.base]  # untracked, no referents for the gc: its base is what it keeps
+    try:
+        if isinstance(obj, (list, tuple, collections.deque)) and len(obj) > _NEWEST_ITEMS:
+            return list(itertools.islice(reversed(obj), _NEWEST_ITEMS))
+        if isinstance(obj, dict) and len(obj) > _NEWEST_ITEMS:
+            return list(itertools.islice(reversed(obj.values()), _NEWEST_ITEMS))
+        if isinstance(obj, (set, frozenset)) and len(obj) > _NEWEST_ITEMS:
+            return []  # no order: no newest items
+    except Exception:  # noqa: BLE001 - mutated while read, odd subclass: its referents, whole
+        pass
+    return gc.get_referents(obj)
 
 
 def _untracked_holder(obj: Any) -> bool:

@@ -12,6 +12,8 @@ import sys
 import types
 from typing import Any
 
+from gpumemd.probes.package_dirs import internal_dirs
+
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
 
 
@@ -106,3 +108,24 @@ def short_path(path: str) -> str:
     """The file name with its parent directory: enough to find it, short enough for one line."""
     parts = path.replace("\\", "/").rsplit("/", 2)
     return "/".join(parts[-2:]) if len(parts) > 2 else path
+
+
+def user_modules(namespaces: dict[int, str]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, namespace) of the loaded modules that are the job's own code: neither the standard
+    library, torch, gpumemd, nor an installed package. ``namespaces``: ``module_dicts()``."""
+    try:
+        internal = internal_dirs()
+    except Exception:  # noqa: BLE001 - no torch (it names torch's directory): no module is told apart
+        return []
+    out: list[tuple[str, dict[str, Any]]] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        path = getattr(module, "__file__", None)
+        if not isinstance(namespace, dict) or not isinstance(path, str) or id(namespace) not in namespaces:
+            continue
+        path = path.replace("\\", "/")
+        if "-packages/" in path or path.startswith(internal):
+            continue
+        out.append((namespaces[id(namespace)], namespace))
+    return out
+

@@ -42,6 +42,7 @@ from gpumemd.probes.holder_roots import (
     is_ours,
     live_frames,
     module_dicts,
+    user_modules,
     where_assigned,
 )
 from gpumemd.records.census import Census, CensusGroup, GroupKey
@@ -52,8 +53,10 @@ if TYPE_CHECKING:
 _FRONTIER_MAX = 32  # get_referrers compares each reference it visits with every frontier object
 _UNTRACKED_CHUNK = 4096
 
-HOLDER_BUDGET_S = 0.5
-"""One holder look-up (heap scans) per state change takes at most this long."""
+HOLDER_BUDGET_S = 0.25
+"""One holder look-up (heap scans) per state change takes at most this long: no scan starts that
+would overrun it, so the pause it adds to a step stays under 250 ms (measured at 1M gc objects:
+``benchmarks/bench_holder_paths.py``)."""
 
 
 def who_holds(
@@ -169,7 +172,21 @@ class _Climb:
                 where = where_assigned(code, name, frame.f_lineno)
                 found = (Root(name, "`", f"` in {code.co_name}() {where}"), value)
                 (parameters if where.endswith(_RUNNING_LINE) else assigned).append(found)
-        return assigned + parameters
+        return assigned + parameters + self._global_roots()
+
+    def _global_roots(self) -> list[tuple[Root, Any]]:
+        """The globals of the job's own modules (after the locals: a local is the nearer name); a
+        class among them is followed into its attributes, named ``Class.attr`` as the climb names them."""
+        roots: list[tuple[Root, Any]] = []
+        for module, namespace in user_modules(self.module_dicts):
+            for name, value in list(namespace.items()):
+                if isinstance(value, (types.ModuleType, types.FunctionType)) or name.startswith("__"):
+                    continue
+                if isinstance(value, type):
+                    roots.append((Root(value.__qualname__), value))
+                else:
+                    roots.append((Root(f"{module}.{name}", "module global `"), value))
+        return roots
 
     def _met(self, frontier_ids: set[int]) -> str | None:
         """The path, when the frontier meets what the locals reach (the nearest local first)."""

@@ -162,6 +162,32 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
 
 
+def saved_by_largest_graph(sample: Any, *, max_nodes: int = 5_000) -> bool:
+    """Does the largest live autograd graph save a tensor on ``sample``'s storage (a bounded walk)?
+    What makes a tensor that nothing in Python holds "kept by a graph", rather than unexplained."""
+    _, root = _largest_graph()
+    fn = getattr(root, "grad_fn", None)
+    del root
+    if fn is None:
+        return False
+    try:
+        ptr = sample.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - no storage (a wrapper subclass): nothing to compare
+        return False
+    walk = GraphWalk(max_nodes, overrun=True)
+    try:
+        for node in walk.walk(fn):
+            for saved in walk.saved(node):
+                try:
+                    if saved.untyped_storage().data_ptr() == ptr:
+                        return True
+                except Exception:  # noqa: BLE001
+                    continue
+        return False
+    finally:
+        walk.clear()
+
+
 def graph_size(tensor: Any, *, max_nodes: int = 200_000) -> int:
     """Nodes in the autograd graph ``tensor`` keeps (a bounded walk: at most ``max_nodes``)."""
     fn = getattr(tensor, "grad_fn", None)

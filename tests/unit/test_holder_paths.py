@@ -1,0 +1,197 @@
+"""The holder path, written as the user would write it: rendering of each kind of hop, from the
+objects of a path (``holder_paths.render``), and the climb's roots and cuts (``who_holds``)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import queue
+from typing import Any
+
+import torch
+
+from gpumemd.probes.holder_paths import Root, render
+from gpumemd.probes.holders import who_holds
+
+_holds = functools.partial(who_holds, time_budget_s=60.0)  # generous: the bounds are tested apart
+
+LOCAL = Root("kept", "`", "` in train() at train.py:7")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.window: collections.deque[Any] = collections.deque()
+
+
+class Trainer:
+    def __init__(self) -> None:
+        self.stats = Stats()
+
+
+class Slots:
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+
+class Registry:
+    seen: list[Any] = []  # noqa: RUF012 - the class attribute is the point
+
+
+def _namespace(obj: object) -> dict[str, Any]:
+    return obj.__dict__
+
+
+def test_attributes_join_into_one_dotted_name_and_a_container_is_said_by_its_size() -> None:
+    trainer = Trainer()
+    t = torch.zeros(1)
+    trainer.stats.window.extend([t, torch.zeros(1)])
+
+    line = render(LOCAL, [trainer, _namespace(trainer), trainer.stats, _namespace(trainer.stats),
+                          trainer.stats.window, t])
+
+    assert line == "`kept.stats.window` in train() at train.py:7 → deque of 2 items"
+
+
+def test_a_dict_is_said_by_its_size_never_by_one_key() -> None:
+    t = torch.zeros(1)
+    cache = {642: t, 643: torch.zeros(1)}
+
+    assert render(LOCAL, [cache, t]) == "`kept` in train() at train.py:7 → dict of 2 items"
+    ordered = collections.OrderedDict(a=t)
+    assert render(LOCAL, [ordered, t]) == "`kept` in train() at train.py:7 → OrderedDict of 1 item"
+
+
+def test_sizes_are_read_when_the_line_is_written() -> None:
+    t = torch.zeros(1)
+    kept = [t]
+    path = [kept, t]
+    before = render(LOCAL, path)
+    kept.append(torch.zeros(1))
+
+    assert before.endswith("list of 1 item") and render(LOCAL, path).endswith("list of 2 items")
+
+
+def test_a_partial_in_a_list_reads_as_its_argument() -> None:
+    t = torch.zeros(1)
+    callback = functools.partial(print, t)
+    callbacks = [callback]
+
+    line = render(LOCAL, [callbacks, callback, callback.args, t])
+
+    assert line == "`kept` in train() at train.py:7 → list of 1 item → partial.args[0]"
+
+
+def _make(value: Any) -> Any:
+    return lambda: value
+
+
+def test_a_closure_reads_as_the_function_and_its_variable() -> None:
+    t = torch.zeros(1)
+    fn = _make(t)
+    assert fn.__closure__ is not None
+    cell = fn.__closure__[0]
+
+    line = render(LOCAL, [[fn], fn, fn.__closure__, cell, t])
+
+    assert line == "`kept` in train() at train.py:7 → list of 1 item → `_make.<lambda>` closure `value`"
+
+
+def test_a_default_reads_as_the_parameter() -> None:
+    t = torch.zeros(1)
+
+    def step(x: int, cache: Any = t) -> None: ...
+
+    assert step.__defaults__ is not None
+    line = render(Root("step"), [step, step.__defaults__, t])
+
+    assert line.endswith("default `cache`")
+
+
+def test_a_bound_method_reads_through_self() -> None:
+    trainer = Trainer()
+    method = trainer.__init__  # any bound method of it
+    namespace = _namespace(trainer)
+
+    line = render(LOCAL, [{1: method}, method, trainer, namespace, trainer.stats])
+
+    assert line == "`kept` in train() at train.py:7 → dict of 1 item → `Trainer.__init__`.__self__.stats"
+
+
+def test_an_ndarray_reads_as_its_base() -> None:
+    t = torch.zeros(2)
+    arr = t.numpy()
+
+    assert render(LOCAL, [[arr], arr, arr.base]) == "`kept` in train() at train.py:7 → list of 1 item → [i].base"
+
+
+def test_module_children_read_as_the_user_indexes_them() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    relu = model[1]
+    hooks = relu._forward_hooks
+
+    line = render(Root("model"), [model, _namespace(model), model._modules, relu, _namespace(relu), hooks])
+
+    assert line == "`model[1]._forward_hooks`"
+
+
+def test_a_stored_exception_reads_down_to_the_frame_local() -> None:
+    def fails() -> None:
+        act = torch.zeros(3)
+        raise ValueError(act.shape)
+
+    errors: list[BaseException] = []
+    try:
+        fails()
+    except ValueError as exc:
+        errors.append(exc)
+    tb = errors[0].__traceback__
+    assert tb is not None and tb.tb_next is not None
+    frame = tb.tb_next.tb_frame
+    act = next(v for v in frame.f_locals.values() if isinstance(v, torch.Tensor))
+
+    line = render(Root("errors"), [errors, errors[0], tb, tb.tb_next, frame, act])
+
+    assert line == "`errors` → list of 1 item → [i].__traceback__ → frame fails() → local `act`"
+
+
+def test_the_climb_names_each_kind_of_root() -> None:
+    pending: queue.Queue[torch.Tensor] = queue.Queue()
+    pending.put(torch.zeros(4))
+    line = _holds(pending.queue[0])
+    assert line is not None and line.startswith("`pending.queue` in test_the_climb_names_each_kind_of_root() at ")
+    assert line.endswith("→ deque of 1 item")
+
+    Registry.seen.append(torch.zeros(5))
+    try:
+        assert _holds(Registry.seen[0]) == "`Registry.seen` → list of 1 item"
+    finally:
+        Registry.seen.clear()
+
+    holder = Slots()
+    holder.buf[0] = torch.zeros(6)
+    line = _holds(holder.buf[0])
+    assert line is not None and line.startswith("`holder.buf` in ") and line.endswith("→ OrderedDict of 1 item")
+
+
+def test_an_array_the_gc_does_not_track_is_found_from_its_referrers() -> None:
+    arrays = [torch.ones(7).numpy() for _ in range(3)]
+
+    line = _holds(arrays[1].base)
+
+    assert line is not None
+    assert line.startswith("`arrays` in test_an_array_the_gc_does_not_track_is_found_from_its_referrers() at ")
+    assert line.endswith("→ list of 3 items → [i].base")
+
+
+def test_the_nearest_assigned_variable_is_preferred_to_a_parameter() -> None:
+    kept = [torch.zeros(8)]
+    line = _looked_up_inside(kept)
+
+    assert line is not None and line.startswith("`kept` in test_the_nearest_assigned_variable_is_preferred")
+
+
+def _looked_up_inside(values: list[torch.Tensor]) -> str | None:
+    return _holds(values[0])
+
