@@ -138,7 +138,7 @@ class CulpritSearch:
         # preserves the Python wrapper of saved tensors). Name the root of the largest live graph
         # and its holder. A tensor without grad_fn is said to be kept by a graph only when that
         # graph saves it: else (a look-up the budget cut short) its holder is unknown, not a graph.
-        if sample.grad_fn is None and not host_objects.saved_by_largest_graph(sample):
+        if sample.grad_fn is None and not host_objects.saved_by_a_graph(sample):
             return _SampleHolder(garbage=garbage)
         root = host_objects.growing_graph(0, min_added=1)
         if root is not None and root.holder is not None:

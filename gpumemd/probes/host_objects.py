@@ -162,30 +162,39 @@ def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
 
 
-def saved_by_largest_graph(sample: Any, *, max_nodes: int = 5_000) -> bool:
-    """Does the largest live autograd graph save a tensor on ``sample``'s storage (a bounded walk)?
-    What makes a tensor that nothing in Python holds "kept by a graph", rather than unexplained."""
-    _, root = _largest_graph()
-    fn = getattr(root, "grad_fn", None)
-    del root
-    if fn is None:
+def saved_by_a_graph(sample: Any, *, max_nodes: int = _GRAPH_NODE_BUDGET) -> bool:
+    """Does a live autograd graph save a tensor on ``sample``'s storage? The graphs of the tensors
+    with a ``grad_fn`` are walked newest first, each node once, ``max_nodes`` in all. What makes a
+    tensor that nothing in Python holds "kept by a graph", rather than unexplained."""
+    torch = sys.modules.get("torch")
+    if torch is None:
         return False
     try:
         ptr = sample.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - no storage (a wrapper subclass): nothing to compare
         return False
-    walk = GraphWalk(max_nodes, overrun=True)
+    walk = GraphWalk(max_nodes)
     try:
-        for node in walk.walk(fn):
-            for saved in walk.saved(node):
-                try:
-                    if saved.untyped_storage().data_ptr() == ptr:
-                        return True
-                except Exception:  # noqa: BLE001
-                    continue
+        for index, obj in enumerate(reversed(gc.get_objects())):
+            if walk.truncated:
+                return False
+            fn = getattr(obj, "grad_fn", None) if issubclass(type(obj), torch.Tensor) else None
+            if fn is not None and walk.walked_by(fn) is None and _saves(walk, fn, index, ptr):
+                return True
         return False
     finally:
         walk.clear()
+
+
+def _saves(walk: GraphWalk, fn: Any, index: int, ptr: int) -> bool:
+    for node in walk.walk(fn, index):
+        for saved in walk.saved(node):
+            try:
+                if saved.untyped_storage().data_ptr() == ptr:
+                    return True
+            except Exception:  # noqa: BLE001 - an odd saved value: not it
+                continue
+    return False
 
 
 def graph_size(tensor: Any, *, max_nodes: int = 200_000) -> int:
