@@ -135,7 +135,7 @@ class LeakComponent:
         self._parts = _Parts(series, culprits, tracker, chains)
 
     def stop(self) -> None:
-        # The series, their count history and the last census go with the parts; the trackers' gc
+        # The series, their past counts and the last census go with the parts; the trackers' gc
         # callback and weak references are released now.
         parts, self._parts = self._parts, None
         if parts is not None:

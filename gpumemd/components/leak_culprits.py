@@ -183,7 +183,7 @@ class CulpritSearch:
         earlier = censuses.at_or_after(int(status.window_start)) if censuses is not None else None
         if earlier is None or earlier is now:
             # No census inside the window (a slow cadence on a big heap): the newest one before it.
-            older = [c for c in (censuses.history() if censuses is not None else [])
+            older = [c for c in (censuses.recent_censuses() if censuses is not None else [])
                      if c is not now and c.step is not None]
             earlier = older[-1] if older else earlier
         sites = self._sites.sites(status)

@@ -64,7 +64,7 @@ MAX_COUNT_SERIES = 16
 
 _COUNT_MIN = 8
 
-_COUNT_HISTORY = 64
+_COUNT_PAST = 64
 """Scans whose group counts are kept (per family) to start a new count series with its past: 64
 scans span 640 to 3,200 steps, more than a detection window."""
 
@@ -77,7 +77,7 @@ class GroupSeries(Generic[K]):
 
     def __init__(self) -> None:
         self.specs: dict[K, SeriesSpec] = {}
-        self.history: collections.deque[tuple[int, dict[K, int]]] = collections.deque(maxlen=_COUNT_HISTORY)
+        self.count_past: collections.deque[tuple[int, dict[K, int]]] = collections.deque(maxlen=_COUNT_PAST)
 
     def key_of(self, spec: SeriesSpec) -> K | None:
         return next((k for k, s in self.specs.items() if s is spec), None)
@@ -151,13 +151,13 @@ class LeakSeries:
             self.seconds_per_step = duration if avg is None else 0.98 * avg + 0.02 * duration
         host = record.host
         if host is not None:
-            # The agent's own step history grows until the ring buffer is full: not the job's memory.
+            # The agent's own step records grow until the ring buffer is full: not the job's memory.
             self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
 
     def _own_bytes(self, record: StepRecord, samples: int) -> float:
         if self._own_record_bytes is None:
             self._own_record_bytes = float(_deep_size(record))
-        return self._own_record_bytes * min(samples, self._options.history_steps)
+        return self._own_record_bytes * min(samples, self._options.keep_steps)
 
     def feed_census(self, census: Census | None, record: StepRecord) -> None:
         """Feed a census's series, once per census (the one published when ``record`` was made)."""
@@ -212,7 +212,7 @@ class LeakSeries:
                         groups: list[tuple[K, int, Callable[[], SeriesSpec]]]) -> None:
         """Feed one count series per group (key, count, how to make its spec): a group gets a series
         once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most), and with it the counts it had
-        at the earlier scans (kept per family, bounded), so its history starts where the group did,
+        at the earlier scans (kept per family, bounded), so its series starts where the group did,
         not where it crossed the threshold; a watched group that is gone (all its tensors died, its
         chain ended) drops to 0."""
         specs = family.specs
@@ -224,14 +224,14 @@ class LeakSeries:
                 if count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
                     continue
                 spec = specs[key] = make_spec()
-                for earlier, counts in family.history:  # what this group counted at the scans before
+                for earlier, counts in family.count_past:  # what this group counted at the scans before
                     if earlier < step:
                         self._observe(spec, earlier, counts.get(key, 0), phase)
             self._observe(spec, step, count, phase)
         for key, spec in specs.items():
             if key not in present:
                 self._observe(spec, step, 0, phase)
-        family.history.append((step, present))
+        family.count_past.append((step, present))
 
     # --- what matters --------------------------------------------------------------------------
 

@@ -385,7 +385,7 @@ class OomComponent(ComponentBase):
             host=state.host,
             allocator=state.allocator,
             nvml=state.nvml,
-            phases=state.phases,
+            step_profile=state.step_profile,
         )
         device = oom_device(inputs)
         summary = capture.memory_summary if capture and capture.memory_summary else (

@@ -208,7 +208,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     _host(out, state)
     _steps(out, state, live or LiveFigures(), last_step_at)
     _census(out, state)
-    _phases(out, state)
+    _step_profile(out, state)
     _findings(out, state.findings)
     _agent(out, state)
     return out.result()
@@ -277,14 +277,14 @@ def _census(out: _Families, state: AgentState) -> None:
         out.add("gpumemd_census_invisible_bytes", nbytes, device=device_label(device))
 
 
-def _phases(out: _Families, state: AgentState) -> None:
-    phases = state.phases
-    if phases is None:
+def _step_profile(out: _Families, state: AgentState) -> None:
+    profile = state.step_profile
+    if profile is None:
         return
-    out.add("gpumemd_phase_step", phases.step)
-    # figures() leaves out what was not measured (allocator phases on CPU): absent, never 0.
-    for phase, nbytes in phases.figures().items():
-        out.add("gpumemd_phase_bytes", nbytes, phase=phase)
+    out.add("gpumemd_step_profile_step", profile.step)
+    # figures() leaves out what was not measured (the allocator's points on CPU): absent, never 0.
+    for point, nbytes in profile.figures().items():
+        out.add("gpumemd_step_profile_bytes", nbytes, point=point)
 
 
 def _findings(out: _Families, findings: Iterable[Finding]) -> None:

@@ -11,7 +11,7 @@ from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSampl
 if TYPE_CHECKING:
     from gpumemd.records.census import Census
     from gpumemd.records.findings import Finding
-    from gpumemd.records.phases import PhaseBreakdown
+    from gpumemd.records.step_profile import StepProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ class AgentState:
     findings: tuple[Finding, ...] = ()
     reports: tuple[str, ...] = ()
     ooms_total: int = 0
-    phases: PhaseBreakdown | None = None
+    step_profile: StepProfile | None = None
     phase: str = "train"
     overhead: Overhead = field(default_factory=Overhead)
     probe_errors: Mapping[str, int] = field(default_factory=dict)

@@ -19,17 +19,17 @@ from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, ObserverCall, OomMessage, SnapshotSummary
-from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import Identity, StepRecord
+from gpumemd.records.step_profile import StepProfile
 
 SCHEMA_VERSION = 1
 REPORT_KIND = "gpumemd.oom_report"
 TOP_TENSORS = 500  # largest storages, in report.json only: the people's reports show groups
 TOP_GROUPS = 100  # in report.json; report.md/html and `gpumemd report` show the first view.GROUPS_SHOWN
 TIMELINE_STEPS = 500
-# PhaseBreakdown.figures() names -> what the report calls them (in figures() order).
-PHASE_LABELS: dict[str, str] = {
+# StepProfile.figures() names -> what the report calls them (in figures() order).
+STEP_PROFILE_LABELS: dict[str, str] = {
     "forward_start": "forward start",
     "forward_peak": "forward peak",
     "after_backward": "after backward",
@@ -72,7 +72,7 @@ class ReportInputs:
     nvml: Sequence[NvmlDeviceSample] = ()
     environment: Mapping[str, Any] = field(default_factory=dict)
     memory_summary: str | None = None
-    phases: PhaseBreakdown | None = None  # the last sampled step's phases (attach(phases=True))
+    step_profile: StepProfile | None = None  # the last sampled step's profile (attach(step_profile=True))
 
 
 def oom_device(inputs: ReportInputs) -> int | None:
@@ -244,17 +244,17 @@ def _tensors(census: Census | None, note: str | None) -> dict[str, Any] | None:
     }
 
 
-def _phases(phases: PhaseBreakdown | None) -> dict[str, Any] | None:
-    """The last phase breakdown; figures it could not measure (allocator phases on CPU) are left out."""
-    if phases is None:
+def _step_profile(profile: StepProfile | None) -> dict[str, Any] | None:
+    """The last step profile; figures it could not measure (the allocator's on CPU) are left out."""
+    if profile is None:
         return None
     return {
-        "step": phases.step,
-        "device": phases.device,
-        "saved_tensors": phases.saved_tensors,
-        "overhead_s": phases.overhead_s,
-        "figures": [{"name": name, "label": PHASE_LABELS.get(name, name), "nbytes": nbytes}
-                    for name, nbytes in phases.figures().items()],
+        "step": profile.step,
+        "device": profile.device,
+        "saved_tensors": profile.saved_tensors,
+        "overhead_s": profile.overhead_s,
+        "figures": [{"name": name, "label": STEP_PROFILE_LABELS.get(name, name), "nbytes": nbytes}
+                    for name, nbytes in profile.figures().items()],
     }
 
 
@@ -282,7 +282,9 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "peak_bytes": _peak(timeline, breakdown, device is None),
         "suggestions": [dataclasses.asdict(s) for s in suggestions],
         "tensors": _tensors(inputs.census, inputs.census_note),
-        "phases": _phases(inputs.phases),  # optional (None without attach(phases=True)); added in schema 1
+        # optional (None without attach(step_profile=True)). Named "phases" until the key was renamed: an
+        # older reader sees no step profile, as when none was measured, and load.py reads old files.
+        "step_profile": _step_profile(inputs.step_profile),
         "timeline": timeline,
         "findings": [dataclasses.asdict(f) for f in inputs.findings],
         "snapshot": {

@@ -226,8 +226,8 @@ def slug(title: str) -> str:
 def sections(report: dict[str, Any]) -> list[str]:
     """The title of every section, in order: the table of contents and the headings."""
     out = ["Verdict", "Largest tensor groups", "Suggestions", "Breakdown"]
-    if isinstance(report.get("phases"), dict):
-        out.append("Step phases")
+    if isinstance(report.get("step_profile"), dict):
+        out.append("Step profile")
     out += ["Leak findings", "Timeline", "Allocator snapshot", "Exception", "Environment"]
     if report.get("memory_summary"):
         out.append("torch.cuda.memory_summary()")

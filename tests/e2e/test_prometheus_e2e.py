@@ -144,7 +144,8 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         port=0, output_dir=str(tmp_path / "gpumemd-out"), sample_interval_s=0.5, leak_warmup_steps=20,
         leak_min_bytes_per_step=64 * 1024, leak_window_steps=100,
         leak_check_every_steps=20, census_every_steps=50,
-        phases=True, phase_every_steps=10,  # the dashboard's "Memory by step phase" panel needs data
+        # the dashboard's "Memory by step profile point" panel needs data
+        step_profile=True, step_profile_every_steps=10,
     )
     agent = build_agent(
         config,
@@ -196,9 +197,9 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         assert float(allocated["value"][1]) > 64 * MIB  # the leaked tensors show up
         census = {r["metric"]["category"] for r in prometheus.query("gpumemd_census_bytes")}
         assert census == {"parameter", "gradient", "optimizer_state", "buffer", "graph", "other"}
-        # A CPU job: the phases measured everywhere, none of the allocator phases (absent, not 0).
-        phases = {r["metric"]["phase"] for r in prometheus.query("gpumemd_phase_bytes")}
-        assert phases == {"saved_for_backward", "parameters", "gradients", "optimizer_state"}, phases
+        # A CPU job: the points measured everywhere, none of the allocator's (absent, not 0).
+        profile = {r["metric"]["point"] for r in prometheus.query("gpumemd_step_profile_bytes")}
+        assert profile == {"saved_for_backward", "parameters", "gradients", "optimizer_state"}, profile
         [invisible] = prometheus.query("gpumemd_census_invisible_bytes")
         assert invisible["metric"]["device"] == "0"  # the fake CUDA allocator's bytes no census tensor holds
         [steps] = prometheus.query("gpumemd_steps_total")

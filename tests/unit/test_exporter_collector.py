@@ -14,9 +14,9 @@ from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
 from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.findings import Finding
-from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
+from gpumemd.records.step_profile import StepProfile
 
 GiB = 1024**3
 
@@ -46,9 +46,9 @@ def cuda_sample(device: int, allocated: int = 2 * GiB, reserved: int = 3 * GiB, 
     return sample
 
 
-def cuda_phases(step: int = 39) -> PhaseBreakdown:
+def cuda_step_profile(step: int = 39) -> StepProfile:
     """A sampled CUDA step: every figure measured."""
-    return PhaseBreakdown(
+    return StepProfile(
         step=step, device="cuda:0", forward_start_bytes=2 * GiB, forward_peak_bytes=5 * GiB,
         after_backward_bytes=3 * GiB, after_step_bytes=2 * GiB + 1024, saved_for_backward_bytes=2 * GiB - 4096,
         saved_tensors=120, optimizer_step_peak_bytes=3 * GiB + 512, parameter_bytes=GiB,
@@ -82,7 +82,7 @@ def full_state(n_devices: int = 2) -> AgentState:
         nvml=tuple(NvmlDeviceSample(d, 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
         census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
-        phases=cuda_phases(),
+        step_profile=cuda_step_profile(),
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
                           sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
         probe_errors={"allocator": 0, "nvml": 2, "host": 0},
@@ -125,7 +125,7 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state(), live=FULL_LIVE)
-    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "phase", "version", "world_size", "hostname",
+    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "point", "version", "world_size", "hostname",
                "launcher", "job_phase", "stepping"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
@@ -166,7 +166,7 @@ def test_absent_probes_give_absent_metrics_not_zeros() -> None:
     _, samples = scrape(state)
 
     for prefix in ("gpumemd_allocator_", "gpumemd_device_", "gpumemd_host_", "gpumemd_census_",
-                   "gpumemd_leak_", "gpumemd_step_", "gpumemd_phase_"):
+                   "gpumemd_leak_", "gpumemd_step_", "gpumemd_step_profile_"):
         assert not [name for name in samples if name.startswith(prefix)], prefix
     assert "gpumemd_step" not in samples  # no step yet
     # What is a real count is there from attach, at 0, so increase() sees the first event.
@@ -252,32 +252,32 @@ def test_a_cpu_census_has_no_invisible_bytes_series() -> None:
     assert "gpumemd_census_invisible_bytes" not in samples
 
 
-def test_phase_bytes_one_series_per_measured_phase() -> None:
+def test_step_profile_bytes_one_series_per_measured_point() -> None:
     _, samples = scrape(full_state())
 
-    phases = {s.labels["phase"]: s.value for s in samples["gpumemd_phase_bytes"]}
-    assert phases == {
+    profile = {s.labels["point"]: s.value for s in samples["gpumemd_step_profile_bytes"]}
+    assert profile == {
         "forward_start": 2 * GiB, "forward_peak": 5 * GiB, "after_backward": 3 * GiB, "after_step": 2 * GiB + 1024,
         "optimizer_step_peak": 3 * GiB + 512, "saved_for_backward": 2 * GiB - 4096, "parameters": GiB,
         "gradients": GiB, "optimizer_state": 2 * GiB, "forward_transient": 3 * GiB,
         "optimizer_step_transient": 512,
     }
-    assert value(samples, "gpumemd_phase_step") == 39
+    assert value(samples, "gpumemd_step_profile_step") == 39
 
 
-def test_cpu_phases_leave_allocator_phases_absent_not_zero() -> None:
+def test_cpu_step_profile_leaves_allocator_points_absent_not_zero() -> None:
     # On CPU the component measures saved-for-backward and the exact tensor terms, nothing else;
     # a zero saved_for_backward is a measurement (no graph), so it is exported.
-    cpu = PhaseBreakdown(step=9, device="cpu", forward_start_bytes=None, forward_peak_bytes=None,
-                         after_backward_bytes=None, after_step_bytes=None, saved_for_backward_bytes=0,
-                         parameter_bytes=4096, gradient_bytes=4096, optimizer_state_bytes=None)
-    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, phases=cpu)
+    cpu = StepProfile(step=9, device="cpu", forward_start_bytes=None, forward_peak_bytes=None,
+                      after_backward_bytes=None, after_step_bytes=None, saved_for_backward_bytes=0,
+                      parameter_bytes=4096, gradient_bytes=4096, optimizer_state_bytes=None)
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, step_profile=cpu)
 
     _, samples = scrape(state)
 
-    phases = {s.labels["phase"]: s.value for s in samples["gpumemd_phase_bytes"]}
-    assert phases == {"saved_for_backward": 0, "parameters": 4096, "gradients": 4096}
-    assert value(samples, "gpumemd_phase_step") == 9
+    profile = {s.labels["point"]: s.value for s in samples["gpumemd_step_profile_bytes"]}
+    assert profile == {"saved_for_backward": 0, "parameters": 4096, "gradients": 4096}
+    assert value(samples, "gpumemd_step_profile_step") == 9
 
 
 def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_oom: float | None = None) -> Finding:

@@ -18,11 +18,14 @@ from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.components.oom import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
 from gpumemd.records.oom import ObserverCall
-from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import Identity, StepRecord
+from gpumemd.records.step_profile import StepProfile
 from gpumemd.report import writer
 from gpumemd.report.build import SCHEMA_VERSION, ReportInputs, build_report
+from gpumemd.report.html import render_html
+from gpumemd.report.load import load_report
+from gpumemd.report.markdown import render_markdown
 from gpumemd.report.writer import report_dir_name, write_report_dir
 
 
@@ -111,13 +114,13 @@ def test_html_is_self_contained_and_escapes_user_data() -> None:
         assert section in md
 
 
-def test_phase_breakdown_is_in_every_rendering_when_measured() -> None:
-    phases = PhaseBreakdown(step=25, device="cuda:0", forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
-                            after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
-                            saved_tensors=17, parameter_bytes=6 * MiB)
-    report = json.loads(json.dumps(build_report(_inputs(phases=phases)), allow_nan=False))
+def test_step_profile_is_in_every_rendering_when_measured() -> None:
+    profile = StepProfile(step=25, device="cuda:0", forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
+                          after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
+                          saved_tensors=17, parameter_bytes=6 * MiB)
+    report = json.loads(json.dumps(build_report(_inputs(step_profile=profile)), allow_nan=False))
 
-    section = report["phases"]
+    section = report["step_profile"]
     assert section["step"] == 25 and section["device"] == "cuda:0" and section["saved_tensors"] == 17
     figures = {f["name"]: f["nbytes"] for f in section["figures"]}
     # What was not measured (after_step, gradients...) is left out, never written as 0.
@@ -125,18 +128,35 @@ def test_phase_breakdown_is_in_every_rendering_when_measured() -> None:
                        "saved_for_backward": 24 * MiB, "parameters": 6 * MiB, "forward_transient": 26 * MiB}
     files = render_files(report, make_snapshot())
     md = files["report.md"].decode()
-    assert "## Step phases" in md and "step 25" in md
+    assert "## Step profile" in md and "step 25" in md
     assert "| forward peak | 36.00 MiB |" in md and "| saved for backward (activations) | 24.00 MiB |" in md
     assert "after optimizer step" not in md
     html = files["report.html"].decode()
-    assert ">Step phases</h2>" in html and "forward peak" in html and "36.00 MiB" in html
+    assert ">Step profile</h2>" in html and "forward peak" in html and "36.00 MiB" in html
 
 
-def test_without_phases_the_report_has_no_phase_section() -> None:
+def test_without_a_step_profile_the_report_has_no_step_profile_section() -> None:
     report = build_report(_inputs())
-    assert report["phases"] is None
+    assert report["step_profile"] is None
     files = render_files(report, make_snapshot())
-    assert "Step phases" not in files["report.md"].decode() and "Step phases" not in files["report.html"].decode()
+    assert "Step profile" not in files["report.md"].decode() and "Step profile" not in files["report.html"].decode()
+
+
+def test_a_report_written_before_the_step_profile_was_renamed_still_loads_and_renders(tmp_path: Any) -> None:
+    """The previous release wrote the step profile under the key "phases"."""
+    profile = StepProfile(step=25, device="cuda:0", forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
+                          after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
+                          saved_tensors=17, parameter_bytes=6 * MiB)
+    report = json.loads(json.dumps(build_report(_inputs(step_profile=profile)), allow_nan=False))
+    old = {("phases" if key == "step_profile" else key): value for key, value in report.items()}
+    path = write_report_dir(str(tmp_path), "old", {"report.json": json.dumps(old).encode()})
+
+    loaded = load_report(path)
+
+    assert loaded["step_profile"] == report["step_profile"] and "phases" not in loaded
+    md = render_markdown(loaded)
+    assert "## Step profile" in md and "| forward peak | 36.00 MiB |" in md
+    assert ">Step profile</h2>" in render_html(loaded)
 
 
 def test_snapshot_file_is_exactly_what_torch_writes_and_memory_viz_reads(tmp_path: Any) -> None:

@@ -1,4 +1,4 @@
-"""Memory measured at the phases of one sampled training step."""
+"""The step profile: memory measured at the points of one sampled training step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class PhaseBreakdown:
-    """One sampled step, phase by phase (bytes).
+class StepProfile:
+    """One sampled step, point by point (bytes).
 
     Device figures (``*_bytes`` of the allocator: forward start, forward peak, after backward,
     after the optimizer step, optimizer-step peak) come from the CUDA caching allocator and are
