@@ -9,6 +9,7 @@ from torch import nn
 import gpumemd
 from gpumemd.components.phases import PhasesComponent
 from gpumemd.probes.trace import SavedTensorCounter
+from gpumemd.records.device import CPU
 
 
 def hooks_active() -> bool:
@@ -44,7 +45,7 @@ def test_sampled_steps_publish_exact_cpu_breakdown(out_dir: str) -> None:
             published.append(-1 if phases is None else phases.step)
         phases = agent.state().phases
     assert published == [-1, -1, 2, 2, 2, 5, 5]  # steps 2 and 5 of 0..6 are sampled
-    assert phases is not None and phases.device == "cpu"
+    assert phases is not None and phases.device == CPU
     assert phases.saved_for_backward_bytes == expected_saved()
     assert phases.activations_bytes == expected_saved()
     param_bytes = sum(p.nbytes for p in model.parameters())
