@@ -33,7 +33,7 @@ from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
-from gpumemd.records.samples import HostSample
+from gpumemd.records.samples import AllocatorSample, HostSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.state_board import StateBoard
@@ -412,11 +412,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def _reset_peaks(samples: tuple[Any, ...]) -> None:
+def _reset_peaks(samples: tuple[AllocatorSample, ...]) -> None:
     import torch
 
     for sample in samples:
         try:
-            torch.cuda.reset_peak_memory_stats(sample.device)
+            torch.cuda.reset_peak_memory_stats(sample.device.name)
         except (RuntimeError, AttributeError) as exc:
             log_once("reset_peak", "gpumemd: could not reset peak stats (%s)", exc)

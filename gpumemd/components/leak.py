@@ -36,6 +36,7 @@ from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.files import append_line
 from gpumemd.probes.graph_chains import GraphChainTracker
 from gpumemd.probes.survivors import SurvivorTracker
+from gpumemd.records.plain import plain
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -344,7 +345,7 @@ class LeakComponent:
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            line = json.dumps({"time": self._wall(), **_jsonable(dataclasses.asdict(finding))}, sort_keys=True)
+            line = json.dumps({"time": self._wall(), **_jsonable(plain(finding))}, sort_keys=True)
             append_line(path, line)
             self._append_failed = False
         except OSError as exc:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.components.base import ComponentBase
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.step_profile import StepProfile
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class StepProfileComponent(ComponentBase):
         self._counter: SavedTensorCounter | None = None
         self._root: Any = None
         self._cuda_index: int | None = None
-        self._device = "cpu"
+        self._device = CPU
         self._values: dict[str, Any] = {}
         self._overhead = 0.0
 
@@ -144,7 +145,7 @@ class StepProfileComponent(ComponentBase):
             buffers = list(module.buffers())
             device = params[0].device if params else None
             self._root = module
-            self._device = str(device) if device is not None else "cpu"
+            self._device = Device.parse(str(device)) if device is not None else CPU
             self._cuda_index = _cuda_index(device)
             self._values["parameter_bytes"] = _tensor_bytes([*params, *buffers])
             self._values["forward_start_bytes"] = self._allocated(reset_peak=True)

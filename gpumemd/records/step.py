@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ class StepRecord:
     census_total_bytes: int | None = None  # filled on steps where a census ran
     steps: int = 1  # steps since the previous record (this one included)
 
-    def allocator_for(self, device: int) -> AllocatorSample | None:
+    def allocator_for(self, device: Device) -> AllocatorSample | None:
         for sample in self.allocator:
             if sample.device == device:
                 return sample

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpumemd.records.device import Device
+
 
 @dataclass(frozen=True, slots=True)
 class StepProfile:
@@ -18,7 +20,7 @@ class StepProfile:
     """
 
     step: int
-    device: str
+    device: Device
     forward_start_bytes: int | None
     forward_peak_bytes: int | None
     after_backward_bytes: int | None

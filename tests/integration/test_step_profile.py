@@ -9,6 +9,7 @@ from torch import nn
 import gpumemd
 from gpumemd.components.step_profile import StepProfileComponent
 from gpumemd.probes.trace import SavedTensorCounter
+from gpumemd.records.device import CPU
 
 
 def hooks_active() -> bool:
@@ -44,7 +45,7 @@ def test_sampled_steps_publish_exact_cpu_breakdown(out_dir: str) -> None:
             published.append(-1 if profile is None else profile.step)
         profile = agent.state().step_profile
     assert published == [-1, -1, 2, 2, 2, 5, 5]  # steps 2 and 5 of 0..6 are sampled
-    assert profile is not None and profile.device == "cpu"
+    assert profile is not None and profile.device == CPU
     assert profile.saved_for_backward_bytes == expected_saved()
     assert profile.activations_bytes == expected_saved()
     param_bytes = sum(p.nbytes for p in model.parameters())

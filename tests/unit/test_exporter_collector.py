@@ -13,6 +13,7 @@ from gpumemd.exporter.collector import CounterBaseline, LiveFigures, StateCollec
 from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
 from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Finding
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
@@ -49,7 +50,7 @@ def cuda_sample(device: int, allocated: int = 2 * GiB, reserved: int = 3 * GiB, 
 def cuda_step_profile(step: int = 39) -> StepProfile:
     """A sampled CUDA step: every figure measured."""
     return StepProfile(
-        step=step, device="cuda:0", forward_start_bytes=2 * GiB, forward_peak_bytes=5 * GiB,
+        step=step, device=Device.cuda(0), forward_start_bytes=2 * GiB, forward_peak_bytes=5 * GiB,
         after_backward_bytes=3 * GiB, after_step_bytes=2 * GiB + 1024, saved_for_backward_bytes=2 * GiB - 4096,
         saved_tensors=120, optimizer_step_peak_bytes=3 * GiB + 512, parameter_bytes=GiB,
         gradient_bytes=GiB, optimizer_state_bytes=2 * GiB,
@@ -63,23 +64,23 @@ def full_state(n_devices: int = 2) -> AgentState:
     census = Census(
         step=40, taken_at=1000.0, duration_s=0.02,
         groups=(
-            CensusGroup(GroupKey("cuda:0", "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * 1024**2),
-            CensusGroup(GroupKey("cuda:0", "float32", (), "graph", None), 30, 120, graph_bytes=8 * 1024**2),
+            CensusGroup(GroupKey(Device.cuda(0), "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * 1024**2),
+            CensusGroup(GroupKey(Device.cuda(0), "float32", (), "graph", None), 30, 120, graph_bytes=8 * 1024**2),
         ),
-        invisible_bytes_by_device={f"cuda:{d}": (d + 1) * 1024**2 for d in range(n_devices)},
+        invisible_bytes_by_device={Device.cuda(d): (d + 1) * 1024**2 for d in range(n_devices)},
     )
     finding = Finding(
         kind="tensor_leak", series="allocated_bytes{device=0}", state="confirmed",
         slope_bytes_per_step=1048576.0, slope_low=1e6, slope_high=1.1e6, onset_step=60,
         growth_bytes=50 * 1024**2, steps_to_oom=1234.0, first_step=100, updated_step=150,
-        summary="allocated grows 1 MiB/step", device=0,
+        summary="allocated grows 1 MiB/step", device=Device.cuda(0),
     )
     record = StepRecord(step=41, wall_time=1001.0, duration_s=0.25, allocator=allocator)
     return AgentState(
         identity=Identity(rank=3, local_rank=1, world_size=8, hostname="node-a", pid=4242, source="torchrun"),
         attached_at=900.0, updated_at=1001.0, step=41, steps_total=42, last_step=record,
         allocator=allocator,
-        nvml=tuple(NvmlDeviceSample(d, 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
+        nvml=tuple(NvmlDeviceSample(Device.cuda(d), 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
         census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
         step_profile=cuda_step_profile(),
@@ -176,7 +177,7 @@ def test_absent_probes_give_absent_metrics_not_zeros() -> None:
 
 
 def test_cuda_malloc_async_backend_exports_only_what_it_fills() -> None:
-    sample = AllocatorSample(device=0, allocated_bytes=GiB, reserved_bytes=2 * GiB, active_bytes=GiB)
+    sample = AllocatorSample(device=Device.cuda(0), allocated_bytes=GiB, reserved_bytes=2 * GiB, active_bytes=GiB)
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, allocator=(sample,))
 
     _, samples = scrape(state)
@@ -187,7 +188,7 @@ def test_cuda_malloc_async_backend_exports_only_what_it_fills() -> None:
 
 
 def test_process_usage_nvml_cannot_attribute_is_absent() -> None:
-    nvml = (NvmlDeviceSample(0, 80 * GiB, 10 * GiB, 70 * GiB, process_used_bytes=None),)
+    nvml = (NvmlDeviceSample(Device.cuda(0), 80 * GiB, 10 * GiB, 70 * GiB, process_used_bytes=None),)
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, nvml=nvml)
 
     _, samples = scrape(state)
@@ -243,7 +244,7 @@ def test_census_invisible_bytes_per_device_index() -> None:
 
 def test_a_cpu_census_has_no_invisible_bytes_series() -> None:
     census = Census(step=3, taken_at=1.0, duration_s=0.01,
-                    groups=(CensusGroup(GroupKey("cpu", "float32", (8,), "parameter", "w"), 1, 32),))
+                    groups=(CensusGroup(GroupKey(CPU, "float32", (8,), "parameter", "w"), 1, 32),))
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, census=census)
 
     _, samples = scrape(state)
@@ -268,7 +269,7 @@ def test_step_profile_bytes_one_series_per_measured_point() -> None:
 def test_cpu_step_profile_leaves_allocator_points_absent_not_zero() -> None:
     # On CPU the component measures saved-for-backward and the exact tensor terms, nothing else;
     # a zero saved_for_backward is a measurement (no graph), so it is exported.
-    cpu = StepProfile(step=9, device="cpu", forward_start_bytes=None, forward_peak_bytes=None,
+    cpu = StepProfile(step=9, device=CPU, forward_start_bytes=None, forward_peak_bytes=None,
                       after_backward_bytes=None, after_step_bytes=None, saved_for_backward_bytes=0,
                       parameter_bytes=4096, gradient_bytes=4096, optimizer_state_bytes=None)
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, step_profile=cpu)
@@ -280,7 +281,7 @@ def test_cpu_step_profile_leaves_allocator_points_absent_not_zero() -> None:
     assert value(samples, "gpumemd_step_profile_step") == 9
 
 
-def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_oom: float | None = None) -> Finding:
+def _finding(kind: str, state: str, slope: float, device: Device | None, steps_to_oom: float | None = None) -> Finding:
     return Finding(kind=kind, series=f"s{device}", state=state, slope_bytes_per_step=slope, slope_low=slope,
                    slope_high=slope, onset_step=None, growth_bytes=int(slope * 10), steps_to_oom=steps_to_oom,
                    first_step=1, updated_step=2, summary="", device=device)
@@ -288,9 +289,9 @@ def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_o
 
 def test_findings_export_the_most_severe_per_kind_and_device() -> None:
     findings = (
-        _finding("tensor_leak", "suspected", 5e6, 0, steps_to_oom=10.0),
-        _finding("tensor_leak", "confirmed", 1e6, 0, steps_to_oom=900.0),
-        _finding("host_leak", "cleared", 2e6, None),
+        _finding("tensor_leak", "suspected", 5e6, Device.cuda(0), steps_to_oom=10.0),
+        _finding("tensor_leak", "confirmed", 1e6, Device.cuda(0), steps_to_oom=900.0),
+        _finding("host_leak", "cleared", 2e6, CPU),
     )
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, findings=findings)
 
@@ -299,7 +300,7 @@ def test_findings_export_the_most_severe_per_kind_and_device() -> None:
     assert value(samples, "gpumemd_leak_state", kind="tensor_leak", device="0") == 2
     assert value(samples, "gpumemd_leak_slope_bytes_per_step", kind="tensor_leak", device="0") == 1e6
     assert value(samples, "gpumemd_leak_steps_to_oom", kind="tensor_leak", device="0") == 900
-    # A host finding has no device: the label is empty (which Prometheus reads as absent).
+    # A host finding is off CUDA: the label is empty (which Prometheus reads as absent).
     assert value(samples, "gpumemd_leak_state", kind="host_leak") == 0
     assert len(samples["gpumemd_leak_steps_to_oom"]) == 1  # None for host_leak: absent
 

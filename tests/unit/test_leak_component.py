@@ -21,6 +21,7 @@ from gpumemd.config import Config
 from gpumemd.probes.allocation_history import AllocationHistory
 from gpumemd.probes.allocator import AllocatorProbe
 from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.records.device import Device
 from gpumemd.records.step import Identity
 
 MIB = 1024 * 1024
@@ -139,7 +140,7 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
                                                                "confirmed")]
     f = findings[0]
     assert f.slope_bytes_per_step == pytest.approx(2 * MIB, rel=0.05)
-    assert f.device == 0 and abs((f.onset_step or 0) - ONSET) <= 15
+    assert f.device == Device.cuda(0) and abs((f.onset_step or 0) - ONSET) <= 15
     # headroom = NVML free + allocator cache beyond the step's peak; OOM when the leak has eaten it
     state = agent.state()
     sample = state.allocator[0]

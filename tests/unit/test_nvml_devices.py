@@ -17,6 +17,7 @@ from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.exporter.collector import StateCollector
 from gpumemd.probes.nvml import NvmlProbe, parse_visible_devices, uuids_to_indices, visible_indices
+from gpumemd.records.device import Device
 from gpumemd.records.step import Identity
 
 GIB = 1 << 30
@@ -109,7 +110,8 @@ def test_mig_instances_are_read_not_their_parent() -> None:
     nvml = FakeNvml(2, mig={1: ["MIG-aaaa", "MIG-bbbb"]})
     probe = NvmlProbe(nvml=nvml, pid=1, visible="MIG-bb")
     (sample,) = probe.read()
-    assert sample.device == 0 and sample.total_bytes == 10 * GIB  # the instance's 10 GiB, not the 80 GiB GPU
+    assert sample.device == Device.cuda(0)
+    assert sample.total_bytes == 10 * GIB  # the instance's 10 GiB, not the 80 GiB GPU
     assert NvmlProbe(nvml=nvml, pid=1, visible="MIG-zz").read() == ()
 
 
@@ -160,7 +162,7 @@ def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
             optimizer.step()
         agent.tick()
         state = agent.state()
-        assert [n.device for n in state.nvml] == [3]
+        assert [n.device for n in state.nvml] == [Device.cuda(3)]
         registry = CollectorRegistry(auto_describe=False)
         registry.register(StateCollector(agent.state))
         text = generate_latest(registry).decode()

@@ -101,8 +101,8 @@ def no_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def totals(samples: tuple[Any, ...]) -> dict[int, int]:
-    return {s.device: s.total_bytes // GIB for s in samples}
+def totals(samples: tuple[Any, ...]) -> dict[int | None, int]:
+    return {s.device.cuda_index: s.total_bytes // GIB for s in samples}
 
 
 @pytest.mark.usefixtures("no_visible_devices")

@@ -15,6 +15,7 @@ from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.probes.census import take_census
 from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 
 MiB = 2**20
@@ -92,7 +93,7 @@ def test_a_burst_in_one_step_takes_one_snapshot_and_keeps_the_last_calls_numbers
     pending = component._pending
     assert pending is not None and pending.snapshot is not None and pending.snapshot["capture"] == 1
     assert pending.memory_summary == "summary of device 0" and pending.steps_total == 41
-    assert _pending_call(component) == ObserverCall(device=0, requested_bytes=(64 >> (49 % 7)) * MiB,
+    assert _pending_call(component) == ObserverCall(device=Device.cuda(0), requested_bytes=(64 >> (49 % 7)) * MiB,
                                                     total_or_cap_bytes=80 * GiB, device_free_bytes=52 * MiB,
                                                     wall_time=49.0)
     agent.steps_total += 1  # the next step: its OOM is another moment
@@ -125,7 +126,7 @@ def test_another_device_in_the_window_reuses_the_snapshot_but_gets_its_own_summa
     assert probe.captures == 1 and probe.summaries == [0, 1]
     pending = component._pending
     assert pending is not None and pending.memory_summary == "summary of device 1"
-    assert _pending_call(component).device == 1 and _pending_call(component).device_free_bytes == 5 * MiB
+    assert _pending_call(component).device == Device.cuda(1) and _pending_call(component).device_free_bytes == 5 * MiB
 
 
 def test_no_snapshot_when_no_report_could_be_written(setup: tuple[OomComponent, _Probe, _Agent, _Clock]) -> None:

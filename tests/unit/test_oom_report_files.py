@@ -17,6 +17,7 @@ from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.components.oom import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import Identity, StepRecord
@@ -31,20 +32,20 @@ from gpumemd.report.writer import report_dir_name, write_report_dir
 
 def _inputs(**over: Any) -> ReportInputs:
     steps = [StepRecord(step=i, wall_time=1000.0 + i, duration_s=0.1, phase="train",
-                        allocator=(AllocatorSample(device=0, allocated_bytes=(4 + i) * MiB,
+                        allocator=(AllocatorSample(device=Device.cuda(0), allocated_bytes=(4 + i) * MiB,
                                                    allocated_peak_bytes=(9 + i) * MiB, reserved_bytes=22 * MiB),))
              for i in range(30)]
-    entry = TensorEntry(nbytes=6 * MiB, shape=(1536, 1024), dtype="float32", device="cuda:0",
+    entry = TensorEntry(nbytes=6 * MiB, shape=(1536, 1024), dtype="float32", device=Device.cuda(0),
                         category="parameter", name="<script>alert(1)</script>.weight")
     census = Census(step=29, taken_at=1029.0, duration_s=0.01, largest=(entry,),
-                    groups=(CensusGroup(GroupKey("cuda:0", "float32", (1536, 1024), "parameter", entry.name), 1,
+                    groups=(CensusGroup(GroupKey(Device.cuda(0), "float32", (1536, 1024), "parameter", entry.name), 1,
                                         6 * MiB),))
     base: dict[str, Any] = dict(
         created_at=1763700000.5, identity=Identity(rank=3, world_size=8, hostname="node7", pid=11),
         source="oom_guard", exception_type="OutOfMemoryError", exception_message=NEW_MESSAGE,
         traceback_text="Traceback (most recent call last):\n  File \"train.py\", line 88\n",
         message=parse_oom_message(NEW_MESSAGE), step=30,
-        observer=ObserverCall(0, 8 * MiB, 40 * MiB, 3 * MiB, 1763700000.4),
+        observer=ObserverCall(Device.cuda(0), 8 * MiB, 40 * MiB, 3 * MiB, 1763700000.4),
         snapshot_summaries=summarize_snapshot(make_snapshot()), snapshot_source="oom_observer",
         snapshot_file="snapshot.pickle", census=census, steps=steps,
         environment={"torch": "2.13.0", "rank": 3}, memory_summary="|  PyTorch CUDA memory summary  |",
@@ -115,7 +116,7 @@ def test_html_is_self_contained_and_escapes_user_data() -> None:
 
 
 def test_step_profile_is_in_every_rendering_when_measured() -> None:
-    profile = StepProfile(step=25, device="cuda:0", forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
+    profile = StepProfile(step=25, device=Device.cuda(0), forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
                           after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
                           saved_tensors=17, parameter_bytes=6 * MiB)
     report = json.loads(json.dumps(build_report(_inputs(step_profile=profile)), allow_nan=False))

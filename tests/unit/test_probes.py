@@ -12,6 +12,7 @@ from gpumemd.probes.allocator import AllocatorProbe, sample_from_stats
 from gpumemd.probes.host import HostProbe
 from gpumemd.probes.identity import current_identity, identity_from_env
 from gpumemd.probes.nvml import NvmlProbe, visible_indices
+from gpumemd.records.device import Device
 
 _ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
            "active_bytes", "inactive_split_bytes", "requested_bytes")
@@ -70,7 +71,7 @@ def test_probe_reads_only_touched_devices_and_only_after_init() -> None:
     assert probe.read() == ()
     initialised[0] = True
     samples = probe.read()
-    assert [s.device for s in samples] == [0]
+    assert [s.device for s in samples] == [Device.cuda(0)]
     assert probe.health.available is True
 
 
@@ -126,7 +127,7 @@ def test_nvml_reads_devices_and_this_process() -> None:
     nvml = FakeNvml(pids=[123])
     probe = NvmlProbe(nvml=nvml, pid=123, visible="1")
     (sample,) = probe.read()
-    assert (sample.device, sample.used_bytes, sample.process_used_bytes) == (0, 11 << 30, 5 << 30)
+    assert (sample.device, sample.used_bytes, sample.process_used_bytes) == (Device.cuda(0), 11 << 30, 5 << 30)
     probe.close()
     assert nvml.shutdown
 
