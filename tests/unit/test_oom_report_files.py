@@ -145,7 +145,7 @@ def test_without_a_step_profile_the_report_has_no_step_profile_section() -> None
 
 def test_a_report_written_before_the_step_profile_was_renamed_still_loads_and_renders(tmp_path: Any) -> None:
     """The previous release wrote the step profile under the key "phases"."""
-    profile = StepProfile(step=25, device="cuda:0", forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
+    profile = StepProfile(step=25, device=Device.cuda(0), forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
                           after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
                           saved_tensors=17, parameter_bytes=6 * MiB)
     report = json.loads(json.dumps(build_report(_inputs(step_profile=profile)), allow_nan=False))
