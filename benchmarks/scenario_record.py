@@ -73,6 +73,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 sys.path.insert(0, ROOT)  # the gpumemd of this tree, whatever else is installed
 
 import gpumemd  # noqa: E402
+from gpumemd.records.plain import plain  # noqa: E402
 
 FORMAT = 1
 SEED = 0
@@ -217,7 +218,7 @@ def record_scenario(name: str) -> dict[str, Any]:
         "sampling": _grid(sampled),
         "transitions": [f"{e['kind']} {e['state']} at step {e['updated_step']}" for e in outcome.events],
         "events": events,
-        "findings": _stable([dataclasses.asdict(f) for f in outcome.findings], output_dir, functions),
+        "findings": _stable([plain(f) for f in outcome.findings], output_dir, functions),
         "warnings": _stable(lines.warnings, output_dir, functions),
         "status_lines": _stable(lines.status, output_dir, functions),
     }
