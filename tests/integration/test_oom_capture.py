@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import ManualClock
 
 import gpumemd
 from gpumemd.agent import Agent
@@ -139,14 +140,6 @@ def test_a_report_on_request(out_dir: str) -> None:
     assert second is not None and _load(second)["oom"]["requested_bytes"] == 8 * MiB
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
                     **over)
@@ -154,7 +147,7 @@ def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:
 
 
 def test_cap_and_cooldown(out_dir: str) -> None:
-    clock = _Clock()
+    clock = ManualClock()
     options = Config(output_dir=out_dir, oom_max_reports=2, oom_cooldown_s=10).options(OomOptions)
     component = OomComponent(options, clock=clock)
     agent = _agent(out_dir, component)
