@@ -99,6 +99,7 @@ def test_two_rank_ddp_job_under_torchrun(tmp_path: Path) -> None:
             # torchrun runs `python -u -m gpumemd run ...` for each worker.
             "-m", "gpumemd", "run",
             "--output-dir", str(out), "--port", str(port), "--sample-interval-s", "0",
+            "--oom-linger-s", "0",  # rank 0 dies with no scrape to wait for: exit at once
             "--leak-warmup-steps", "20", "--leak-min-bytes-per-step", "65536", "--leak-window-steps", "60",
             "--leak-check-every-steps", "10", "--census-every-steps", "10",
             str(worker), str(out), str(port), str(STEPS),

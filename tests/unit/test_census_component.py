@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from fakes import ManualClock
 
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent, build_components
@@ -18,14 +19,6 @@ from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.config import Config
 from gpumemd.probes.census import take_census
 from gpumemd.records.census import Census
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class CostlyCensus:
@@ -51,7 +44,7 @@ class CostlyCensus:
 
 @pytest.fixture
 def clock() -> ManualClock:
-    return ManualClock()
+    return ManualClock(1000.0)
 
 
 def _agent(out_dir: str, component: CensusComponent, clock: ManualClock, others: Sequence[Any] = ()) -> Agent:

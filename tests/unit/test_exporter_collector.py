@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import pytest
+from fakes import ManualClock as _Clock
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -368,14 +369,6 @@ def test_last_step_timestamp_is_the_sampled_step_wall_time() -> None:
     assert value(samples, "gpumemd_last_step_timestamp_seconds") == 1000.5
     assert value(samples, "gpumemd_step_typical_duration_seconds") == 0.2
     assert value(samples, "gpumemd_job_phase_info", job_phase="train", stepping="true") == 1
-
-
-class _Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_steps_counted_after_the_sampled_one_move_the_bound_to_the_previous_scrape() -> None:

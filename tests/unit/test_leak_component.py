@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import FakeGpu, FakeNvml
 
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent
@@ -27,27 +28,6 @@ from gpumemd.records.step import Identity
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 ONSET = 60
-
-
-class FakeNvml:
-    """Pynvml's call shapes for one 80 GiB device."""
-
-    def __init__(self) -> None:
-        self.used = 12 * GIB
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetCount(self) -> int:
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
-        return SimpleNamespace(total=80 * GIB, used=self.used, free=80 * GIB - self.used)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
-        return []
 
 
 class FakeDevice:
@@ -115,7 +95,7 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300,
     agent = build_agent(
         config_,
         allocator_probe=AllocatorProbe(stats_fn=device.stats, is_initialized=lambda: True, device_count=lambda: 1),
-        nvml_probe=NvmlProbe(nvml=FakeNvml(), visible="0"),
+        nvml_probe=NvmlProbe(nvml=FakeNvml([FakeGpu(used=12 * GIB)]), visible="0"),
         identity=Identity(rank=3, world_size=4),
         components=[component],
         max_stride=1,  # a mechanism test: every step sampled (the scenario suite runs at defaults)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
+from fakes import ManualClock as _Clock
 
 from gpumemd.components.base import AgentView
 from gpumemd.components.census import CensusComponent, CensusOptions
@@ -53,17 +54,9 @@ class _Agent:
         self.steps_total = 41
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def setup() -> Iterator[tuple[OomComponent, _Probe, _Agent, _Clock]]:
-    probe, agent, clock = _Probe(), _Agent(), _Clock()
+    probe, agent, clock = _Probe(), _Agent(), _Clock(1000.0)
     wall = iter(range(1_000_000))
     component = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
                                         history_max_entries=0),

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import ManualClock
 
 from gpumemd.analysis.breakdown import cuda_breakdown
 from gpumemd.analysis.headroom import reservable_bytes
@@ -132,14 +133,6 @@ def _stats(allocated: int = 4 * GiB, reserved: int = 6 * GiB) -> dict[str, int]:
             "inactive_split_bytes.all.current": 0, "segment.all.current": 3, "segment.all.allocated": 3}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_probe_reads_the_fraction_once_per_device_and_rechecks_it() -> None:
     calls: list[int] = []
     fraction = {"value": 0.5}
@@ -148,7 +141,7 @@ def test_probe_reads_the_fraction_once_per_device_and_rechecks_it() -> None:
         calls.append(device)
         return fraction["value"], DEVICE_TOTAL
 
-    clock = Clock()
+    clock = ManualClock(100.0)
     probe = AllocatorProbe(stats_fn=lambda d: _stats(), is_initialized=lambda: True, device_count=lambda: 2,
                            backend_fn=lambda: "native", cap_fn=cap_fn, clock=clock)
     for _ in range(100):  # a hundred sampled steps: one read per device, not one per step
