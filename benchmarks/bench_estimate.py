@@ -11,8 +11,8 @@ Part 1, for each test model (fp32, Adam, one CPU training step):
   backward and step (``gpumemd.probes.cpu_peak``). Saved-for-backward is counted in the real step
   with the same saved-tensor counter.
 
-Part 2: median wall time of a training step with phases off, with phases on but the step not
-sampled, and on a sampled step, plus the component's own hook time (``PhaseBreakdown.overhead_s``).
+Part 2: median wall time of a training step with the step profile off, on but the step not
+sampled, and on a sampled step, plus the component's own hook time (``StepProfile.overhead_s``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 
 import gpumemd
 from gpumemd.analysis.estimate import TransformerShape, estimate
-from gpumemd.components.phases import PhasesComponent
+from gpumemd.components.step_profile import StepProfileComponent
 from gpumemd.probes.cpu_peak import measure_cpu_peak
 from gpumemd.probes.trace import SavedTensorCounter, scalar_loss, storage_key, trace_model
 
@@ -137,10 +137,10 @@ def timed_loop(steps: int, **attach: Any) -> tuple[list[float], list[float]]:
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
-            phases = agent.state().phases
-            if phases is not None and phases is not last:
-                overheads.append(phases.overhead_s)
-                last = phases
+            profile = agent.state().step_profile
+            if profile is not None and profile is not last:
+                overheads.append(profile.overhead_s)
+                last = profile
     return times[10:], overheads
 
 
@@ -152,17 +152,17 @@ def part2(steps: int, rounds: int = 3) -> None:
     overheads: list[float] = []
     for _ in range(rounds):
         off += timed_loop(steps)[0]
-        unsampled += timed_loop(steps, phases=True, phase_every_steps=10**6)[0]
-        times, over = timed_loop(steps, phases=True, phase_every_steps=1)
+        unsampled += timed_loop(steps, step_profile=True, step_profile_every_steps=10**6)[0]
+        times, over = timed_loop(steps, step_profile=True, step_profile_every_steps=1)
         sampled += times
         overheads += over
     med = statistics.median
     print()
     print(f"| training step (MLP 512-1024-1024-10, batch 64, CPU; median of {len(off)} steps) | ms |")
     print("|---|---:|")
-    print(f"| phases off | {med(off) * 1e3:.3f} |")
-    print(f"| phases on, step not sampled | {med(unsampled) * 1e3:.3f} |")
-    print(f"| phases on, every step sampled | {med(sampled) * 1e3:.3f} |")
+    print(f"| step profile off | {med(off) * 1e3:.3f} |")
+    print(f"| step profile on, step not sampled | {med(unsampled) * 1e3:.3f} |")
+    print(f"| step profile on, every step sampled | {med(sampled) * 1e3:.3f} |")
     print(f"| component's own hook time per sampled step (median overhead_s) | {med(overheads) * 1e3:.3f} |")
     print(f"| component's hook time per non-sampled step (forward pre-hook + forward hook + optimizer pre-hook "
           f"+ on_step, direct) | {unsampled_hook_cost() * 1e3:.4f} |")
@@ -173,9 +173,9 @@ def unsampled_hook_cost(calls: int = 20_000) -> float:
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gpumemd.attached(model=model, optimizer=opt, output_dir=tempfile.mkdtemp(prefix="gpumemd-bench-"),
-                          sample_interval_s=0, census=False, leak_detection=False, phases=True,
-                          phase_every_steps=10**6) as agent:
-        component: Any = agent.component(PhasesComponent)
+                          sample_interval_s=0, census=False, leak_detection=False, step_profile=True,
+                          step_profile_every_steps=10**6) as agent:
+        component: Any = agent.component(StepProfileComponent)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()  # one real step, so there is a step record to hand to on_step
         record = agent.steps()[-1]

@@ -44,6 +44,7 @@ def _stats(device: int) -> dict[str, int]:
 def big_state(groups: int) -> Any:
     from gpumemd.probes.allocator import sample_from_stats
     from gpumemd.records.census import CATEGORIES, Census, CensusGroup, GroupKey
+    from gpumemd.records.device import Device
     from gpumemd.records.findings import Finding
     from gpumemd.records.samples import HostSample, NvmlDeviceSample
     from gpumemd.records.step import AgentState, Identity, StepRecord
@@ -52,22 +53,23 @@ def big_state(groups: int) -> Any:
     census = Census(
         step=1000, taken_at=0.0, duration_s=0.3,
         groups=tuple(
-            CensusGroup(GroupKey(f"cuda:{i % 8}", "bfloat16", (i, 4096), CATEGORIES[i % 6], f"layer{i}.w"), 1 + i % 3,
-                        i * 8192)
+            CensusGroup(GroupKey(Device.cuda(i % 8), "bfloat16", (i, 4096), CATEGORIES[i % 6], f"layer{i}.w"),
+                        1 + i % 3, i * 8192)
             for i in range(groups)
         ),
     )
     findings = tuple(
         Finding(kind=kind, series=f"s{i}", state="suspected", slope_bytes_per_step=1e6, slope_low=9e5,
                 slope_high=1.1e6, onset_step=10, growth_bytes=10**9, steps_to_oom=5e4, first_step=100,
-                updated_step=900, summary="", device=i)
+                updated_step=900, summary="", device=Device.cuda(i))
         for i, kind in enumerate(("tensor_leak", "graph_leak", "fragmentation", "non_pytorch", "host_leak"))
     )
     return AgentState(
         identity=Identity(rank=3, local_rank=3, world_size=64, hostname="node-a", pid=1, source="torchrun"),
         attached_at=0.0, updated_at=1.0, step=1000, steps_total=1001,
         last_step=StepRecord(step=1000, wall_time=1.0, duration_s=0.5, allocator=allocator),
-        allocator=allocator, nvml=tuple(NvmlDeviceSample(d, 80 * GIB, 72 * GIB, 8 * GIB, 71 * GIB) for d in range(8)),
+        allocator=allocator,
+        nvml=tuple(NvmlDeviceSample(Device.cuda(d), 80 * GIB, 72 * GIB, 8 * GIB, 71 * GIB) for d in range(8)),
         host=HostSample(rss_bytes=40 * GIB, available_bytes=900 * GIB, total_bytes=1024 * GIB, pinned_bytes=GIB),
         census=census, censuses_total=12, findings=findings,
         probe_errors={"allocator": 0, "nvml": 0, "host": 0},

@@ -103,7 +103,7 @@ def main() -> None:
     probe = BenchProbe(snapshot)
     out = tempfile.mkdtemp(prefix="gpumemd-bench-oom-")
     config = Config(output_dir=out, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
-                    oom_cooldown_s=0, oom_max_reports=args.rounds + 1, history_steps=args.steps)
+                    oom_cooldown_s=0, oom_max_reports=args.rounds + 1, keep_steps=args.steps)
     census = CensusComponent(config.options(CensusOptions), census_fn=take_census)
     component = OomComponent(config.options(OomOptions), snapshot_probe=probe, census=census)
     agent = build_agent(config, model=model, optimizer=opt, components=[component]).start()
@@ -126,7 +126,7 @@ def main() -> None:
     del kept
     print("| live tensors (census) | history entries | timeline steps | report size | median | max |")
     print("|---|---|---|---|---|---|")
-    print(f"| {census.tensor_count if census else '?'} | {args.history} | {min(args.steps, config.history_steps)} "
+    print(f"| {census.tensor_count if census else '?'} | {args.history} | {min(args.steps, config.keep_steps)} "
           f"| {size / MiB:.1f} MiB | {statistics.median(times):.2f} s | {max(times):.2f} s |")
 
 

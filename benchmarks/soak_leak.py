@@ -5,7 +5,7 @@
 
 A tiny real training step (a 4x4 linear layer, SGD) under ``gpumemd.attach()`` at its defaults; at
 checkpoints it prints what the agent holds: the step ring, the detector's series and block floors,
-the survivor tracker's weakrefs and groups, the graph chains, the census history, the findings, and
+the survivor tracker's weakrefs and groups, the graph chains, the kept censuses, the findings, and
 the Python heap the agent's modules allocated (tracemalloc, filtered to gpumemd's files). Bounded
 means these stop growing once the ring is full.
 """
@@ -42,8 +42,8 @@ def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
         "tensor groups": len(tracker._counts) if tracker else 0,
         "chains": len(chains._chains) if chains else 0,
         "chain marks": len(chains._marks) if chains else 0,
-        "count history": len(parts.series.counts.history) + len(parts.series.chain_nodes.history),
-        "censuses kept": len(census.history()) if census is not None else 0,  # type: ignore[attr-defined]
+        "past counts": len(parts.series.counts.count_past) + len(parts.series.chain_nodes.count_past),
+        "censuses kept": len(census.recent_censuses()) if census is not None else 0,  # type: ignore[attr-defined]
         "findings": len(agent.findings()),
         "samples": agent.samples_total,
     }

@@ -1,8 +1,8 @@
 """gpumemd: a memory flight recorder for long PyTorch jobs.
 
 ``gpumemd.attach()`` in a training script (or ``gpumemd run train.py``) samples the CUDA caching
-allocator, NVML and the host every step into a bounded history, counts and names live tensors,
-detects leaks, writes OOM post-mortems and serves it all to Prometheus.
+allocator, NVML and the host every step into a bounded ring of step records, counts and names live
+tensors, detects leaks, writes OOM post-mortems and serves it all to Prometheus.
 
 Importing this package is cheap: torch, pynvml and prometheus_client load only when used.
 """

@@ -33,7 +33,7 @@ from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
-from gpumemd.records.samples import HostSample
+from gpumemd.records.samples import AllocatorSample, HostSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.state_board import StateBoard
@@ -59,7 +59,7 @@ ComponentT = TypeVar("ComponentT")
 
 
 class Agent(StepCounting):
-    """Samples memory every step into a bounded history and publishes an immutable state.
+    """Samples memory every step into a bounded ring of step records and publishes an immutable state.
 
     The agent owns the hooks and the step counting; what it samples with (probes) and what it drives
     (components) are given to it: ``gpumemd.api.build_agent`` builds both from the configuration. Its
@@ -92,7 +92,7 @@ class Agent(StepCounting):
         self._nvml = nvml_probe
         self._identity = identity
         self._components: list[Component] = list(components)
-        self._ring: collections.deque[StepRecord] = collections.deque(maxlen=config.history_steps)
+        self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
         probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
         if nvml_probe is not None:
             probes["nvml"] = nvml_probe
@@ -220,7 +220,7 @@ class Agent(StepCounting):
         self._step_base, self._step_base_total = number, self._steps_total
         duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
         record = self._record(number, duration, steps)
-        self._ring.append(record)
+        self._recent_steps.append(record)
         self._samples += 1
         # One reference assignment makes the step visible to state() readers (components below,
         # scrapes on other threads); the state object itself is built only when someone reads it.
@@ -351,8 +351,8 @@ class Agent(StepCounting):
         self._thread_seconds += seconds
 
     def steps(self) -> list[StepRecord]:
-        """The recorded step records, oldest first (at most ``history_steps``)."""
-        return list(self._ring)
+        """The recorded step records, oldest first (at most ``keep_steps``)."""
+        return list(self._recent_steps)
 
     def findings(self) -> list[Finding]:
         """Leak findings so far (empty when the leak detector is off or found nothing)."""
@@ -412,11 +412,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def _reset_peaks(samples: tuple[Any, ...]) -> None:
+def _reset_peaks(samples: tuple[AllocatorSample, ...]) -> None:
     import torch
 
     for sample in samples:
         try:
-            torch.cuda.reset_peak_memory_stats(sample.device)
+            torch.cuda.reset_peak_memory_stats(sample.device.name)
         except (RuntimeError, AttributeError) as exc:
             log_once("reset_peak", "gpumemd: could not reset peak stats (%s)", exc)

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gpumemd.announce import StartFacts, emit, exit_summary
-from gpumemd.records.device import cuda_device
 
 if TYPE_CHECKING:
     from gpumemd.records.step import AgentState
@@ -28,7 +27,7 @@ def start_facts(state: AgentState, probes: Mapping[str, Probe], *, nvml_on: bool
         absent["nvml"] = "off by configuration"
     devices: tuple[str, ...] = ()
     if "allocator" not in absent:
-        devices = tuple(cuda_device(s.device) for s in state.allocator) or ("the CUDA devices the job uses",)
+        devices = tuple(s.device.name for s in state.allocator) or ("the CUDA devices the job uses",)
     return StartFacts(pid=os.getpid(), rank=identity.rank, world_size=identity.world_size,
                       output_dir=output_dir, metrics_url=metrics_url, devices=devices, absent=absent)
 

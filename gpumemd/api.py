@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.config import Config
+from gpumemd.config_renamed import current_name
 
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
@@ -53,7 +54,8 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
 def _say_kept_settings(agent: Agent, asked: Config, overrides: dict[str, Any]) -> None:
     """A second attach() keeps the running agent as it is: say so when it asked for something else
     (``gpumemd run`` attached first and the script's own ``attach(port=9400)`` would be lost silently)."""
-    differ = sorted(k for k in overrides if getattr(asked, k, None) != getattr(agent.config, k, None))
+    names = {current_name(k) for k in overrides}  # attach(phases=...) asks for step_profile
+    differ = sorted(k for k in names if getattr(asked, k, None) != getattr(agent.config, k, None))
     if not differ:
         return
     import logging
@@ -150,8 +152,8 @@ def build_agent(
 def build_components(config: Config, *, history: AllocationHistory | None = None) -> list[Component]:
     """The capabilities a normal ``attach()`` turns on, each switched by its ``Config`` option, in
     start order: census first (the leak detector and the OOM report read its censuses), the leak
-    detector next, then phases and OOM capture, the exporter last (it starts after everything it
-    exports and so never serves a half-started agent; it stops first).
+    detector next, then the step profile and OOM capture, the exporter last (it starts after everything
+    it exports and so never serves a half-started agent; it stops first).
 
     ``history`` is the process's one allocation-history owner (torch's recording is process-wide),
     shared by the leak detector and the OOM capture. With periodic censuses off the OOM capture still
@@ -168,10 +170,10 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
         from gpumemd.components.leak import LeakComponent, LeakOptions
 
         components.append(LeakComponent(config.options(LeakOptions), census=census, history=history))
-    if config.phases:
-        from gpumemd.components.phases import PhasesComponent, PhasesOptions
+    if config.step_profile:
+        from gpumemd.components.step_profile import StepProfileComponent, StepProfileOptions
 
-        components.append(PhasesComponent(config.options(PhasesOptions)))
+        components.append(StepProfileComponent(config.options(StepProfileOptions)))
     from gpumemd.components.exporter import ExporterComponent, ExporterOptions
 
     exporter_options = config.options(ExporterOptions)

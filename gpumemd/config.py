@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gpumemd.config_renamed import RENAMED, current_names, old_name
+from gpumemd.log_once import log_once
+
 ENV_PREFIX = "GPUMEMD_"
 OptionsT = TypeVar("OptionsT")
 _TRUE = {"1", "true", "yes", "on"}
@@ -58,7 +61,7 @@ class Config:
     against the working directory at attach time; created on first write. (Not ``gpumemd``: a folder
     named like the package next to a script shadows it on the next run.)"""
 
-    history_steps: int = 10_000
+    keep_steps: int = 10_000
     """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded). On
     fast steps the agent records every Nth step (N <= 10, see the overhead section), so this spans
     up to ten times as many steps."""
@@ -149,12 +152,12 @@ class Config:
     history_max_entries: int = 100_000
     """Ring-buffer size of the CUDA allocation history when it is recorded."""
 
-    phases: bool = False
+    step_profile: bool = False
     """Measure forward / backward / optimizer-step memory on sampled steps (saved-tensor hooks);
     on CUDA, sampled steps reset torch's peak counters at forward start and before the optimizer step."""
 
-    phase_every_steps: int = 50
-    """Measure phases on one step in this many (when ``phases`` is on)."""
+    step_profile_every_steps: int = 50
+    """Profile one step in this many (when ``step_profile`` is on)."""
 
     reset_peak_each_step: bool = False
     """Reset torch's peak counters at each recorded step end, so each record's peak covers exactly its
@@ -171,7 +174,7 @@ class Config:
     def __post_init__(self) -> None:
         # Every number is bounded above too: a value that passes here must not fail later
         # inside the job (``deque(maxlen=2**63)``, a sampler thread that waits ``inf`` or spins).
-        _require(1 <= self.history_steps <= 10_000_000, "history_steps", self.history_steps,
+        _require(1 <= self.keep_steps <= 10_000_000, "keep_steps", self.keep_steps,
                  "an integer from 1 to 10,000,000")
         _require(
             self.sample_interval_s == 0 or 0.01 <= self.sample_interval_s <= 3600,
@@ -244,8 +247,8 @@ class Config:
             self.history_max_entries,
             "an integer from 1 to 10,000,000 (it bounds the CUDA allocation history)",
         )
-        _require(1 <= self.phase_every_steps <= _MAX_STEPS, "phase_every_steps", self.phase_every_steps,
-                 f"an integer from 1 to {_MAX_STEPS:,}")
+        _require(1 <= self.step_profile_every_steps <= _MAX_STEPS, "step_profile_every_steps",
+                 self.step_profile_every_steps, f"an integer from 1 to {_MAX_STEPS:,}")
         _require(self.pushgateway is None or _is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
                  "host:port (optionally with http:// or https://), e.g. pushgateway.monitoring:9091")
         _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
@@ -265,20 +268,32 @@ class Config:
         env_values = cls.parse_env(env_map)
         for line in unknown_env_lines(env_map):
             logging.getLogger("gpumemd").warning("gpumemd: %s", line)
-        unknown = sorted(set(overrides) - set(field_docs()))
+        for line in renamed_env_lines(env_map):
+            log_once(line, "gpumemd: %s", line)  # once: `gpumemd run` validates, then attaches
+        return cls._build(env_map, env_values, overrides)
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str], overrides: Mapping[str, Any]) -> Config:
+        """``from_sources`` without its lines about the variables (``gpumemd doctor`` shows them as checks)."""
+        return cls._build(env, cls.parse_env(env), overrides)
+
+    @classmethod
+    def _build(cls, env_map: Mapping[str, str], env_values: dict[str, Any], overrides: Mapping[str, Any]) -> Config:
+        unknown = sorted(set(overrides) - set(field_docs()) - set(RENAMED))
         if unknown:
             raise ValueError(
                 f"attach() got unknown option(s) {', '.join(unknown)}; accepted: {', '.join(field_docs())}"
             )
-        source = {name: f"{ENV_PREFIX}{name.upper()}={{value}}" for name in env_values}
-        source.update({name: f"attach({name}={{value}})" for name in overrides})
-        for name, value in overrides.items():
+        source = {name: f"{_env_key(name, env_map)}={{value}}" for name in env_values}
+        values, given = current_names(overrides)
+        source.update({name: f"attach({given[name]}={{value}})" for name in values})
+        for name, value in values.items():
             try:
                 _check_type(name, value)
             except ConfigError as err:
                 raise err.with_source(source[name]) from None
         try:
-            return cls(**{**env_values, **overrides})
+            return cls(**{**env_values, **values})
         except ConfigError as err:
             raise err.with_source(source.get(err.field, f"{err.field}={{value}}")) from None
 
@@ -291,6 +306,10 @@ class Config:
             if not key.startswith(ENV_PREFIX):
                 continue
             name = key[len(ENV_PREFIX) :].lower()
+            if name in RENAMED:
+                if _env_key(RENAMED[name], env) != key:
+                    continue  # the variable under the option's name now is set too, and wins
+                name = RENAMED[name]
             if name not in known:
                 continue  # GPUMEMD_* variables of other tools or later versions are not our business
             try:
@@ -314,13 +333,28 @@ def unknown_env_lines(env: Mapping[str, str]) -> list[str]:
     import difflib
 
     names = [f"{ENV_PREFIX}{name.upper()}" for name in field_types()]
+    old_names = {f"{ENV_PREFIX}{name.upper()}" for name in RENAMED}
     out = []
     for key in sorted(env):
-        if key.startswith(ENV_PREFIX) and key not in names and not key.startswith(_TEST_SWITCHES):
+        if key.startswith(ENV_PREFIX) and key not in names and key not in old_names \
+                and not key.startswith(_TEST_SWITCHES):
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
             hint = f"did you mean {close[0]}?" if close else "see `gpumemd run --help` for the options"
             out.append(f"{key} is not a gpumemd option ({hint}); ignored")
     return out
+
+
+def renamed_env_lines(env: Mapping[str, str]) -> list[str]:
+    """One deprecation line per ``GPUMEMD_*`` variable set under an option's old name."""
+    return [f"{ENV_PREFIX}{old.upper()} is deprecated; use {ENV_PREFIX}{new.upper()} (same meaning)"
+            for old, new in RENAMED.items() if f"{ENV_PREFIX}{old.upper()}" in env]
+
+
+def _env_key(name: str, env: Mapping[str, str]) -> str:
+    """The variable that set option ``name``: its own, or its old name's when only that is set."""
+    key = f"{ENV_PREFIX}{name.upper()}"
+    old_key = f"{ENV_PREFIX}{old_name(name).upper()}"
+    return old_key if key not in env and old_key in env else key
 
 
 def _tls_problem(certfile: str, keyfile: str) -> tuple[str, str] | None:

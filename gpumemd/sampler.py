@@ -73,7 +73,7 @@ class Sampler:
         if nvml is None:
             return ()
         if allocator:
-            return nvml.read({a.device for a in allocator}, has_context=True)
+            return nvml.read({i for a in allocator if (i := a.device.cuda_index) is not None}, has_context=True)
         if self._local_world_size > 1 and nvml.visible_count > 1:
             return nvml.read({local_rank % nvml.visible_count})
         return nvml.read()

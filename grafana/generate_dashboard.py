@@ -240,13 +240,13 @@ def build() -> dict[str, Any]:
         "grows every step names the kind of tensor that leaks.", "short",
         (f"sum by (category) ({sel('gpumemd_census_tensors')})", "{{category}}"), stack=True), w=12)
 
-    g.row("Step phases")
+    g.row("Step profile")
     g.add(timeseries(
-        "Memory by step phase", "One sampled step in phase_every_steps, phase by phase (only with "
-        "attach(phases=True)): allocated bytes at forward start, forward peak, after backward, after "
+        "Memory by step profile point", "One sampled step in step_profile_every_steps, point by point (only with "
+        "attach(step_profile=True)): allocated bytes at forward start, forward peak, after backward, after "
         "optimizer.step() and its peak (CUDA only), bytes saved for backward (activations), and the exact "
         "parameter, gradient and optimizer-state bytes. The forward peak is where an OOM usually strikes.",
-        "bytes", (sel("gpumemd_phase_bytes"), INST + " {{phase}}")), w=24)
+        "bytes", (sel("gpumemd_step_profile_bytes"), INST + " {{point}}")), w=24)
 
     g.row("Host")
     g.add(timeseries(

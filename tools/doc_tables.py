@@ -27,6 +27,16 @@ def config_table() -> str:
     return "\n".join(rows)
 
 
+def renamed_table() -> str:
+    from gpumemd.cli.run import option_name
+    from gpumemd.config_renamed import RENAMED
+
+    rows = ["| old name | name now | old variable | variable now | old `gpumemd run` option |", "|---|---|---|---|---|"]
+    for old, new in RENAMED.items():
+        rows.append(f"| `{old}` | `{new}` | `GPUMEMD_{old.upper()}` | `GPUMEMD_{new.upper()}` | `{option_name(old)}` |")
+    return "\n".join(rows)
+
+
 def metric_table() -> str:
     from gpumemd.exporter.metrics import reference_table
 
@@ -34,8 +44,9 @@ def metric_table() -> str:
 
 
 # table -> the page that holds it between <!-- name:start --> and <!-- name:end --> markers
-PAGES = {"config-table": "docs/configuration.md", "metric-table": "docs/prometheus-grafana.md"}
-TABLES = {"config-table": config_table, "metric-table": metric_table}
+PAGES = {"config-table": "docs/configuration.md", "renamed-table": "docs/configuration.md",
+         "metric-table": "docs/prometheus-grafana.md"}
+TABLES = {"config-table": config_table, "renamed-table": renamed_table, "metric-table": metric_table}
 
 
 def render(name: str, text: str) -> str:

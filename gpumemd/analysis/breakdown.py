@@ -12,6 +12,7 @@ import dataclasses
 from gpumemd.analysis.headroom import cap_from_observer, reservable_bytes
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import Census
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.oom import (
     Breakdown,
     BreakdownItem,
@@ -33,23 +34,17 @@ CATEGORY_KEYS: dict[str, str] = {
 }
 
 
-def breakdown_item(key: str, nbytes: int, device: str) -> BreakdownItem:
+def breakdown_item(key: str, nbytes: int, device: Device) -> BreakdownItem:
     return BreakdownItem(key, breakdown_label(key, device), nbytes)
 
 
-def normalize_device(device: str) -> str:
-    """``"cuda"`` -> ``"cuda:0"``; other strings unchanged."""
-    return "cuda:0" if device == "cuda" else device
-
-
-def census_bytes_on(census: Census | None, device: str) -> dict[str, int]:
+def census_bytes_on(census: Census | None, device: Device) -> dict[str, int]:
     """Census bytes per category on one device; graph-retained bytes count towards ``graph``."""
     out = dict.fromkeys(CATEGORY_KEYS, 0)
     if census is None:
         return out
-    device = normalize_device(device)
     for group in census.groups:
-        if normalize_device(group.key.device) != device:
+        if group.key.device != device:
             continue
         out[group.key.category] = out.get(group.key.category, 0) + group.nbytes
         out["graph"] += group.graph_bytes
@@ -107,7 +102,7 @@ def _limits(msg: OomMessage, *, observer: ObserverCall | None, allocator: Alloca
                    headroom=reservable_bytes(device_free, reserved, cap))
 
 
-def _room_items(limits: _Limits, reserved: int | None, name: str) -> tuple[list[BreakdownItem], int | None]:
+def _room_items(limits: _Limits, reserved: int | None, device: Device) -> tuple[list[BreakdownItem], int | None]:
     """The items after PyTorch's own, and the memory outside PyTorch. Without a cap: outside PyTorch
     (device total - reserved - free: the context, NCCL, other processes) and free, which with PyTorch's
     items make up the device. Under a cap: only the headroom left under it, so that the items partition
@@ -118,18 +113,18 @@ def _room_items(limits: _Limits, reserved: int | None, name: str) -> tuple[list[
     items = []
     if limits.cap is not None:
         if limits.headroom is not None:
-            items.append(breakdown_item("headroom", limits.headroom, name))
+            items.append(breakdown_item("headroom", limits.headroom, device))
         return items, non_pytorch
     if non_pytorch is not None:
-        items.append(breakdown_item("non_pytorch", non_pytorch, name))
+        items.append(breakdown_item("non_pytorch", non_pytorch, device))
     if limits.device_free is not None:
-        items.append(breakdown_item("free", limits.device_free, name))
+        items.append(breakdown_item("free", limits.device_free, device))
     return items, non_pytorch
 
 
 def cuda_breakdown(
     *,
-    device: int,
+    device: Device,
     message: OomMessage | None = None,
     observer: ObserverCall | None = None,
     snapshot: SnapshotSummary | None = None,
@@ -137,7 +132,7 @@ def cuda_breakdown(
     census: Census | None = None,
     nvml_total_bytes: int | None = None,
 ) -> Breakdown:
-    """The breakdown of ``cuda:<device>`` against its total (or its per-process cap)."""
+    """The breakdown of CUDA ``device`` against its total (or its per-process cap)."""
     msg = message or OomMessage(kind="cuda", format="unparsed")
     requested = _first(observer.requested_bytes if observer else None, msg.requested_bytes,
                        snapshot.oom_requested_bytes if snapshot else None)
@@ -148,24 +143,23 @@ def cuda_breakdown(
     limits = _limits(msg, observer=observer, allocator=allocator, snapshot=snapshot,
                      nvml_total_bytes=nvml_total_bytes, reserved=reserved)
     largest = snapshot.largest_free_block_bytes if snapshot else None
-    name = f"cuda:{device}"
-    by_cat = census_bytes_on(census, name)
-    items = [breakdown_item(key, by_cat[cat], name) for cat, key in CATEGORY_KEYS.items()]
+    by_cat = census_bytes_on(census, device)
+    items = [breakdown_item(key, by_cat[cat], device) for cat, key in CATEGORY_KEYS.items()]
     seen = sum(by_cat.values())
     if allocated is not None and census is None:
-        items.append(breakdown_item("unattributed", allocated, name))
+        items.append(breakdown_item("unattributed", allocated, device))
     elif allocated is not None:
         # Saved activations live in C++ (autograd), not in gc-visible tensors: allocated minus what
         # the census saw is, mid-step, mostly activations.
-        items.append(breakdown_item("invisible", max(0, allocated - seen), name))
+        items.append(breakdown_item("invisible", max(0, allocated - seen), device))
     if reserved is not None and allocated is not None:
-        items.append(breakdown_item("reserved_unallocated", max(0, reserved - allocated), name))
-    room, non_pytorch = _room_items(limits, reserved, name)
+        items.append(breakdown_item("reserved_unallocated", max(0, reserved - allocated), device))
+    room, non_pytorch = _room_items(limits, reserved, device)
     items += room
     verdict, why = _cuda_verdict(requested=requested, allocated=allocated, reserved=reserved, limits=limits,
                                  largest=largest)
     return Breakdown(
-        device=f"cuda:{device}", total_bytes=limits.total, items=tuple(items), requested_bytes=requested,
+        device=device, total_bytes=limits.total, items=tuple(items), requested_bytes=requested,
         allocated_bytes=allocated, reserved_bytes=reserved, largest_free_block_bytes=largest,
         device_free_bytes=limits.device_free, verdict=verdict, verdict_why=why, cap_bytes=limits.cap,
         memory_fraction=limits.fraction, device_total_bytes=limits.device_total, headroom_bytes=limits.headroom,
@@ -222,15 +216,15 @@ def cpu_breakdown(
     total = host.total_bytes if host else None
     available = host.available_bytes if host else None
     rss = host.rss_bytes if host else None
-    by_cat = census_bytes_on(census, "cpu")
-    items = [breakdown_item(key, by_cat[cat], "cpu") for cat, key in CATEGORY_KEYS.items()]
+    by_cat = census_bytes_on(census, CPU)
+    items = [breakdown_item(key, by_cat[cat], CPU) for cat, key in CATEGORY_KEYS.items()]
     seen = sum(by_cat.values())
     if rss is not None:
-        items.append(breakdown_item("process_other", max(0, rss - seen), "cpu"))
+        items.append(breakdown_item("process_other", max(0, rss - seen), CPU))
     if total is not None and available is not None and rss is not None:
-        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), "cpu"))
+        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), CPU))
     if available is not None:
-        items.append(breakdown_item("free", available, "cpu"))
+        items.append(breakdown_item("free", available, CPU))
     if requested is not None and total is not None and requested > total:
         verdict, why = ("request_exceeds_device",
                         f"one request of {fmt(requested)} is larger than the host's {fmt(total)} of RAM: "
@@ -240,7 +234,7 @@ def cpu_breakdown(
     else:
         verdict, why = "unknown", "the host had room by its own account (overcommit limits or cgroup caps?)"
     return Breakdown(
-        device="cpu", total_bytes=total, items=tuple(items), requested_bytes=requested,
+        device=CPU, total_bytes=total, items=tuple(items), requested_bytes=requested,
         allocated_bytes=rss, reserved_bytes=None, largest_free_block_bytes=None,
         device_free_bytes=available, verdict=verdict, verdict_why=why,
     )

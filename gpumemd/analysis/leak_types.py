@@ -10,7 +10,34 @@ import enum
 from dataclasses import dataclass
 
 from gpumemd.analysis.trend import Verdict
+from gpumemd.records.device import Device
 from gpumemd.records.findings import FINDING_KINDS
+
+# The series named after an allocator or NVML figure spell their device as that figure's metric label
+# (the CUDA ordinal); the census's series as torch names it. Series names are in the findings files,
+# so each keeps the spelling it was published with.
+_BY_LABEL = frozenset({"allocated_bytes", "inactive_split_bytes", "non_pytorch_bytes"})
+
+
+def _device_labels(measure: str, device: Device) -> str:
+    return f"{measure}{{device={device.label if measure in _BY_LABEL else device.name}"
+
+
+def series_name(measure: str, device: Device | None = None, group: str | None = None) -> str:
+    """The one way a series is named: ``allocated_bytes{device=0}``, ``census_bytes{device=cpu}``,
+    ``tensors{device=cuda:0,group=float32[4, 8]}``; ``measure`` alone without a device (the host's
+    series). Names are for people and files: whoever needs a series' device or group reads its
+    ``SeriesSpec``, never the name."""
+    if device is None:
+        return measure
+    labels = _device_labels(measure, device)
+    return f"{labels},group={group}}}" if group is not None else f"{labels}}}"
+
+
+def series_family(measure: str, device: Device) -> str:
+    """The pattern of every group's series of ``measure`` on ``device`` (``tensors{device=cpu,*``), as
+    ``SeriesSpec.explained_by`` takes it."""
+    return f"{_device_labels(measure, device)},*"
 
 
 class LeakState(enum.Enum):
@@ -36,14 +63,15 @@ SEVERITY = {LeakState.CLEARED: 0, LeakState.SUSPECTED: 1, LeakState.CONFIRMED: 2
 class SeriesSpec:
     """A series the detector watches, and what its growth would mean."""
 
-    name: str  # e.g. "allocated_bytes{device=0}", "host_rss_bytes", "census_bytes{device=cpu}"
+    name: str  # ``series_name(...)``: "allocated_bytes{device=0}", "host_rss_bytes", "census_bytes{device=cpu}"
     kind: str  # the finding kind when this series fires (census/allocated may be refined to graph_leak)
-    device: int | None = None
+    device: Device | None = None  # the device whose memory it measures (the host's series: cpu)
     sparse: bool = False  # one point per observation (census) instead of block floors of every step
     alarm: bool = True  # False: tracked for attribution only, never raises a finding itself
     explained_by: tuple[str, ...] = ()  # series whose growth, when as fast, accounts for this one's
     min_bytes_per_step: float | None = None  # this series' own effect size (default: the detector's)
     unit: str = "bytes"  # what the values count: "bytes", "tensors" or "nodes" (autograd nodes chained)
+    group: str | None = None  # the group a count series follows ("float32[4, 8]")
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:

@@ -213,6 +213,7 @@ def build_finding(
         tensors_per_step=per_step if status.spec.unit == "tensors" else None,
         hours_to_oom=hours_to_oom,
         severity=severity(hours_to_oom, status.state),
+        group=status.spec.group,
     )
 
 

@@ -12,8 +12,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt, normalize_device
+from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt
 from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import (
     Breakdown,
@@ -67,42 +68,17 @@ def describe_key(dtype: str, shape: tuple[int, ...] | list[int], category: str, 
     return f"{name} {text}" if name else text
 
 
-def _series_device(series: str) -> str | None:
-    """``tensors{device=cpu,group=...}`` -> "cpu"; ``allocated_bytes{device=0}`` -> "cuda:0"."""
-    at = series.find("device=")
-    if at < 0:
-        return "cpu" if series.startswith("host") else None
-    value = series[at + len("device="):].split(",", 1)[0].split("}", 1)[0]
-    return f"cuda:{value}" if value.isdigit() else normalize_device(value)
-
-
-def _series_group(series: str) -> str | None:
-    """The group a per-group count series follows: ``tensors{device=cpu,group=float32[4, 8]}``."""
-    at = series.find("group=")
-    return series[at + len("group="):].removesuffix("}") if at >= 0 else None
-
-
-def finding_device(finding: Finding) -> str | None:
-    """The device whose memory a finding is about (None: not said)."""
-    if finding.device is not None:
-        return f"cuda:{finding.device}"
-    if finding.kind == "host_leak":
-        return "cpu"
-    return _series_device(finding.series)
-
-
-def _matching_groups(census: Census, finding: Finding, device: str) -> list[CensusGroup]:
+def _matching_groups(census: Census, finding: Finding, device: Device) -> list[CensusGroup]:
     """The census groups on ``device`` the finding's culprits name: by holder (every group the same
     variable keeps, its graphs' saved tensors included), else by the culprit's group."""
     roots = {holder_root(c.holder) for c in finding.culprits} - {None}
     names = {holder_variable(c.holder) for c in finding.culprits} - {None}
     wanted = {c.description for c in finding.culprits}
-    group = _series_group(finding.series)
-    if group is not None:
-        wanted.add(group)
+    if finding.group is not None:
+        wanted.add(finding.group)
     out = []
     for g in census.groups:
-        if normalize_device(g.key.device) != device:
+        if g.key.device != device:
             continue
         by_holder = holder_root(g.holder) in roots or holder_variable(g.holder) in names
         by_group = describe_key(g.key.dtype, g.key.shape, g.key.category, g.key.name) in wanted
@@ -154,7 +130,7 @@ def _held_per_finding(finding: Finding, culprit: Culprit | None) -> _Held:
     return _Held(
         held_bytes=grown, graph_bytes=grown if category == "graph" else 0,
         tensor_count=sum(max(0, c.count_delta) for c in finding.culprits),
-        description=culprit.description if culprit else (_series_group(finding.series) or finding.series),
+        description=culprit.description if culprit else (finding.group or finding.series),
         groups=0, bytes_by_category=((category, grown),), holder_detail=culprit.holder if culprit else None,
     )
 
@@ -168,11 +144,11 @@ def _cause(held: _Held, **fields: Any) -> LeakCause:
     )
 
 
-def leak_from_finding(finding: Finding, census: Census | None, device: str) -> LeakCause | None:
+def leak_from_finding(finding: Finding, census: Census | None, device: Device) -> LeakCause | None:
     """What an active leak finding about ``device`` held at the OOM, or None (cleared, other device)."""
     if finding.state not in _ACTIVE_STATES:
         return None
-    where = finding_device(finding)
+    where = finding.device  # the device whose memory the finding is about (None: not said)
     if where is not None and where != device:
         return None  # a host leak does not fill a GPU, nor one GPU's leak another
     culprit = next((c for c in finding.culprits if c.holder), finding.culprits[0] if finding.culprits else None)
@@ -183,7 +159,7 @@ def leak_from_finding(finding: Finding, census: Census | None, device: str) -> L
                   series=finding.series, estimated=not groups)
 
 
-def leak_from_census(census: Census | None, before: Census | None, device: str) -> LeakCause | None:
+def leak_from_census(census: Census | None, before: Census | None, device: Device) -> LeakCause | None:
     """A group a named holder kept growing between the last census and the one at the OOM, for when
     the detector had not spoken yet. Conservative: the group must already have held two tensors at
     the earlier census (the failing step's activations are new groups, not grown ones)."""
@@ -196,7 +172,7 @@ def leak_from_census(census: Census | None, before: Census | None, device: str) 
         return 0 if prev is None else g.nbytes + g.graph_bytes - prev.nbytes - prev.graph_bytes
 
     grown = [g for g in census.groups
-             if g.holder and normalize_device(g.key.device) == device and g.key.category not in _MODEL_STATE
+             if g.holder and g.key.device == device and g.key.category not in _MODEL_STATE
              and g.key in old and old[g.key].count >= 2 and g.count > old[g.key].count and growth(g) > 0]
     if not grown:
         return None
@@ -207,11 +183,10 @@ def leak_from_census(census: Census | None, before: Census | None, device: str) 
 
 
 def leak_at_oom(
-    *, findings: Sequence[Finding], census: Census | None, census_before: Census | None, device: str,
+    *, findings: Sequence[Finding], census: Census | None, census_before: Census | None, device: Device,
 ) -> LeakCause | None:
     """The active leak that held the most on ``device`` at the OOM: from the findings, else from the
     growth between the last census and the OOM's."""
-    device = normalize_device(device)
     leaks = [leak for f in findings if (leak := leak_from_finding(f, census, device)) is not None]
     if leaks:
         return max(leaks, key=lambda leak: (leak.held_bytes, leak.state == "confirmed"))
@@ -226,7 +201,7 @@ def _kind_words(leak: LeakCause) -> str:
     return f"{leak.state} {kind}"
 
 
-def leak_sentence(leak: LeakCause, total: int | None, device: str) -> str:
+def leak_sentence(leak: LeakCause, total: int | None, device: Device) -> str:
     """"`kept` grew ~2.00 MiB/step since step 60 and held 1.50 GiB of the host's 23.54 GiB at the OOM
     (770 × float32[512, 1024]; confirmed tensor leak)"."""
     text = leak.holder
@@ -236,7 +211,7 @@ def leak_sentence(leak: LeakCause, total: int | None, device: str) -> str:
         text += " grew"
     if leak.onset_step is not None:
         text += f" since step {leak.onset_step}"
-    whose = "the host's" if device == "cpu" else f"{device}'s"
+    whose = "the host's" if device == CPU else f"{device.name}'s"
     of_total = f" of {whose} {fmt(total)}" if total else ""
     held = f"by then at least {fmt(leak.held_bytes)}" if leak.estimated else f"{fmt(leak.held_bytes)}"
     text += f" and held {held}{of_total} at the OOM"
@@ -257,7 +232,7 @@ def is_leak_the_cause(breakdown: Breakdown, leak: LeakCause) -> bool:
     return leak.held_bytes >= max(breakdown.requested_bytes or 0, floor)
 
 
-def _move_to_leaked(items: tuple[BreakdownItem, ...], leak: LeakCause, device: str) -> tuple[BreakdownItem, ...]:
+def _move_to_leaked(items: tuple[BreakdownItem, ...], leak: LeakCause, device: Device) -> tuple[BreakdownItem, ...]:
     """The leak's bytes out of the items the census put them in, into one ``leaked`` item first.
     Bytes the census did not see (an estimated leak) come out of ``invisible`` when it has them."""
     take: dict[str, int] = {}
@@ -265,7 +240,7 @@ def _move_to_leaked(items: tuple[BreakdownItem, ...], leak: LeakCause, device: s
         key = CATEGORY_KEYS.get(category, "other")
         take[key] = take.get(key, 0) + n
     if leak.estimated:  # the census did not see it: it is in what the census cannot see
-        take = {"process_other" if device == "cpu" else "invisible": leak.held_bytes}
+        take = {"process_other" if device == CPU else "invisible": leak.held_bytes}
     out = []
     moved = 0
     for item in items:

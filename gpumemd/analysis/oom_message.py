@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+from gpumemd.records.device import Device
 from gpumemd.records.oom import OomMessage
 
 # Bounded digit runs, never preceded by another digit: a message is outside input (a user's exception
@@ -76,7 +77,7 @@ def parse_oom_message(text: str) -> OomMessage | None:
             kind="cuda",
             format="cuda-2.1+",
             requested_bytes=parse_size(m[1], m[2]),
-            device=int(m[3]),
+            device=Device.cuda(int(m[3])),
             total_bytes=parse_size(m[4], m[5]),
             free_bytes=parse_size(m[6], m[7]),
             allowed_bytes=parse_size(allowed[1], allowed[2]) if allowed else None,
@@ -93,7 +94,7 @@ def parse_oom_message(text: str) -> OomMessage | None:
             kind="cuda",
             format="cuda-legacy",
             requested_bytes=parse_size(m[1], m[2]),
-            device=int(m[3]),
+            device=Device.cuda(int(m[3])),
             total_bytes=parse_size(m[4], m[5]),
             free_bytes=parse_size(m[8], m[9]),
             allowed_bytes=parse_size(m[10], m[11]) if m[10] else None,
@@ -102,7 +103,7 @@ def parse_oom_message(text: str) -> OomMessage | None:
             reserved_unallocated_bytes=max(0, reserved - allocated),
         )
     if m := _ASYNC.search(text):
-        return _async_message(int(m[1]), text)
+        return _async_message(Device.cuda(int(m[1])), text)
     if m := _CPU.search(text):
         return OomMessage(kind="cpu", format="cpu", requested_bytes=int(m[1]))
     if _MPS.search(text):
@@ -115,7 +116,7 @@ def parse_oom_message(text: str) -> OomMessage | None:
     return None
 
 
-def _async_message(device: int, text: str) -> OomMessage:
+def _async_message(device: Device, text: str) -> OomMessage:
     """CudaMallocAsync's message. Its "Currently allocated" is what PyTorch holds from the pool (that
     backend keeps no separate cache), and the memory-fraction limit, when one was set, is the cap."""
     sizes = {name: parse_size(m[1], m[2]) for name, pattern in _ASYNC_LINES.items() if (m := pattern.search(text))}

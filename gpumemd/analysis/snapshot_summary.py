@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpumemd.analysis.alloc_sites import is_user_frame
+from gpumemd.records.device import Device
 from gpumemd.records.oom import SnapshotSite, SnapshotSummary
 
 _TOP_SITES = 10
@@ -76,8 +77,8 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], internal: Sequence
 
 
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
-                       internal: Sequence[str] = ()) -> dict[int, SnapshotSummary]:
-    """Device ordinal -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
+                       internal: Sequence[str] = ()) -> dict[Device, SnapshotSummary]:
+    """CUDA device -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
     ``internal``: directory prefixes whose frames are not the user's (``gpumemd.probes.package_dirs``)."""
     if isinstance(snapshot, list):
         segments: list[Any] = snapshot
@@ -96,7 +97,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     for seg in segments:
         if isinstance(seg, Mapping):
             _count_segment(slot(_int(seg.get("device", 0))), seg, internal)
-    out: dict[int, SnapshotSummary] = {}
+    out: dict[Device, SnapshotSummary] = {}
     for device in set(acc) | set(range(len(traces))):
         entries = traces[device] if device < len(traces) and isinstance(traces[device], list) else []
         if device not in acc and not entries:
@@ -104,8 +105,9 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
         s = slot(device)
         oom = next((e for e in reversed(entries) if isinstance(e, Mapping) and e.get("action") == "oom"), None)
         sites = sorted(s["sites"].items(), key=lambda kv: kv[1][0], reverse=True)[:_TOP_SITES]
-        out[device] = SnapshotSummary(
-            device=device,
+        cuda = Device.cuda(device)
+        out[cuda] = SnapshotSummary(
+            device=cuda,
             segments=s["segments"],
             reserved_bytes=s["reserved"],
             allocated_bytes=s["allocated"],

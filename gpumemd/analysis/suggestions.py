@@ -228,7 +228,7 @@ def expandable_segments(facts: Facts) -> list[Suggestion]:
     cache = b.get("reserved_unallocated")
     fragmented = b.verdict == "fragmentation"
     large = bool(b.total_bytes) and cache >= _CACHE_SHARE * (b.total_bytes or 0)
-    if not b.device.startswith("cuda") or not cache or facts.expandable_segments is True or not (fragmented or large):
+    if b.device.cuda_index is None or not cache or facts.expandable_segments is True or not (fragmented or large):
         return []
     largest = b.largest_free_block_bytes
     return [Suggestion(

@@ -56,10 +56,10 @@ def _snapshot_check(directory: str) -> dict[str, Any] | None:
     return {
         "file": path,
         "devices": [
-            {"device": d, "segments": s.segments, "reserved_bytes": s.reserved_bytes,
+            {"device": d.cuda_index, "segments": s.segments, "reserved_bytes": s.reserved_bytes,
              "allocated_bytes": s.allocated_bytes, "largest_free_block_bytes": s.largest_free_block_bytes,
              "trace_entries": s.trace_entries}
-            for d, s in sorted(devices.items())
+            for d, s in sorted(devices.items(), key=lambda ds: ds[0].order)
         ],
     }
 

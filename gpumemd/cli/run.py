@@ -27,6 +27,8 @@ from typing import Any
 import gpumemd
 from gpumemd.cli.errors import CliError
 from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
+from gpumemd.config_renamed import RENAMED
+from gpumemd.log_once import log_once
 
 # Options of ``gpumemd run`` itself that are not Config fields (names must never collide).
 _OWN_DESTS = frozenset({"target", "module", "func", "command"})
@@ -79,32 +81,50 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(option_name(name), dest=name, default=None, metavar=name.upper(),
                                help=help_text)
+    for old, new in RENAMED.items():  # the old names still work, out of --help
+        action = argparse.BooleanOptionalAction if field_types()[new] is bool else "store"
+        group.add_argument(option_name(old), dest=old, action=action, default=None, help=argparse.SUPPRESS)
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The Config fields given on the command line, parsed; a bad value is a CliError naming the option."""
     overrides: dict[str, Any] = {}
-    for name in field_docs():
+    given: dict[str, str] = {}  # field -> the option name typed (an old one for a renamed option)
+    for name, field in [*((n, n) for n in field_docs()), *RENAMED.items()]:
         raw = getattr(args, name, None)
         if raw is None:
             continue
-        if isinstance(raw, bool):
-            overrides[name] = raw
-            continue
-        if raw.strip() == "" and is_optional(name):
-            overrides[name] = None  # `--port ''` unsets a GPUMEMD_PORT from the environment
-            continue
-        try:
-            overrides[name] = parse_value(field_types()[name], raw)
-        except ConfigError as err:
-            raise CliError(f"{option_name(name)}={raw!r} is not valid: expected {err.accepted}") from None
+        if name != field:
+            log_once(f"--{name}", "gpumemd: %s is deprecated; use %s (same meaning)",
+                     _typed(name, raw), _typed(field, raw))
+            if field in overrides:
+                continue  # the option under its name now wins
+        overrides[field] = _parse_option(name, field, raw)
+        given[field] = name
     try:
         Config.from_sources(os.environ, **overrides)  # validate here, so errors name the option
     except ConfigError as err:
         if err.field in overrides:
-            raise CliError(err.render(f"{option_name(err.field)}={{value}}")) from None
+            raise CliError(err.render(f"{option_name(given[err.field])}={{value}}")) from None
         raise  # from a GPUMEMD_* variable: the message already names it
     return overrides
+
+
+def _parse_option(name: str, field: str, raw: str | bool) -> Any:
+    """One option's value for Config ``field``, given as ``--name``; a bad one is a CliError naming it."""
+    if isinstance(raw, bool):
+        return raw
+    if raw.strip() == "" and is_optional(field):
+        return None  # `--port ''` unsets a GPUMEMD_PORT from the environment
+    try:
+        return parse_value(field_types()[field], raw)
+    except ConfigError as err:
+        raise CliError(f"{option_name(name)}={raw!r} is not valid: expected {err.accepted}") from None
+
+
+def _typed(name: str, raw: str | bool) -> str:
+    """The option as typed: ``--phases``, ``--no-phases``, ``--history-steps``."""
+    return option_name(("no_" if raw is False else "") + name)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,8 +10,8 @@ N adapts as the heap (cost) or the step time changes, and the census costs ``sha
 which is what the job notices. ``census_every_steps > 0`` forces N instead. The first census runs at the
 first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
 
-The component keeps a small history of earlier censuses (thinned so it spans the whole run, not just
-the last few intervals) for the leak detector and the OOM report: ``history()``, ``at_or_after(step)``
+The component keeps a few recent censuses (thinned so they span the whole run, not just the last few
+intervals) for the leak detector and the OOM report: ``recent_censuses()``, ``at_or_after(step)``
 and ``take_now()``. It is the one way a census is taken: periodic ones, the leak detector's
 ``take_now()``, and ``take_outside_step()`` for the job's ``Agent.census()`` and the census at an OOM.
 """
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpumemd")
 
-HISTORY = 8
+KEPT_CENSUSES = 8
 """Censuses kept (a census of a large model is ~1 MB of Python objects)."""
 
 MAX_INTERVAL = 100_000
@@ -72,20 +72,20 @@ class CensusComponent(ComponentBase):
         *,
         census_fn: CensusFn,
         holders: int = 3,
-        history: int = HISTORY,
+        keep: int = KEPT_CENSUSES,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if history < 2:
-            raise ValueError(f"CensusComponent(history={history!r}) must keep at least 2 censuses")
+        if keep < 2:
+            raise ValueError(f"CensusComponent(keep={keep!r}) must keep at least 2 censuses")
         self._every = options.census_every_steps  # > 0 forces the cadence
         self._budget = options.overhead_budget
         self._holders = holders
-        self._max_history = history
+        self._keep = keep
         self._clock = clock
         self._census_fn = census_fn
         self._agent: AgentView | None = None
         self._lock = threading.Lock()  # take_now() may come from another component or thread
-        self._history: list[Census] = []
+        self._recent: list[Census] = []
         self._steps_since = 0
         self._next_look = 0  # steps since the last census at which _due() looks again
         self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
@@ -104,7 +104,7 @@ class CensusComponent(ComponentBase):
     def stop(self) -> None:
         self._agent = None
         with self._lock:
-            self._history.clear()
+            self._recent.clear()
 
     # --- cadence -----------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class CensusComponent(ComponentBase):
         return census_share(self._budget, _other_share(self._agent, seconds_per_step))
 
     def take_now(self) -> Census:
-        """Run a census now (outside the cadence), keep it in the history and publish it."""
+        """Run a census now (outside the cadence), keep it with the recent ones and publish it."""
         state = self._agent.state() if self._agent is not None else None
         census = self._take(state.step if state else None, state.allocator if state else None)
         if census is None:
@@ -193,7 +193,7 @@ class CensusComponent(ComponentBase):
     def _previous(self, agent: AgentView | None, *, outside_step: bool) -> Census | None:
         if outside_step:
             return agent.published.census if agent is not None else None
-        return self._history[-1] if self._history else None
+        return self._recent[-1] if self._recent else None
 
     def _run(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
              previous: Census | None, *, outside_step: bool) -> Census:
@@ -214,31 +214,31 @@ class CensusComponent(ComponentBase):
             if outside_step:
                 agent.add_thread_seconds(cost)  # training-thread time that no step end clocked
 
-    # --- history -----------------------------------------------------------------------------
+    # --- recent censuses ----------------------------------------------------------------------
 
     def _remember(self, census: Census) -> None:
-        history = self._history
-        history.append(census)
-        if len(history) > self._max_history:
+        recent = self._recent
+        recent.append(census)
+        if len(recent) > self._keep:
             # Drop the inner census closest to its predecessor: the kept ones spread over the run.
             def gap(i: int) -> float:
-                a, b = history[i - 1], history[i]
+                a, b = recent[i - 1], recent[i]
                 if a.step is not None and b.step is not None:
                     return float(b.step - a.step)
                 return b.taken_at - a.taken_at
 
-            victim = min(range(1, len(history) - 1), key=gap)
-            del history[victim]
+            victim = min(range(1, len(recent) - 1), key=gap)
+            del recent[victim]
 
-    def history(self) -> list[Census]:
+    def recent_censuses(self) -> list[Census]:
         """The kept censuses, oldest first (the newest is the published one)."""
         with self._lock:
-            return list(self._history)
+            return list(self._recent)
 
     def at_or_after(self, step: int) -> Census | None:
         """The earliest kept census taken at ``step`` or later, or None."""
         with self._lock:
-            for census in self._history:
+            for census in self._recent:
                 if census.step is not None and census.step >= step:
                     return census
         return None

@@ -36,6 +36,7 @@ from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.files import append_line
 from gpumemd.probes.graph_chains import GraphChainTracker
 from gpumemd.probes.survivors import SurvivorTracker
+from gpumemd.records.plain import plain
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -135,7 +136,7 @@ class LeakComponent:
         self._parts = _Parts(series, culprits, tracker, chains)
 
     def stop(self) -> None:
-        # The series, their count history and the last census go with the parts; the trackers' gc
+        # The series, their past counts and the last census go with the parts; the trackers' gc
         # callback and weak references are released now.
         parts, self._parts = self._parts, None
         if parts is not None:
@@ -344,7 +345,7 @@ class LeakComponent:
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            line = json.dumps({"time": self._wall(), **_jsonable(dataclasses.asdict(finding))}, sort_keys=True)
+            line = json.dumps({"time": self._wall(), **_jsonable(plain(finding))}, sort_keys=True)
             append_line(path, line)
             self._append_failed = False
         except OSError as exc:

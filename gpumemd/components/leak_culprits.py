@@ -20,7 +20,7 @@ from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes import host_objects
 from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
-from gpumemd.records.device import CPU, cuda_device
+from gpumemd.records.device import CPU, cuda_index
 from gpumemd.records.findings import Culprit
 
 if TYPE_CHECKING:
@@ -190,13 +190,14 @@ class CulpritSearch:
         earlier = censuses.at_or_after(int(status.window_start)) if censuses is not None else None
         if earlier is None or earlier is now:
             # No census inside the window (a slow cadence on a big heap): the newest one before it.
-            older = [c for c in (censuses.history() if censuses is not None else [])
+            older = [c for c in (censuses.recent_censuses() if censuses is not None else [])
                      if c is not now and c.step is not None]
             earlier = older[-1] if older else earlier
         sites = self._sites.sites(status)
         if now is None or earlier is None or earlier is now or now.step is None or earlier.step is None:
             return Evidence(sites=sites)
-        device = CPU if status.spec.device is None else cuda_device(status.spec.device)
+        # A series off CUDA (the host's, a census's on cpu or another device) is diffed against cpu's groups.
+        device = status.spec.device if cuda_index(status.spec.device) is not None else CPU
         deltas = [d for d in now.diff(earlier) if d.device == device]
         culprits = list(culprits_from_diff(deltas))
         kind = refine_kind(status.spec.kind, culprits) if culprits else None  # before holders are named

@@ -18,6 +18,6 @@ class LeakOptions:
     leak_horizon_hours: float
     leak_history_on_suspect: bool
     overhead_budget: float
-    history_steps: int
+    keep_steps: int
     record_history: bool
     history_max_entries: int

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec, TrackStatus
+from gpumemd.analysis.leak_types import series_family, series_name
 from gpumemd.probes.graph_chains import MAX_ROOTS
-from gpumemd.records.device import cuda_index
+from gpumemd.records.device import CPU, Device, cuda_index
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +65,7 @@ MAX_COUNT_SERIES = 16
 
 _COUNT_MIN = 8
 
-_COUNT_HISTORY = 64
+_COUNT_PAST = 64
 """Scans whose group counts are kept (per family) to start a new count series with its past: 64
 scans span 640 to 3,200 steps, more than a detection window."""
 
@@ -77,7 +78,7 @@ class GroupSeries(Generic[K]):
 
     def __init__(self) -> None:
         self.specs: dict[K, SeriesSpec] = {}
-        self.history: collections.deque[tuple[int, dict[K, int]]] = collections.deque(maxlen=_COUNT_HISTORY)
+        self.count_past: collections.deque[tuple[int, dict[K, int]]] = collections.deque(maxlen=_COUNT_PAST)
 
     def key_of(self, spec: SeriesSpec) -> K | None:
         return next((k for k, s in self.specs.items() if s is spec), None)
@@ -104,9 +105,9 @@ class LeakSeries:
             check_every_steps=options.leak_check_every_steps,
         ))
         self.host_spec = SeriesSpec(
-            "host_rss_bytes", "host_leak",
-            explained_by=("census_bytes{device=cpu}", "long_lived_bytes{device=cpu}", "tensors{device=cpu,*",
-                          "graph_nodes{device=cpu,*"))
+            series_name("host_rss_bytes"), "host_leak", CPU,
+            explained_by=(series_name("census_bytes", CPU), series_name("long_lived_bytes", CPU),
+                          series_family("tensors", CPU), series_family("graph_nodes", CPU)))
         self.counts: GroupSeries[GroupKey] = GroupSeries()
         self.chain_nodes: GroupSeries[ChainKey] = GroupSeries()
         self.seconds_per_step: float | None = None  # the mean step time, pauses included: time-to-OOM projections
@@ -130,20 +131,18 @@ class LeakSeries:
         for a in record.allocator:
             d = a.device
             if a.allocated_bytes is not None:
-                self._observe(_spec(f"allocated_bytes{{device={d}}}", "tensor_leak", d, explained_by=(
-                    f"long_lived_bytes{{device=cuda:{d}}}", f"tensors{{device=cuda:{d},*")), step,
-                              a.allocated_bytes, phase)
+                self._observe(_spec("allocated_bytes", "tensor_leak", d), step, a.allocated_bytes, phase)
             if a.inactive_split_bytes is not None:
                 # Fragmentation is what empty_cache() cannot release: inactive split blocks. Reserved −
                 # allocated also holds whole cached segments, which the allocator frees and retries
                 # with before any OOM: their growth is a cache, not fragmentation.
-                self._observe(_spec(f"inactive_split_bytes{{device={d}}}", "fragmentation", d),
+                self._observe(_spec("inactive_split_bytes", "fragmentation", d),
                               step, a.inactive_split_bytes, phase)
             n = nvml.get(d)
             # This process's own use only: the device's total use would count other processes (and,
             # under torchrun, the other ranks) as this job's non-PyTorch growth.
             if n is not None and a.reserved_bytes is not None and n.process_used_bytes is not None:
-                self._observe(_spec(f"non_pytorch_bytes{{device={d}}}", "non_pytorch", d), step,
+                self._observe(_spec("non_pytorch_bytes", "non_pytorch", d), step,
                               n.process_used_bytes - a.reserved_bytes, phase)
         duration = record.duration_s
         if duration is not None and duration > 0:
@@ -151,13 +150,13 @@ class LeakSeries:
             self.seconds_per_step = duration if avg is None else 0.98 * avg + 0.02 * duration
         host = record.host
         if host is not None:
-            # The agent's own step history grows until the ring buffer is full: not the job's memory.
+            # The agent's own step records grow until the ring buffer is full: not the job's memory.
             self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
 
     def _own_bytes(self, record: StepRecord, samples: int) -> float:
         if self._own_record_bytes is None:
             self._own_record_bytes = float(_deep_size(record))
-        return self._own_record_bytes * min(samples, self._options.history_steps)
+        return self._own_record_bytes * min(samples, self._options.keep_steps)
 
     def feed_census(self, census: Census | None, record: StepRecord) -> None:
         """Feed a census's series, once per census (the one published when ``record`` was made)."""
@@ -167,15 +166,14 @@ class LeakSeries:
         step = census.step if census.step is not None else record.step
         cuda_devices = {a.device for a in record.allocator if a.allocated_bytes is not None}
         for dev, nbytes in census.bytes_by_device().items():
-            index = cuda_index(dev)
             # On CUDA the allocator's step-end bytes are the alarm; the census only attributes.
             # CPU tensors are watched by the count series and host RSS; the census attributes.
-            alarm = False if index is None else index not in cuda_devices
-            self._observe(_spec(f"census_bytes{{device={dev}}}", "tensor_leak", index, sparse=True, alarm=alarm),
+            alarm = False if dev.cuda_index is None else dev not in cuda_devices
+            self._observe(_spec("census_bytes", "tensor_leak", dev, sparse=True, alarm=alarm),
                           step, nbytes, record.phase)
         for dev, nbytes in census.invisible_bytes_by_device.items():
-            self._observe(_spec(f"invisible_bytes{{device={dev}}}", "graph_leak", cuda_index(dev), sparse=True,
-                                alarm=False), step, nbytes, record.phase)
+            self._observe(_spec("invisible_bytes", "graph_leak", dev, sparse=True, alarm=False),
+                          step, nbytes, record.phase)
 
     def feed_counts(self, record: StepRecord) -> None:
         """Scan for long-lived tensors and feed the count series (every scan interval).
@@ -191,8 +189,8 @@ class LeakSeries:
         self._previous_scan_step = record.step
         _, by_device = tracker.total()
         for device, nbytes in by_device.items():
-            self._observe(_spec(f"long_lived_bytes{{device={device}}}", "tensor_leak", cuda_index(device),
-                                sparse=True, alarm=False), step, nbytes, record.phase)
+            self._observe(_spec("long_lived_bytes", "tensor_leak", device, sparse=True, alarm=False),
+                          step, nbytes, record.phase)
         self._observe_groups(self.counts, step, record.phase,
                              [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
         if self._chains is not None:
@@ -212,7 +210,7 @@ class LeakSeries:
                         groups: list[tuple[K, int, Callable[[], SeriesSpec]]]) -> None:
         """Feed one count series per group (key, count, how to make its spec): a group gets a series
         once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most), and with it the counts it had
-        at the earlier scans (kept per family, bounded), so its history starts where the group did,
+        at the earlier scans (kept per family, bounded), so its series starts where the group did,
         not where it crossed the threshold; a watched group that is gone (all its tensors died, its
         chain ended) drops to 0."""
         specs = family.specs
@@ -224,14 +222,14 @@ class LeakSeries:
                 if count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
                     continue
                 spec = specs[key] = make_spec()
-                for earlier, counts in family.history:  # what this group counted at the scans before
+                for earlier, counts in family.count_past:  # what this group counted at the scans before
                     if earlier < step:
                         self._observe(spec, earlier, counts.get(key, 0), phase)
             self._observe(spec, step, count, phase)
         for key, spec in specs.items():
             if key not in present:
                 self._observe(spec, step, 0, phase)
-        family.history.append((step, present))
+        family.count_past.append((step, present))
 
     # --- what matters --------------------------------------------------------------------------
 
@@ -272,7 +270,7 @@ class LeakSeries:
     def headroom(self, spec: SeriesSpec) -> float | None:
         """The memory a series' growth draws on: host RAM available, or what the device's allocator
         may still reserve plus what it caches beyond the step's peak."""
-        if spec.device is None:
+        if cuda_index(spec.device) is None:
             # Host RAM available is the sampler's figure: a step's host sample carries the published
             # one, so the published state has it without building a state at every evaluation.
             host = self._agent.published.host
@@ -305,10 +303,10 @@ class LeakSeries:
     def invisible_rate(self, status: TrackStatus) -> float | None:
         """How fast the device's allocated bytes the census cannot see (autograd-saved tensors) grew
         over the status's window; None off CUDA or without the points."""
-        if status.spec.device is None:
+        device = status.spec.device
+        if cuda_index(device) is None:
             return None
-        return self.detector.slope_since(
-            f"invisible_bytes{{device=cuda:{status.spec.device}}}", status.phase, status.window_start)
+        return self.detector.slope_since(series_name("invisible_bytes", device), status.phase, status.window_start)
 
 
 def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:
@@ -320,7 +318,7 @@ def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:
     return roots
 
 
-_SPECS: dict[tuple[str, bool, bool], SeriesSpec] = {}
+_SPECS: dict[tuple[str, Device, bool, bool], SeriesSpec] = {}
 
 
 def _family(name: str) -> str:
@@ -349,26 +347,37 @@ def _deep_size(obj: object, depth: int = 4) -> int:
     return size
 
 
-def _spec(name: str, kind: str, device: int | None, *, sparse: bool = False, alarm: bool = True,
-          explained_by: tuple[str, ...] = ()) -> SeriesSpec:
-    # Specs are immutable and few: cache them so the per-step path builds nothing.
-    key = (name, sparse, alarm)
+def _spec(measure: str, kind: str, device: Device, *, sparse: bool = False, alarm: bool = True) -> SeriesSpec:
+    """The spec of series ``measure`` on ``device``."""
+    # Specs are immutable and few: cache them so the per-step path builds nothing (not even the name).
+    key = (measure, device, sparse, alarm)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = SeriesSpec(name, kind, device, sparse=sparse, alarm=alarm, explained_by=explained_by)
+        spec = SeriesSpec(series_name(measure, device), kind, device, sparse=sparse, alarm=alarm,
+                          explained_by=_explained_by(measure, device))
         if len(_SPECS) < 1024:
             _SPECS[key] = spec
     return spec
 
 
+def _explained_by(measure: str, device: Device) -> tuple[str, ...]:
+    """What accounts for a series' growth when it grows as fast: the device's long-lived tensors, for
+    its allocated bytes."""
+    if measure != "allocated_bytes":
+        return ()
+    return series_name("long_lived_bytes", device), series_family("tensors", device)
+
+
 def _tensor_spec(group: SurvivorGroup) -> SeriesSpec:
     """The count series of a survivor group."""
-    return SeriesSpec(f"tensors{{device={group.device},group={group.describe()}}}",
-                      "graph_leak" if group.graph else "tensor_leak", cuda_index(group.device), sparse=True,
-                      unit="tensors")
+    described = group.describe()
+    return SeriesSpec(series_name("tensors", group.device, described),
+                      "graph_leak" if group.graph else "tensor_leak", group.device, sparse=True,
+                      unit="tensors", group=described)
 
 
 def _chain_spec(group: ChainGroup) -> SeriesSpec:
     """The node-count series of a graph-chain group."""
-    return SeriesSpec(f"graph_nodes{{device={group.device},group={group.describe()}}}", "graph_leak",
-                      cuda_index(group.device), sparse=True, unit="nodes")
+    described = group.describe()
+    return SeriesSpec(series_name("graph_nodes", group.device, described), "graph_leak", group.device,
+                      sparse=True, unit="nodes", group=described)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.records.device import cuda_index
 
 if TYPE_CHECKING:
     from gpumemd.components.leak_options import LeakOptions
@@ -38,13 +39,13 @@ class AllocationSites:
         self._options = options
         self._history = history
         self._snapshot_fn = snapshot_fn
-        self._before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}  # per device: step, live bytes by site
-        self._named: dict[int, tuple[str, ...]] = {}  # per device, once a finding is confirmed
+        self._before: dict[int, tuple[int, dict[str, SiteBytes]]] = {}  # per CUDA ordinal: step, live bytes by site
+        self._named: dict[int, tuple[str, ...]] = {}  # per CUDA ordinal, once a finding is confirmed
         self.enabled_by_us = False  # allocation history is on because this component asked
 
     def sites(self, status: TrackStatus) -> tuple[str, ...]:
         """CUDA allocation sites that grew since the leak was suspected (with allocation history)."""
-        d = status.spec.device
+        d = cuda_index(status.spec.device)
         if d is None:
             return ()
         named = self._named.get(d)

@@ -33,6 +33,7 @@ from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summa
 from gpumemd.components.base import ComponentBase
 from gpumemd.probes.environment import collect_environment
 from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.report.build import ReportInputs, build_report, oom_device
 from gpumemd.report.writer import report_dir_name, write_report_dir
@@ -190,7 +191,8 @@ class OomComponent(ComponentBase):
         agent = self._agent
         if not self._running or agent is None or not agent.running:
             return
-        call = ObserverCall(device=int(device), requested_bytes=int(alloc),
+        ordinal = int(device)
+        call = ObserverCall(device=Device.cuda(ordinal), requested_bytes=int(alloc),
                             total_or_cap_bytes=int(total_or_cap), device_free_bytes=int(free),
                             wall_time=self._wall())
         steps, now = agent.steps_total, self._clock()
@@ -200,10 +202,10 @@ class OomComponent(ComponentBase):
                 and now - earlier.captured_at < _BURST_S):
             snapshot, captured_at = earlier.snapshot, earlier.captured_at  # all devices: still this moment
             summary = earlier.memory_summary if earlier.call.device == call.device else \
-                self._probe.memory_summary(call.device)
+                self._probe.memory_summary(ordinal)
         elif self._may_write(now):  # no snapshot for an OOM we would not report anyway
             snapshot, captured_at = self._probe.capture(), now
-            summary = self._probe.memory_summary(call.device)
+            summary = self._probe.memory_summary(ordinal)
         self._pending = _Capture(call, snapshot, summary, steps, captured_at)
 
     # --- excepthooks -------------------------------------------------------------------------
@@ -385,12 +387,12 @@ class OomComponent(ComponentBase):
             host=state.host,
             allocator=state.allocator,
             nvml=state.nvml,
-            phases=state.phases,
+            step_profile=state.step_profile,
         )
-        device = oom_device(inputs)
+        ordinal = cuda_index(oom_device(inputs))
         summary = capture.memory_summary if capture and capture.memory_summary else (
-            self._probe.memory_summary(device) if device is not None else None)
-        env = collect_environment(state.identity, device=device)
+            self._probe.memory_summary(ordinal) if ordinal is not None else None)
+        env = collect_environment(state.identity, device=ordinal)
         inputs = replace(inputs, environment=env, memory_summary=summary)
         report = build_report(inputs)
         files = render_files(report, snapshot)

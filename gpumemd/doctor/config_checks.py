@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gpumemd.config import ENV_PREFIX, Config, ConfigError, field_types, is_optional, parse_value, unknown_env_lines
+from gpumemd.config import (
+    ENV_PREFIX,
+    Config,
+    ConfigError,
+    field_types,
+    is_optional,
+    parse_value,
+    renamed_env_lines,
+    unknown_env_lines,
+)
+from gpumemd.config_renamed import RENAMED
 from gpumemd.doctor.check import Check
 
 
@@ -24,9 +34,10 @@ def _parse_override(name: str, raw: str) -> Any:
 
 
 def _known_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Only the ``GPUMEMD_*`` variables that name options: ``Config.from_sources`` would log the
-    unknown ones as a warning on stderr, and doctor reports them as lines of its own instead."""
-    names = {ENV_PREFIX + name.upper() for name in field_types()}
+    """Only the ``GPUMEMD_*`` variables that name options (old names of renamed ones included):
+    ``Config.from_sources`` would log the unknown ones as a warning on stderr, and doctor reports
+    them as lines of its own instead."""
+    names = {ENV_PREFIX + name.upper() for name in [*field_types(), *RENAMED]}
     return {k: v for k, v in environ.items() if k in names}
 
 
@@ -39,7 +50,7 @@ def check_config(environ: Mapping[str, str], overrides: Mapping[str, str]) -> li
     try:
         for name, raw in overrides.items():
             parsed[name] = _parse_override(name, raw)
-        Config.from_sources(_known_env(environ), **parsed)
+        Config.resolve(_known_env(environ), parsed)
     except ConfigError as err:
         message = err.render(f"{_option(err.field)}={{value}}") if err.field in overrides else str(err)
         out.append(Check("config", "fail", message, needed=True))
@@ -47,7 +58,7 @@ def check_config(environ: Mapping[str, str], overrides: Mapping[str, str]) -> li
         given = [f"{k}={v}" for k, v in sorted(_known_env(environ).items())]
         given += [f"{_option(n)}={overrides[n]}" for n in sorted(overrides)]
         out.append(Check("config", "ok", f"valid ({', '.join(given) if given else 'defaults'})", needed=True))
-    out.extend(Check("config", "warn", line) for line in unknown_env_lines(environ))
+    out.extend(Check("config", "warn", line) for line in unknown_env_lines(environ) + renamed_env_lines(environ))
     return out
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd._version import __version__
 from gpumemd.analysis.leak_detector import LeakState
 from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, LEAK_STATE_VALUES
-from gpumemd.records.device import label as device_label
+from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import AgentState
 
@@ -60,7 +60,7 @@ class CounterBaseline:
     """
 
     def __init__(self, samples: Iterable[AllocatorSample] = ()) -> None:
-        self._base: dict[tuple[int, str], int] = {}
+        self._base: dict[tuple[Device, str], int] = {}
         for sample in samples:
             for field_name in _ALLOCATOR_COUNTERS:
                 value = getattr(sample, field_name)
@@ -68,7 +68,7 @@ class CounterBaseline:
                     self._base[(sample.device, field_name)] = value
         self._lock = threading.Lock()  # scrape threads only; the training thread never takes it
 
-    def since_attach(self, device: int, field_name: str, value: int) -> int:
+    def since_attach(self, device: Device, field_name: str, value: int) -> int:
         key = (device, field_name)
         with self._lock:
             base = self._base.get(key, 0)
@@ -208,7 +208,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     _host(out, state)
     _steps(out, state, live or LiveFigures(), last_step_at)
     _census(out, state)
-    _phases(out, state)
+    _step_profile(out, state)
     _findings(out, state.findings)
     _agent(out, state)
     return out.result()
@@ -216,7 +216,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
 
 def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:
     for sample in state.allocator:
-        device = str(sample.device)
+        device = sample.device.label
         for field_name, name in _ALLOCATOR_GAUGES.items():
             out.add(name, getattr(sample, field_name), device=device)
         for field_name, name in _ALLOCATOR_COUNTERS.items():
@@ -225,12 +225,12 @@ def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> 
                 out.add(name, baseline.since_attach(sample.device, field_name, value), device=device)
     if state.last_step is not None:
         for sample in state.last_step.allocator:
-            out.add("gpumemd_step_end_allocated_bytes", sample.allocated_bytes, device=str(sample.device))
+            out.add("gpumemd_step_end_allocated_bytes", sample.allocated_bytes, device=sample.device.label)
 
 
 def _nvml(out: _Families, state: AgentState) -> None:
     for nv in state.nvml:
-        device = str(nv.device)
+        device = nv.device.label
         out.add("gpumemd_device_total_bytes", nv.total_bytes, device=device)
         out.add("gpumemd_device_used_bytes", nv.used_bytes, device=device)
         out.add("gpumemd_device_free_bytes", nv.free_bytes, device=device)
@@ -272,19 +272,19 @@ def _census(out: _Families, state: AgentState) -> None:
     for category, count in census.count_by_category().items():
         out.add("gpumemd_census_tensors", count, category=category)
     out.add("gpumemd_census_duration_seconds", census.duration_s)
-    # Keys are "cuda:N" (the census's device names); the label is N, as on every allocator series.
-    for device, nbytes in sorted(census.invisible_bytes_by_device.items()):
-        out.add("gpumemd_census_invisible_bytes", nbytes, device=device_label(device))
+    # The label is N, as on every allocator series; in the order of torch's names, as always.
+    for device, nbytes in sorted(census.invisible_bytes_by_device.items(), key=lambda dn: dn[0].name):
+        out.add("gpumemd_census_invisible_bytes", nbytes, device=device.label)
 
 
-def _phases(out: _Families, state: AgentState) -> None:
-    phases = state.phases
-    if phases is None:
+def _step_profile(out: _Families, state: AgentState) -> None:
+    profile = state.step_profile
+    if profile is None:
         return
-    out.add("gpumemd_phase_step", phases.step)
-    # figures() leaves out what was not measured (allocator phases on CPU): absent, never 0.
-    for phase, nbytes in phases.figures().items():
-        out.add("gpumemd_phase_bytes", nbytes, phase=phase)
+    out.add("gpumemd_step_profile_step", profile.step)
+    # figures() leaves out what was not measured (the allocator's points on CPU): absent, never 0.
+    for point, nbytes in profile.figures().items():
+        out.add("gpumemd_step_profile_bytes", nbytes, point=point)
 
 
 def _findings(out: _Families, findings: Iterable[Finding]) -> None:
@@ -292,7 +292,9 @@ def _findings(out: _Families, findings: Iterable[Finding]) -> None:
     # most severe one, so each label set appears once and stays bounded.
     worst: dict[tuple[str, str], Finding] = {}
     for finding in findings:
-        key = (finding.kind, "" if finding.device is None else str(finding.device))
+        # The CUDA ordinal; findings off CUDA (the host's, cpu tensors') share the empty label.
+        ordinal = cuda_index(finding.device)
+        key = (finding.kind, "" if ordinal is None else str(ordinal))
         current = worst.get(key)
         if current is None or _rank(finding) > _rank(current):
             worst[key] = finding

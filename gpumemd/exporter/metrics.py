@@ -123,13 +123,13 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_census_invisible_bytes", _D,
        "CUDA allocated bytes the last census could not see as live tensors (mostly activations saved for "
        "backward); absent on CPU.", "Census.invisible_bytes_by_device"),
-    # --- step phases (attach(phases=True); one sampled step in phase_every_steps) ---
-    _g("gpumemd_phase_bytes", ("phase",),
-       "Bytes at each phase of the last sampled training step (forward_start, forward_peak, after_backward, "
+    # --- step profile (attach(step_profile=True); one sampled step in step_profile_every_steps) ---
+    _g("gpumemd_step_profile_bytes", ("point",),
+       "Bytes at each point of the last profiled training step (forward_start, forward_peak, after_backward, "
        "after_step, optimizer_step_peak, saved_for_backward, parameters, gradients, optimizer_state, "
-       "forward_transient, optimizer_step_transient); allocator phases are absent on CPU.",
-       "PhaseBreakdown.figures()"),
-    _g("gpumemd_phase_step", (), "Training step the last phase breakdown was measured on.", "PhaseBreakdown.step"),
+       "forward_transient, optimizer_step_transient); the allocator's points are absent on CPU.",
+       "StepProfile.figures()"),
+    _g("gpumemd_step_profile_step", (), "Training step the last step profile was measured on.", "StepProfile.step"),
     # --- leak findings (one series per finding kind and device: the most severe finding) ---
     _g("gpumemd_leak_state", ("kind", "device"), "Leak finding state: 0 cleared, 1 suspected, 2 confirmed.",
        "Finding.state"),

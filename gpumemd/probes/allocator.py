@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
+from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample
 
 StatsFn = Callable[[int], Mapping[str, Any]]
@@ -66,10 +67,11 @@ def expandable_segments_from_env(environ: Mapping[str, str]) -> bool:
     return False
 
 
-def sample_from_stats(device: int, stats: Mapping[str, Any], *, backend: str = "native",
+def sample_from_stats(ordinal: int, stats: Mapping[str, Any], *, backend: str = "native",
                       expandable_segments: bool = False, memory_fraction: float | None = None,
                       cap_bytes: int | None = None) -> AllocatorSample | None:
-    """Turn one flattened ``memory_stats`` dict into a sample; ``{}`` (CUDA not initialised) -> None.
+    """Turn CUDA device ``ordinal``'s flattened ``memory_stats`` dict into a sample; ``{}`` (CUDA not
+    initialised) -> None.
     ``backend`` is ``torch.cuda.memory.get_allocator_backend()``: under ``cudaMallocAsync`` only the
     stats that backend maintains are read. Under ``expandable_segments`` torch does not count blocks of
     expandable segments in ``inactive_split`` (pytorch/pytorch#159564): it reads 0 whatever the
@@ -83,7 +85,7 @@ def sample_from_stats(device: int, stats: Mapping[str, Any], *, backend: str = "
         if expandable_segments and field_name == "inactive_split_bytes":
             kept = False
         values[field_name] = int(raw) if kept and isinstance(raw, (int, float)) else None
-    return AllocatorSample(device=device, memory_fraction=memory_fraction, cap_bytes=cap_bytes, **values)
+    return AllocatorSample(device=Device.cuda(ordinal), memory_fraction=memory_fraction, cap_bytes=cap_bytes, **values)
 
 
 def torch_cap_reader(torch: Any) -> CapFn:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 from gpumemd.records.census import CensusGroup, GroupKey, TensorEntry
-from gpumemd.records.device import cuda_device
+from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample
 
 if TYPE_CHECKING:
@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
     from gpumemd.probes.storages import Storages
 
-# (device, dtype, shape, category, name) while aggregating: plain tuples hash and compare in C,
-# the GroupKey dataclass's __hash__/__eq__ run in Python.
+# (device name, dtype, shape, category, name) while aggregating: plain tuples of strings hash and
+# compare in C, the GroupKey and Device dataclasses' __hash__/__eq__ run in Python. Records get the
+# Device once per group.
 _Key: TypeAlias = "tuple[str, str, tuple[int, ...], str, str | None]"
 
 
@@ -88,7 +89,7 @@ class Grouping:
                     nbytes=record.nbytes,
                     shape=tuple(shape),
                     dtype=dtype,
-                    device=device,
+                    device=Device.parse(device),
                     category=category,
                     name=name,
                     graph_bytes=record.graph_bytes,
@@ -96,7 +97,7 @@ class Grouping:
             )
         return out
 
-    def invisible(self, allocator: Sequence[AllocatorSample]) -> dict[str, int]:
+    def invisible(self, allocator: Sequence[AllocatorSample]) -> dict[Device, int]:
         """CUDA allocated bytes minus the gc-visible storages on that device (graph estimates excluded:
         what autograd saved is part of what the census cannot see)."""
         if not allocator:
@@ -114,8 +115,7 @@ class Grouping:
         for sample in allocator:
             if sample.allocated_bytes is None:
                 continue
-            name = cuda_device(sample.device)
-            out[name] = max(0, sample.allocated_bytes - visible.get(name, 0))
+            out[sample.device] = max(0, sample.allocated_bytes - visible.get(sample.device.name, 0))
         return out
 
     def _group_key(self, record: StorageRecord) -> _Key:
@@ -159,7 +159,7 @@ def _finish(
     samples: dict[GroupKey, torch.Tensor] = {}
     owners: dict[GroupKey, torch.Tensor] = {}
     for key, g in acc.items():
-        group_key = GroupKey(key[0], key[1], tuple(key[2]), key[3], key[4])
+        group_key = GroupKey(Device.parse(key[0]), key[1], tuple(key[2]), key[3], key[4])
         groups.append(CensusGroup(group_key, g.count, g.nbytes, g.graph_bytes))
         samples[group_key] = g.largest.tensor
         if g.largest.kept_by is not None:

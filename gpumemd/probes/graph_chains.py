@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.probes.autograd_graph import LEAF_SEQUENCE_NR, oldest_first
+from gpumemd.records.device import Device
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -59,7 +60,7 @@ DATE_BUDGET = 4_096
 MAX_MARKS = 256
 """Marks kept (step, sequence number) to date a chain's oldest node: 256 scans, 2,560+ steps."""
 
-ChainKey = tuple[str, str, tuple[int, ...]]  # device, dtype, shape of the chain's root tensor
+ChainKey = tuple[str, str, tuple[int, ...]]  # device name, dtype, shape of the chain's root tensor
 
 
 @dataclass(slots=True)
@@ -78,8 +79,8 @@ class ChainGroup:
     began_at: int | None = None  # the step the oldest chain began in, dated by the marks (within a scan interval)
 
     @property
-    def device(self) -> str:
-        return self.key[0]
+    def device(self) -> Device:
+        return Device.parse(self.key[0])
 
     def describe(self) -> str:
         _, dtype, shape = self.key

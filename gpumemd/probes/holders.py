@@ -303,7 +303,7 @@ def holder_of_group(key: GroupKey) -> str | None:
             continue
         try:
             if (tuple(obj.shape) == key.shape and str(obj.dtype).removeprefix("torch.") ==
-                    key.dtype.removeprefix("torch.") and str(obj.device) == key.device
+                    key.dtype.removeprefix("torch.") and str(obj.device) == key.device.name
                     and (key.category != "graph" or obj.grad_fn is not None)):
                 sample = obj
                 break

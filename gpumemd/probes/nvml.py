@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth, log
+from gpumemd.records.device import Device
 from gpumemd.records.samples import NvmlDeviceSample
 
 
@@ -232,7 +233,7 @@ class NvmlProbe:
                 mem = self._memory(handle)
                 out.append(
                     NvmlDeviceSample(
-                        device=ordinal,
+                        device=Device.cuda(ordinal),
                         total_bytes=int(mem.total),
                         used_bytes=int(mem.used),
                         free_bytes=int(mem.free),

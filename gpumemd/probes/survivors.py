@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from gpumemd.records.device import Device
+
 log = logging.getLogger("gpumemd")
 
 MAX_TRACKED = 200_000
@@ -57,7 +59,9 @@ less, and the collection (of ~256 objects, every ~10 scans) is the one CPython w
 later: it only moves survivors on (and frees young cyclic garbage a little sooner). Never under
 ``gc.disable()`` or a zero threshold."""
 
-GroupKey = tuple[str, str, tuple[int, ...], bool]  # device, dtype, shape, has grad_fn
+# device name, dtype, shape, has grad_fn: strings while scanning (they hash in C); a group's
+# ``device`` is the Device.
+GroupKey = tuple[str, str, tuple[int, ...], bool]
 
 
 class _Ref(weakref.ref[Any]):
@@ -75,8 +79,8 @@ class SurvivorGroup:
     nbytes: int
 
     @property
-    def device(self) -> str:
-        return self.key[0]
+    def device(self) -> Device:
+        return Device.parse(self.key[0])
 
     @property
     def graph(self) -> bool:
@@ -147,12 +151,12 @@ class SurvivorTracker:
     def count(self, key: GroupKey) -> int:
         return self._counts.get(key, 0)
 
-    def total(self) -> tuple[int, dict[str, int]]:
+    def total(self) -> tuple[int, dict[Device, int]]:
         """(tensors, bytes per device) of everything tracked."""
-        by_device: dict[str, int] = {}
+        by_name: dict[str, int] = {}
         for key, nbytes in list(self._bytes.items()):
-            by_device[key[0]] = by_device.get(key[0], 0) + nbytes
-        return len(self._refs), by_device
+            by_name[key[0]] = by_name.get(key[0], 0) + nbytes
+        return len(self._refs), {Device.parse(name): nbytes for name, nbytes in by_name.items()}
 
     def sample(self, key: GroupKey) -> Any:
         """The newest live member of a group (a strong reference: the caller drops it soon)."""

@@ -7,7 +7,7 @@ forward and backward on a meta input, and counts:
 - optimizer-state bytes from the optimizer kind and the parameter shapes
   (``gpumemd.analysis.estimate.optimizer_state_bytes``: what ``torch.optim`` allocates);
 - the bytes autograd saves for backward, counted by :class:`SavedTensorCounter` — the same counter
-  the phases component uses on a live job, so the traced figure and the live one are comparable.
+  the step profile component uses on a live job, so the traced figure and the live one are comparable.
 
 and from them the peak with the same rule as the analytic estimate
 (``params + optimizer state + max(gradients + intermediates, saved for backward)``).
@@ -105,7 +105,7 @@ class SavedTensorCounter:
         return tensor
 
     def start(self) -> None:
-        """Install the hooks (the phases component calls this from a forward pre-hook)."""
+        """Install the hooks (the step profile component calls this from a forward pre-hook)."""
         import torch
 
         if self._ctx is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpumemd.records.device import Device
+
 CATEGORIES: tuple[str, ...] = ("parameter", "gradient", "optimizer_state", "buffer", "graph", "other")
 
 
@@ -19,7 +21,7 @@ class TensorEntry:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
-    device: str
+    device: Device
     category: str
     name: str | None = None
     holder: str | None = None
@@ -28,7 +30,7 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class GroupKey:
-    device: str
+    device: Device
     dtype: str
     shape: tuple[int, ...]
     category: str
@@ -55,7 +57,7 @@ class GroupDelta:
     holder: str | None = None
 
     @property
-    def device(self) -> str:
+    def device(self) -> Device:
         return self.key.device
 
     @property
@@ -85,7 +87,7 @@ class Census:
     groups: tuple[CensusGroup, ...]
     largest: tuple[TensorEntry, ...] = ()
     objects_scanned: int = 0
-    invisible_bytes_by_device: Mapping[str, int] = field(default_factory=dict)
+    invisible_bytes_by_device: Mapping[Device, int] = field(default_factory=dict)
     graph_truncated: bool = False  # the graph walk hit its node bound: graph bytes are a lower bound
     errors: int = 0  # tensors the census could not read (skipped, never raised)
 
@@ -116,8 +118,8 @@ class Census:
             out[g.key.category] = out.get(g.key.category, 0) + g.count
         return out
 
-    def bytes_by_device(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+    def bytes_by_device(self) -> dict[Device, int]:
+        out: dict[Device, int] = {}
         for g in self.groups:
             out[g.key.device] = out.get(g.key.device, 0) + g.nbytes + g.graph_bytes
         return out
@@ -126,7 +128,7 @@ class Census:
         """The groups whose name is ``name`` (one per device/dtype/shape it appears with)."""
         return [g for g in self.groups if g.key.name == name]
 
-    def bytes_where(self, *, category: str | None = None, device: str | None = None) -> int:
+    def bytes_where(self, *, category: str | None = None, device: Device | None = None) -> int:
         """Storage bytes of the groups matching ``category`` and/or ``device`` (graph bytes excluded)."""
         return sum(
             g.nbytes

@@ -1,43 +1,99 @@
-"""How gpumemd names a device, and the one place that converts between the two spellings.
+"""How gpumemd names a device: one ``Device`` value, and the spellings each output needs.
 
-- Where tensors live (census groups, breakdowns, findings' text): torch's device string, ``"cpu"``
-  or ``"cuda:N"`` (never a bare ``"cuda"``: ``normalize`` makes it ``"cuda:0"``).
-- What the CUDA allocator and NVML report on (samples, series, metric labels): the CUDA ordinal
-  ``N`` as torch numbers it in this process (after ``CUDA_VISIBLE_DEVICES``).
+Records carry a ``Device``; only the outputs spell it, each its own way, and every spelling is here:
 
-Every conversion goes through these functions, so a device named one way here and the other there
-is still the same device.
+- ``name``: torch's device string, ``"cpu"`` or ``"cuda:N"`` (never a bare ``"cuda"``: ``parse``
+  makes it ``cuda:0``), as census groups, breakdowns and findings' text show it;
+- ``label``: the metric label, the CUDA ordinal ``"N"`` for CUDA (as on every allocator series),
+  else the name;
+- ``cuda_index``: the CUDA ordinal as torch numbers it in this process (after
+  ``CUDA_VISIBLE_DEVICES``), or None off CUDA: what torch's and NVML's calls take, and what the JSON
+  of samples, findings and OOM records holds.
+
+Devices are interned: ``Device.cuda(n)`` and ``Device.parse(name)`` return the same object for the
+same device, so the per-step path looks them up and never builds one. Two devices compare by value,
+so a device named one way here and another way there is still the same device.
 """
 
 from __future__ import annotations
 
-CPU = "cpu"
-_CUDA_PREFIX = "cuda:"
+from dataclasses import dataclass, field
+
+_CUDA = "cuda"
+_PARSED_MAX = 256
+"""Names ``parse`` remembers at most: a process has a handful of devices, but report files read
+back may name anything."""
 
 
-def cuda_device(index: int) -> str:
-    """``3`` -> ``"cuda:3"``."""
-    return f"{_CUDA_PREFIX}{index}"
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A device: its type (``"cpu"``, ``"cuda"``, or another of torch's device types) and its index
+    (None where torch gives none, as for ``"cpu"``). Build one with ``Device.cuda`` or
+    ``Device.parse`` (interned), or use ``CPU``."""
+
+    kind: str
+    index: int | None = None
+    # Spellings computed once (devices are interned): outputs read them on every scrape and step.
+    name: str = field(init=False, repr=False, compare=False)
+    label: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind == _CUDA and self.index is None:
+            raise ValueError('Device("cuda") needs an index: Device.parse("cuda") is cuda:0')
+        name = self.kind if self.index is None else f"{self.kind}:{self.index}"
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "label", str(self.index) if self.kind == _CUDA else name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def cuda_index(self) -> int | None:
+        """The CUDA ordinal; None for any other device."""
+        return self.index if self.kind == _CUDA else None
+
+    @property
+    def order(self) -> tuple[str, int]:
+        """A sort key: by type, then by index (``cuda:2`` before ``cuda:10``; no index first)."""
+        return self.kind, -1 if self.index is None else self.index
+
+    @staticmethod
+    def cuda(index: int) -> Device:
+        """CUDA device ``index`` (``3`` -> ``cuda:3``), interned."""
+        device = _CUDA_DEVICES.get(index)
+        if device is None:
+            device = _CUDA_DEVICES[index] = Device(_CUDA, index)
+        return device
+
+    @staticmethod
+    def parse(name: str) -> Device:
+        """torch's device string: ``"cuda:3"``, ``"cpu"``, ``"mps:0"``; ``"cuda"`` is ``cuda:0`` (torch's
+        current device at the time is device 0 for gpumemd's purposes: a census sees the tensor's own
+        device, which always carries an index). A name that is not ``type`` or ``type:N`` is kept whole
+        as the type, so that ``str(Device.parse(name)) == name`` for every name but ``"cuda"``."""
+        device = _PARSED.get(name)
+        if device is None:
+            device = _parse(name)
+            if len(_PARSED) < _PARSED_MAX:
+                _PARSED[name] = device
+        return device
 
 
-def normalize(device: str) -> str:
-    """``"cuda"`` -> ``"cuda:0"`` (torch's current device at the time is device 0 for gpumemd's
-    purposes: a census sees the tensor's own device, which always carries an index); others unchanged."""
-    return cuda_device(0) if device == "cuda" else device
+def _parse(name: str) -> Device:
+    if name == _CUDA:
+        return Device.cuda(0)
+    kind, sep, index = name.rpartition(":")
+    # Only a canonical number is an index ("cuda:01" would not spell back the same).
+    if not sep or not kind or not index.isdecimal() or str(int(index)) != index:
+        return Device(name)
+    return Device.cuda(int(index)) if kind == _CUDA else Device(kind, int(index))
 
 
-def cuda_index(device: str) -> int | None:
-    """``"cuda:3"`` -> ``3``, ``"cuda"`` -> ``0``; None for any other device."""
-    device = normalize(device)
-    if not device.startswith(_CUDA_PREFIX):
-        return None
-    try:
-        return int(device[len(_CUDA_PREFIX):])
-    except ValueError:
-        return None
+_CUDA_DEVICES: dict[int, Device] = {}
+CPU = Device("cpu")
+_PARSED: dict[str, Device] = {CPU.name: CPU}
 
 
-def label(device: str) -> str:
-    """The metric label of a device: the ordinal for CUDA (as on every allocator series), else the name."""
-    index = cuda_index(device)
-    return str(index) if index is not None else device
+def cuda_index(device: Device | None) -> int | None:
+    """The CUDA ordinal of ``device``; None off CUDA and for no device."""
+    return device.cuda_index if device is not None else None

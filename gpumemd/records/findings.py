@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gpumemd.records.device import Device
+from gpumemd.records.plain import AS_ORDINAL, IN_MEMORY_ONLY
 
 FINDING_KINDS: tuple[str, ...] = ("tensor_leak", "graph_leak", "fragmentation", "non_pytorch", "host_leak")
 FINDING_STATES: tuple[str, ...] = ("suspected", "confirmed", "cleared")
@@ -37,7 +40,9 @@ class Finding:
     first_step: int  # the step at which the finding was first raised
     updated_step: int
     summary: str
-    device: int | None = None
+    # The device whose memory the series measures (the host's series: cpu); None: not said. Written
+    # as the CUDA ordinal (null off CUDA), as findings always were.
+    device: Device | None = field(default=None, metadata=AS_ORDINAL)
     culprits: tuple[Culprit, ...] = ()
     phase: str = "train"  # the phase whose steps the series was compared across
     p_value: float | None = None  # Mann-Kendall one-sided p of the window that decided
@@ -45,3 +50,6 @@ class Finding:
     tensors_per_step: float | None = None  # count evidence: long-lived tensors gained per step
     hours_to_oom: float | None = None  # steps_to_oom at the job's measured step rate
     severity: str | None = None  # "critical" (out of memory within a day), "warning", or None when cleared
+    # The group a count series follows ("float32[4, 8]"), for the OOM report to find it in a census;
+    # not written (it is in the series name, which the files keep).
+    group: str | None = field(default=None, metadata=IN_MEMORY_ONLY)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpumemd.records.census import GroupKey
+from gpumemd.records.device import CPU, Device
+from gpumemd.records.plain import AS_ORDINAL
 
 OOM_KINDS: tuple[str, ...] = ("cuda", "device", "cpu", "mps")
 """``cuda``: a CUDA caching-allocator OOM; ``device``: a ``torch.OutOfMemoryError`` of another
@@ -42,10 +44,10 @@ HOST_LABELS: dict[str, str] = {
 }
 
 
-def breakdown_label(key: str, device: str | None = None, default: str | None = None) -> str:
-    """The words for breakdown item ``key`` on ``device`` ("cpu" or "cuda:N"); ``default`` (an older
-    report's own label) or the key itself for a key this version does not know."""
-    if device == "cpu" and key in HOST_LABELS:
+def breakdown_label(key: str, device: Device | None = None, default: str | None = None) -> str:
+    """The words for breakdown item ``key`` on ``device``; ``default`` (an older report's own label) or
+    the key itself for a key this version does not know."""
+    if device == CPU and key in HOST_LABELS:
         return HOST_LABELS[key]
     return BREAKDOWN_LABELS.get(key) or default or key
 
@@ -57,7 +59,7 @@ class OomMessage:
     kind: str
     format: str  # "cuda-2.1+", "cuda-legacy", "cuda-async", "cuda-runtime", "cpu", "mps" or "unparsed"
     requested_bytes: int | None = None
-    device: int | None = None
+    device: Device | None = field(default=None, metadata=AS_ORDINAL)  # the CUDA device it names
     total_bytes: int | None = None  # the device's total capacity
     free_bytes: int | None = None  # free on the device, as the driver reported it
     allowed_bytes: int | None = None  # the per-process cap (set_per_process_memory_fraction)
@@ -105,7 +107,7 @@ class LeakCause:
 class Breakdown:
     """Where the memory of the failing device went, against its total."""
 
-    device: str  # "cuda:0", "cpu"
+    device: Device  # cuda:0, or cpu for the host
     total_bytes: int | None  # device total, or the cap when one is set (cap_bytes); host total for "cpu"
     items: tuple[BreakdownItem, ...]
     requested_bytes: int | None
@@ -174,7 +176,7 @@ class SnapshotSite:
 class SnapshotSummary:
     """One device's allocator state, read from a ``torch.cuda.memory._snapshot()`` dict."""
 
-    device: int
+    device: Device = field(metadata=AS_ORDINAL)  # a CUDA device
     segments: int
     reserved_bytes: int
     allocated_bytes: int
@@ -193,7 +195,7 @@ class ObserverCall:
     """One call of PyTorch's CUDA out-of-memory observer, argument meaning as in the allocator:
     ``obs(device, alloc_size, allowed_memory_maximum or device_total, device_free)``."""
 
-    device: int
+    device: Device = field(metadata=AS_ORDINAL)  # a CUDA device
     requested_bytes: int  # the rounded size the allocator tried to obtain (a segment, maybe > the tensor)
     total_or_cap_bytes: int  # the device total, or the per-process cap when one is set (NOT "allocated")
     device_free_bytes: int  # cudaMemGetInfo's free

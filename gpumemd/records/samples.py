@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gpumemd.records.device import Device
+from gpumemd.records.plain import AS_ORDINAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +17,7 @@ class AllocatorSample:
     never 0.
     """
 
-    device: int
+    device: Device = field(metadata=AS_ORDINAL)  # a CUDA device
     allocated_bytes: int | None = None
     allocated_peak_bytes: int | None = None
     reserved_bytes: int | None = None
@@ -47,7 +50,7 @@ class AllocatorSample:
 class NvmlDeviceSample:
     """The driver's view of one device, from NVML (creates no CUDA context)."""
 
-    device: int
+    device: Device = field(metadata=AS_ORDINAL)  # the CUDA device it is, as this process numbers them
     total_bytes: int
     used_bytes: int
     free_bytes: int

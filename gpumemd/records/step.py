@@ -6,12 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 
 if TYPE_CHECKING:
     from gpumemd.records.census import Census
     from gpumemd.records.findings import Finding
-    from gpumemd.records.phases import PhaseBreakdown
+    from gpumemd.records.step_profile import StepProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class StepRecord:
     census_total_bytes: int | None = None  # filled on steps where a census ran
     steps: int = 1  # steps since the previous record (this one included)
 
-    def allocator_for(self, device: int) -> AllocatorSample | None:
+    def allocator_for(self, device: Device) -> AllocatorSample | None:
         for sample in self.allocator:
             if sample.device == device:
                 return sample
@@ -110,7 +111,7 @@ class AgentState:
     findings: tuple[Finding, ...] = ()
     reports: tuple[str, ...] = ()
     ooms_total: int = 0
-    phases: PhaseBreakdown | None = None
+    step_profile: StepProfile | None = None
     phase: str = "train"
     overhead: Overhead = field(default_factory=Overhead)
     probe_errors: Mapping[str, int] = field(default_factory=dict)

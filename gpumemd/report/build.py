@@ -17,19 +17,21 @@ from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.oom_leak import leak_at_oom, with_leak
 from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
+from gpumemd.records.device import Device
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, ObserverCall, OomMessage, SnapshotSummary
-from gpumemd.records.phases import PhaseBreakdown
+from gpumemd.records.plain import plain
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import Identity, StepRecord
+from gpumemd.records.step_profile import StepProfile
 
 SCHEMA_VERSION = 1
 REPORT_KIND = "gpumemd.oom_report"
 TOP_TENSORS = 500  # largest storages, in report.json only: the people's reports show groups
 TOP_GROUPS = 100  # in report.json; report.md/html and `gpumemd report` show the first view.GROUPS_SHOWN
 TIMELINE_STEPS = 500
-# PhaseBreakdown.figures() names -> what the report calls them (in figures() order).
-PHASE_LABELS: dict[str, str] = {
+# StepProfile.figures() names -> what the report calls them (in figures() order).
+STEP_PROFILE_LABELS: dict[str, str] = {
     "forward_start": "forward start",
     "forward_peak": "forward peak",
     "after_backward": "after backward",
@@ -58,7 +60,7 @@ class ReportInputs:
     step: int | None = None
     phase: str = "train"
     observer: ObserverCall | None = None
-    snapshot_summaries: Mapping[int, SnapshotSummary] = field(default_factory=dict)
+    snapshot_summaries: Mapping[Device, SnapshotSummary] = field(default_factory=dict)
     snapshot_source: str | None = None  # "oom_observer" or "report_time"
     snapshot_file: str | None = None  # "snapshot.pickle" when one is written
     expandable_segments: bool | None = None
@@ -72,11 +74,11 @@ class ReportInputs:
     nvml: Sequence[NvmlDeviceSample] = ()
     environment: Mapping[str, Any] = field(default_factory=dict)
     memory_summary: str | None = None
-    phases: PhaseBreakdown | None = None  # the last sampled step's phases (attach(phases=True))
+    step_profile: StepProfile | None = None  # the last sampled step's profile (attach(step_profile=True))
 
 
-def oom_device(inputs: ReportInputs) -> int | None:
-    """The failing CUDA device ordinal; None for a host (CPU) failure and for a device the error does
+def oom_device(inputs: ReportInputs) -> Device | None:
+    """The failing CUDA device; None for a host (CPU) failure and for a device the error does
     not name in a process that uses several (``breakdown_device`` says which one the report shows)."""
     msg = inputs.message
     if msg is not None and msg.kind == "cpu":
@@ -99,7 +101,7 @@ class ShownDevice:
     """The device a report's breakdown shows (None: the host) and, when the error did not name it, why
     this one (``Breakdown.device_note``)."""
 
-    device: int | None
+    device: Device | None
     note: str | None = None
 
 
@@ -112,19 +114,19 @@ def breakdown_device(inputs: ReportInputs) -> ShownDevice:
     msg = inputs.message
     if device is not None or msg is None or msg.kind not in ("cuda", "device"):
         return ShownDevice(device)
-    used = sorted({a.device for a in inputs.allocator})
+    used = sorted({a.device for a in inputs.allocator}, key=lambda d: d.order)
     if not used:
         return ShownDevice(None)  # no allocator sampled: nothing on a device to show
     return _fullest(inputs, used)
 
 
-def _sample_of(inputs: ReportInputs, device: int) -> tuple[AllocatorSample | None, NvmlDeviceSample | None]:
+def _sample_of(inputs: ReportInputs, device: Device) -> tuple[AllocatorSample | None, NvmlDeviceSample | None]:
     """The allocator and NVML samples of ``device`` (the first of each, as the breakdown reads them)."""
     return (next((a for a in inputs.allocator if a.device == device), None),
             next((n for n in inputs.nvml if n.device == device), None))
 
 
-def _room_left(inputs: ReportInputs, device: int) -> int | None:
+def _room_left(inputs: ReportInputs, device: Device) -> int | None:
     """What the allocator on ``device`` could still reserve: min(NVML free, cap − reserved)."""
     allocator, nvml = _sample_of(inputs, device)
     if allocator is None:
@@ -132,7 +134,7 @@ def _room_left(inputs: ReportInputs, device: int) -> int | None:
     return reservable_bytes(nvml.free_bytes if nvml else None, allocator.reserved_bytes, allocator.cap_bytes)
 
 
-def _share_allocated(inputs: ReportInputs, device: int) -> float | None:
+def _share_allocated(inputs: ReportInputs, device: Device) -> float | None:
     """Allocated over what the job could use on ``device``: its cap when one is set, else its total."""
     allocator, nvml = _sample_of(inputs, device)
     total = (allocator.cap_bytes if allocator else None) or (nvml.total_bytes if nvml else None)
@@ -141,7 +143,7 @@ def _share_allocated(inputs: ReportInputs, device: int) -> float | None:
     return allocator.allocated_bytes / total
 
 
-def _reserved(inputs: ReportInputs, device: int) -> float | None:
+def _reserved(inputs: ReportInputs, device: Device) -> float | None:
     """What PyTorch reserved on ``device`` (every allocator backend reports it)."""
     allocator, _ = _sample_of(inputs, device)
     return allocator.reserved_bytes if allocator else None
@@ -149,14 +151,14 @@ def _reserved(inputs: ReportInputs, device: int) -> float | None:
 
 # How to tell the fullest device, best first; the first measure known for every device decides:
 # (words, reader, higher is fuller, how a value reads).
-_FULLNESS: tuple[tuple[str, Callable[[ReportInputs, int], float | None], bool, Callable[[float], str]], ...] = (
+_FULLNESS: tuple[tuple[str, Callable[[ReportInputs, Device], float | None], bool, Callable[[float], str]], ...] = (
     ("the least room left to reserve", _room_left, False, lambda v: fmt(int(v))),
     ("the highest share allocated", _share_allocated, True, lambda v: f"{v:.1%}"),
     ("the most reserved by PyTorch", _reserved, True, lambda v: fmt(int(v))),  # no NVML, no cap
 )
 
 
-def _fullest(inputs: ReportInputs, used: list[int]) -> ShownDevice:
+def _fullest(inputs: ReportInputs, used: list[Device]) -> ShownDevice:
     """The fullest of the devices in ``used`` (two or more) by the first measure in ``_FULLNESS`` known
     for all of them; the note names the device, the measure and the runner-up."""
     for words, read, higher, show in _FULLNESS:
@@ -164,15 +166,15 @@ def _fullest(inputs: ReportInputs, used: list[int]) -> ShownDevice:
         known = {d: v for d, v in values.items() if v is not None}
         if len(known) < len(used):
             continue
-        order = sorted(used, key=lambda d: (-known[d] if higher else known[d], d))
+        order = sorted(used, key=lambda d: (-known[d] if higher else known[d], d.order))
         first, second = order[0], order[1]
-        also = (f"; tied with cuda:{second}, the lower number is shown" if known[first] == known[second]
-                else f", against {show(known[second])} on cuda:{second}"
+        also = (f"; tied with {second}, the lower number is shown" if known[first] == known[second]
+                else f", against {show(known[second])} on {second}"
                 + ("" if len(used) == 2 else ", the next fullest"))
-        return ShownDevice(first, f"The error does not name its device; showing cuda:{first}, the fullest of "
+        return ShownDevice(first, f"The error does not name its device; showing {first}, the fullest of "
                                   f"the {len(used)} devices this process uses ({words}, {show(known[first])}{also})")
     return ShownDevice(used[0], f"The error does not name its device, and the samples of the {len(used)} devices "
-                                f"this process uses do not say which was fullest; showing cuda:{used[0]}, the first")
+                                f"this process uses do not say which was fullest; showing {used[0]}, the first")
 
 
 def _device_breakdown(inputs: ReportInputs) -> Breakdown:
@@ -198,7 +200,7 @@ def compute_breakdown(inputs: ReportInputs) -> Breakdown:
     return with_leak(breakdown, leak)
 
 
-def _timeline_row(record: StepRecord, device: int | None) -> dict[str, Any]:
+def _timeline_row(record: StepRecord, device: Device | None) -> dict[str, Any]:
     sample = record.allocator_for(device) if device is not None else None
     return {
         "step": record.step,
@@ -235,26 +237,26 @@ def _tensors(census: Census | None, note: str | None) -> dict[str, Any] | None:
         "total_bytes": census.total_bytes,
         "tensor_count": census.tensor_count,
         "bytes_by_category": census.bytes_by_category(),
-        "top": [dataclasses.asdict(e) for e in census.top(TOP_TENSORS)],
+        "top": [plain(e) for e in census.top(TOP_TENSORS)],
         "groups": [
-            {**dataclasses.asdict(g.key), "count": g.count, "nbytes": g.nbytes,
+            {**plain(g.key), "count": g.count, "nbytes": g.nbytes,
              "graph_bytes": g.graph_bytes, "holder": g.holder}
             for g in groups
         ],
     }
 
 
-def _phases(phases: PhaseBreakdown | None) -> dict[str, Any] | None:
-    """The last phase breakdown; figures it could not measure (allocator phases on CPU) are left out."""
-    if phases is None:
+def _step_profile(profile: StepProfile | None) -> dict[str, Any] | None:
+    """The last step profile; figures it could not measure (the allocator's on CPU) are left out."""
+    if profile is None:
         return None
     return {
-        "step": phases.step,
-        "device": phases.device,
-        "saved_tensors": phases.saved_tensors,
-        "overhead_s": phases.overhead_s,
-        "figures": [{"name": name, "label": PHASE_LABELS.get(name, name), "nbytes": nbytes}
-                    for name, nbytes in phases.figures().items()],
+        "step": profile.step,
+        "device": profile.device.name,
+        "saved_tensors": profile.saved_tensors,
+        "overhead_s": profile.overhead_s,
+        "figures": [{"name": name, "label": STEP_PROFILE_LABELS.get(name, name), "nbytes": nbytes}
+                    for name, nbytes in profile.figures().items()],
     }
 
 
@@ -276,19 +278,21 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "source": inputs.source,
         "exception": {"type": inputs.exception_type, "message": inputs.exception_message,
                       "traceback": inputs.traceback_text},
-        "oom": dataclasses.asdict(inputs.message) if inputs.message else None,
-        "observer": dataclasses.asdict(inputs.observer) if inputs.observer else None,
-        "breakdown": dataclasses.asdict(breakdown),
+        "oom": plain(inputs.message) if inputs.message else None,
+        "observer": plain(inputs.observer) if inputs.observer else None,
+        "breakdown": plain(breakdown),
         "peak_bytes": _peak(timeline, breakdown, device is None),
-        "suggestions": [dataclasses.asdict(s) for s in suggestions],
+        "suggestions": [plain(s) for s in suggestions],
         "tensors": _tensors(inputs.census, inputs.census_note),
-        "phases": _phases(inputs.phases),  # optional (None without attach(phases=True)); added in schema 1
+        # optional (None without attach(step_profile=True)). Named "phases" until the key was renamed: an
+        # older reader sees no step profile, as when none was measured, and load.py reads old files.
+        "step_profile": _step_profile(inputs.step_profile),
         "timeline": timeline,
-        "findings": [dataclasses.asdict(f) for f in inputs.findings],
+        "findings": [plain(f) for f in inputs.findings],
         "snapshot": {
             "file": inputs.snapshot_file,
             "source": inputs.snapshot_source,
-            "devices": [dataclasses.asdict(s) for _, s in sorted(inputs.snapshot_summaries.items())],
+            "devices": [plain(s) for _, s in sorted(inputs.snapshot_summaries.items(), key=lambda ds: ds[0].order)],
         },
         "environment": dict(inputs.environment),
         "memory_summary": inputs.memory_summary,

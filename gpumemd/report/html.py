@@ -13,7 +13,7 @@ from html import escape
 from typing import Any
 
 from gpumemd.report.fmt import fmt_bytes, fmt_time
-from gpumemd.report.markdown import headline, phases_note
+from gpumemd.report.markdown import headline, step_profile_note
 from gpumemd.report.svg import breakdown_bar, legend, timeline_chart
 from gpumemd.report.view import (
     GROUPS_SHOWN,
@@ -124,12 +124,12 @@ def _breakdown(report: dict[str, Any]) -> str:
     ])
 
 
-def _phases(report: dict[str, Any]) -> str:
-    phases = report.get("phases")
-    if not isinstance(phases, dict):  # only with attach(phases=True)
+def _step_profile(report: dict[str, Any]) -> str:
+    profile = report.get("step_profile")
+    if not isinstance(profile, dict):  # only with attach(step_profile=True)
         return ""
-    rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in phases.get("figures", [])]
-    return _h2("Step phases") + f"<p>{_e(phases_note(phases))}</p>" + _table(["phase", "bytes"], rows)
+    rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in profile.get("figures", [])]
+    return _h2("Step profile") + f"<p>{_e(step_profile_note(profile))}</p>" + _table(["point", "bytes"], rows)
 
 
 def _findings(report: dict[str, Any]) -> str:
@@ -190,7 +190,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"<p>Written {_e(fmt_time(report.get('created_at')))} via {_e(report.get('source'))}.</p>",
         _contents(report),
     ]
-    parts += [part(report) for part in (_verdict, _groups, _suggestions, _breakdown, _phases, _findings,
+    parts += [part(report) for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings,
                                         _timeline, _snapshot, _exception, _environment)]
     parts.append("</body></html>\n")
     return "".join(parts)

@@ -57,6 +57,8 @@ def load_report(directory: str) -> dict[str, Any]:
     error = schema_errors(report)
     if error is not None:
         raise ReportLoadError(f"{path} is malformed: {error}")
+    if "step_profile" not in report and "phases" in report:
+        report["step_profile"] = report.pop("phases")  # written before the section was renamed
     report["_dir"] = directory
     return report
 

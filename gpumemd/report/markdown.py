@@ -2,7 +2,7 @@
 
 The first screen (about 40 lines) tells the story: the headline, the verdict (naming a leak and
 its holder when one was active), the largest tensor groups with their holders, then the
-suggestions. Details follow: breakdown, phases, findings, timeline, snapshot, exception, environment.
+suggestions. Details follow: breakdown, step profile, findings, timeline, snapshot, exception, environment.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def headline(report: dict[str, Any]) -> str:
             f"verdict: {b.get('verdict', 'unknown')}")
 
 
-def phases_note(phases: dict[str, Any]) -> str:
-    """Which step the phase figures come from (shared with the HTML)."""
-    return (f"Measured on step {phases.get('step')} on {phases.get('device')} (the last sampled step); "
-            f"{phases.get('saved_tensors')} tensors saved for backward. Phases this device cannot measure "
+def step_profile_note(profile: dict[str, Any]) -> str:
+    """Which step the step profile comes from (shared with the HTML)."""
+    return (f"Measured on step {profile.get('step')} on {profile.get('device')} (the last sampled step); "
+            f"{profile.get('saved_tensors')} tensors saved for backward. Points this device cannot measure "
             "are left out.")
 
 
@@ -111,11 +111,11 @@ def _breakdown(report: dict[str, Any]) -> list[str]:
             f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
 
 
-def _phases(phases: Any) -> list[str]:
-    if not isinstance(phases, dict):
-        return []  # not measured (attach(phases=True) turns it on)
-    rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in phases.get("figures", [])]
-    return [*_heading("Step phases"), phases_note(phases), "", *_table(["phase", "bytes"], rows)]
+def _step_profile(profile: Any) -> list[str]:
+    if not isinstance(profile, dict):
+        return []  # not measured (attach(step_profile=True) turns it on)
+    rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in profile.get("figures", [])]
+    return [*_heading("Step profile"), step_profile_note(profile), "", *_table(["point", "bytes"], rows)]
 
 
 def _findings(report: dict[str, Any]) -> list[str]:
@@ -166,7 +166,7 @@ def render_markdown(report: dict[str, Any]) -> str:
            *_contents(report)]
     for part in (_verdict, _groups, _suggestions, _breakdown):
         out += part(report)
-    out += _phases(report.get("phases"))
+    out += _step_profile(report.get("step_profile"))
     for part in (_findings, _timeline, _snapshot, _exception, _environment):
         out += part(report)
     return "\n".join(out) + "\n"

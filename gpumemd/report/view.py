@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpumemd.records.device import Device
 from gpumemd.records.oom import breakdown_label
 from gpumemd.report.fmt import fmt_bytes
 
@@ -159,7 +160,8 @@ def groups_note(tensors: dict[str, Any], rows: list[GroupRow], shown: int) -> st
 
 def item_label(item: dict[str, Any], device: Any) -> str:
     """The words for a breakdown item, the same in every rendering."""
-    return breakdown_label(str(item.get("key")), device if isinstance(device, str) else None, item.get("label"))
+    known = Device.parse(device) if isinstance(device, str) else None  # report.json spells it "cuda:0", "cpu"
+    return breakdown_label(str(item.get("key")), known, item.get("label"))
 
 
 def total_words(b: dict[str, Any]) -> str:
@@ -226,8 +228,8 @@ def slug(title: str) -> str:
 def sections(report: dict[str, Any]) -> list[str]:
     """The title of every section, in order: the table of contents and the headings."""
     out = ["Verdict", "Largest tensor groups", "Suggestions", "Breakdown"]
-    if isinstance(report.get("phases"), dict):
-        out.append("Step phases")
+    if isinstance(report.get("step_profile"), dict):
+        out.append("Step profile")
     out += ["Leak findings", "Timeline", "Allocator snapshot", "Exception", "Environment"]
     if report.get("memory_summary"):
         out.append("torch.cuda.memory_summary()")

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import FakeGpu, FakeNvml
 from prom_binaries import require_binary
 from prometheus_server import Prometheus
 
@@ -78,40 +79,15 @@ def memory_stats_fn(ledger: Ledger) -> Callable[[int], dict[str, int]]:
     return stats
 
 
-class FakeNvml:
-    """The parts of ``pynvml`` the NVML probe calls, for one 16 GiB device used by this process."""
+def fake_nvml(ledger: Ledger) -> FakeNvml:
+    """NVML for one 16 GiB device used by this process: its reserved bytes plus the CUDA context and
+    libraries outside the allocator, and 300 MiB more on the device."""
 
-    class _Mem:
-        def __init__(self, total: int, used: int) -> None:
-            self.total, self.used, self.free = total, used, total - used
+    def process_used() -> int:
+        return stats_reserved(ledger) + 500 * MIB
 
-    class _Proc:
-        def __init__(self, pid: int, used: int) -> None:
-            self.pid, self.usedGpuMemory = pid, used
-
-    def __init__(self, ledger: Ledger) -> None:
-        self._ledger = ledger
-
-    def nvmlInit(self) -> None:
-        return None
-
-    def nvmlShutdown(self) -> None:
-        return None
-
-    def nvmlDeviceGetCount(self) -> int:
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        return index
-
-    def _process_used(self) -> int:
-        return stats_reserved(self._ledger) + 500 * MIB  # CUDA context + libraries outside the allocator
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
-        return self._Mem(DEVICE_TOTAL, self._process_used() + 300 * MIB)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
-        return [self._Proc(os.getpid(), self._process_used())]
+    return FakeNvml([FakeGpu(DEVICE_TOTAL, used=lambda: process_used() + 300 * MIB)],
+                    processes={os.getpid(): process_used})
 
 
 def stats_reserved(ledger: Ledger) -> int:
@@ -144,7 +120,8 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         port=0, output_dir=str(tmp_path / "gpumemd-out"), sample_interval_s=0.5, leak_warmup_steps=20,
         leak_min_bytes_per_step=64 * 1024, leak_window_steps=100,
         leak_check_every_steps=20, census_every_steps=50,
-        phases=True, phase_every_steps=10,  # the dashboard's "Memory by step phase" panel needs data
+        # the dashboard's "Memory by step profile point" panel needs data
+        step_profile=True, step_profile_every_steps=10,
     )
     agent = build_agent(
         config,
@@ -152,7 +129,7 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         # and the capped headroom panel need it
         allocator_probe=AllocatorProbe(stats_fn=memory_stats_fn(ledger), is_initialized=lambda: True,
                                        device_count=lambda: 1, cap_fn=lambda device: (0.5, DEVICE_TOTAL)),
-        nvml_probe=NvmlProbe(nvml=FakeNvml(ledger), visible="0"),
+        nvml_probe=NvmlProbe(nvml=fake_nvml(ledger), visible="0"),
         host_probe=HostProbe(pinned_fn=lambda: 64 * MIB),
     )
     agent.start()
@@ -196,9 +173,9 @@ def test_prometheus_scrapes_the_agent_and_the_leak_alert_fires(prometheus: Prome
         assert float(allocated["value"][1]) > 64 * MIB  # the leaked tensors show up
         census = {r["metric"]["category"] for r in prometheus.query("gpumemd_census_bytes")}
         assert census == {"parameter", "gradient", "optimizer_state", "buffer", "graph", "other"}
-        # A CPU job: the phases measured everywhere, none of the allocator phases (absent, not 0).
-        phases = {r["metric"]["phase"] for r in prometheus.query("gpumemd_phase_bytes")}
-        assert phases == {"saved_for_backward", "parameters", "gradients", "optimizer_state"}, phases
+        # A CPU job: the points measured everywhere, none of the allocator's (absent, not 0).
+        profile = {r["metric"]["point"] for r in prometheus.query("gpumemd_step_profile_bytes")}
+        assert profile == {"saved_for_backward", "parameters", "gradients", "optimizer_state"}, profile
         [invisible] = prometheus.query("gpumemd_census_invisible_bytes")
         assert invisible["metric"]["device"] == "0"  # the fake CUDA allocator's bytes no census tensor holds
         [steps] = prometheus.query("gpumemd_steps_total")

@@ -9,6 +9,7 @@ from torch import nn
 
 from gpumemd.probes.allocator import AllocatorProbe
 from gpumemd.probes.census import take_census
+from gpumemd.records.device import Device
 
 
 def test_cuda_parameters_are_counted_and_invisible_bytes_are_what_autograd_keeps() -> None:
@@ -27,8 +28,8 @@ def test_cuda_parameters_are_counted_and_invisible_bytes_are_what_autograd_keeps
     params = dict(model.named_parameters())
     for fqn, p in params.items():
         [group] = census.groups_named(fqn)
-        assert group.key.device == "cuda:0" and group.nbytes == p.numel() * 4
-    invisible = census.invisible_bytes_by_device["cuda:0"]
+        assert group.key.device == Device.cuda(0) and group.nbytes == p.numel() * 4
+    invisible = census.invisible_bytes_by_device[Device.cuda(0)]
     # The census's own estimate of the graph (saved tensors no Python object holds) accounts for
     # most of what the allocator has beyond the visible storages (rounding to 512-byte blocks aside).
     assert census.graph_retained_bytes > 0

@@ -6,6 +6,7 @@ import torch
 
 import gpumemd
 from gpumemd.probes.allocator import AllocatorProbe
+from gpumemd.records.device import Device
 
 
 def test_allocator_probe_is_silent_until_the_job_touches_cuda() -> None:
@@ -14,7 +15,7 @@ def test_allocator_probe_is_silent_until_the_job_touches_cuda() -> None:
         assert probe.read() == ()
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     samples = probe.read()
-    assert samples and samples[0].device == x.device.index
+    assert samples and samples[0].device == Device.cuda(x.device.index)
     assert samples[0].allocated_bytes is not None and samples[0].allocated_bytes >= 64 << 20
     assert samples[0].reserved_bytes is not None and samples[0].reserved_bytes >= samples[0].allocated_bytes
 

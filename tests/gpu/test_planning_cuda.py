@@ -16,10 +16,10 @@ def make(device: str = "cuda"):  # type: ignore[no-untyped-def]
     return model, torch.optim.AdamW(model.parameters(), foreach=True)
 
 
-def test_phases_on_cuda_read_the_allocator(out_dir: str) -> None:
+def test_step_profile_on_cuda_reads_the_allocator(out_dir: str) -> None:
     model, opt = make()
-    with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, phases=True,
-                          phase_every_steps=2, sample_interval_s=0) as agent:
+    with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, step_profile=True,
+                          step_profile_every_steps=2, sample_interval_s=0) as agent:
         for _ in range(4):
             opt.zero_grad(set_to_none=True)  # no gradients at forward start
             x = torch.randn(256, 1024, device="cuda")
@@ -27,18 +27,18 @@ def test_phases_on_cuda_read_the_allocator(out_dir: str) -> None:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
-        phases = agent.state().phases
-    assert phases is not None and phases.device.startswith("cuda")
-    assert phases.forward_start_bytes is not None and phases.forward_peak_bytes is not None
-    assert phases.after_backward_bytes is not None and phases.after_step_bytes is not None
+        profile = agent.state().step_profile
+    assert profile is not None and profile.device.kind == "cuda"
+    assert profile.forward_start_bytes is not None and profile.forward_peak_bytes is not None
+    assert profile.after_backward_bytes is not None and profile.after_step_bytes is not None
     # the forward rises by at least what it keeps for backward (less the input, allocated before it)
-    assert phases.forward_peak_bytes - phases.forward_start_bytes >= phases.saved_for_backward_bytes - x.nbytes
+    assert profile.forward_peak_bytes - profile.forward_start_bytes >= profile.saved_for_backward_bytes - x.nbytes
     # after backward the gradients exist (set_to_none: none at forward start)
-    assert phases.gradient_bytes == phases.parameter_bytes
-    assert phases.after_backward_bytes - phases.forward_start_bytes >= phases.gradient_bytes // 2
+    assert profile.gradient_bytes == profile.parameter_bytes
+    assert profile.after_backward_bytes - profile.forward_start_bytes >= profile.gradient_bytes // 2
     # AdamW's foreach step needs a temporary the size of the parameters
-    transient = phases.optimizer_step_transient_bytes
-    assert transient is not None and transient >= phases.parameter_bytes // 2
+    transient = profile.optimizer_step_transient_bytes
+    assert transient is not None and transient >= profile.parameter_bytes // 2
 
 
 def test_find_batch_size_under_a_memory_fraction() -> None:

@@ -8,9 +8,11 @@ realistic sizes from 2 KiB to 256 KiB per step, so the latency from onset to eac
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import json
+import logging
 import os
 import random
 import time
@@ -527,16 +529,11 @@ def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0)
 
     result_path = os.path.join(output_dir, "outcome.json")
     code = (
-        "import dataclasses, json, logging, sys\n"
+        "import dataclasses, json, sys\n"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
         "import leak_scenarios as ls\n"
-        "lines = []\n"
-        "class H(logging.Handler):\n"
-        "    def emit(self, r):\n"
-        "        if r.levelno == logging.WARNING: lines.append(r.getMessage())\n"
-        "logging.getLogger('gpumemd').addHandler(H())\n"
-        f"s = next(x for x in ls.LEAKS + ls.HEALTHY if x.name == {scenario.name!r})\n"
-        f"o = ls.run_scenario(s, {output_dir!r}, seed={seed})\n"
+        "with ls.warnings_collected() as lines:\n"
+        f"    o = ls.run_scenario(ls.scenario_named({scenario.name!r}), {output_dir!r}, seed={seed})\n"
         "out = dict(events=o.events, findings=[dataclasses.asdict(f) for f in o.findings], steps=o.steps,\n"
         "           wall_s=o.wall_s, leak_eval_s=o.leak_eval_s, leak_step_s=o.leak_step_s, scan_s=o.scan_s,\n"
         "           warnings=lines)\n"
@@ -548,3 +545,52 @@ def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0)
     os.remove(result_path)
     data["findings"] = [SimpleNamespace(**f) for f in data["findings"]]
     return Outcome(**data)
+
+
+def scenario_named(name: str) -> Scenario:
+    return next(s for s in LEAKS + HEALTHY if s.name == name)
+
+
+class _WarningLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING:
+            self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def warnings_collected() -> Iterator[list[str]]:
+    """gpumemd's WARNING lines while the block runs, for a run whose log no test's caplog sees."""
+    handler = _WarningLines()
+    logger = logging.getLogger("gpumemd")
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def quiet_worker() -> None:
+    """A scenario pool worker's initializer: its jobs' start and exit lines would go to the terminal
+    (the test runner captures its own output, not a worker's); what the tests check comes back in
+    the Outcome."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def run_in_worker(name: str, output_dir: str, seed: int) -> Outcome:
+    """One scenario run in a pool worker, its WARNING lines in ``warnings``: host-RSS leaks still in a
+    fresh interpreter (``run_scenario_isolated``), the others in the worker itself, as in the test
+    session's own process."""
+    scenario = scenario_named(name)
+    if scenario.kind == "host_leak":
+        return run_scenario_isolated(scenario, output_dir, seed=seed)
+    with warnings_collected() as lines:
+        outcome = run_scenario(scenario, output_dir, seed=seed)
+    outcome.warnings = list(lines)
+    return outcome

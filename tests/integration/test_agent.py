@@ -114,8 +114,8 @@ def test_mark_step_overrides_the_optimizer_hook(out_dir: str) -> None:
         assert [s.step for s in agent.steps()][:3] == [0, 1, 100]
 
 
-def test_history_is_bounded(out_dir: str) -> None:
-    with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, history_steps=10) as agent:
+def test_the_step_ring_is_bounded(out_dir: str) -> None:
+    with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, keep_steps=10) as agent:
         for _ in range(400):
             gpumemd.mark_step()
         steps = agent.steps()
@@ -222,15 +222,15 @@ def test_forked_dataloader_workers_run_no_sampler_and_record_nothing(out_dir: st
 def test_a_second_attach_with_other_options_says_they_were_not_applied(
         out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     """Under `gpumemd run` the script's own attach(port=...) must not vanish silently."""
-    first = gpumemd.attach(output_dir=out_dir, sample_interval_s=0, history_steps=100)
+    first = gpumemd.attach(output_dir=out_dir, sample_interval_s=0, keep_steps=100)
     try:
         with caplog.at_level("WARNING", logger="gpumemd"):
-            assert gpumemd.attach(history_steps=100, sample_interval_s=0) is first  # same settings: quiet
+            assert gpumemd.attach(keep_steps=100, sample_interval_s=0) is first  # same settings: quiet
             assert not caplog.records
-            assert gpumemd.attach(history_steps=50, census=True) is first
+            assert gpumemd.attach(keep_steps=50, census=True) is first
         [record] = caplog.records
-        assert "attach(history_steps=50)" in record.getMessage()
-        assert "kept its settings (history_steps=100)" in record.getMessage()
-        assert first.config.history_steps == 100
+        assert "attach(keep_steps=50)" in record.getMessage()
+        assert "kept its settings (keep_steps=100)" in record.getMessage()
+        assert first.config.keep_steps == 100
     finally:
         gpumemd.detach()

@@ -14,7 +14,7 @@ def _traced_bytes() -> int:
 
 
 def test_agent_memory_is_flat_over_many_steps(out_dir: str) -> None:
-    with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, census=False, history_steps=200,
+    with gpumemd.attached(output_dir=out_dir, sample_interval_s=0, census=False, keep_steps=200,
                           leak_window_steps=100, leak_check_every_steps=10):
         # Fill every bounded structure first: the ring, the detector's windows, the scans' count
         # history and the chain marks (they fill per sample or per scan: every 10 to 50 steps here).

@@ -43,7 +43,7 @@ def test_censuses_run_on_their_cadence_and_name_what_attach_registered(out_dir: 
     assert state.census is not None and state.census.step == 19
     component = agent.component(CensusComponent)
     assert isinstance(component, CensusComponent)
-    assert [c.step for c in component.history()] == [4, 9, 14, 19]
+    assert [c.step for c in component.recent_censuses()] == [4, 9, 14, 19]
     at = component.at_or_after(6)
     assert at is not None and at.step == 9
     census = state.census

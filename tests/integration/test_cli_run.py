@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ SCRIPT = textwrap.dedent(
         "name": __name__,
         "path0": sys.path[0],
         "attached": agent is not None,
-        "history_steps": agent.config.history_steps if agent else None,
+        "keep_steps": agent.config.keep_steps if agent else None,
         "census": agent.config.census if agent else None,
         "port": agent.config.port if agent else None,
         "output_dir": agent.output_dir if agent else None,
@@ -74,7 +75,7 @@ def test_script_runs_as_main_with_its_argv_and_directory(script: Path, tmp_path:
     report = tmp_path / "seen.json"
     argv_before, path_before = list(sys.argv), list(sys.path)
 
-    code = _run(out_dir, "--history-steps", "77", "--no-census", str(script), str(report),
+    code = _run(out_dir, "--keep-steps", "77", "--no-census", str(script), str(report),
                 "return", "--port", "5", "-m", "x", "--leak", "--help")
 
     assert code == 0
@@ -85,7 +86,7 @@ def test_script_runs_as_main_with_its_argv_and_directory(script: Path, tmp_path:
     assert seen["name"] == "__main__"
     assert seen["path0"] == str(script.parent)
     assert seen["attached"] is True
-    assert (seen["history_steps"], seen["census"], seen["port"]) == (77, False, None)
+    assert (seen["keep_steps"], seen["census"], seen["port"]) == (77, False, None)
     assert seen["output_dir"] == os.path.abspath(out_dir)
     # The agent is gone and the interpreter state is back as it was.
     import gpumemd
@@ -127,7 +128,7 @@ def test_keyboard_interrupt_exits_130(script: Path, tmp_path: Path, out_dir: str
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--history-steps", "many"], "--history-steps='many' is not valid: expected an integer"),
+        (["--keep-steps", "many"], "--keep-steps='many' is not valid: expected an integer"),
         (["--port", "70000"], "--port=70000 is not valid: expected an integer 0-65535"),
         (["--overhead-budget", "2"], "--overhead-budget=2.0 is not valid"),
         (["--bind", "localhost:9"], "--bind='localhost:9' is not valid"),
@@ -144,24 +145,24 @@ def test_bad_option_is_one_line_and_exit_2(script: Path, tmp_path: Path, out_dir
 
 def test_environment_sets_options_and_command_line_wins(script: Path, tmp_path: Path, out_dir: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUMEMD_HISTORY_STEPS", "55")
+    monkeypatch.setenv("GPUMEMD_KEEP_STEPS", "55")
     monkeypatch.setenv("GPUMEMD_CENSUS", "off")
     report = tmp_path / "seen.json"
     assert _run(out_dir, str(script), str(report)) == 0
-    assert json.loads(report.read_text())["history_steps"] == 55
+    assert json.loads(report.read_text())["keep_steps"] == 55
     assert json.loads(report.read_text())["census"] is False
 
-    assert _run(out_dir, "--history-steps", "66", "--census", str(script), str(report)) == 0
-    assert json.loads(report.read_text())["history_steps"] == 66
+    assert _run(out_dir, "--keep-steps", "66", "--census", str(script), str(report)) == 0
+    assert json.loads(report.read_text())["keep_steps"] == 66
     assert json.loads(report.read_text())["census"] is True
 
 
 def test_bad_environment_variable_names_the_variable(script: Path, tmp_path: Path, out_dir: str,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("GPUMEMD_HISTORY_STEPS", "lots")
+    monkeypatch.setenv("GPUMEMD_KEEP_STEPS", "lots")
     assert _run(out_dir, str(script), str(tmp_path / "s.json")) == 2
-    assert "GPUMEMD_HISTORY_STEPS='lots' is not valid" in capsys.readouterr().err
+    assert "GPUMEMD_KEEP_STEPS='lots' is not valid" in capsys.readouterr().err
 
 
 def test_module_form_runs_like_python_dash_m(script: Path, tmp_path: Path, out_dir: str,
@@ -215,6 +216,34 @@ def test_every_config_field_is_an_option(capsys: pytest.CaptureFixture[str]) -> 
     assert len(field_docs()) == len(field_types())
 
 
+def test_old_option_names_still_work_with_one_deprecation_line(tmp_path: Path, out_dir: str,
+                                                                caplog: pytest.LogCaptureFixture,
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpumemd.log_once
+
+    monkeypatch.setattr(gpumemd.log_once, "_logged", set())  # said once per process: none said yet
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    script, seen = tmp_path / "config.py", tmp_path / "config.json"
+    script.write_text("import json, sys, gpumemd\nc = gpumemd.current().config\n"
+                      "json.dump([c.keep_steps, c.step_profile, c.step_profile_every_steps], open(sys.argv[1], 'w'))\n")
+
+    assert _run(out_dir, "--history-steps", "12", "--phases", "--phase-every-steps", "3", str(script), str(seen)) == 0
+
+    assert json.loads(seen.read_text()) == [12, True, 3]
+    assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
+        "gpumemd: --history-steps is deprecated; use --keep-steps (same meaning)",
+        "gpumemd: --phases is deprecated; use --step-profile (same meaning)",
+        "gpumemd: --phase-every-steps is deprecated; use --step-profile-every-steps (same meaning)",
+    ]
+    assert _run(out_dir, "--no-phases", "--keep-steps", "5", "--history-steps", "6", str(script), str(seen)) == 0
+    assert json.loads(seen.read_text()) == [5, False, 50]  # the name now wins
+    assert _run(out_dir, "--history-steps", "many", str(script), str(seen)) == 2
+    assert "--history-steps='many' is not valid: expected an integer" in capsys.readouterr().err
+    assert main(["run", "--help"]) == 0
+    assert "--history-steps" not in capsys.readouterr().out  # out of --help
+
+
 def test_real_process_exit_code_and_traceback(script: Path, tmp_path: Path, out_dir: str) -> None:
     """``python -m gpumemd run`` in a fresh interpreter: what a launcher (torchrun, srun) sees."""
     env = {**os.environ, "GPUMEMD_SAMPLE_INTERVAL_S": "0", "GPUMEMD_OUTPUT_DIR": out_dir}
@@ -227,12 +256,12 @@ def test_real_process_exit_code_and_traceback(script: Path, tmp_path: Path, out_
     assert json.loads((tmp_path / "a.json").read_text())["attached"] is True
 
     exited = subprocess.run(
-        [sys.executable, "-m", "gpumemd", "run", "--history-steps", "12", str(script),
+        [sys.executable, "-m", "gpumemd", "run", "--keep-steps", "12", str(script),
          str(tmp_path / "b.json"), "exit", "7"],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert exited.returncode == 7, exited.stderr
-    assert json.loads((tmp_path / "b.json").read_text())["history_steps"] == 12
+    assert json.loads((tmp_path / "b.json").read_text())["keep_steps"] == 12
 
 
 def test_a_script_cannot_tell_gpumemd_run_from_python(tmp_path: Path, out_dir: str) -> None:

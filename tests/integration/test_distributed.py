@@ -99,6 +99,7 @@ def test_two_rank_ddp_job_under_torchrun(tmp_path: Path) -> None:
             # torchrun runs `python -u -m gpumemd run ...` for each worker.
             "-m", "gpumemd", "run",
             "--output-dir", str(out), "--port", str(port), "--sample-interval-s", "0",
+            "--oom-linger-s", "0",  # rank 0 dies with no scrape to wait for: exit at once
             "--leak-warmup-steps", "20", "--leak-min-bytes-per-step", "65536", "--leak-window-steps", "60",
             "--leak-check-every-steps", "10", "--census-every-steps", "10",
             str(worker), str(out), str(port), str(STEPS),
@@ -150,18 +151,18 @@ def test_torchrun_no_python_runs_the_gpumemd_command(tmp_path: Path) -> None:
         ident = agent.state().identity
         with open(sys.argv[1], "w") as f:
             json.dump({"argv": sys.argv[2:], "rank": [ident.rank, ident.world_size, ident.source],
-                       "history_steps": agent.config.history_steps}, f)
+                       "keep_steps": agent.config.keep_steps}, f)
         """
     ))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMEMD_", "RANK", "LOCAL_RANK"))}
     seen_path = tmp_path / "seen.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-         "--monitor-interval", "0.1", "--no-python", str(gpumemd_cmd), "run", "--history-steps", "9",
+         "--monitor-interval", "0.1", "--no-python", str(gpumemd_cmd), "run", "--keep-steps", "9",
          "--sample-interval-s", "0", "--output-dir", str(tmp_path / "out"),
          str(worker), str(seen_path), "--lr", "3e-4"],
         capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     seen = json.loads(seen_path.read_text())
-    assert seen == {"argv": ["--lr", "3e-4"], "rank": [0, 1, "torchrun"], "history_steps": 9}
+    assert seen == {"argv": ["--lr", "3e-4"], "rank": [0, 1, "torchrun"], "keep_steps": 9}

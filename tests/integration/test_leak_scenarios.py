@@ -1,13 +1,21 @@
 """Leak detection on real CPU training loops at DEFAULT settings (only ``output_dir`` is set): every
 leak found with the right kind and holder within the stated number of steps after onset, its onset
 right, never cleared while it grows; nothing fires on healthy jobs over three seeds.
-Scenarios: leak_scenarios.py."""
+Scenarios: leak_scenarios.py.
+
+Each run is one real job in one process, CPU-bound on one thread: the runs the selected tests need
+go to a pool of worker processes (one per core, one agent per worker at a time) as the module starts,
+and each test checks its run's outcome.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
+import multiprocessing
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 from leak_scenarios import (
@@ -15,21 +23,49 @@ from leak_scenarios import (
     LEAKS,
     SUSPECT_WITHIN,
     SUSPECT_WITHIN_LARGE,
+    Outcome,
     Scenario,
-    run_scenario,
-    run_scenario_isolated,
+    quiet_worker,
+    run_in_worker,
 )
 
 from gpumemd.records.findings import FINDING_KINDS, FINDING_STATES
 
+Runs = dict[tuple[str, int], tuple[Future[Outcome], str]]
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """(scenario name, seed) -> (its outcome, its output directory), for the selected tests of this file,
+    submitted in test order. Workers are spawned, not forked: a fork of this process would inherit
+    its threads' locks and torch's thread pool."""
+    wanted: list[tuple[str, int]] = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "path", None) == Path(__file__) and "scenario" in params:
+            key = (params["scenario"].name, params.get("seed", 0))
+            if key not in wanted:
+                wanted.append(key)
+    workers = max(1, min(2, os.cpu_count() or 1, len(wanted)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=quiet_worker) as pool:
+        submitted: Runs = {}
+        for name, seed in wanted:
+            out = str(tmp_path_factory.mktemp("scenario") / "gpumemd-out")
+            submitted[(name, seed)] = (pool.submit(run_in_worker, name, out, seed), out)
+        try:
+            yield submitted
+        finally:
+            for future, _ in submitted.values():
+                future.cancel()
+
 
 @pytest.mark.parametrize("scenario", LEAKS, ids=[s.name for s in LEAKS])
-def test_leak_is_found_with_kind_and_holder(scenario: Scenario, out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="gpumemd")
-    # Host-RSS leaks run in a fresh interpreter: this session's earlier tests left freed heap that
-    # absorbs a leak's first megabytes, which would delay the finding by a check or two.
-    isolated = scenario.kind == "host_leak"
-    outcome = run_scenario_isolated(scenario, out_dir) if isolated else run_scenario(scenario, out_dir)
+def test_leak_is_found_with_kind_and_holder(scenario: Scenario, runs: Runs) -> None:
+    # Host-RSS leaks run in a fresh interpreter (run_in_worker): a worker's earlier runs left freed
+    # heap that absorbs a leak's first megabytes, which would delay the finding by a check or two.
+    future, out_dir = runs[(scenario.name, 0)]
+    outcome = future.result()
 
     suspected, confirmed = outcome.first("suspected"), outcome.first("confirmed")
     assert suspected is not None, f"{scenario.name}: never suspected; events {outcome.events}"
@@ -70,17 +106,16 @@ def test_leak_is_found_with_kind_and_holder(scenario: Scenario, out_dir: str, ca
         assert {"slope_bytes_per_step", "onset_step", "steps_to_oom", "summary", "culprits", "time"} <= set(record)
 
     # one WARNING line per state change, carrying the culprit
-    messages = outcome.warnings if isolated else [r.getMessage() for r in caplog.records
-                                                   if r.levelno == logging.WARNING]
-    lines = [m for m in messages if "leak" in m or "graph" in m]
+    lines = [m for m in outcome.warnings if "leak" in m or "graph" in m]
     assert len(lines) == len(outcome.events)
     assert scenario.holder[0] in lines[-1]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("scenario", HEALTHY, ids=[s.name for s in HEALTHY])
-def test_healthy_job_raises_nothing(scenario: Scenario, seed: int, out_dir: str) -> None:
-    outcome = run_scenario(scenario, out_dir, seed=seed)
+def test_healthy_job_raises_nothing(scenario: Scenario, seed: int, runs: Runs) -> None:
+    future, out_dir = runs[(scenario.name, seed)]
+    outcome = future.result()
     assert outcome.steps >= 2000
     assert outcome.events == [], [e["summary"] for e in outcome.events]
     assert outcome.findings == []

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import ManualClock
 
 import gpumemd
 from gpumemd.agent import Agent
@@ -141,14 +142,6 @@ def test_a_report_on_request(out_dir: str) -> None:
     assert second is not None and _load(second)["oom"]["requested_bytes"] == 8 * MiB
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _census() -> CensusComponent:
     return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census)
 
@@ -160,7 +153,7 @@ def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:
 
 
 def test_cap_and_cooldown(out_dir: str) -> None:
-    clock = _Clock()
+    clock = ManualClock()
     options = Config(output_dir=out_dir, oom_max_reports=2, oom_cooldown_s=10).options(OomOptions)
     component = OomComponent(options, snapshot_probe=SnapshotProbe(), census=_census(), clock=clock)
     agent = _agent(out_dir, component)

@@ -8,20 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fakes import ManualClock as Clock
 
 from gpumemd import budget
 from gpumemd.agent import MAX_STRIDE, Agent
 from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Costly:
@@ -52,7 +45,7 @@ class Costly:
 
 
 def _run(out_dir: str, *, step_s: float, cost_s: float, steps: int, **config: Any) -> tuple[Agent, Costly]:
-    clock = Clock()
+    clock = Clock(100.0)
     component = Costly(clock, cost_s)
     agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, **config),
                   components=[component], clock=clock, wall_clock=clock)
@@ -99,7 +92,7 @@ def test_the_stride_shrinks_when_the_step_gets_slower(out_dir: str) -> None:
 
 
 def test_a_pause_between_steps_is_not_step_time(out_dir: str) -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     component = Costly(clock, 0.0)
     agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
                   clock=clock, wall_clock=clock)
@@ -114,7 +107,7 @@ def test_a_pause_between_steps_is_not_step_time(out_dir: str) -> None:
 
 
 def test_phase_changes_and_components_get_the_steps_they_need(out_dir: str) -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     component = Costly(clock, 60e-6)
     agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
                   clock=clock, wall_clock=clock)

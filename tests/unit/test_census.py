@@ -12,6 +12,7 @@ from torch import nn
 
 from gpumemd.probes.census import take_census
 from gpumemd.records.census import CATEGORIES, Census
+from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample
 
 
@@ -303,11 +304,11 @@ def test_graph_false_skips_the_walk() -> None:
 
 
 def test_invisible_bytes_are_allocated_minus_visible_per_cuda_device() -> None:
-    samples = [AllocatorSample(device=0, allocated_bytes=10 << 20), AllocatorSample(device=1)]
+    samples = [AllocatorSample(device=Device.cuda(0), allocated_bytes=10 << 20), AllocatorSample(device=Device.cuda(1))]
 
     census = take_census(holders=0, allocator=samples)
 
-    assert census.invisible_bytes_by_device == {"cuda:0": 10 << 20}  # no CUDA tensor here; device 1 unknown
+    assert census.invisible_bytes_by_device == {Device.cuda(0): 10 << 20}  # no CUDA tensor here; device 1 unknown
     assert take_census(holders=0).invisible_bytes_by_device == {}  # CPU only: absent, not 0
 
 

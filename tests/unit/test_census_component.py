@@ -1,5 +1,5 @@
 """CensusComponent cadence (deterministic: a manual clock and a census that "costs" what we say),
-history and publishing."""
+kept censuses and publishing."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from fakes import ManualClock
 
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent, build_components
@@ -18,14 +19,6 @@ from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.config import Config
 from gpumemd.probes.census import take_census
 from gpumemd.records.census import Census
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class CostlyCensus:
@@ -51,7 +44,7 @@ class CostlyCensus:
 
 @pytest.fixture
 def clock() -> ManualClock:
-    return ManualClock()
+    return ManualClock(1000.0)
 
 
 def _agent(out_dir: str, component: CensusComponent, clock: ManualClock, others: Sequence[Any] = ()) -> Agent:
@@ -184,9 +177,9 @@ def test_a_failing_census_never_raises_and_backs_off(clock: ManualClock, run_ste
     assert census.steps == []
 
 
-def test_history_is_bounded_spread_and_searchable(clock: ManualClock, out_dir: str) -> None:
+def test_kept_censuses_are_bounded_spread_and_searchable(clock: ManualClock, out_dir: str) -> None:
     census = CostlyCensus(clock, cost=0.0)
-    component = CensusComponent(CensusOptions(census_every_steps=1, overhead_budget=0.01), history=4, census_fn=census,
+    component = CensusComponent(CensusOptions(census_every_steps=1, overhead_budget=0.01), keep=4, census_fn=census,
                                 clock=clock)
     agent = _agent(out_dir, component, clock)
     agent.start()
@@ -194,14 +187,14 @@ def test_history_is_bounded_spread_and_searchable(clock: ManualClock, out_dir: s
         for _ in range(20):
             clock.now += 1.0
             agent.mark_step()
-        kept = [c.step for c in component.history() if c.step is not None]
+        kept = [c.step for c in component.recent_censuses() if c.step is not None]
         assert len(kept) == 4 and kept[0] == 0 and kept[-1] == 19  # oldest and newest survive
         assert kept == sorted(kept)
         found = component.at_or_after(5)
         assert found is not None and found.step is not None and found.step >= 5
         assert component.at_or_after(20) is None
         now = component.take_now()
-        assert agent.state().census is now and component.history()[-1] is now
+        assert agent.state().census is now and component.recent_censuses()[-1] is now
     finally:
         agent.stop()
 
@@ -213,6 +206,6 @@ def test_census_component_is_registered_first_and_only_when_enabled(out_dir: str
     assert all(c.name != "census" for c in off)
 
 
-def test_history_must_keep_two() -> None:
-    with pytest.raises(ValueError, match="history=1"):
-        CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census, history=1)
+def test_the_component_must_keep_two_censuses() -> None:
+    with pytest.raises(ValueError, match="keep=1"):
+        CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census, keep=1)

@@ -22,6 +22,7 @@ from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli import main
 from gpumemd.components.oom import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.device import Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.step import Identity
@@ -31,13 +32,14 @@ from gpumemd.report.writer import report_dir_name, write_report_dir
 _KEPT = "`kept` in main() at train.py:12 → list of 4 items"
 # A leak at the OOM, so that report.json has tensor groups and a breakdown.leak for the edits below.
 _CENSUS = Census(step=40, taken_at=0.0, duration_s=0.01, groups=(
-    CensusGroup(GroupKey("cuda:0", "float32", (256, 1024), "other", None), 4, 4 * MiB, holder=_KEPT),
-    CensusGroup(GroupKey("cuda:0", "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * MiB),
+    CensusGroup(GroupKey(Device.cuda(0), "float32", (256, 1024), "other", None), 4, 4 * MiB, holder=_KEPT),
+    CensusGroup(GroupKey(Device.cuda(0), "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * MiB),
 ))
 _LEAK = Finding(kind="tensor_leak", series="tensors{device=cuda:0,group=float32[256, 1024]}", state="suspected",
                 slope_bytes_per_step=MiB, slope_low=MiB, slope_high=MiB, onset_step=37, growth_bytes=4 * MiB,
-                steps_to_oom=30.0, first_step=40, updated_step=40, summary="tensor leak suspected", device=0,
-                culprits=(Culprit("float32[256, 1024]", 4, 4 * MiB, holder=_KEPT),))
+                steps_to_oom=30.0, first_step=40, updated_step=40, summary="tensor leak suspected",
+                device=Device.cuda(0),
+                culprits=(Culprit("float32[256, 1024]", 4, 4 * MiB, holder=_KEPT),), group="float32[256, 1024]")
 
 
 def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = True) -> str:
@@ -45,7 +47,7 @@ def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = 
     inputs = ReportInputs(
         created_at=created_at, identity=Identity(rank=rank, world_size=2), source="excepthook",
         exception_type="OutOfMemoryError", exception_message=NEW_MESSAGE, message=parse_oom_message(NEW_MESSAGE),
-        step=step, observer=ObserverCall(0, 8 * MiB, 40 * MiB, 3 * MiB, created_at),
+        step=step, observer=ObserverCall(Device.cuda(0), 8 * MiB, 40 * MiB, 3 * MiB, created_at),
         snapshot_summaries=summarize_snapshot(snap), snapshot_source="oom_observer",
         snapshot_file="snapshot.pickle" if snapshot else None, census=_CENSUS, findings=(_LEAK,),
     )

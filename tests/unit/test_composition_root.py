@@ -92,8 +92,8 @@ def test_components_are_found_by_type(out_dir: str) -> None:
 
 
 @pytest.mark.parametrize("every", [0, -3])
-def test_phases_component_needs_a_positive_cadence(every: int) -> None:
-    from gpumemd.components.phases import PhasesComponent, PhasesOptions
+def test_step_profile_component_needs_a_positive_cadence(every: int) -> None:
+    from gpumemd.components.step_profile import StepProfileComponent, StepProfileOptions
 
     with pytest.raises(ValueError, match="every_steps"):
-        PhasesComponent(PhasesOptions(phase_every_steps=every))
+        StepProfileComponent(StepProfileOptions(step_profile_every_steps=every))

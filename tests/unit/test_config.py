@@ -122,3 +122,42 @@ def test_tls_files_are_checked_at_attach(tmp_path) -> None:  # type: ignore[no-u
     not_pem.write_text("hello", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"attach\(tls_certfile=.*\) is not valid: expected a PEM certificate"):
         Config.from_sources({}, tls_certfile=str(not_pem), tls_keyfile=key)
+
+
+@pytest.fixture
+def fresh_log_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deprecation lines are said once per process: start each test with none said yet."""
+    import gpumemd.log_once
+
+    monkeypatch.setattr(gpumemd.log_once, "_logged", set())
+
+
+@pytest.mark.usefixtures("fresh_log_once")
+def test_renamed_options_keep_their_old_names_with_one_deprecation_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    env = {"GPUMEMD_HISTORY_STEPS": "77", "GPUMEMD_PHASE_EVERY_STEPS": "9"}
+    for _ in range(2):  # `gpumemd run` validates, then attaches: still one line each
+        config = Config.from_sources(env, phases=True)
+    assert (config.keep_steps, config.step_profile, config.step_profile_every_steps) == (77, True, 9)
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "gpumemd: GPUMEMD_HISTORY_STEPS is deprecated; use GPUMEMD_KEEP_STEPS (same meaning)",
+        "gpumemd: GPUMEMD_PHASE_EVERY_STEPS is deprecated; use GPUMEMD_STEP_PROFILE_EVERY_STEPS (same meaning)",
+        "gpumemd: attach(phases=...) is deprecated; use attach(step_profile=...) (same meaning)",
+    ]
+
+
+@pytest.mark.usefixtures("fresh_log_once")
+def test_the_new_name_wins_over_the_old_and_nothing_is_said_for_new_names(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpumemd")
+    assert Config.from_sources({"GPUMEMD_KEEP_STEPS": "5", "GPUMEMD_STEP_PROFILE": "1"}).keep_steps == 5
+    assert not caplog.records
+    config = Config.from_sources({"GPUMEMD_KEEP_STEPS": "5", "GPUMEMD_HISTORY_STEPS": "6"},
+                                 step_profile=False, phases=True)
+    assert config.keep_steps == 5 and config.step_profile is False
+
+
+def test_bad_values_under_an_old_name_name_the_old_name() -> None:
+    with pytest.raises(ConfigError, match=r"attach\(phase_every_steps=0\) is not valid: expected an integer from 1"):
+        Config.from_sources({}, phase_every_steps=0)
+    with pytest.raises(ConfigError, match=r"GPUMEMD_KEEP_STEPS=0 is not valid"):
+        Config.from_sources({"GPUMEMD_KEEP_STEPS": "0"})

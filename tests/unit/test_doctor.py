@@ -132,6 +132,17 @@ def test_misspelled_variable_suggests_the_right_one(capsys: pytest.CaptureFixtur
     assert not caplog.records  # said once, as a doctor line, not also logged by Config.from_sources
 
 
+def test_an_old_variable_name_is_checked_and_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("GPUMEMD_HISTORY_STEPS", "0")
+    code, lines, _ = doctor_lines(capsys, "--output-dir", str(tmp_path))
+    assert code == 1
+    assert lines["config"][0] == "fail GPUMEMD_HISTORY_STEPS=0 is not valid: expected an integer from 1 to 10,000,000"
+    assert "warn GPUMEMD_HISTORY_STEPS is deprecated; use GPUMEMD_KEEP_STEPS (same meaning)" in lines["config"]
+    assert not caplog.records  # said once, as a doctor line
+
+
 def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--no-such-option"]) == 2
     assert main(["doctor", "--help"]) == 0

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import pytest
+from fakes import ManualClock as _Clock
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,10 +14,11 @@ from gpumemd.exporter.collector import CounterBaseline, LiveFigures, StateCollec
 from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
 from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Finding
-from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
+from gpumemd.records.step_profile import StepProfile
 
 GiB = 1024**3
 
@@ -46,10 +48,10 @@ def cuda_sample(device: int, allocated: int = 2 * GiB, reserved: int = 3 * GiB, 
     return sample
 
 
-def cuda_phases(step: int = 39) -> PhaseBreakdown:
+def cuda_step_profile(step: int = 39) -> StepProfile:
     """A sampled CUDA step: every figure measured."""
-    return PhaseBreakdown(
-        step=step, device="cuda:0", forward_start_bytes=2 * GiB, forward_peak_bytes=5 * GiB,
+    return StepProfile(
+        step=step, device=Device.cuda(0), forward_start_bytes=2 * GiB, forward_peak_bytes=5 * GiB,
         after_backward_bytes=3 * GiB, after_step_bytes=2 * GiB + 1024, saved_for_backward_bytes=2 * GiB - 4096,
         saved_tensors=120, optimizer_step_peak_bytes=3 * GiB + 512, parameter_bytes=GiB,
         gradient_bytes=GiB, optimizer_state_bytes=2 * GiB,
@@ -63,26 +65,26 @@ def full_state(n_devices: int = 2) -> AgentState:
     census = Census(
         step=40, taken_at=1000.0, duration_s=0.02,
         groups=(
-            CensusGroup(GroupKey("cuda:0", "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * 1024**2),
-            CensusGroup(GroupKey("cuda:0", "float32", (), "graph", None), 30, 120, graph_bytes=8 * 1024**2),
+            CensusGroup(GroupKey(Device.cuda(0), "float32", (1024, 1024), "parameter", "fc.weight"), 1, 4 * 1024**2),
+            CensusGroup(GroupKey(Device.cuda(0), "float32", (), "graph", None), 30, 120, graph_bytes=8 * 1024**2),
         ),
-        invisible_bytes_by_device={f"cuda:{d}": (d + 1) * 1024**2 for d in range(n_devices)},
+        invisible_bytes_by_device={Device.cuda(d): (d + 1) * 1024**2 for d in range(n_devices)},
     )
     finding = Finding(
         kind="tensor_leak", series="allocated_bytes{device=0}", state="confirmed",
         slope_bytes_per_step=1048576.0, slope_low=1e6, slope_high=1.1e6, onset_step=60,
         growth_bytes=50 * 1024**2, steps_to_oom=1234.0, first_step=100, updated_step=150,
-        summary="allocated grows 1 MiB/step", device=0,
+        summary="allocated grows 1 MiB/step", device=Device.cuda(0),
     )
     record = StepRecord(step=41, wall_time=1001.0, duration_s=0.25, allocator=allocator)
     return AgentState(
         identity=Identity(rank=3, local_rank=1, world_size=8, hostname="node-a", pid=4242, source="torchrun"),
         attached_at=900.0, updated_at=1001.0, step=41, steps_total=42, last_step=record,
         allocator=allocator,
-        nvml=tuple(NvmlDeviceSample(d, 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
+        nvml=tuple(NvmlDeviceSample(Device.cuda(d), 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
         census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
-        phases=cuda_phases(),
+        step_profile=cuda_step_profile(),
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
                           sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
         probe_errors={"allocator": 0, "nvml": 2, "host": 0},
@@ -125,7 +127,7 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state(), live=FULL_LIVE)
-    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "phase", "version", "world_size", "hostname",
+    allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "point", "version", "world_size", "hostname",
                "launcher", "job_phase", "stepping"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
@@ -166,7 +168,7 @@ def test_absent_probes_give_absent_metrics_not_zeros() -> None:
     _, samples = scrape(state)
 
     for prefix in ("gpumemd_allocator_", "gpumemd_device_", "gpumemd_host_", "gpumemd_census_",
-                   "gpumemd_leak_", "gpumemd_step_", "gpumemd_phase_"):
+                   "gpumemd_leak_", "gpumemd_step_", "gpumemd_step_profile_"):
         assert not [name for name in samples if name.startswith(prefix)], prefix
     assert "gpumemd_step" not in samples  # no step yet
     # What is a real count is there from attach, at 0, so increase() sees the first event.
@@ -176,7 +178,7 @@ def test_absent_probes_give_absent_metrics_not_zeros() -> None:
 
 
 def test_cuda_malloc_async_backend_exports_only_what_it_fills() -> None:
-    sample = AllocatorSample(device=0, allocated_bytes=GiB, reserved_bytes=2 * GiB, active_bytes=GiB)
+    sample = AllocatorSample(device=Device.cuda(0), allocated_bytes=GiB, reserved_bytes=2 * GiB, active_bytes=GiB)
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, allocator=(sample,))
 
     _, samples = scrape(state)
@@ -187,7 +189,7 @@ def test_cuda_malloc_async_backend_exports_only_what_it_fills() -> None:
 
 
 def test_process_usage_nvml_cannot_attribute_is_absent() -> None:
-    nvml = (NvmlDeviceSample(0, 80 * GiB, 10 * GiB, 70 * GiB, process_used_bytes=None),)
+    nvml = (NvmlDeviceSample(Device.cuda(0), 80 * GiB, 10 * GiB, 70 * GiB, process_used_bytes=None),)
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, nvml=nvml)
 
     _, samples = scrape(state)
@@ -243,7 +245,7 @@ def test_census_invisible_bytes_per_device_index() -> None:
 
 def test_a_cpu_census_has_no_invisible_bytes_series() -> None:
     census = Census(step=3, taken_at=1.0, duration_s=0.01,
-                    groups=(CensusGroup(GroupKey("cpu", "float32", (8,), "parameter", "w"), 1, 32),))
+                    groups=(CensusGroup(GroupKey(CPU, "float32", (8,), "parameter", "w"), 1, 32),))
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, census=census)
 
     _, samples = scrape(state)
@@ -252,35 +254,35 @@ def test_a_cpu_census_has_no_invisible_bytes_series() -> None:
     assert "gpumemd_census_invisible_bytes" not in samples
 
 
-def test_phase_bytes_one_series_per_measured_phase() -> None:
+def test_step_profile_bytes_one_series_per_measured_point() -> None:
     _, samples = scrape(full_state())
 
-    phases = {s.labels["phase"]: s.value for s in samples["gpumemd_phase_bytes"]}
-    assert phases == {
+    profile = {s.labels["point"]: s.value for s in samples["gpumemd_step_profile_bytes"]}
+    assert profile == {
         "forward_start": 2 * GiB, "forward_peak": 5 * GiB, "after_backward": 3 * GiB, "after_step": 2 * GiB + 1024,
         "optimizer_step_peak": 3 * GiB + 512, "saved_for_backward": 2 * GiB - 4096, "parameters": GiB,
         "gradients": GiB, "optimizer_state": 2 * GiB, "forward_transient": 3 * GiB,
         "optimizer_step_transient": 512,
     }
-    assert value(samples, "gpumemd_phase_step") == 39
+    assert value(samples, "gpumemd_step_profile_step") == 39
 
 
-def test_cpu_phases_leave_allocator_phases_absent_not_zero() -> None:
+def test_cpu_step_profile_leaves_allocator_points_absent_not_zero() -> None:
     # On CPU the component measures saved-for-backward and the exact tensor terms, nothing else;
     # a zero saved_for_backward is a measurement (no graph), so it is exported.
-    cpu = PhaseBreakdown(step=9, device="cpu", forward_start_bytes=None, forward_peak_bytes=None,
-                         after_backward_bytes=None, after_step_bytes=None, saved_for_backward_bytes=0,
-                         parameter_bytes=4096, gradient_bytes=4096, optimizer_state_bytes=None)
-    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, phases=cpu)
+    cpu = StepProfile(step=9, device=CPU, forward_start_bytes=None, forward_peak_bytes=None,
+                      after_backward_bytes=None, after_step_bytes=None, saved_for_backward_bytes=0,
+                      parameter_bytes=4096, gradient_bytes=4096, optimizer_state_bytes=None)
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, step_profile=cpu)
 
     _, samples = scrape(state)
 
-    phases = {s.labels["phase"]: s.value for s in samples["gpumemd_phase_bytes"]}
-    assert phases == {"saved_for_backward": 0, "parameters": 4096, "gradients": 4096}
-    assert value(samples, "gpumemd_phase_step") == 9
+    profile = {s.labels["point"]: s.value for s in samples["gpumemd_step_profile_bytes"]}
+    assert profile == {"saved_for_backward": 0, "parameters": 4096, "gradients": 4096}
+    assert value(samples, "gpumemd_step_profile_step") == 9
 
 
-def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_oom: float | None = None) -> Finding:
+def _finding(kind: str, state: str, slope: float, device: Device | None, steps_to_oom: float | None = None) -> Finding:
     return Finding(kind=kind, series=f"s{device}", state=state, slope_bytes_per_step=slope, slope_low=slope,
                    slope_high=slope, onset_step=None, growth_bytes=int(slope * 10), steps_to_oom=steps_to_oom,
                    first_step=1, updated_step=2, summary="", device=device)
@@ -288,9 +290,9 @@ def _finding(kind: str, state: str, slope: float, device: int | None, steps_to_o
 
 def test_findings_export_the_most_severe_per_kind_and_device() -> None:
     findings = (
-        _finding("tensor_leak", "suspected", 5e6, 0, steps_to_oom=10.0),
-        _finding("tensor_leak", "confirmed", 1e6, 0, steps_to_oom=900.0),
-        _finding("host_leak", "cleared", 2e6, None),
+        _finding("tensor_leak", "suspected", 5e6, Device.cuda(0), steps_to_oom=10.0),
+        _finding("tensor_leak", "confirmed", 1e6, Device.cuda(0), steps_to_oom=900.0),
+        _finding("host_leak", "cleared", 2e6, CPU),
     )
     state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, findings=findings)
 
@@ -299,7 +301,7 @@ def test_findings_export_the_most_severe_per_kind_and_device() -> None:
     assert value(samples, "gpumemd_leak_state", kind="tensor_leak", device="0") == 2
     assert value(samples, "gpumemd_leak_slope_bytes_per_step", kind="tensor_leak", device="0") == 1e6
     assert value(samples, "gpumemd_leak_steps_to_oom", kind="tensor_leak", device="0") == 900
-    # A host finding has no device: the label is empty (which Prometheus reads as absent).
+    # A host finding is off CUDA: the label is empty (which Prometheus reads as absent).
     assert value(samples, "gpumemd_leak_state", kind="host_leak") == 0
     assert len(samples["gpumemd_leak_steps_to_oom"]) == 1  # None for host_leak: absent
 
@@ -367,14 +369,6 @@ def test_last_step_timestamp_is_the_sampled_step_wall_time() -> None:
     assert value(samples, "gpumemd_last_step_timestamp_seconds") == 1000.5
     assert value(samples, "gpumemd_step_typical_duration_seconds") == 0.2
     assert value(samples, "gpumemd_job_phase_info", job_phase="train", stepping="true") == 1
-
-
-class _Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_steps_counted_after_the_sampled_one_move_the_bound_to_the_previous_scrape() -> None:

@@ -22,6 +22,7 @@ from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.config import Config
 from gpumemd.probes.allocation_history import AllocationHistory
 from gpumemd.probes.allocator import AllocatorProbe, expandable_segments_from_env
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.step import Identity
 
@@ -148,17 +149,17 @@ def snapshot(oom_stream: int | None) -> dict[str, Any]:
 
 
 def test_largest_free_block_is_large_pool_on_the_failing_stream() -> None:
-    summary = summarize_snapshot(snapshot(oom_stream=0))[0]
+    summary = summarize_snapshot(snapshot(oom_stream=0))[Device.cuda(0)]
     assert summary.largest_free_block_bytes == MiB  # not the small pool's ~2 MiB, not the side stream's 64 MiB
     assert summary.inactive_bytes == MiB + 2 * MiB - 512 + 64 * MiB  # all free blocks still count as free
-    assert summarize_snapshot(snapshot(oom_stream=SIDE_STREAM))[0].largest_free_block_bytes == 64 * MiB
+    assert summarize_snapshot(snapshot(oom_stream=SIDE_STREAM))[Device.cuda(0)].largest_free_block_bytes == 64 * MiB
     # no OOM entry (a snapshot taken at report time): the stream is unknown, any large-pool block counts
-    assert summarize_snapshot(snapshot(oom_stream=None))[0].largest_free_block_bytes == 64 * MiB
+    assert summarize_snapshot(snapshot(oom_stream=None))[Device.cuda(0)].largest_free_block_bytes == 64 * MiB
 
 
 def test_the_fragmentation_verdict_names_the_usable_block() -> None:
-    summary = summarize_snapshot(snapshot(oom_stream=0))[0]
-    b = cuda_breakdown(device=0, snapshot=summary,
-                       observer=ObserverCall(0, 8 * MiB, 80 * GiB, 3 * MiB, wall_time=0.0))
+    summary = summarize_snapshot(snapshot(oom_stream=0))[Device.cuda(0)]
+    b = cuda_breakdown(device=Device.cuda(0), snapshot=summary,
+                       observer=ObserverCall(Device.cuda(0), 8 * MiB, 80 * GiB, 3 * MiB, wall_time=0.0))
     assert b.verdict == "fragmentation" and b.largest_free_block_bytes == MiB
     assert "the largest free block was 1.00 MiB" in b.verdict_why

@@ -94,7 +94,7 @@ def test_dashboard_is_not_editable_in_the_ui() -> None:  # template-uneditable-r
 
 def test_rows_cover_the_story() -> None:
     assert [r["title"] for r in ROWS] == ["Overview", "Allocator", "Fragmentation", "Census by category",
-                                         "Step phases", "Host", "Agent"]
+                                         "Step profile", "Host", "Agent"]
 
 
 def test_every_panel_titled_described_and_on_the_datasource_variable() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from fakes import ManualClock
 
 from gpumemd import budget
 from gpumemd.components.leak_host import HostLooks
@@ -15,17 +16,9 @@ LOOK_COST = 0.1  # seconds one heap look takes here
 STEP = 0.01  # the job's typical step time
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def looks() -> tuple[HostLooks, SimpleNamespace, list[int]]:
-    clock = Clock()
+    clock = ManualClock()
     seen: list[int] = []
     agent = SimpleNamespace(steps_total=0, seconds_per_step=STEP)
 

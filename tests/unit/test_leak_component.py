@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import FakeGpu, FakeNvml
 
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent
@@ -21,32 +22,12 @@ from gpumemd.config import Config
 from gpumemd.probes.allocation_history import AllocationHistory
 from gpumemd.probes.allocator import AllocatorProbe
 from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.records.device import Device
 from gpumemd.records.step import Identity
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 ONSET = 60
-
-
-class FakeNvml:
-    """Pynvml's call shapes for one 80 GiB device."""
-
-    def __init__(self) -> None:
-        self.used = 12 * GIB
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetCount(self) -> int:
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
-        return SimpleNamespace(total=80 * GIB, used=self.used, free=80 * GIB - self.used)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
-        return []
 
 
 class FakeDevice:
@@ -114,7 +95,7 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300,
     agent = build_agent(
         config_,
         allocator_probe=AllocatorProbe(stats_fn=device.stats, is_initialized=lambda: True, device_count=lambda: 1),
-        nvml_probe=NvmlProbe(nvml=FakeNvml(), visible="0"),
+        nvml_probe=NvmlProbe(nvml=FakeNvml([FakeGpu(used=12 * GIB)]), visible="0"),
         identity=Identity(rank=3, world_size=4),
         components=[component],
         max_stride=1,  # a mechanism test: every step sampled (the scenario suite runs at defaults)
@@ -139,7 +120,7 @@ def test_allocated_leak_names_the_allocation_site_once_history_is_on(out_dir: st
                                                                "confirmed")]
     f = findings[0]
     assert f.slope_bytes_per_step == pytest.approx(2 * MIB, rel=0.05)
-    assert f.device == 0 and abs((f.onset_step or 0) - ONSET) <= 15
+    assert f.device == Device.cuda(0) and abs((f.onset_step or 0) - ONSET) <= 15
     # headroom = NVML free + allocator cache beyond the step's peak; OOM when the leak has eaten it
     state = agent.state()
     sample = state.allocator[0]

@@ -18,6 +18,7 @@ from gpumemd.analysis.leak_wording import (
     refine_kind,
 )
 from gpumemd.records.census import GroupDelta, GroupKey
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit
 
 KIB = 1024
@@ -36,7 +37,7 @@ def run(
     """Feed one series; return the (step, state) changes. ``threshold(step)``: the min slope the
     component would pass at that evaluation (default: the config's)."""
     detector = LeakDetector(config)
-    detector.add_series(SeriesSpec(SERIES, "tensor_leak", device=0))
+    detector.add_series(SeriesSpec(SERIES, "tensor_leak", device=Device.cuda(0)))
     changes = []
     for step, value in enumerate(y):
         detector.observe(SERIES, step, float(value), phases[step] if phases else "train")
@@ -148,7 +149,7 @@ def test_explained_series_does_not_fire() -> None:
 def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
     rng = np.random.default_rng(0)
     detector = LeakDetector(CONFIG)
-    spec = SeriesSpec("allocated_bytes{device=0}", "tensor_leak", device=0)
+    spec = SeriesSpec("allocated_bytes{device=0}", "tensor_leak", device=Device.cuda(0))
     detector.add_series(spec)
     statuses = []
     for step in range(1600):
@@ -159,7 +160,7 @@ def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
     status = statuses[0]
     assert status.state is LeakState.SUSPECTED
     assert status.onset_step is not None and abs(status.onset_step - 800) <= 60
-    key = GroupKey("cpu", "float32", (), "graph", None)
+    key = GroupKey(CPU, "float32", (), "graph", None)
     culprits = culprits_from_diff([GroupDelta(key, 100, 400, 100 * 3 * MIB, "list `losses` (train.py:57 in main)")])
     assert refine_kind("tensor_leak", culprits) == "graph_leak"
     finding = build_finding(status, culprits=culprits, culprit_steps=100, headroom_bytes=1024 * MIB)

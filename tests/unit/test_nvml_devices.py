@@ -5,11 +5,11 @@ info v2 and compute-process fallbacks."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from fakes import FakeGpu, FakeNvml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,66 +17,10 @@ from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.exporter.collector import StateCollector
 from gpumemd.probes.nvml import NvmlProbe, parse_visible_devices, uuids_to_indices, visible_indices
+from gpumemd.records.device import Device
 from gpumemd.records.step import Identity
 
 GIB = 1 << 30
-
-
-class NvmlError(Exception):
-    pass
-
-
-class FakeNvml:
-    """An ``n``-GPU node; device ``i`` has UUID ``GPU-<i>aaaa``; ``mig`` maps a parent index to the
-    UUIDs of its MIG instances; ``v2``: the driver has nvmlDeviceGetMemoryInfo_v2; ``v3``: it has
-    the v3 compute-process call."""
-
-    def __init__(self, n: int = 2, *, pids: tuple[int, ...] = (), mig: dict[int, list[str]] | None = None,
-                 v2: bool = True, v3: bool = True) -> None:
-        self.n, self.pids, self.mig = n, pids, mig or {}
-        self.v2, self.v3 = v2, v3
-        self.nvmlMemory_v2 = 0x02000028
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetCount(self) -> int:
-        return self.n
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> Any:
-        return ("gpu", i)
-
-    def nvmlDeviceGetUUID(self, handle: Any) -> bytes:
-        kind, i, *rest = handle
-        return (f"GPU-{i}aaaa" if kind == "gpu" else self.mig[i][rest[0]]).encode()
-
-    def nvmlDeviceGetMigMode(self, handle: Any) -> tuple[int, int]:
-        if handle[1] not in self.mig:
-            raise NvmlError("Not Supported")
-        return (1, 1)
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
-        return 7
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, j: int) -> Any:
-        if j >= len(self.mig[handle[1]]):
-            raise NvmlError("Not Found")
-        return ("mig", handle[1], j)
-
-    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
-        total = 10 * GIB if handle[0] == "mig" else 80 * GIB
-        if version is not None:
-            if not self.v2:
-                raise NvmlError("Function Not Found")
-            return SimpleNamespace(total=total, used=GIB, free=total - GIB - GIB // 2, reserved=GIB // 2)
-        return SimpleNamespace(total=total, used=GIB + GIB // 2, free=total - GIB - GIB // 2)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
-        if not self.v3:
-            raise NvmlError("Function Not Found: nvmlDeviceGetComputeRunningProcesses_v3")
-        return [SimpleNamespace(pid=p, usedGpuMemory=2 * GIB) for p in self.pids]
-
-    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
-        return [SimpleNamespace(pid=p, usedGpuMemory=3 * GIB) for p in self.pids]
 
 
 @pytest.mark.parametrize(("var", "expected"), [
@@ -100,23 +44,25 @@ def test_uuid_prefixes_ambiguous_or_unknown_end_the_list() -> None:
     assert uuids_to_indices(["GPU-2", "GPU-12"], uuids) == [2, 0]
     assert uuids_to_indices(["GPU-2", "GPU-1", "GPU-12"], uuids) == [2]  # "GPU-1" is ambiguous
     assert uuids_to_indices(["GPU-2", "GPU-2c"], uuids) == []  # the same device twice
-    nvml = FakeNvml(4)
+    nvml = FakeNvml(4, uuid_bytes=True)
     assert visible_indices(nvml, 4, "0,5,1") == [0]  # CUDA trims at the first ordinal past the last GPU
     assert visible_indices(nvml, 4, "GPU-3a,GPU-1") == [3, 1]
 
 
 def test_mig_instances_are_read_not_their_parent() -> None:
-    nvml = FakeNvml(2, mig={1: ["MIG-aaaa", "MIG-bbbb"]})
+    nvml = FakeNvml([FakeGpu(), FakeGpu(mig=[FakeGpu(10 * GIB, uuid="MIG-aaaa"), FakeGpu(10 * GIB, uuid="MIG-bbbb")])],
+                    uuid_bytes=True)
     probe = NvmlProbe(nvml=nvml, pid=1, visible="MIG-bb")
     (sample,) = probe.read()
-    assert sample.device == 0 and sample.total_bytes == 10 * GIB  # the instance's 10 GiB, not the 80 GiB GPU
+    assert sample.device == Device.cuda(0)
+    assert sample.total_bytes == 10 * GIB  # the instance's 10 GiB, not the 80 GiB GPU
     assert NvmlProbe(nvml=nvml, pid=1, visible="MIG-zz").read() == ()
 
 
 def test_memory_info_v2_excludes_driver_reserved_and_falls_back_once(caplog: pytest.LogCaptureFixture) -> None:
-    (v2,) = NvmlProbe(nvml=FakeNvml(1), pid=1, visible="0").read()
+    (v2,) = NvmlProbe(nvml=FakeNvml([FakeGpu(reserved=GIB // 2)]), pid=1, visible="0").read()
     assert v2.used_bytes == GIB  # v1 would say 1.5 GiB: driver-reserved memory included
-    probe = NvmlProbe(nvml=FakeNvml(1, v2=False), pid=1, visible="0")
+    probe = NvmlProbe(nvml=FakeNvml([FakeGpu(reserved=GIB // 2)], memory_v2=False), pid=1, visible="0")
     with caplog.at_level(logging.INFO, logger="gpumemd"):
         assert probe.read()[0].used_bytes == GIB + GIB // 2
         probe.read()
@@ -124,7 +70,7 @@ def test_memory_info_v2_excludes_driver_reserved_and_falls_back_once(caplog: pyt
 
 
 def test_compute_processes_v3_then_v2_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    probe = NvmlProbe(nvml=FakeNvml(1, pids=(42,), v3=False), pid=42, visible="0")
+    probe = NvmlProbe(nvml=FakeNvml(1, processes={42: 3 * GIB}, processes_v3=False), pid=42, visible="0")
     with caplog.at_level(logging.INFO, logger="gpumemd"):
         assert probe.read()[0].process_used_bytes == 3 * GIB
         assert probe.read()[0].process_used_bytes == 3 * GIB
@@ -135,7 +81,7 @@ def test_compute_processes_v3_then_v2_said_once(caplog: pytest.LogCaptureFixture
 def test_pid_namespace_note_only_where_this_process_has_a_context(caplog: pytest.LogCaptureFixture) -> None:
     """Before CUDA is up (or on another rank's GPU) this pid is not listed on bare
     metal either; only a device this process holds memory on can tell a PID namespace."""
-    probe = NvmlProbe(nvml=FakeNvml(2, pids=(7, 8)), pid=42, visible="0,1")
+    probe = NvmlProbe(nvml=FakeNvml(2, processes=dict.fromkeys((7, 8), 2 * GIB)), pid=42, visible="0,1")
     with caplog.at_level(logging.INFO, logger="gpumemd"):
         probe.read()
         assert not any("PID namespace" in r.getMessage() for r in caplog.records)
@@ -150,7 +96,7 @@ def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     identity = Identity(rank=11, local_rank=3, world_size=16, source="torchrun")
     agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, census=False),
-                  nvml_probe=NvmlProbe(nvml=FakeNvml(8, pids=(99,)), pid=12345, visible=None),
+                  nvml_probe=NvmlProbe(nvml=FakeNvml(8, processes={99: 2 * GIB}), pid=12345, visible=None),
                   identity=identity).start()
     try:
         model = torch.nn.Linear(4, 4)
@@ -160,7 +106,7 @@ def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
             optimizer.step()
         agent.tick()
         state = agent.state()
-        assert [n.device for n in state.nvml] == [3]
+        assert [n.device for n in state.nvml] == [Device.cuda(3)]
         registry = CollectorRegistry(auto_describe=False)
         registry.register(StateCollector(agent.state))
         text = generate_latest(registry).decode()

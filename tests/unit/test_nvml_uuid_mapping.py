@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import FakeGpu, FakeNvml, NvmlError
 
 from gpumemd.probes.nvml import NvmlProbe, torch_cuda_uuid, uuid_key
 
@@ -22,64 +23,12 @@ MIG1 = "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
 MIG2 = "9f8e7d6c-5b4a-3928-1706-f5e4d3c2b1a0"
 
 
-class NvmlError(Exception):
-    pass
-
-
-class Handle:
-    """A fresh object per call, like pynvml's ctypes pointers: equal only to itself."""
-
-    def __init__(self, *path: int) -> None:
-        self.path = path
-
-
-class FakeNvml:
-    """GPUs given as (UUID, total GiB); ``mig`` maps a GPU index to its instances' (UUID, total GiB)."""
-
-    def __init__(self, gpus: list[tuple[str, int]], mig: dict[int, list[tuple[str, int]]] | None = None) -> None:
-        self.gpus, self.mig = gpus, mig or {}
-        self.nvmlMemory_v2 = 0x02000028
-        self.count_calls = 0
-        self.uuid_error: Exception | None = None
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-
-    def nvmlDeviceGetCount(self) -> int:
-        self.count_calls += 1
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> Handle:
-        if i >= len(self.gpus):
-            raise NvmlError("Invalid Argument")
-        return Handle(i)
-
-    def _device(self, h: Handle) -> tuple[str, int]:
-        return self.gpus[h.path[0]] if len(h.path) == 1 else self.mig[h.path[0]][h.path[1]]
-
-    def nvmlDeviceGetUUID(self, h: Handle) -> str:
-        if self.uuid_error is not None:
-            raise self.uuid_error
-        uuid = self._device(h)[0]
-        return f"GPU-{uuid}" if len(h.path) == 1 else f"MIG-{uuid}"
-
-    def nvmlDeviceGetMigMode(self, h: Handle) -> list[int]:
-        return [1, 1] if h.path[0] in self.mig else [0, 0]
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, h: Handle) -> int:
-        return 7 if h.path[0] in self.mig else 0
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: Handle, j: int) -> Handle:
-        if j >= len(self.mig[h.path[0]]):
-            raise NvmlError("Not Found")
-        return Handle(h.path[0], j)
-
-    def nvmlDeviceGetMemoryInfo(self, h: Handle, version: int | None = None) -> Any:
-        total = self._device(h)[1] * GIB
-        return SimpleNamespace(total=total, used=GIB, free=total - GIB, reserved=0)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h: Handle) -> list[Any]:
-        return []
+def node(gpus: list[tuple[str, int]], mig: dict[int, list[tuple[str, int]]] | None = None) -> FakeNvml:
+    """MIG-capable GPUs given as (UUID, total GiB); ``mig`` maps a GPU index to its instances' (UUID, total GiB)."""
+    instances = mig or {}
+    return FakeNvml([FakeGpu(gib * GIB, uuid=f"GPU-{uuid}",
+                             mig=[FakeGpu(g * GIB, uuid=f"MIG-{u}") for u, g in instances.get(i, [])])
+                     for i, (uuid, gib) in enumerate(gpus)])
 
 
 class CudaUuids:
@@ -101,13 +50,13 @@ def no_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def totals(samples: tuple[Any, ...]) -> dict[int, int]:
-    return {s.device: s.total_bytes // GIB for s in samples}
+def totals(samples: tuple[Any, ...]) -> dict[int | None, int]:
+    return {s.device.cuda_index: s.total_bytes // GIB for s in samples}
 
 
 @pytest.mark.usefixtures("no_visible_devices")
 def test_fastest_first_ordinal_reads_its_gpu_once_cuda_is_up(caplog: pytest.LogCaptureFixture) -> None:
-    nvml = FakeNvml([(A, 80), (B, 40)])
+    nvml = node([(A, 80), (B, 40)])
     uuids = CudaUuids({0: B, 1: A})
     probe = NvmlProbe(nvml=nvml, pid=1, cuda_uuid=uuids)
     assert totals(probe.read({0})) == {0: 80}  # before CUDA is up: NVML index 0, as the env says
@@ -123,7 +72,7 @@ def test_fastest_first_ordinal_reads_its_gpu_once_cuda_is_up(caplog: pytest.LogC
 
 
 def test_mapping_computed_once_per_ordinal() -> None:
-    nvml = FakeNvml([(A, 80), (B, 40)])
+    nvml = node([(A, 80), (B, 40)])
     uuids = CudaUuids({0: B, 1: A})
     probe = NvmlProbe(nvml=nvml, pid=1, visible="0,1", cuda_uuid=uuids)
     for _ in range(5):
@@ -136,7 +85,7 @@ def test_mapping_computed_once_per_ordinal() -> None:
 
 @pytest.mark.usefixtures("no_visible_devices")
 def test_mig_instance_read_not_its_parent() -> None:
-    nvml = FakeNvml([(A, 80), (B, 80)], mig={1: [(MIG1, 10), (MIG2, 20)]})
+    nvml = node([(A, 80), (B, 80)], mig={1: [(MIG1, 10), (MIG2, 20)]})
     probe = NvmlProbe(nvml=nvml, pid=1, cuda_uuid=CudaUuids({0: MIG2}))
     assert totals(probe.read({0})) == {0: 80}
     assert totals(probe.read({0}, has_context=True)) == {0: 20}  # the instance's 20 GiB
@@ -151,7 +100,7 @@ def test_cuda_giving_the_mig_parents_uuid(monkeypatch: pytest.MonkeyPatch, insta
                                           env: str | None, expected: int) -> None:
     """Older drivers give CUDA the parent GPU's UUID for a MIG device; its 80 GiB are not ours."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    nvml = FakeNvml([(A, 80), (B, 80)], mig={1: instances})
+    nvml = node([(A, 80), (B, 80)], mig={1: instances})
     probe = NvmlProbe(nvml=nvml, pid=1, visible=env, cuda_uuid=CudaUuids({0: B}))
     assert totals(probe.read({0}, has_context=True)) == {0: expected}
 
@@ -159,7 +108,7 @@ def test_cuda_giving_the_mig_parents_uuid(monkeypatch: pytest.MonkeyPatch, insta
 @pytest.mark.usefixtures("no_visible_devices")
 @pytest.mark.parametrize("failure", ["raises", "none", "unknown", "nvml"])
 def test_no_match_keeps_the_env_handle_said_once(caplog: pytest.LogCaptureFixture, failure: str) -> None:
-    nvml = FakeNvml([(A, 80), (B, 40)])
+    nvml = node([(A, 80), (B, 40)])
     uuids = CudaUuids({0: None if failure == "none" else MIG1 if failure == "unknown" else B},
                       error=RuntimeError("CUDA error: initialization error") if failure == "raises" else None)
     if failure == "nvml":
@@ -202,5 +151,5 @@ def test_default_seam_reads_torch_only_once_cuda_is_initialised(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=CUuuid()))
     assert torch_cuda_uuid(0) == B
-    probe = NvmlProbe(nvml=FakeNvml([(A, 80), (B, 40)]), pid=1, visible="0")
+    probe = NvmlProbe(nvml=node([(A, 80), (B, 40)]), pid=1, visible="0")
     assert totals(probe.read({0}, has_context=True)) == {0: 40}

@@ -17,6 +17,7 @@ from gpumemd.analysis.oom_leak import (
     with_leak,
 )
 from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.records.samples import AllocatorSample, HostSample
@@ -27,19 +28,20 @@ KEPT = "`kept` in main() at train.py:12 → list of {n} items"
 
 def _group(device: str, shape: tuple[int, ...], count: int, nbytes: int, *, category: str = "other",
            holder: str | None = None, name: str | None = None, graph_bytes: int = 0) -> CensusGroup:
-    return CensusGroup(GroupKey(device, "float32", shape, category, name), count, nbytes, graph_bytes, holder)
+    return CensusGroup(GroupKey(Device.parse(device), "float32", shape, category, name), count, nbytes, graph_bytes,
+                       holder)
 
 
 def _census(*groups: CensusGroup, step: int = 799) -> Census:
     return Census(step=step, taken_at=0.0, duration_s=0.01, groups=groups)
 
 
-def _finding(device: int | None = None, series: str = "tensors{device=cpu,group=float32[512, 1024]}",
-             **over: Any) -> Finding:
+def _finding(device: Device | None = CPU, series: str = "tensors{device=cpu,group=float32[512, 1024]}",
+             group: str | None = "float32[512, 1024]", **over: Any) -> Finding:
     base: dict[str, Any] = dict(
         kind="tensor_leak", series=series, state="confirmed", slope_bytes_per_step=2 * MiB, slope_low=2 * MiB,
         slope_high=2 * MiB, onset_step=31, growth_bytes=1200 * MiB, steps_to_oom=100.0, first_step=520,
-        updated_step=700, summary="tensor leak confirmed", device=device,
+        updated_step=700, summary="tensor leak confirmed", device=device, group=group,
         culprits=(Culprit("float32[512, 1024]", 600, 1200 * MiB, holder=KEPT.format(n=670)),))
     base.update(over)
     return Finding(**base)
@@ -62,7 +64,7 @@ def test_holder_names_a_person_knows() -> None:
 
 def test_a_finding_is_measured_by_the_census_at_the_oom() -> None:
     # The finding saw 1.2 GiB at step 700; at the OOM the census sees what `kept` holds now.
-    leak = leak_from_finding(_finding(), _census(LEAKING, PARAM), "cpu")
+    leak = leak_from_finding(_finding(), _census(LEAKING, PARAM), CPU)
     assert leak is not None and not leak.estimated
     assert leak.holder == "`kept`" and leak.held_bytes == 770 * 2 * MiB and leak.tensor_count == 770
     assert leak.group_keys == (LEAKING.key,) and leak.onset_step == 31 and leak.graph_bytes == 0
@@ -73,9 +75,9 @@ def test_a_graph_leak_spans_every_group_its_holder_keeps() -> None:
     root = _group("cuda:0", (), 60, 240, category="graph", holder=holder)
     saved = _group("cuda:0", (256, 256), 60, 60 * 256 * 1024, category="graph", holder="autograd graph of " + holder)
     other = _group("cuda:0", (8,), 2, 64, holder="`x` in f() at a.py:1")
-    finding = _finding(0, "allocated_bytes{device=0}", kind="graph_leak",
+    finding = _finding(Device.cuda(0), "allocated_bytes{device=0}", None, kind="graph_leak",
                        culprits=(Culprit("float32[] with grad_fn", 50, 200, holder=holder, graph_bytes_delta=GiB),))
-    leak = leak_from_finding(finding, _census(root, saved, other), "cuda:0")
+    leak = leak_from_finding(finding, _census(root, saved, other), Device.cuda(0))
     assert leak is not None and leak.groups == 2
     assert leak.held_bytes == 240 + 60 * 256 * 1024 == leak.graph_bytes
 
@@ -88,8 +90,9 @@ def test_a_holder_seen_after_its_frame_unwound_is_the_same_variable() -> None:
     saved = _group("cpu", (256, 512), 670, 335 * MiB, category="graph", holder=at_oom)
     loss = _group("cpu", (), 670, 2680, category="graph")  # the 0-d losses: no holder looked up this time
     finding = _finding(kind="graph_leak", series="tensors{device=cpu,group=float32[] with grad_fn}",
+                       group="float32[] with grad_fn",
                        culprits=(Culprit("float32[] with grad_fn", 500, 2000, holder=found, graph_bytes_delta=GiB),))
-    leak = leak_from_finding(finding, _census(saved, loss, PARAM), "cpu")
+    leak = leak_from_finding(finding, _census(saved, loss, PARAM), CPU)
     assert leak is not None and leak.holder == "`losses`" and leak.groups == 2
     assert leak.held_bytes == leak.graph_bytes == 335 * MiB + 2680
     assert set(leak.group_keys) == {saved.key, loss.key}
@@ -97,13 +100,14 @@ def test_a_holder_seen_after_its_frame_unwound_is_the_same_variable() -> None:
 
 def test_findings_about_another_device_or_cleared_are_not_the_leak_at_the_oom() -> None:
     census = _census(LEAKING)
-    assert leak_from_finding(_finding(), census, "cuda:0") is None  # a host leak does not fill a GPU
-    assert leak_from_finding(_finding(1, "allocated_bytes{device=1}"), census, "cuda:0") is None
-    assert leak_from_finding(_finding(state="cleared"), census, "cpu") is None
+    assert leak_from_finding(_finding(), census, Device.cuda(0)) is None  # a host leak does not fill a GPU
+    assert leak_from_finding(_finding(Device.cuda(1), "allocated_bytes{device=1}", None), census,
+                             Device.cuda(0)) is None
+    assert leak_from_finding(_finding(state="cleared"), census, CPU) is None
 
 
 def test_without_a_census_the_finding_growth_is_the_estimate() -> None:
-    leak = leak_from_finding(_finding(), None, "cpu")
+    leak = leak_from_finding(_finding(), None, CPU)
     assert leak is not None and leak.estimated and leak.held_bytes == 1200 * MiB and leak.holder == "`kept`"
 
 
@@ -111,13 +115,13 @@ def test_a_group_that_grew_between_censuses_when_no_finding_spoke_yet() -> None:
     before = _census(_group("cpu", (512, 1024), 300, 600 * MiB, holder=KEPT.format(n=300)), step=700)
     activations = _group("cpu", (32, 256), 4, 128 * 1024, holder="`hidden` in step() at train.py:30")
     now = _census(LEAKING, activations, step=799)
-    leak = leak_from_census(now, before, "cpu")
+    leak = leak_from_census(now, before, CPU)
     assert leak is not None and leak.source == "census" and leak.state == "grew"
     assert leak.held_bytes == 770 * 2 * MiB and leak.onset_step == 700
     assert leak.slope_bytes_per_step == (770 * 2 - 600) * MiB / 99
     # The failing step's activations are a new group, not a grown one: no leak.
-    assert leak_from_census(_census(activations), _census(step=700), "cpu") is None
-    assert leak_at_oom(findings=[], census=now, census_before=before, device="cpu") == leak
+    assert leak_from_census(_census(activations), _census(step=700), CPU) is None
+    assert leak_at_oom(findings=[], census=now, census_before=before, device=CPU) == leak
 
 
 def test_the_verdict_blames_a_leak_that_held_more_than_the_failing_request() -> None:
@@ -126,7 +130,7 @@ def test_the_verdict_blames_a_leak_that_held_more_than_the_failing_request() -> 
     base = cpu_breakdown(message=OomMessage(kind="cpu", format="cpu", requested_bytes=512 * MiB), host=host,
                          census=census)
     assert base.verdict == "unknown"  # the host had room by its own account: a cap the job hit
-    leak = leak_at_oom(findings=[_finding()], census=census, census_before=None, device="cpu")
+    leak = leak_at_oom(findings=[_finding()], census=census, census_before=None, device=CPU)
     b = with_leak(base, leak)
     assert b.verdict == "leak" and b.leak is not None
     assert b.verdict_why.startswith("`kept` grew ~2.00 MiB/step since step 31 and held 1.50 GiB of the host's "
@@ -142,17 +146,18 @@ def test_a_size_bug_stays_the_verdict_and_the_leak_is_still_named() -> None:
     base = cpu_breakdown(message=OomMessage(kind="cpu", format="cpu", requested_bytes=2**50),
                          host=HostSample(rss_bytes=2 * GiB, available_bytes=21 * GiB, total_bytes=23 * GiB),
                          census=_census(LEAKING))
-    b = with_leak(base, leak_at_oom(findings=[_finding()], census=_census(LEAKING), census_before=None, device="cpu"))
+    b = with_leak(base, leak_at_oom(findings=[_finding()], census=_census(LEAKING), census_before=None, device=CPU))
     assert b.verdict == "request_exceeds_device" and b.leak is not None and "`kept` grew" in b.leak.summary
 
 
 def test_a_small_leak_is_not_blamed_for_a_large_request() -> None:
     small = _group("cuda:0", (512, 1024), 10, 20 * MiB, holder=KEPT.format(n=10))
     census = _census(small)
-    base = cuda_breakdown(device=0, observer=ObserverCall(0, GiB, 16 * GiB, 0, 0.0), census=census,
-                          allocator=AllocatorSample(device=0, allocated_bytes=15 * GiB, reserved_bytes=15 * GiB))
-    finding = _finding(0, "tensors{device=cuda:0,group=float32[512, 1024]}")
-    b = with_leak(base, leak_at_oom(findings=[finding], census=census, census_before=None, device="cuda:0"))
+    cuda0 = Device.cuda(0)
+    base = cuda_breakdown(device=cuda0, observer=ObserverCall(cuda0, GiB, 16 * GiB, 0, 0.0), census=census,
+                          allocator=AllocatorSample(device=cuda0, allocated_bytes=15 * GiB, reserved_bytes=15 * GiB))
+    finding = _finding(Device.cuda(0), "tensors{device=cuda:0,group=float32[512, 1024]}")
+    b = with_leak(base, leak_at_oom(findings=[finding], census=census, census_before=None, device=Device.cuda(0)))
     assert base.verdict == "capacity" and b.verdict == "capacity" and b.get("leaked") == 20 * MiB
 
 

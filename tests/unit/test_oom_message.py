@@ -7,6 +7,7 @@ import torch
 from oom_snapshot_data import CPU_MESSAGE, NEW_MESSAGE, OLD_MESSAGE
 
 from gpumemd.analysis.oom_message import classify_exception, parse_oom_message, parse_size
+from gpumemd.records.device import Device
 
 GiB, MiB = 2**30, 2**20
 
@@ -21,7 +22,7 @@ def test_sizes_follow_format_size_units() -> None:
 def test_new_format_reads_every_number() -> None:
     m = parse_oom_message(NEW_MESSAGE)
     assert m is not None
-    assert (m.kind, m.format, m.device) == ("cuda", "cuda-2.1+", 0)
+    assert (m.kind, m.format, m.device) == ("cuda", "cuda-2.1+", Device.cuda(0))
     assert m.requested_bytes == 8 * MiB
     assert m.total_bytes == round(79.10 * GiB)
     assert m.free_bytes == 3 * MiB
@@ -38,7 +39,7 @@ def test_new_format_with_a_cap_and_the_2_1_typo() -> None:
             "10.00 GiB is free. 4.00 GiB allowed; Of the allocated memory 3.90 GiB is allocated by PyTorch, and "
             "50.00 MiB is reserved by PyTorch but unallocated.")
     m = parse_oom_message(text)
-    assert m is not None and m.device == 1
+    assert m is not None and m.device == Device.cuda(1)
     assert m.allowed_bytes == 4 * GiB
     assert m.private_pool_bytes == 0
     assert m.reserved_unallocated_bytes == 50 * MiB
@@ -117,7 +118,7 @@ ASYNC_MESSAGE = (
 def test_cuda_malloc_async_message_names_its_device_and_numbers() -> None:
     """The cudaMallocAsync text was not parsed, and the report then blamed GPU 0."""
     m = classify_exception(torch.OutOfMemoryError(ASYNC_MESSAGE))
-    assert m is not None and (m.kind, m.format, m.device) == ("cuda", "cuda-async", 1)
+    assert m is not None and (m.kind, m.format, m.device) == ("cuda", "cuda-async", Device.cuda(1))
     assert m.requested_bytes == 640 * 2**20
     assert m.allocated_bytes == round(9.43 * 2**30) and m.total_bytes == round(11.59 * 2**30)
     assert m.free_bytes == round(7.12 * 2**20)
@@ -131,7 +132,7 @@ def test_pre_2_1_message_with_a_memory_fraction_parses() -> None:
     text = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 2; 15.78 GiB total capacity; 14.56 GiB "
             "already allocated; 3.88 MiB free; 14.75 GiB allowed; 14.71 GiB reserved in total by PyTorch)")
     m = parse_oom_message(text)
-    assert m is not None and (m.format, m.device) == ("cuda-legacy", 2)
+    assert m is not None and (m.format, m.device) == ("cuda-legacy", Device.cuda(2))
     assert m.allowed_bytes == round(14.75 * 2**30) and m.reserved_bytes == round(14.71 * 2**30)
     assert m.allocated_bytes == round(14.56 * 2**30) and m.free_bytes == round(3.88 * 2**20)
 
@@ -169,7 +170,7 @@ def test_a_device_the_message_does_not_name_is_never_gpu_0() -> None:
     m = classify_exception(torch.AcceleratorError("CUDA error: out of memory"))
     base = dict(created_at=0.0, identity=Identity(), source="excepthook", exception_type="AcceleratorError",
                 exception_message="CUDA error: out of memory", message=m)
-    assert oom_device(ReportInputs(**base, allocator=(AllocatorSample(device=3),))) == 3  # type: ignore[arg-type]
-    two = (AllocatorSample(device=1), AllocatorSample(device=2))
+    assert oom_device(ReportInputs(**base, allocator=(AllocatorSample(device=Device.cuda(3)),))) == Device.cuda(3)  # type: ignore[arg-type]
+    two = (AllocatorSample(device=Device.cuda(1)), AllocatorSample(device=Device.cuda(2)))
     assert oom_device(ReportInputs(**base, allocator=two)) is None  # type: ignore[arg-type]
     assert oom_device(ReportInputs(**base)) is None  # type: ignore[arg-type]

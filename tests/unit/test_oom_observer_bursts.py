@@ -9,12 +9,14 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
+from fakes import ManualClock as _Clock
 
 from gpumemd.components.base import AgentView
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.probes.census import take_census
 from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 
 MiB = 2**20
@@ -52,17 +54,9 @@ class _Agent:
         self.steps_total = 41
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def setup() -> Iterator[tuple[OomComponent, _Probe, _Agent, _Clock]]:
-    probe, agent, clock = _Probe(), _Agent(), _Clock()
+    probe, agent, clock = _Probe(), _Agent(), _Clock(1000.0)
     wall = iter(range(1_000_000))
     component = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
                                         history_max_entries=0),
@@ -92,7 +86,7 @@ def test_a_burst_in_one_step_takes_one_snapshot_and_keeps_the_last_calls_numbers
     pending = component._pending
     assert pending is not None and pending.snapshot is not None and pending.snapshot["capture"] == 1
     assert pending.memory_summary == "summary of device 0" and pending.steps_total == 41
-    assert _pending_call(component) == ObserverCall(device=0, requested_bytes=(64 >> (49 % 7)) * MiB,
+    assert _pending_call(component) == ObserverCall(device=Device.cuda(0), requested_bytes=(64 >> (49 % 7)) * MiB,
                                                     total_or_cap_bytes=80 * GiB, device_free_bytes=52 * MiB,
                                                     wall_time=49.0)
     agent.steps_total += 1  # the next step: its OOM is another moment
@@ -125,7 +119,7 @@ def test_another_device_in_the_window_reuses_the_snapshot_but_gets_its_own_summa
     assert probe.captures == 1 and probe.summaries == [0, 1]
     pending = component._pending
     assert pending is not None and pending.memory_summary == "summary of device 1"
-    assert _pending_call(component).device == 1 and _pending_call(component).device_free_bytes == 5 * MiB
+    assert _pending_call(component).device == Device.cuda(1) and _pending_call(component).device_free_bytes == 5 * MiB
 
 
 def test_no_snapshot_when_no_report_could_be_written(setup: tuple[OomComponent, _Probe, _Agent, _Clock]) -> None:

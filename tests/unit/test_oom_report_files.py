@@ -17,31 +17,35 @@ from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.components.oom import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
-from gpumemd.records.phases import PhaseBreakdown
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import Identity, StepRecord
+from gpumemd.records.step_profile import StepProfile
 from gpumemd.report import writer
 from gpumemd.report.build import SCHEMA_VERSION, ReportInputs, build_report
+from gpumemd.report.html import render_html
+from gpumemd.report.load import load_report
+from gpumemd.report.markdown import render_markdown
 from gpumemd.report.writer import report_dir_name, write_report_dir
 
 
 def _inputs(**over: Any) -> ReportInputs:
     steps = [StepRecord(step=i, wall_time=1000.0 + i, duration_s=0.1, phase="train",
-                        allocator=(AllocatorSample(device=0, allocated_bytes=(4 + i) * MiB,
+                        allocator=(AllocatorSample(device=Device.cuda(0), allocated_bytes=(4 + i) * MiB,
                                                    allocated_peak_bytes=(9 + i) * MiB, reserved_bytes=22 * MiB),))
              for i in range(30)]
-    entry = TensorEntry(nbytes=6 * MiB, shape=(1536, 1024), dtype="float32", device="cuda:0",
+    entry = TensorEntry(nbytes=6 * MiB, shape=(1536, 1024), dtype="float32", device=Device.cuda(0),
                         category="parameter", name="<script>alert(1)</script>.weight")
     census = Census(step=29, taken_at=1029.0, duration_s=0.01, largest=(entry,),
-                    groups=(CensusGroup(GroupKey("cuda:0", "float32", (1536, 1024), "parameter", entry.name), 1,
+                    groups=(CensusGroup(GroupKey(Device.cuda(0), "float32", (1536, 1024), "parameter", entry.name), 1,
                                         6 * MiB),))
     base: dict[str, Any] = dict(
         created_at=1763700000.5, identity=Identity(rank=3, world_size=8, hostname="node7", pid=11),
         source="oom_guard", exception_type="OutOfMemoryError", exception_message=NEW_MESSAGE,
         traceback_text="Traceback (most recent call last):\n  File \"train.py\", line 88\n",
         message=parse_oom_message(NEW_MESSAGE), step=30,
-        observer=ObserverCall(0, 8 * MiB, 40 * MiB, 3 * MiB, 1763700000.4),
+        observer=ObserverCall(Device.cuda(0), 8 * MiB, 40 * MiB, 3 * MiB, 1763700000.4),
         snapshot_summaries=summarize_snapshot(make_snapshot()), snapshot_source="oom_observer",
         snapshot_file="snapshot.pickle", census=census, steps=steps,
         environment={"torch": "2.13.0", "rank": 3}, memory_summary="|  PyTorch CUDA memory summary  |",
@@ -111,13 +115,13 @@ def test_html_is_self_contained_and_escapes_user_data() -> None:
         assert section in md
 
 
-def test_phase_breakdown_is_in_every_rendering_when_measured() -> None:
-    phases = PhaseBreakdown(step=25, device="cuda:0", forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
-                            after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
-                            saved_tensors=17, parameter_bytes=6 * MiB)
-    report = json.loads(json.dumps(build_report(_inputs(phases=phases)), allow_nan=False))
+def test_step_profile_is_in_every_rendering_when_measured() -> None:
+    profile = StepProfile(step=25, device=Device.cuda(0), forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
+                          after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
+                          saved_tensors=17, parameter_bytes=6 * MiB)
+    report = json.loads(json.dumps(build_report(_inputs(step_profile=profile)), allow_nan=False))
 
-    section = report["phases"]
+    section = report["step_profile"]
     assert section["step"] == 25 and section["device"] == "cuda:0" and section["saved_tensors"] == 17
     figures = {f["name"]: f["nbytes"] for f in section["figures"]}
     # What was not measured (after_step, gradients...) is left out, never written as 0.
@@ -125,18 +129,35 @@ def test_phase_breakdown_is_in_every_rendering_when_measured() -> None:
                        "saved_for_backward": 24 * MiB, "parameters": 6 * MiB, "forward_transient": 26 * MiB}
     files = render_files(report, make_snapshot())
     md = files["report.md"].decode()
-    assert "## Step phases" in md and "step 25" in md
+    assert "## Step profile" in md and "step 25" in md
     assert "| forward peak | 36.00 MiB |" in md and "| saved for backward (activations) | 24.00 MiB |" in md
     assert "after optimizer step" not in md
     html = files["report.html"].decode()
-    assert ">Step phases</h2>" in html and "forward peak" in html and "36.00 MiB" in html
+    assert ">Step profile</h2>" in html and "forward peak" in html and "36.00 MiB" in html
 
 
-def test_without_phases_the_report_has_no_phase_section() -> None:
+def test_without_a_step_profile_the_report_has_no_step_profile_section() -> None:
     report = build_report(_inputs())
-    assert report["phases"] is None
+    assert report["step_profile"] is None
     files = render_files(report, make_snapshot())
-    assert "Step phases" not in files["report.md"].decode() and "Step phases" not in files["report.html"].decode()
+    assert "Step profile" not in files["report.md"].decode() and "Step profile" not in files["report.html"].decode()
+
+
+def test_a_report_written_before_the_step_profile_was_renamed_still_loads_and_renders(tmp_path: Any) -> None:
+    """The previous release wrote the step profile under the key "phases"."""
+    profile = StepProfile(step=25, device=Device.cuda(0), forward_start_bytes=10 * MiB, forward_peak_bytes=36 * MiB,
+                          after_backward_bytes=14 * MiB, after_step_bytes=None, saved_for_backward_bytes=24 * MiB,
+                          saved_tensors=17, parameter_bytes=6 * MiB)
+    report = json.loads(json.dumps(build_report(_inputs(step_profile=profile)), allow_nan=False))
+    old = {("phases" if key == "step_profile" else key): value for key, value in report.items()}
+    path = write_report_dir(str(tmp_path), "old", {"report.json": json.dumps(old).encode()})
+
+    loaded = load_report(path)
+
+    assert loaded["step_profile"] == report["step_profile"] and "phases" not in loaded
+    md = render_markdown(loaded)
+    assert "## Step profile" in md and "| forward peak | 36.00 MiB |" in md
+    assert ">Step profile</h2>" in render_html(loaded)
 
 
 def test_snapshot_file_is_exactly_what_torch_writes_and_memory_viz_reads(tmp_path: Any) -> None:

@@ -13,6 +13,7 @@ import pytest
 from gpumemd.cli import main
 from gpumemd.components.oom import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
+from gpumemd.records.device import CPU
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import BREAKDOWN_LABELS, HOST_LABELS, OomMessage
 from gpumemd.records.samples import HostSample
@@ -28,8 +29,8 @@ HOLDER = "`kept` in main() at train.py:12 → list of 770 items"
 
 
 def _leak_inputs(**over: Any) -> ReportInputs:
-    leaking = CensusGroup(GroupKey("cpu", "float32", (512, 1024), "other", None), 770, 770 * 2 * MiB, holder=HOLDER)
-    param = CensusGroup(GroupKey("cpu", "float32", (64, 64), "parameter", "fc.weight"), 1, 16384)
+    leaking = CensusGroup(GroupKey(CPU, "float32", (512, 1024), "other", None), 770, 770 * 2 * MiB, holder=HOLDER)
+    param = CensusGroup(GroupKey(CPU, "float32", (64, 64), "parameter", "fc.weight"), 1, 16384)
     # The ranked tensor list is 770 identical storages: the old reports printed them row after row.
     largest = tuple(TensorEntry(2 * MiB, (512, 1024), "float32", "cpu", "other") for _ in range(50))
     census = Census(step=799, taken_at=0.0, duration_s=0.1, groups=(leaking, param), largest=largest)
@@ -38,7 +39,7 @@ def _leak_inputs(**over: Any) -> ReportInputs:
         slope_bytes_per_step=2 * MiB, slope_low=2 * MiB, slope_high=2 * MiB, onset_step=31, growth_bytes=GiB,
         steps_to_oom=9000.0, first_step=520, updated_step=700,
         summary="tensor leak confirmed on tensors{device=cpu,group=float32[512, 1024]}, +1 tensor/step",
-        culprits=(Culprit("float32[512, 1024]", 500, GiB, holder=HOLDER),))
+        culprits=(Culprit("float32[512, 1024]", 500, GiB, holder=HOLDER),), device=CPU, group="float32[512, 1024]")
     steps = [StepRecord(step=i, wall_time=1000.0 + i, duration_s=0.01, phase="train",
                         host=HostSample(rss_bytes=300 * MiB + max(0, i - 31) * 2 * MiB))
              for i in range(0, 800, 10)]

@@ -16,10 +16,11 @@ from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summa
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.probes.snapshot_load import load_snapshot, loads_snapshot
 from gpumemd.probes.snapshot_rules import SnapshotLoadError
+from gpumemd.records.device import Device
 
 
 def test_summary_reads_segments_blocks_and_the_oom_entry() -> None:
-    s = summarize_snapshot(make_snapshot())[0]
+    s = summarize_snapshot(make_snapshot())[Device.cuda(0)]
     assert s.segments == 2
     assert s.reserved_bytes == 22 * MiB
     assert s.allocated_bytes == 14 * MiB + 512
@@ -33,7 +34,7 @@ def test_summary_reads_segments_blocks_and_the_oom_entry() -> None:
 
 
 def test_summary_of_a_bare_segment_list_like_memory_snapshot() -> None:
-    s = summarize_snapshot(make_snapshot()["segments"])[0]
+    s = summarize_snapshot(make_snapshot()["segments"])[Device.cuda(0)]
     assert s.reserved_bytes == 22 * MiB and s.trace_entries == 0 and s.oom_requested_bytes is None
 
 
@@ -156,9 +157,9 @@ def test_summary_names_the_first_user_frame_and_survives_wrong_types() -> None:
     snap = {"segments": [{"device": 0, "total_size": 4096, "blocks": [
         {"size": 4096, "state": "active_allocated", "frames": [inside, user]}]}]}
     internal = (os.path.dirname(torch.__file__) + "/",)
-    (site,) = summarize_snapshot(snap, internal=internal)[0].sites
+    (site,) = summarize_snapshot(snap, internal=internal)[Device.cuda(0)].sites
     assert site.frame == "/job/train.py:57:main"
     odd = {"segments": [{"device": "x", "total_size": None, "blocks": [{"size": "big", "state": "active_allocated",
                                                                        "frames": "not a list"}, 7]}, 3],
            "device_traces": [[{"action": "oom", "size": "?"}]]}
-    assert summarize_snapshot(odd)[0].segments == 1
+    assert summarize_snapshot(odd)[Device.cuda(0)].segments == 1

@@ -17,12 +17,15 @@ import torch
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.cli import main
 from gpumemd.components.oom import render_files
+from gpumemd.records.device import Device
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import Identity, StepRecord
 from gpumemd.report.build import ReportInputs, breakdown_device, build_report, oom_device
 from gpumemd.report.schema import schema_errors
 from gpumemd.report.writer import report_dir_name, write_report_dir
+
+CUDA0 = Device.cuda(0)
 
 MiB, GiB = 2**20, 2**30
 H100_TOTAL = 85_520_809_984  # nvmlDeviceGetMemoryInfo(...).total of an H100 80GB HBM3 (79.65 GiB)
@@ -39,11 +42,12 @@ def _allocator(device: int, allocated: int, reserved: int, **over: Any) -> Alloc
     fields: dict[str, Any] = dict(allocated_bytes=allocated, allocated_peak_bytes=allocated + GiB,
                                   reserved_bytes=reserved, reserved_peak_bytes=reserved, active_bytes=allocated,
                                   num_ooms=0, num_alloc_retries=0, segment_count=40, memory_fraction=1.0)
-    return AllocatorSample(device=device, **{**fields, **over})
+    return AllocatorSample(device=Device.cuda(device), **{**fields, **over})
 
 
 def _nvml(device: int, free: int) -> NvmlDeviceSample:
-    return NvmlDeviceSample(device=device, total_bytes=H100_TOTAL, used_bytes=H100_TOTAL - free, free_bytes=free)
+    return NvmlDeviceSample(device=Device.cuda(device), total_bytes=H100_TOTAL, used_bytes=H100_TOTAL - free,
+                            free_bytes=free)
 
 
 TWO = (_allocator(0, 40 * GiB, 42 * GiB), _allocator(1, 76 * GiB, 78 * GiB))
@@ -98,7 +102,7 @@ def test_the_room_left_counts_the_process_cap() -> None:
     capped = _allocator(0, 19 * GiB, round(19.5 * GiB), memory_fraction=0.25, cap_bytes=20 * GiB)
     shown = breakdown_device(_inputs(allocator=(capped, _allocator(1, 70 * GiB, 72 * GiB)),
                                      nvml=(_nvml(0, 50 * GiB), _nvml(1, 4 * GiB))))
-    assert shown.device == 0 and shown.note is not None
+    assert shown.device == CUDA0 and shown.note is not None
     assert "(the least room left to reserve, 512.00 MiB, against 4.00 GiB on cuda:1)" in shown.note
 
 
@@ -107,12 +111,12 @@ def test_without_nvml_the_allocator_decides() -> None:
     more devices the runner-up is named as the next fullest."""
     three = (_allocator(0, 10 * GiB, 12 * GiB), _allocator(1, 30 * GiB, 31 * GiB), _allocator(2, 60 * GiB, 64 * GiB))
     shown = breakdown_device(_inputs(allocator=three, nvml=()))
-    assert shown.device == 2 and shown.note == (
+    assert shown.device == Device.cuda(2) and shown.note == (
         "The error does not name its device; showing cuda:2, the fullest of the 3 devices this process uses "
         "(the most reserved by PyTorch, 64.00 GiB, against 31.00 GiB on cuda:1, the next fullest)")
-    bare = (AllocatorSample(device=0), AllocatorSample(device=1))  # nothing known: say so, show the first
+    bare = (AllocatorSample(CUDA0), AllocatorSample(Device.cuda(1)))  # nothing known: say so, show the first
     shown = breakdown_device(_inputs(allocator=bare, nvml=()))
-    assert shown.device == 0 and shown.note is not None and "do not say which was fullest" in shown.note
+    assert shown.device == CUDA0 and shown.note is not None and "do not say which was fullest" in shown.note
 
 
 def test_one_device_is_that_device_without_a_note() -> None:

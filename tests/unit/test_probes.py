@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
+from fakes import FakeGpu, FakeNvml
 
 from gpumemd.probes.allocator import AllocatorProbe, sample_from_stats
 from gpumemd.probes.host import HostProbe
 from gpumemd.probes.identity import current_identity, identity_from_env
 from gpumemd.probes.nvml import NvmlProbe, visible_indices
+from gpumemd.records.device import Device
 
 _ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
            "active_bytes", "inactive_split_bytes", "requested_bytes")
@@ -70,7 +70,7 @@ def test_probe_reads_only_touched_devices_and_only_after_init() -> None:
     assert probe.read() == ()
     initialised[0] = True
     samples = probe.read()
-    assert [s.device for s in samples] == [0]
+    assert [s.device for s in samples] == [Device.cuda(0)]
     assert probe.health.available is True
 
 
@@ -100,39 +100,20 @@ def test_host_probe_reads_this_process() -> None:
     assert probe.rss() is not None
 
 
-class FakeNvml:
-    """The pynvml calls the probe uses, answering like a 2-GPU machine."""
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.shutdown = False
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None:
-        self.shutdown = True
-    def nvmlDeviceGetCount(self) -> int:
-        return 2
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-    def nvmlDeviceGetUUID(self, h: int) -> bytes:
-        return f"GPU-{h}aaaa".encode()
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        return SimpleNamespace(total=80 << 30, used=(10 + h) << 30, free=(70 - h) << 30)
-    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
-        return [SimpleNamespace(pid=p, usedGpuMemory=5 << 30) for p in self.pids]
+TWO_GPUS = [FakeGpu(used=10 << 30), FakeGpu(used=11 << 30)]  # of 80 GiB each
 
 
 def test_nvml_reads_devices_and_this_process() -> None:
-    nvml = FakeNvml(pids=[123])
+    nvml = FakeNvml(TWO_GPUS, processes={123: 5 << 30})
     probe = NvmlProbe(nvml=nvml, pid=123, visible="1")
     (sample,) = probe.read()
-    assert (sample.device, sample.used_bytes, sample.process_used_bytes) == (0, 11 << 30, 5 << 30)
+    assert (sample.device, sample.used_bytes, sample.process_used_bytes) == (Device.cuda(0), 11 << 30, 5 << 30)
     probe.close()
     assert nvml.shutdown
 
 
 def test_nvml_foreign_pid_namespace_is_absent_not_zero() -> None:
-    probe = NvmlProbe(nvml=FakeNvml(pids=[1]), pid=999, visible="0,1")
+    probe = NvmlProbe(nvml=FakeNvml(TWO_GPUS, processes={1: 5 << 30}), pid=999, visible="0,1")
     samples = probe.read()
     assert len(samples) == 2 and all(s.process_used_bytes is None for s in samples)
 
@@ -142,12 +123,12 @@ def test_nvml_missing_library_is_absent() -> None:
         def nvmlInit(self) -> None:
             raise OSError("NVML Shared Library Not Found")
 
-    probe = NvmlProbe(nvml=Missing([]), pid=1)
+    probe = NvmlProbe(nvml=Missing(TWO_GPUS), pid=1)
     assert probe.read() == () and probe.health.available is False
 
 
 def test_visible_devices_by_index_and_uuid() -> None:
-    nvml = FakeNvml([])
+    nvml = FakeNvml(TWO_GPUS, uuid_bytes=True)
     assert visible_indices(nvml, 2, None) == [0, 1]
     assert visible_indices(nvml, 2, "1,0") == [1, 0]
     assert visible_indices(nvml, 2, "GPU-1aa") == [1]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import ManualClock
 
 from gpumemd.analysis.breakdown import cuda_breakdown
 from gpumemd.analysis.headroom import reservable_bytes
@@ -25,11 +26,14 @@ from gpumemd.exporter.collector import build_families
 from gpumemd.probes.allocation_history import AllocationHistory
 from gpumemd.probes.allocator import CAP_RECHECK_S, AllocatorProbe, torch_cap_reader
 from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import AgentState, Identity
 from gpumemd.report.build import jsonable
 from gpumemd.report.view import total_words
+
+CUDA0 = Device.cuda(0)
 
 MiB, GiB = 2**20, 2**30
 DEVICE_TOTAL = 24 * GiB
@@ -49,9 +53,9 @@ CAPPED_MESSAGE = (
 ALLOCATED = round(11.95 * GiB)
 RESERVED = ALLOCATED + 20 * MiB
 # obs(device, alloc_size, allowed_memory_maximum.value_or(device_total), device_free)
-OBSERVER = ObserverCall(device=0, requested_bytes=64 * MiB, total_or_cap_bytes=CAP, device_free_bytes=DEVICE_FREE,
+OBSERVER = ObserverCall(device=CUDA0, requested_bytes=64 * MiB, total_or_cap_bytes=CAP, device_free_bytes=DEVICE_FREE,
                         wall_time=0.0)
-CAPPED_SAMPLE = AllocatorSample(device=0, allocated_bytes=ALLOCATED, reserved_bytes=RESERVED, memory_fraction=0.5,
+CAPPED_SAMPLE = AllocatorSample(device=CUDA0, allocated_bytes=ALLOCATED, reserved_bytes=RESERVED, memory_fraction=0.5,
                                 cap_bytes=CAP)
 
 
@@ -69,7 +73,7 @@ def test_oom_breakdown_under_a_cap_is_bounded_by_it(sources: str) -> None:
     if sources == "observer+nvml_total":  # no fraction read: the observer's cap is below NVML's total
         inputs.update(allocator=dataclasses.replace(CAPPED_SAMPLE, memory_fraction=None, cap_bytes=None),
                       nvml_total_bytes=DEVICE_TOTAL)
-    b = cuda_breakdown(device=0, **inputs)
+    b = cuda_breakdown(device=CUDA0, **inputs)
     headroom = CAP - RESERVED  # ~31 MiB: less than the 64 MiB request, while 10 GiB is free on the device
     assert b.cap_bytes == CAP and b.total_bytes == CAP
     assert b.memory_fraction == pytest.approx(0.5, rel=0.01)
@@ -91,7 +95,7 @@ def test_oom_breakdown_under_a_cap_is_bounded_by_it(sources: str) -> None:
 def test_no_cap_keeps_the_device_view(fraction: float | None) -> None:
     observer = dataclasses.replace(OBSERVER, total_or_cap_bytes=DEVICE_TOTAL, device_free_bytes=20 * MiB)
     sample = dataclasses.replace(CAPPED_SAMPLE, memory_fraction=fraction, cap_bytes=None)
-    b = cuda_breakdown(device=0, observer=observer, allocator=sample, nvml_total_bytes=DEVICE_TOTAL + 512 * MiB)
+    b = cuda_breakdown(device=CUDA0, observer=observer, allocator=sample, nvml_total_bytes=DEVICE_TOTAL + 512 * MiB)
     assert b.cap_bytes is None and b.total_bytes == DEVICE_TOTAL  # CUDA's total vs NVML's: not a cap
     assert b.get("free") == 20 * MiB and b.get("non_pytorch") == DEVICE_TOTAL - RESERVED - 20 * MiB
     assert b.get("headroom") == 0 and b.headroom_bytes == 20 * MiB
@@ -99,13 +103,13 @@ def test_no_cap_keeps_the_device_view(fraction: float | None) -> None:
 
 def test_a_request_larger_than_the_cap_is_said_against_the_cap() -> None:
     observer = dataclasses.replace(OBSERVER, requested_bytes=16 * GiB)
-    b = cuda_breakdown(device=0, observer=observer, message=parse_oom_message(CAPPED_MESSAGE))
+    b = cuda_breakdown(device=CUDA0, observer=observer, message=parse_oom_message(CAPPED_MESSAGE))
     assert b.verdict == "request_exceeds_device"
     assert "larger than the process cap of 12.00 GiB" in b.verdict_why
 
 
 def test_the_report_says_the_cap() -> None:
-    b = cuda_breakdown(device=0, observer=OBSERVER, message=parse_oom_message(CAPPED_MESSAGE))
+    b = cuda_breakdown(device=CUDA0, observer=OBSERVER, message=parse_oom_message(CAPPED_MESSAGE))
     words = total_words(jsonable(dataclasses.asdict(b)))
     assert words.startswith("Process cap: 12.00 GiB (fraction 0.50 of the device's 24.00 GiB)")
     assert "free on the device 10.00 GiB" in words
@@ -129,14 +133,6 @@ def _stats(allocated: int = 4 * GiB, reserved: int = 6 * GiB) -> dict[str, int]:
             "inactive_split_bytes.all.current": 0, "segment.all.current": 3, "segment.all.allocated": 3}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_probe_reads_the_fraction_once_per_device_and_rechecks_it() -> None:
     calls: list[int] = []
     fraction = {"value": 0.5}
@@ -145,7 +141,7 @@ def test_probe_reads_the_fraction_once_per_device_and_rechecks_it() -> None:
         calls.append(device)
         return fraction["value"], DEVICE_TOTAL
 
-    clock = Clock()
+    clock = ManualClock(100.0)
     probe = AllocatorProbe(stats_fn=lambda d: _stats(), is_initialized=lambda: True, device_count=lambda: 2,
                            backend_fn=lambda: "native", cap_fn=cap_fn, clock=clock)
     for _ in range(100):  # a hundred sampled steps: one read per device, not one per step
@@ -223,8 +219,8 @@ def test_steps_to_oom_counts_only_the_room_under_the_cap(tmp_path: Any) -> None:
 
 
 def test_the_exporter_shows_the_cap_only_where_one_is_set() -> None:
-    capped = AllocatorSample(device=0, allocated_bytes=GiB, reserved_bytes=2 * GiB, memory_fraction=0.5, cap_bytes=CAP)
-    free = AllocatorSample(device=1, allocated_bytes=GiB, reserved_bytes=2 * GiB, memory_fraction=1.0)
+    capped = AllocatorSample(CUDA0, allocated_bytes=GiB, reserved_bytes=2 * GiB, memory_fraction=0.5, cap_bytes=CAP)
+    free = AllocatorSample(device=Device.cuda(1), allocated_bytes=GiB, reserved_bytes=2 * GiB, memory_fraction=1.0)
     state = AgentState(identity=Identity(rank=0, world_size=1), attached_at=0.0, updated_at=1.0,
                        allocator=(capped, free))
     [family] = [f for f in build_families(state) if f.name == "gpumemd_allocator_cap_bytes"]

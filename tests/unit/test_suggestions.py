@@ -9,6 +9,7 @@ import pytest
 
 from gpumemd.analysis import suggestions as rules
 from gpumemd.analysis.suggestions import Facts, suggest
+from gpumemd.records.device import Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import Breakdown, BreakdownItem, LeakCause
 
@@ -18,7 +19,8 @@ MiB, GiB = 2**20, 2**30
 def _breakdown(device: str = "cuda:0", total: int = 16 * GiB, verdict: str = "capacity", *,
                leak: LeakCause | None = None, requested: int | None = GiB, largest: int | None = None,
                **items: int) -> Breakdown:
-    return Breakdown(device=device, total_bytes=total, items=tuple(BreakdownItem(k, k, n) for k, n in items.items()),
+    return Breakdown(device=Device.parse(device), total_bytes=total,
+                     items=tuple(BreakdownItem(k, k, n) for k, n in items.items()),
                      requested_bytes=requested, allocated_bytes=None, reserved_bytes=None,
                      largest_free_block_bytes=largest, device_free_bytes=None, verdict=verdict,
                      verdict_why="the working set does not fit", leak=leak)
@@ -43,7 +45,7 @@ def _finding(state: str = "confirmed", holder: str | None = "`losses` in main() 
         first_step=120, updated_step=350,
         summary="retained autograd graph confirmed on allocated_bytes{device=0}, +1 MiB/step; +1 tensor/step: "
                 "float32[] with grad_fn, keeping ~1 MiB/step of autograd graph alive",  # no full stop, as written
-        culprits=(Culprit("float32[] with grad_fn", 300, 300 * MiB, holder=holder),), device=0)
+        culprits=(Culprit("float32[] with grad_fn", 300, 300 * MiB, holder=holder),), device=Device.cuda(0))
     base.update(over)
     return Finding(**base)
 

@@ -1,7 +1,7 @@
-"""Memory at each phase of a sampled training step: forward start, forward peak, after backward,
-after the optimizer step, and the bytes autograd saved for backward.
+"""The step profile: memory at the points of a sampled training step (forward start, forward peak, after
+backward, after the optimizer step) and the bytes autograd saved for backward.
 
-Opt-in (``attach(phases=True)``), one step in ``phase_every_steps``. How a step is cut into phases:
+Opt-in (``attach(step_profile=True)``), one step in ``step_profile_every_steps``. Where a step is cut:
 
 - **forward start / end**: a forward pre-hook and an ``always_call`` forward hook on the *root*
   model only — the registered models (``attach(model=...)``), or else the first module with
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.components.base import ComponentBase
-from gpumemd.records.phases import PhaseBreakdown
+from gpumemd.records.device import CPU, Device
+from gpumemd.records.step_profile import StepProfile
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -48,21 +49,21 @@ _IDLE, _FORWARD, _BACKWARD, _STEP = "idle", "forward", "backward", "step"
 
 
 @dataclass(frozen=True)
-class PhasesOptions:
-    """What the phases component reads of the configuration (``Config.options(PhasesOptions)``)."""
+class StepProfileOptions:
+    """What the step profile component reads of the configuration (``Config.options(StepProfileOptions)``)."""
 
-    phase_every_steps: int
+    step_profile_every_steps: int
 
 
-class PhasesComponent(ComponentBase):
-    """Publishes ``phases=PhaseBreakdown`` after each sampled step."""
+class StepProfileComponent(ComponentBase):
+    """Publishes ``step_profile=StepProfile`` after each sampled step."""
 
-    name = "phases"
+    name = "step_profile"
 
-    def __init__(self, options: PhasesOptions) -> None:
-        every_steps = options.phase_every_steps
+    def __init__(self, options: StepProfileOptions) -> None:
+        every_steps = options.step_profile_every_steps
         if every_steps < 1:
-            raise ValueError(f"PhasesComponent(every_steps={every_steps!r}) needs a step count of at least 1")
+            raise ValueError(f"StepProfileComponent(every_steps={every_steps!r}) needs a step count of at least 1")
         self._every = every_steps
         self._agent: AgentView | None = None
         self._handles: list[Any] = []
@@ -76,7 +77,7 @@ class PhasesComponent(ComponentBase):
         self._counter: SavedTensorCounter | None = None
         self._root: Any = None
         self._cuda_index: int | None = None
-        self._device = "cpu"
+        self._device = CPU
         self._values: dict[str, Any] = {}
         self._overhead = 0.0
 
@@ -144,7 +145,7 @@ class PhasesComponent(ComponentBase):
             buffers = list(module.buffers())
             device = params[0].device if params else None
             self._root = module
-            self._device = str(device) if device is not None else "cpu"
+            self._device = Device.parse(str(device)) if device is not None else CPU
             self._cuda_index = _cuda_index(device)
             self._values["parameter_bytes"] = _tensor_bytes([*params, *buffers])
             self._values["forward_start_bytes"] = self._allocated(reset_peak=True)
@@ -208,7 +209,7 @@ class PhasesComponent(ComponentBase):
         optimizers = list(agent.optimizers) if agent is not None else []
         values["optimizer_state_bytes"] = _optimizer_state_bytes(optimizers) if optimizers else None
         counter = self._counter
-        breakdown = PhaseBreakdown(
+        profile = StepProfile(
             step=record.step,
             device=self._device,
             forward_start_bytes=values.get("forward_start_bytes"),
@@ -225,7 +226,7 @@ class PhasesComponent(ComponentBase):
         )
         self._reset()
         if agent is not None:
-            agent.publish(phases=breakdown)
+            agent.publish(step_profile=profile)
 
     # --- readings ------------------------------------------------------------------------------
 
@@ -251,7 +252,7 @@ class PhasesComponent(ComponentBase):
             self._counter.stop()
         self._reset()
         self._failed = True  # one failure turns the component off: the job comes first
-        log.warning("gpumemd: phase measurement failed at %s (%s: %s); phases are off for this run",
+        log.warning("gpumemd: the step profile failed at %s (%s: %s); it is off for this run",
                     where, type(exc).__name__, exc)
 
 

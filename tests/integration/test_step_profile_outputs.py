@@ -13,11 +13,11 @@ from gpumemd.components.oom import OomComponent
 from gpumemd.exporter.collector import build_families
 
 
-def test_a_real_loops_phases_reach_the_metrics_and_the_oom_report(out_dir: str) -> None:
+def test_a_real_loops_step_profile_reaches_the_metrics_and_the_oom_report(out_dir: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 256), nn.ReLU(), nn.Linear(256, 10))
     opt = torch.optim.Adam(model.parameters())
-    with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, phases=True, phase_every_steps=2,
+    with gpumemd.attached(model=model, optimizer=opt, output_dir=out_dir, step_profile=True, step_profile_every_steps=2,
                           sample_interval_s=0, nvml=False, port=None) as agent:
         for _ in range(4):
             loss = nn.functional.cross_entropy(model(torch.randn(32, 100)), torch.randint(0, 10, (32,)))
@@ -28,20 +28,20 @@ def test_a_real_loops_phases_reach_the_metrics_and_the_oom_report(out_dir: str) 
         oom = agent.component(OomComponent)
         assert oom is not None
         path = oom.write_report()
-    assert state.phases is not None and state.phases.step == 3
+    assert state.step_profile is not None and state.step_profile.step == 3
     saved = 4 * (32 * 100 + 32 * 256)  # the input (Linear1) and the ReLU output (ReLU, Linear2)
     params = sum(p.nbytes for p in model.parameters())
 
-    [family] = [f for f in build_families(state) if f.name == "gpumemd_phase_bytes"]
-    exported = {s.labels["phase"]: s.value for s in family.samples}
-    # CPU: no allocator phases, so no forward_start/forward_peak/... series at all.
+    [family] = [f for f in build_families(state) if f.name == "gpumemd_step_profile_bytes"]
+    exported = {s.labels["point"]: s.value for s in family.samples}
+    # CPU: no allocator points, so no forward_start/forward_peak/... series at all.
     assert exported == {"saved_for_backward": saved, "parameters": params, "gradients": params,
-                        "optimizer_state": state.phases.optimizer_state_bytes}
+                        "optimizer_state": state.step_profile.optimizer_state_bytes}
 
     assert path is not None
     with open(os.path.join(path, "report.json"), encoding="utf-8") as f:
         report = json.load(f)
-    assert report["phases"]["step"] == 3 and report["phases"]["device"] == "cpu"
-    assert {x["name"]: x["nbytes"] for x in report["phases"]["figures"]}["saved_for_backward"] == saved
+    assert report["step_profile"]["step"] == 3 and report["step_profile"]["device"] == "cpu"
+    assert {x["name"]: x["nbytes"] for x in report["step_profile"]["figures"]}["saved_for_backward"] == saved
     with open(os.path.join(path, "report.md"), encoding="utf-8") as f:
-        assert "## Step phases" in f.read()
+        assert "## Step profile" in f.read()

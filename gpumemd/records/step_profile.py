@@ -1,13 +1,15 @@
-"""Memory measured at the phases of one sampled training step."""
+"""The step profile: memory measured at the points of one sampled training step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpumemd.records.device import Device
+
 
 @dataclass(frozen=True, slots=True)
-class PhaseBreakdown:
-    """One sampled step, phase by phase (bytes).
+class StepProfile:
+    """One sampled step, point by point (bytes).
 
     Device figures (``*_bytes`` of the allocator: forward start, forward peak, after backward,
     after the optimizer step, optimizer-step peak) come from the CUDA caching allocator and are
@@ -18,7 +20,7 @@ class PhaseBreakdown:
     """
 
     step: int
-    device: str
+    device: Device
     forward_start_bytes: int | None
     forward_peak_bytes: int | None
     after_backward_bytes: int | None
