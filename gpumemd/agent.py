@@ -368,18 +368,8 @@ class Agent(StepCounting):
         for component in self._components:
             if isinstance(component, TakesCensus):
                 return component.take_outside_step()
-        # No census component (censuses off): a census of the job's own, as the component takes one.
-        from gpumemd.probes.census import take_census  # the census module loads only when a census runs
-
-        start = self._clock()
-        state = self.state()
-        result = take_census(models=list(self.models), optimizers=list(self.optimizers), step=state.step,
-                             allocator=state.allocator, previous=state.census)
-        elapsed = self._clock() - start
-        self.add_census_seconds(elapsed)
-        self.add_thread_seconds(elapsed)  # called by the job outside step ends: not clocked there
-        self.publish(census=result, censuses_total=self.state().censuses_total + 1)
-        return result
+        raise RuntimeError("gpumemd: this agent has no census component (gpumemd.attach() always builds one; "
+                           "an Agent built by hand needs a CensusComponent among its components)")
 
     @property
     def exporter_url(self) -> str | None:

@@ -156,20 +156,20 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     it exports and so never serves a half-started agent; it stops first).
 
     ``history`` is the process's one allocation-history owner (torch's recording is process-wide),
-    shared by the leak detector and the OOM capture. With periodic censuses off the OOM capture still
-    gets a census component of its own (it runs it), for the census at the OOM."""
+    shared by the leak detector and the OOM capture. The census component is always built: it is the
+    one census path (the job's ``Agent.census()``, the census at an OOM); ``census=False`` only turns
+    off its censuses at step ends, and the leak detector, which reads those, then gets none."""
     from gpumemd.probes.allocation_history import process_history
 
     history = history if history is not None else process_history()
     components: list[Component] = []
-    census = None
-    if config.census:
-        census = _census_component(config)
-        components.append(census)
+    census = _census_component(config)
+    components.append(census)
     if config.leak_detection:
         from gpumemd.components.leak import LeakComponent, LeakOptions
 
-        components.append(LeakComponent(config.options(LeakOptions), census=census, history=history))
+        components.append(LeakComponent(config.options(LeakOptions), census=census if config.census else None,
+                                        history=history))
     if config.step_profile:
         from gpumemd.components.step_profile import StepProfileComponent, StepProfileOptions
 
@@ -183,7 +183,7 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
         from gpumemd.probes.snapshot import SnapshotProbe
 
         components.append(OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(history=history),
-                                       census=census or _census_component(config), on_fatal=exporter))
+                                       census=census, on_fatal=exporter))
     if exporter is not None:
         components.append(exporter)
     return components

@@ -59,6 +59,9 @@ class CensusOptions:
 
     census_every_steps: int
     overhead_budget: float
+    census: bool = True
+    """Periodic censuses at step ends. Off, the component still takes the censuses asked for outside
+    a step (the job's ``Agent.census()``, the census at an OOM): it is the one census path either way."""
 
 
 class CensusComponent(ComponentBase):
@@ -78,6 +81,7 @@ class CensusComponent(ComponentBase):
         if keep < 2:
             raise ValueError(f"CensusComponent(keep={keep!r}) must keep at least 2 censuses")
         self._every = options.census_every_steps  # > 0 forces the cadence
+        self._periodic = options.census
         self._budget = options.overhead_budget
         self._holders = holders
         self._keep = keep
@@ -120,6 +124,8 @@ class CensusComponent(ComponentBase):
         return max(1, min(MAX_INTERVAL, steps))
 
     def on_step(self, record: StepRecord) -> None:
+        if not self._periodic:
+            return
         self._steps_since += record.steps
         if self._steps_since >= self._next_look and self._due():
             self._take(record.step, record.allocator)

@@ -199,11 +199,12 @@ def test_kept_censuses_are_bounded_spread_and_searchable(clock: ManualClock, out
         agent.stop()
 
 
-def test_census_component_is_registered_first_and_only_when_enabled(out_dir: str) -> None:
+def test_census_component_is_registered_first_and_periodic_only_when_enabled(out_dir: str) -> None:
     on = build_components(Config(output_dir=out_dir))
-    assert on and on[0].name == "census" and isinstance(on[0], CensusComponent)
+    assert on and on[0].name == "census" and isinstance(on[0], CensusComponent) and on[0]._periodic
     off = build_components(Config(output_dir=out_dir, census=False))
-    assert all(c.name != "census" for c in off)
+    assert [c.name for c in off].count("census") == 1 and isinstance(off[0], CensusComponent)
+    assert not off[0]._periodic  # no census at step ends; still the path for Agent.census() and OOMs
 
 
 def test_the_component_must_keep_two_censuses() -> None:

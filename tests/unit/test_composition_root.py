@@ -55,11 +55,24 @@ def test_one_allocation_history_is_shared_and_siblings_are_given_not_looked_up(o
     assert oom._census is census  # one census path: the OOM report's census is the census component's
 
 
-def test_with_censuses_off_the_oom_capture_still_has_a_census_component(out_dir: str) -> None:
+def test_with_censuses_off_the_one_census_component_still_serves_the_oom_capture(out_dir: str) -> None:
     components = build_components(Config(output_dir=out_dir, census=False, leak_detection=False))
-    assert [type(c) for c in components] == [OomComponent]
-    oom = components[0]
-    assert isinstance(oom, OomComponent) and isinstance(oom._census, CensusComponent)
+    assert [type(c) for c in components] == [CensusComponent, OomComponent]
+    census, oom = components
+    assert isinstance(oom, OomComponent) and oom._census is census
+
+
+def test_with_censuses_off_no_step_takes_one_but_the_job_can_ask(out_dir: str) -> None:
+    config = Config(output_dir=out_dir, census=False, sample_interval_s=0, nvml=False, quiet=True)
+    agent = build_agent(config).start()
+    try:
+        for step in range(5):
+            agent.mark_step(step)
+        assert agent.state().censuses_total == 0 and agent.state().census is None
+        census = agent.census()  # the census component's path, as at an OOM
+        assert agent.state().census is census and agent.state().censuses_total == 1
+    finally:
+        agent.stop()
 
 
 def test_each_component_gets_its_own_options_from_the_config(out_dir: str) -> None:
@@ -76,9 +89,10 @@ def test_each_component_gets_its_own_options_from_the_config(out_dir: str) -> No
 
 def test_switched_off_components_are_not_built(out_dir: str) -> None:
     config = Config(output_dir=out_dir, census=False, leak_detection=False, oom_reports=False)
-    assert build_components(config) == []
+    assert [type(c) for c in build_components(config)] == [CensusComponent]  # the one census path
     leak_only = build_components(Config(output_dir=out_dir, census=False, oom_reports=False))
-    assert len(leak_only) == 1 and isinstance(leak_only[0], LeakComponent) and leak_only[0]._census is None
+    assert [type(c) for c in leak_only] == [CensusComponent, LeakComponent]
+    assert isinstance(leak_only[1], LeakComponent) and leak_only[1]._census is None  # no step censuses to read
 
 
 def test_components_are_found_by_type(out_dir: str) -> None:
