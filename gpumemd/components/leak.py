@@ -268,9 +268,7 @@ class LeakComponent:
         if self._withheld(status, evidence, held_graphs):
             return
         active = status.state is not None and status.state.active
-        dated = status
-        if evidence.onset_step is not None and status.onset_step is not None:
-            dated = dataclasses.replace(status, onset_step=min(status.onset_step, evidence.onset_step))
+        dated = _dated(status, evidence)
         finding = build_finding(
             dated, kind=self._kind(series, status, evidence), culprits=evidence.culprits if active else (),
             culprit_steps=evidence.steps, headroom_bytes=series.headroom(status.spec), sites=evidence.sites,
@@ -363,6 +361,19 @@ def _trackers() -> tuple[SurvivorTracker | None, GraphChainTracker | None]:
     except Exception as exc:  # noqa: BLE001 - no count evidence then; bytes series still run
         log.info("gpumemd: long-lived tensor tracking is off (%s: %s)", type(exc).__name__, exc)
         return None, None
+
+
+def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
+    """The status with the earlier of its onset and the evidence's. Host RSS lags a leak (freed heap
+    is reused first): a container's length at its rate dates it better. A count series' knee,
+    dated between scans, is already within a step or two; a chain's marks only place its start
+    within a scan interval, so they date it only when the series cannot."""
+    onset = evidence.onset_step
+    if onset is None or (status.onset_step is not None and status.spec.unit != "bytes"):
+        return status
+    if status.onset_step is not None:
+        onset = min(status.onset_step, onset)
+    return dataclasses.replace(status, onset_step=onset)
 
 
 def _feed_unfed(series: LeakSeries, unfed: list[tuple[StepRecord, int]]) -> None:
