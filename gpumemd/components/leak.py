@@ -9,7 +9,8 @@ that grew for a host leak (``leak_host``), and on CUDA with allocation history t
 
 This module runs them on the training thread. The detector folds values into block floors every
 step (O(1)) and is evaluated every ``leak_check_every_steps``; survivor scans are spaced within the
-overhead budget. On a state change the component logs one WARNING line, appends the finding to
+overhead budget. On a state change the component logs one WARNING line (the finding's headline,
+at most 200 characters), appends the whole finding to
 ``leak-findings-rank<R>.jsonl`` in the output directory and publishes ``findings`` in the agent state.
 """
 
@@ -339,7 +340,8 @@ class LeakComponent:
     # --- surfaces ------------------------------------------------------------------------------
 
     def _report(self, finding: Finding) -> None:
-        log.warning("gpumemd: %s", finding.summary)
+        # One short line a person reads once; the whole sentence goes to the file and the state.
+        log.warning("gpumemd: %s", finding.headline or finding.summary)
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
