@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gpumemd.analysis.leak_headline import mention
 from gpumemd.records.findings import Finding
 from gpumemd.records.step import AgentState, Overhead
 
@@ -68,14 +69,19 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
 
 
 def _findings_text(findings: Sequence[Finding]) -> str:
-    live = [f for f in findings if f.state != "cleared"]
+    """Each live finding named once, short: the WARNING line said the rest, and the sizes it saw
+    are stale by now (the findings file and ``gpumemd report`` keep the whole sentence)."""
+    live = sorted((f for f in findings if f.state != "cleared"),
+                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
     if not live:
         return "no leak found" if not findings else f"{len(findings)} growth{'s' if len(findings) > 1 else ''} cleared"
-    worst = max(live, key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step))
-    more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
-    # The finding as of its last evaluation (its sentence says when its culprit was looked up, if
-    # earlier: the container sizes in it are from then).
-    return f"{worst.summary.rstrip('.')} (as of step {worst.updated_step}){more}"
+    shown = live[:_NAMED_MAX]
+    more = f"; and {len(live) - len(shown)} more" if len(live) > len(shown) else ""
+    return (f"{len(live)} leak finding{'s' if len(live) > 1 else ''}: "
+            + "; ".join(mention(f) for f in shown) + more)
+
+
+_NAMED_MAX = 3  # findings named in the exit summary; the findings file has them all
 
 
 def _cost_text(overhead: Overhead) -> str:

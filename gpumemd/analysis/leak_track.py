@@ -116,7 +116,9 @@ class Track:
         if i > 0 or self.onset is None:
             # i == 0: the flat start has left the bounded history; the onset found while it was
             # there stays (never later than the data says).
-            self.onset = int(xs[i])
+            # A count series has one point per scan (up to 50 steps apart): the knee falls on a
+            # scan's step, so it is dated between the scans instead (see ``knee_between``).
+            self.onset = knee_between(xs, ys, i) if self.spec.unit != "bytes" else int(xs[i])
         growth = max(0.0, now - before)
         return self.onset, growth
 
@@ -195,3 +197,35 @@ def hinge_onset(xs: Sequence[float], ys: Sequence[float]) -> int:
             best, arg = sse, i
     return arg
 
+
+
+_KNEE_RAMP_POINTS = 5
+"""Points of the ramp after the knee that date it: near the knee, so a rate that changes later
+(a cache that fills more slowly) does not move it."""
+
+
+def knee_between(xs: Sequence[float], ys: Sequence[float], i: int) -> int:
+    """The step where a sparse series left its flat level, between the scans around the hinge
+    ``xs[i]``: where the line through the first points of the ramp meets the level before it.
+
+    The hinge fit can only put the knee on a point, and the point at a scan a step or two into the
+    leak is still almost flat (2 tensors of a ramp that will gain 50 by the next scan), so the hinge
+    lands on it: +1 to +8 steps late at 10 to 50 steps between scans. A count grows by whole tensors
+    from the first leaked step, so the line through the ramp meets the flat level at that step."""
+    n = len(xs)
+    if n < 3 or i >= n - 1:
+        return int(xs[i])
+    flat = sorted(ys[max(0, i - 5) : i] or ys[:1])
+    level = flat[len(flat) // 2]  # the median: a stray survivor on the flat part does not lift it
+    lo = i + 1 if ys[i] <= level else i  # the hinge point belongs to the ramp once it left the level
+    rx, ry = xs[lo : lo + _KNEE_RAMP_POINTS], ys[lo : lo + _KNEE_RAMP_POINTS]
+    if len(rx) < 2:
+        rx, ry = xs[i : i + 2], ys[i : i + 2]
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxx = sum((x - mx) ** 2 for x in rx)
+    slope = sum((x - mx) * (y - my) for x, y in zip(rx, ry, strict=True)) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        return int(xs[i])
+    knee = mx + (level - my) / slope
+    # never outside the scans around the hinge: the data says no more than that
+    return round(min(max(knee, xs[max(0, i - 1)]), xs[i + 1]))

@@ -13,8 +13,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
+from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, headline, holder_words
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import GroupDelta
+from gpumemd.records.device import cuda_index
 from gpumemd.records.findings import Culprit, Finding
 
 CRITICAL_HOURS = 24.0
@@ -129,14 +131,6 @@ def _the(holder: str) -> str:
 
 _UNIT_NOUNS = {"tensors": "tensor", "nodes": "autograd node"}
 
-_KIND_WORDS = {
-    "tensor_leak": "tensor leak",
-    "graph_leak": "retained autograd graph",
-    "fragmentation": "allocator fragmentation",
-    "non_pytorch": "memory outside PyTorch's allocator",
-    "host_leak": "host memory leak",
-}
-
 
 def severity(hours_to_oom: float | None, state: LeakState | None) -> str | None:
     if state is None or not state.active:
@@ -174,7 +168,7 @@ def build_finding(
     active = status.state is not None and status.state.active
     steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes, slope, seconds_per_step) if active else (None, None)
     name = status.spec.name
-    parts = [f"{_KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
+    parts = [f"{KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
     if status.phase != "train":
         parts[0] += f" (phase {status.phase})"
     if not active:
@@ -189,6 +183,14 @@ def build_finding(
     if active:
         summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
                                   culprits_step=culprits_step, sites=sites)
+    facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status),
+                  stopped=None if active else v.reason)
+    if active:
+        oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
+               else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
+        facts = dataclasses.replace(
+            facts, rate=_rate(status, per_step, slope), holder=holder_words(culprits, sites),
+            onset_step=status.onset_step, out_of_memory=oom)
     low, high = (v.slope.low, v.slope.high)
     if counts:
         low, high = low * bytes_per_unit, high * bytes_per_unit
@@ -205,6 +207,7 @@ def build_finding(
         first_step=status.first_step if status.first_step is not None else status.step,
         updated_step=status.step,
         summary=summary,
+        headline=headline(facts),
         device=status.spec.device,
         culprits=tuple(culprits),
         phase=status.phase,
@@ -225,6 +228,25 @@ def _time_to_oom(headroom_bytes: float | None, slope: float,
     steps_to_oom = max(0.0, headroom_bytes) / slope
     hours_to_oom = steps_to_oom * seconds_per_step / 3600 if seconds_per_step else None
     return steps_to_oom, hours_to_oom
+
+
+def _where(status: TrackStatus) -> str | None:
+    """What a headline's kind leaves open: the CUDA device, and a phase other than training."""
+    index = cuda_index(status.spec.device)
+    parts = [f"cuda:{index}"] if index is not None else []
+    if status.phase != "train":
+        parts.append(f"phase {status.phase}")
+    return ", ".join(parts) or None
+
+
+def _rate(status: TrackStatus, per_step: float, slope: float) -> str:
+    """"+1 tensor/step (~2.0 KiB/step)", "+128.2 KiB/step": the growth per step a headline states."""
+    if status.spec.unit == "bytes":
+        return f"+{format_bytes(slope)}/step"
+    noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
+    n = _count(per_step)
+    rate = f"+{n} {noun}{'' if n == '1' else 's'}/step"
+    return f"{rate} (~{format_bytes(slope)}/step)" if slope >= 1 else rate
 
 
 def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_unit: float) -> list[str]:

@@ -9,7 +9,8 @@ that grew for a host leak (``leak_host``), and on CUDA with allocation history t
 
 This module runs them on the training thread. The detector folds values into block floors every
 step (O(1)) and is evaluated every ``leak_check_every_steps``; survivor scans are spaced within the
-overhead budget. On a state change the component logs one WARNING line, appends the finding to
+overhead budget. On a state change the component logs one WARNING line (the finding's headline,
+at most 200 characters), appends the whole finding to
 ``leak-findings-rank<R>.jsonl`` in the output directory and publishes ``findings`` in the agent state.
 """
 
@@ -268,9 +269,7 @@ class LeakComponent:
         if self._withheld(status, evidence, held_graphs):
             return
         active = status.state is not None and status.state.active
-        dated = status
-        if evidence.onset_step is not None and status.onset_step is not None:
-            dated = dataclasses.replace(status, onset_step=min(status.onset_step, evidence.onset_step))
+        dated = _dated(status, evidence)
         finding = build_finding(
             dated, kind=self._kind(series, status, evidence), culprits=evidence.culprits if active else (),
             culprit_steps=evidence.steps, headroom_bytes=series.headroom(status.spec), sites=evidence.sites,
@@ -341,7 +340,8 @@ class LeakComponent:
     # --- surfaces ------------------------------------------------------------------------------
 
     def _report(self, finding: Finding) -> None:
-        log.warning("gpumemd: %s", finding.summary)
+        # One short line a person reads once; the whole sentence goes to the file and the state.
+        log.warning("gpumemd: %s", finding.headline or finding.summary)
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -363,6 +363,19 @@ def _trackers() -> tuple[SurvivorTracker | None, GraphChainTracker | None]:
     except Exception as exc:  # noqa: BLE001 - no count evidence then; bytes series still run
         log.info("gpumemd: long-lived tensor tracking is off (%s: %s)", type(exc).__name__, exc)
         return None, None
+
+
+def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
+    """The status with the earlier of its onset and the evidence's. Host RSS lags a leak (freed heap
+    is reused first): a container's length at its rate dates it better. A count series' knee,
+    dated between scans, is already within a step or two; a chain's marks only place its start
+    within a scan interval, so they date it only when the series cannot."""
+    onset = evidence.onset_step
+    if onset is None or (status.onset_step is not None and status.spec.unit != "bytes"):
+        return status
+    if status.onset_step is not None:
+        onset = min(status.onset_step, onset)
+    return dataclasses.replace(status, onset_step=onset)
 
 
 def _feed_unfed(series: LeakSeries, unfed: list[tuple[StepRecord, int]]) -> None:

@@ -26,7 +26,8 @@ class Culprit:
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """What the leak detector concluded about one series (in one phase); ``summary`` is the sentence."""
+    """What the leak detector concluded about one series (in one phase): ``headline`` is the line a
+    person reads at a state change, ``summary`` the whole sentence the files and reports keep."""
 
     kind: str
     series: str  # e.g. "allocated_bytes{device=0}", "host_rss_bytes"
@@ -39,7 +40,7 @@ class Finding:
     steps_to_oom: float | None
     first_step: int  # the step at which the finding was first raised
     updated_step: int
-    summary: str
+    summary: str  # the whole sentence: rate, bounds, onset, growth, groups, holder with sizes, sites
     # The device whose memory the series measures (the host's series: cpu); None: not said. Written
     # as the CUDA ordinal (null off CUDA), as findings always were.
     device: Device | None = field(default=None, metadata=AS_ORDINAL)
@@ -50,6 +51,9 @@ class Finding:
     tensors_per_step: float | None = None  # count evidence: long-lived tensors gained per step
     hours_to_oom: float | None = None  # steps_to_oom at the job's measured step rate
     severity: str | None = None  # "critical" (out of memory within a day), "warning", or None when cleared
+    # The line logged at a state change (kind, rate, holder, onset, time to out-of-memory in at
+    # most 200 characters); "" in findings written before it was.
+    headline: str = ""
     # The group a count series follows ("float32[4, 8]"), for the OOM report to find it in a census;
     # not written (it is in the series name, which the files keep).
     group: str | None = field(default=None, metadata=IN_MEMORY_ONLY)

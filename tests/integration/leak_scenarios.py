@@ -465,6 +465,7 @@ class Outcome:
     leak_step_s: float  # the leak component's total on_step time (feeding + evaluations)
     scan_s: float = 0.0  # of which survivor scans (long-lived tensor counts)
     warnings: list[str] = field(default_factory=list)  # gpumemd's WARNING lines (isolated runs only)
+    log: list[str] = field(default_factory=list)  # all of gpumemd's lines, INFO and up, the exit summary included
 
     def first(self, state: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e["state"] == state), None)
@@ -533,11 +534,11 @@ def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0)
         "import dataclasses, json, sys\n"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
         "import leak_scenarios as ls\n"
-        "with ls.warnings_collected() as lines:\n"
+        "with ls.warnings_collected() as lines, ls.log_collected() as log:\n"
         f"    o = ls.run_scenario(ls.scenario_named({scenario.name!r}), {output_dir!r}, seed={seed})\n"
         "out = dict(events=o.events, findings=[dataclasses.asdict(f) for f in o.findings], steps=o.steps,\n"
         "           wall_s=o.wall_s, leak_eval_s=o.leak_eval_s, leak_step_s=o.leak_step_s, scan_s=o.scan_s,\n"
-        "           warnings=lines)\n"
+        "           warnings=lines, log=log)\n"
         f"json.dump(out, open({result_path!r}, 'w'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
@@ -553,12 +554,13 @@ def scenario_named(name: str) -> Scenario:
 
 
 class _WarningLines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, level: int = logging.WARNING, *, only: bool = True) -> None:
+        super().__init__(level)
         self.lines: list[str] = []
+        self._only = only
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno == logging.WARNING:
+        if record.levelno == self.level or not self._only:
             self.lines.append(record.getMessage())
 
 
@@ -572,6 +574,22 @@ def warnings_collected() -> Iterator[list[str]]:
         yield handler.lines
     finally:
         logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def log_collected() -> Iterator[list[str]]:
+    """All of gpumemd's lines at INFO and up while the block runs (the start line and the exit
+    summary go to ``gpumemd.status`` at INFO when a handler listens): what a user reads in a log."""
+    handler = _WarningLines(logging.INFO, only=False)
+    logger = logging.getLogger("gpumemd")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def quiet_worker() -> None:
@@ -591,7 +609,8 @@ def run_in_worker(name: str, output_dir: str, seed: int) -> Outcome:
     scenario = scenario_named(name)
     if scenario.kind == "host_leak":
         return run_scenario_isolated(scenario, output_dir, seed=seed)
-    with warnings_collected() as lines:
+    with warnings_collected() as lines, log_collected() as log:
         outcome = run_scenario(scenario, output_dir, seed=seed)
     outcome.warnings = list(lines)
+    outcome.log = list(log)
     return outcome

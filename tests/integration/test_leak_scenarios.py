@@ -111,6 +111,30 @@ def test_leak_is_found_with_kind_and_holder(scenario: Scenario, runs: Runs) -> N
     assert scenario.holder[0] in lines[-1]
 
 
+FIRST_LEAKED_STEP_WITHIN = 2  # a count finding's onset, in steps either side of the first leaked step
+
+
+@pytest.mark.parametrize("scenario", LEAKS, ids=[s.name for s in LEAKS])
+def test_each_state_change_is_one_short_line_said_once(scenario: Scenario, runs: Runs) -> None:
+    """A person reads one line per state change: at most 200 characters, naming the kind, the rate,
+    the holder and the onset, said once in the whole run's log (the exit summary names the finding
+    without saying its line again); the findings file keeps the whole sentence."""
+    outcome = runs[(scenario.name, 0)][0].result()
+    assert any(" steps watched in " in line for line in outcome.log), outcome.log  # the exit summary is in it
+    assert outcome.events
+    for event in outcome.events:
+        line = "gpumemd: " + event["headline"]
+        assert len(line) <= 200, line
+        assert sum(event["headline"] in logged for logged in outcome.log) == 1, (line, outcome.log)
+        assert f"since step {event['onset_step']:,}" in line, line
+        for text in (*scenario.holder, scenario.rate):
+            assert text in line, line
+        assert len(event["summary"]) > len(event["headline"])  # the whole sentence stays in the file
+    if outcome.events[0]["series"].startswith(("tensors{", "graph_nodes{")):
+        # counted tensors (or chained autograd nodes) are dated between scans, to a step or two
+        assert abs(outcome.events[-1]["onset_step"] - scenario.onset) <= FIRST_LEAKED_STEP_WITHIN, outcome.events[-1]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("scenario", HEALTHY, ids=[s.name for s in HEALTHY])
 def test_healthy_job_raises_nothing(scenario: Scenario, seed: int, runs: Runs) -> None:

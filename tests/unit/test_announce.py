@@ -16,7 +16,7 @@ import gpumemd
 from gpumemd.announce import StartFacts, exit_summary, start_line
 from gpumemd.api import build_agent
 from gpumemd.config import Config
-from gpumemd.records.findings import Finding
+from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.step import AgentState, Identity, Overhead
 
 
@@ -38,10 +38,12 @@ def test_start_line_says_output_metrics_devices_and_absent_probes() -> None:
                       "metrics http://127.0.0.1:9401/metrics · devices: cuda:1")
 
 
-def _finding(state: str, summary: str, slope: float = 1e6) -> Finding:
+def _finding(state: str, summary: str, slope: float = 1e6, holder: str | None = None) -> Finding:
+    culprits = (Culprit(description="float32[]", count_delta=1, bytes_delta=4, holder=holder),) if holder else ()
     return Finding(kind="tensor_leak", series="tensors{group=x}", state=state, slope_bytes_per_step=slope,
                    slope_low=slope, slope_high=slope, onset_step=10, growth_bytes=0, steps_to_oom=None,
-                   first_step=100, updated_step=200, summary=summary)
+                   first_step=100, updated_step=200, summary=summary, culprits=culprits,
+                   headline=f"tensor leak {state}: +1 tensor/step held by {holder}, since step 10")
 
 
 def _state(**changes: object) -> AgentState:
@@ -57,12 +59,16 @@ def test_exit_summary_of_a_healthy_run() -> None:
                                               "agent took 300 ms (1.0% of the run; tensor censuses 200 ms of it)")
 
 
-def test_exit_summary_names_the_worst_live_finding_and_the_reports() -> None:
+def test_exit_summary_names_each_live_finding_once_worst_first_and_the_reports() -> None:
     findings = (_finding("cleared", "host growth cleared."), _finding("suspected", "small suspected.", 10.0),
-                _finding("confirmed", "tensor leak confirmed: held by `losses`."))
+                _finding("confirmed", "tensor leak confirmed, ...; held by `losses` → list of 12 items.",
+                         holder="`losses` in main() at train.py:7 → list of 12 items"))
     line = exit_summary(_state(findings=findings, reports=("/out/oom-1",), ooms_total=1), "/out")
-    assert (" · tensor leak confirmed: held by `losses` (as of step 200) (and 1 more) · 1 OOM report: /out/oom-1 · "
-            in line)
+    assert (" · 2 leak findings: tensor leak held by `losses` in main() at train.py:7 (confirmed, since step 10); "
+            "tensor leak (suspected, since step 10) · 1 OOM report: /out/oom-1 · " in line)
+    # the exit summary names them; it does not say their state-change lines again, nor stale sizes
+    assert all(f.headline not in line and f.summary not in line for f in findings)
+    assert "12 items" not in line
     assert line.endswith(" · output /out")
     assert "2 OOMs, no report written" in exit_summary(_state(ooms_total=2), "/out")
     assert "1 growth cleared" in exit_summary(_state(findings=findings[:1]), "/out")

@@ -1,0 +1,137 @@
+"""The line a person reads once: a leak finding's state change, in at most ``HEADLINE_MAX`` characters.
+
+Pure (no torch, no I/O). The WARNING line of a state change says what changed and what to look at:
+the kind, the rate, who holds it, since when, and when memory runs out ("tensor leak confirmed: +1
+tensor/step (~2.0 KiB/step) held by `kept` in main() at train.py:12, since step 300, out of memory in
+~1.3 h"). Everything else a finding knows (groups, container sizes, sites, bounds, when the culprit
+was looked up) stays in its ``summary``, which the findings file, ``agent.findings()`` and
+``gpumemd report`` keep whole. The exit summary names each finding once, shorter still
+(``mention``), and without the sizes a state change saw: they are stale by the end of the run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpumemd.records.findings import Culprit, Finding
+
+HEADLINE_MAX = 200
+"""Characters of the logged line at most, its ``gpumemd: `` prefix included."""
+
+_PREFIX = "gpumemd: "
+_MENTION_HOLDER_MAX = 90  # a holder in the exit summary, which may name several findings
+
+KIND_WORDS = {
+    "tensor_leak": "tensor leak",
+    "graph_leak": "retained autograd graph",
+    "fragmentation": "allocator fragmentation",
+    "non_pytorch": "memory outside PyTorch's allocator",
+    "host_leak": "host memory leak",
+}
+
+# Sizes and counts in a holder path ("list of 1,204 items", "(a key; 12 items)", "(3,001 nodes)"):
+# true when the path was found, stale soon after; the finding's summary keeps them.
+_SIZES = (
+    re.compile(r" \((a key; )?[\d,]+ items?\)"),
+    re.compile(r" \([\d,]+ (autograd )?nodes\)"),
+    re.compile(r"(?<=\w) of [\d,]+( items?)?\b"),
+)
+_LOCATION = re.compile(r" at [^\s,()→]+:\d+")  # " at train.py:12"
+_BARE_CONTAINER = re.compile(r"( → (list|dict|tuple|set|deque|OrderedDict|defaultdict))+$")
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What a headline says, each part already worded (None: not known, not said)."""
+
+    kind: str
+    state: str
+    rate: str | None = None  # "+1 tensor/step (~2.0 KiB/step)"; None once the growth stopped
+    where: str | None = None  # "cuda:0", "phase eval": what the kind alone leaves open
+    holder: str | None = None  # "held by `kept` in main() at train.py:12"
+    onset_step: int | None = None
+    out_of_memory: str | None = None  # "~1.3 h", "~12,000 steps"
+    stopped: str | None = None  # why a cleared finding cleared
+
+
+def headline(facts: Facts) -> str:
+    """The state change in one line of at most ``HEADLINE_MAX`` characters once logged: the holder
+    is cut in its middle (its root, the name in the user's code, and its last hop stay) before
+    anything else is."""
+    head = f"{KIND_WORDS.get(facts.kind, facts.kind)} {facts.state}"
+    if facts.where:
+        head += f" ({facts.where})"
+    if facts.rate is None:
+        return _fit(f"{head}: growth stopped" + (f" ({facts.stopped})" if facts.stopped else ""))
+    tail = ""
+    if facts.onset_step is not None:
+        tail += f", since step {facts.onset_step:,}"
+    if facts.out_of_memory:
+        tail += f", out of memory in {facts.out_of_memory}"
+    front = f"{head}: {facts.rate}"
+    holder = facts.holder or ""
+    room = HEADLINE_MAX - len(_PREFIX) - len(front) - len(tail) - 1
+    if holder and room >= 24:
+        return _fit(f"{front} {fit_holder(holder, room)}{tail}")
+    return _fit(front + tail)
+
+
+def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | None:
+    """"held by <path>" for the top culprit (sizes left out), else where the growth was allocated."""
+    if culprits:
+        c = culprits[0]
+        if not c.holder:
+            return "(holder not found)"
+        verb = "kept alive by" if c.holder.startswith(("the autograd graph", "autograd graph")) else "held by"
+        return f"{verb} {short_path(c.holder)}"
+    if sites:
+        return f"allocated at {sites[0]}"
+    return None
+
+
+def short_path(holder: str) -> str:
+    """A holder path without the sizes and counts it had when found, nor a bare container type
+    at its end ("`kept` in main() at train.py:12 → list of 1,204 items" → "`kept` in main() at
+    train.py:12")."""
+    for pattern in _SIZES:
+        holder = pattern.sub("", holder)
+    return _BARE_CONTAINER.sub("", holder)
+
+
+def mention(finding: Finding) -> str:
+    """A finding named once in the exit summary: its kind, who holds it, its state and onset
+    ("tensor leak held by `kept` in main() at train.py:12 (confirmed, since step 300)")."""
+    text = KIND_WORDS.get(finding.kind, finding.kind)
+    holder = holder_words(finding.culprits, finding.sites)
+    if holder:
+        text += " " + fit_holder(holder, _MENTION_HOLDER_MAX)
+    state = finding.state + (f", since step {finding.onset_step:,}" if finding.onset_step is not None else "")
+    return f"{text} ({state})"
+
+
+def fit_holder(holder: str, width: int) -> str:
+    """A holder in ``width`` characters: without its source locations first (the name and the
+    function say where; the summary keeps the line), then cut in its middle."""
+    if len(holder) <= width:
+        return holder
+    return cut_middle(_LOCATION.sub("", holder), width)
+
+
+def cut_middle(text: str, width: int) -> str:
+    """``text`` in ``width`` characters at most, cut in its middle ("`kept` in main() … → list")."""
+    if len(text) <= width:
+        return text
+    if width < 5:
+        return text[:width]
+    # the root (the name the user wrote) whole when it fits, then as much of the last hops
+    first = text.find(" → ")
+    head = max((width - 1) * 2 // 3, min(first, width - 8) if first > 0 else 0)
+    tail = width - 1 - head
+    return text[:head].rstrip() + "…" + text[len(text) - tail:].lstrip()
+
+
+def _fit(line: str) -> str:
+    width = HEADLINE_MAX - len(_PREFIX)
+    return line if len(line) <= width else line[: width - 1].rstrip() + "…"

@@ -1,0 +1,52 @@
+"""The line a person reads at a state change, and where a count series' leak began."""
+
+from __future__ import annotations
+
+from gpumemd.analysis.leak_headline import HEADLINE_MAX, Facts, headline, holder_words, mention, short_path
+from gpumemd.analysis.leak_track import hinge_onset, knee_between
+from gpumemd.records.findings import Culprit, Finding
+
+
+def test_headline_says_kind_rate_holder_onset_and_time_to_oom() -> None:
+    line = headline(Facts(kind="tensor_leak", state="confirmed", rate="+1 tensor/step (~2.0 KiB/step)",
+                          holder="held by `kept` in main() at train.py:12", onset_step=300, out_of_memory="~1.3 h"))
+    assert line == ("tensor leak confirmed: +1 tensor/step (~2.0 KiB/step) held by `kept` in main() at train.py:12, "
+                    "since step 300, out of memory in ~1.3 h")
+
+
+def test_a_long_holder_loses_its_location_then_its_middle_never_its_root() -> None:
+    root = "`kept_predictions` in train_epoch()"
+    holder = f"held by {root} at some/deep/package/path/train.py:1234 → " + " → ".join(f"hop{i}" for i in range(30))
+    facts = Facts(kind="graph_leak", state="suspected", rate="+1 autograd node/step (~32.1 KiB/step)",
+                  holder=holder, onset_step=301, out_of_memory="~8 min")
+    line = "gpumemd: " + headline(facts)
+    assert len(line) <= HEADLINE_MAX
+    assert root in line and "train.py:1234" not in line and line.endswith(", since step 301, out of memory in ~8 min")
+    assert "…" in line and "hop29" in line
+
+
+def test_sizes_stay_out_of_the_line_and_the_exit_mention() -> None:
+    assert short_path("`kept` in main() at train.py:12 → list of 1,204 items") == "`kept` in main() at train.py:12"
+    assert short_path("trainer.stats.window (deque of 512)") == "trainer.stats.window (deque)"
+    assert (holder_words((Culprit("float32[]", 1, 4, holder="the autograd graph (3,001 nodes) of float32[], held by "
+                                                            "`losses`"),), ())
+            == "kept alive by the autograd graph of float32[], held by `losses`")
+    culprit = Culprit("float32[4]", 10, 160, holder="Cache.items → dict of 711 items")
+    finding = Finding(kind="tensor_leak", series="tensors{group=x}", state="confirmed", slope_bytes_per_step=16.0,
+                      slope_low=16.0, slope_high=16.0, onset_step=60, growth_bytes=160, steps_to_oom=None,
+                      first_step=100, updated_step=700, summary="...", culprits=(culprit,))
+    assert mention(finding) == "tensor leak held by Cache.items (confirmed, since step 60)"
+
+
+def test_a_sparse_count_is_dated_between_its_scans() -> None:
+    # one point per scan, 50 steps apart; one tensor kept per step from step 300 on, counted at
+    # the scan's step: the hinge lands on the scan two steps into the leak
+    xs = [float(x) for x in range(2, 703, 50)]
+    ys = [max(0.0, x - 300) for x in xs]
+    i = hinge_onset(xs, ys)
+    assert xs[i] == 302
+    assert knee_between(xs, ys, i) == 300
+    # three tensors per step from step 287, a stray survivor on the flat part
+    ys = [3 * max(0.0, x - 287) for x in xs]
+    ys[2] = 1.0
+    assert knee_between(xs, ys, hinge_onset(xs, ys)) == 287
