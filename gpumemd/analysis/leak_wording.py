@@ -325,6 +325,92 @@ def _count(per_step: float) -> str:
     return f"{per_step:.2g}"
 
 
+def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None) -> Finding:
+    """One finding for the count findings of one cause (``analysis.leak_causes`` groups them): the
+    groups it lists, their total rate, the earliest onset, and ``holder``, the path they share, in
+    its headline. Rates, growth and time to out-of-memory are the active members' sums (a cleared
+    cause only says that its growth stopped). The rest (kind, series, device, phase) is the largest
+    member's."""
+    active = [m for m in members if m.state != "cleared"]
+    lead = max(active or members, key=lambda m: m.slope_bytes_per_step)
+    head = f"{KIND_WORDS.get(lead.kind, lead.kind)} {state} on {_groups_text(active or members)}"
+    if lead.phase != "train":
+        head += f" (phase {lead.phase})"
+    where = _finding_where(lead)
+    if not active:
+        return dataclasses.replace(
+            lead, state=state, summary=f"{head}, growth stopped", culprits=(), severity=None,
+            headline=headline(Facts(kind=lead.kind, state=state, where=where)),
+            first_step=min(m.first_step for m in members), updated_step=max(m.updated_step for m in members))
+    per_step = sum(m.tensors_per_step or 0.0 for m in active)
+    slope = sum(m.slope_bytes_per_step for m in active)
+    steps_to_oom, hours_to_oom = _sooner(m.steps_to_oom for m in active), _sooner(m.hours_to_oom for m in active)
+    onset = min((m.onset_step for m in active if m.onset_step is not None), default=None)
+    ranked = sorted(active, key=lambda m: m.slope_bytes_per_step, reverse=True)
+    culprits = tuple(m.culprits[0] for m in ranked if m.culprits)
+    n = _count(per_step)
+    rate = f"+{n} tensor{'' if n == '1' else 's'}/step"
+    parts = [head, f"{rate} (~{format_bytes(slope)}/step)"]
+    if onset is not None:
+        parts.append(f"since step {onset}")
+    parts.append(f"+{format_bytes(sum(m.growth_bytes for m in active))} so far")
+    oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
+           else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
+    if hours_to_oom is not None and steps_to_oom is not None:
+        parts.append(f"out of memory in {oom} (~{steps_to_oom:,.0f} steps)")
+    elif oom is not None:
+        parts.append(f"out of memory in {oom}")
+    summary = ", ".join(parts) + "".join("; " + _group_sentence(m) for m in ranked if m.culprits)
+    shared = (dataclasses.replace(culprits[0], holder=holder),) if culprits and holder else culprits
+    facts = Facts(kind=lead.kind, state=state, rate=f"{rate} (~{format_bytes(slope)}/step, {len(active)} groups)",
+                  where=where, holder=holder_words(shared, ()), onset_step=onset, out_of_memory=oom)
+    return dataclasses.replace(
+        lead, state=state, slope_bytes_per_step=slope, slope_low=sum(m.slope_low for m in active),
+        slope_high=sum(m.slope_high for m in active), onset_step=onset,
+        growth_bytes=sum(m.growth_bytes for m in active), steps_to_oom=steps_to_oom,
+        first_step=min(m.first_step for m in members), updated_step=max(m.updated_step for m in members),
+        summary=summary, headline=headline(facts), culprits=culprits,
+        p_value=max((m.p_value for m in active if m.p_value is not None), default=None),
+        sites=tuple(dict.fromkeys(s for m in active for s in m.sites)), tensors_per_step=per_step,
+        hours_to_oom=hours_to_oom,
+        severity="critical" if hours_to_oom is not None and hours_to_oom < CRITICAL_HOURS else "warning",
+    )
+
+
+def _groups_text(members: Sequence[Finding]) -> str:
+    """"2 groups (float32[32, 10], int64[32])": what a cause's finding is on."""
+    ranked = sorted(members, key=lambda m: m.slope_bytes_per_step, reverse=True)
+    names = [m.culprits[0].description if m.culprits else (m.group or m.series) for m in ranked]
+    return f"{len(members)} groups ({', '.join(names)})"
+
+
+def _group_sentence(member: Finding) -> str:
+    """One group of a cause, as its own finding said it: rate, bytes per step, who holds it."""
+    c = member.culprits[0]
+    count = max(1, c.count_delta)
+    return count_sentence(member.tensors_per_step or 0.0, c.description, c.bytes_delta / count,
+                          c.graph_bytes_delta / count, c.holder)
+
+
+def _sooner(values: Iterable[float | None]) -> float | None:
+    """Time to out-of-memory of growths that add up on one headroom: 1 / sum(1 / t)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    if any(v <= 0 for v in known):
+        return 0.0
+    return 1.0 / sum(1.0 / v for v in known)
+
+
+def _finding_where(finding: Finding) -> str | None:
+    """What a headline's kind leaves open, from a finding (``_where`` reads a status)."""
+    index = cuda_index(finding.device)
+    parts = [f"cuda:{index}"] if index is not None else []
+    if finding.phase != "train":
+        parts.append(f"phase {finding.phase}")
+    return ", ".join(parts) or None
+
+
 def merge_findings(previous: Iterable[Finding], updates: Mapping[tuple[str, str], Finding]) -> tuple[Finding, ...]:
     """Replace findings of the same (series, phase) by their update; keep the rest in order."""
     out: list[Finding] = []

@@ -5,12 +5,13 @@ step records, survivor scans and censuses and says what growth matters; the dete
 (``analysis.leak_detector``) decides; ``leak_culprits`` searches the evidence behind a finding —
 the census diff between the window's start and now with who holds a sample, the Python containers
 that grew for a host leak (``leak_host``), and on CUDA with allocation history the allocation sites
-(``leak_sites``); ``analysis.leak_wording`` says it.
+(``leak_sites``); ``analysis.leak_wording`` says it; ``analysis.leak_causes`` makes the findings of
+groups that grow together under one holder one finding (the published one).
 
 This module runs them on the training thread. The detector folds values into block floors every
 step (O(1)) and is evaluated every ``leak_check_every_steps``; survivor scans are spaced within the
-overhead budget. On a state change the component logs one WARNING line (the finding's headline,
-at most 200 characters), appends the whole finding to
+overhead budget. On a state change of a cause the component logs one WARNING line (the finding's
+headline, at most 200 characters), appends the whole finding to
 ``leak-findings-rank<R>.jsonl`` in the output directory and publishes ``findings`` in the agent state.
 """
 
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpumemd import budget
+from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, merge_causes, state_changes
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.analysis.leak_wording import build_finding, refine_kind
 from gpumemd.components.leak_culprits import CulpritSearch
@@ -105,7 +107,8 @@ class LeakComponent:
         self._sites = AllocationSites(options, history, snapshot_fn=snapshot_fn)
         self._agent: AgentView | None = None
         self._parts: _Parts | None = None
-        self._findings: dict[_Key, Finding] = {}
+        self._findings: dict[_Key, Finding] = {}  # per (series, phase); published merged by cause
+        self._causes: Causes = NO_CAUSES
         self._culprits: dict[_Key, Evidence] = {}
         self._attempts: dict[_Key, int] = {}  # step of the last culprit search per finding
         self._unfed: list[tuple[StepRecord, int]] = []  # records not yet fed to the detector (see on_step)
@@ -244,9 +247,13 @@ class LeakComponent:
                 self._attempts[key] = step
                 self._culprits[key] = parts.culprits.find(status)
         held_graphs = self._graphs_reported(series, statuses, rising)
-        for status in statuses:
-            self._update(series, status, held_graphs)
-        agent.publish(findings=tuple(self._findings.values()))
+        changed = [(s.spec.name, s.phase) for s in statuses if self._update(series, s, held_graphs) and s.changed]
+        # Groups that grow together under one holder are one cause: one finding, one line per
+        # state change of it (the per-series findings above stay the detector's bookkeeping).
+        previous, self._causes = self._causes, merge_causes(self._findings, self._causes)
+        for finding in state_changes(previous, self._causes, changed):
+            self._report(finding)
+        agent.publish(findings=tuple(self._causes.findings.values()))
 
     def _graphs_reported(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> bool:
         """Is a retained graph reported by another finding, so tensors only a graph keeps are not?"""
@@ -262,12 +269,12 @@ class LeakComponent:
         return bool(chains & rising) or any(f.series in chains and f.state != "cleared"
                                             for f in self._findings.values())
 
-    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool) -> None:
-        """Update (and on a state change report) one status's finding, unless it is not one."""
+    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool) -> bool:
+        """Update one status's finding, unless it is not one (False)."""
         key = (status.spec.name, status.phase)
         evidence = self._culprits.get(key, NO_EVIDENCE)
         if self._withheld(status, evidence, held_graphs):
-            return
+            return False
         active = status.state is not None and status.state.active
         dated = _dated(status, evidence)
         finding = build_finding(
@@ -278,10 +285,9 @@ class LeakComponent:
             culprits_step=self._attempts.get(key),
         )
         self._findings[key] = finding
-        if status.changed:
-            self._report(finding)
         if not active:
             self._culprits.pop(key, None)
+        return True
 
     def _withheld(self, status: TrackStatus, evidence: Evidence, held_graphs: bool) -> bool:
         """Growth that is not a finding of its own: tensors a reported graph keeps, cyclic garbage,

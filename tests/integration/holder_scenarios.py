@@ -4,6 +4,10 @@ path: the finding must name the variable, global or class attribute the script w
 Each loop trains the 2-layer MLP of ``leak_scenarios`` on random data under ``gpumemd.attached()`` at
 its DEFAULT settings (only ``output_dir``), and leaks one 64 KiB tensor per step from ``ONSET`` on,
 into one kind of container. A run ends at the first finding: the holder path is in its sentence.
+
+``CAUSES``: one cause that grows several groups of tensors (a tensor appended with its labels, a
+kept frame's locals) must be one finding that lists them. These runs go on until the finding is
+confirmed, so a group that joined the cause one evaluation late is in it too.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ def _leaked(out: torch.Tensor) -> torch.Tensor:
     return out.detach().mean() + torch.zeros(_LEAK_SHAPE)
 
 
+_until = "finding"  # when a run stops: at the first finding, or at the first confirmed one ("confirmed")
+
+
 class _Run:
-    """The steps of one scenario: stops at the first finding."""
+    """The steps of one scenario: stops at the first finding (or confirmed one, see ``_until``)."""
 
     def __init__(self) -> None:
         self.agent = gpumemd.current()
@@ -42,7 +49,8 @@ class _Run:
     def steps(self) -> Iterator[int]:
         assert self.agent is not None
         for step in range(MAX_STEPS):
-            if self.agent.state().findings:
+            findings = self.agent.state().findings
+            if any(f.state == "confirmed" for f in findings) if _until == "confirmed" else findings:
                 return
             yield step
 
@@ -212,6 +220,16 @@ def dict_attribute_of_a_module() -> None:
         attention(run.train(), step)
 
 
+def tensor_with_its_labels() -> None:
+    run = _Run()
+    history = []
+    for step in run.steps():
+        out = run.train()
+        labels = torch.randint(0, 10, (out.shape[0],))
+        if step >= ONSET:
+            history.append((out.detach(), labels))  # "for the epoch's confusion matrix"
+
+
 # --- the registry ----------------------------------------------------------------------------------
 
 
@@ -221,6 +239,8 @@ class HolderScenario:
     run: Callable[[], None]
     first_name: str  # the summary says "held by " + this
     kind: str = "tensor_leak"
+    until: str = "finding"  # the run stops at the first finding, or at the first "confirmed" one
+    groups: tuple[str, ...] = ()  # CAUSES: the groups the one finding lists
 
 
 SCENARIOS = (
@@ -243,6 +263,16 @@ SCENARIOS = (
 )
 
 
+CAUSES = (
+    HolderScenario("a tensor and its labels appended together", tensor_with_its_labels,
+                   "`history` in tensor_with_its_labels()", until="confirmed",
+                   groups=("float32[32, 128]", "int64[32]")),
+    HolderScenario("exceptions kept with their frames", exceptions_kept_with_their_frames,
+                   "`errors` in exceptions_kept_with_their_frames()", until="confirmed",
+                   groups=("float32[128, 128]", "float32[32, 128] with grad_fn")),
+)
+
+
 @dataclass
 class HolderOutcome:
     findings: list[Any]
@@ -253,7 +283,12 @@ def run_holder_scenario(scenario: HolderScenario, output_dir: str, seed: int = 0
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend on a shared machine
     start = time.perf_counter()
-    with gpumemd.attached(output_dir=output_dir) as agent:
-        scenario.run()
-        findings = list(agent.findings())
+    global _until
+    _until = scenario.until
+    try:
+        with gpumemd.attached(output_dir=output_dir) as agent:
+            scenario.run()
+            findings = list(agent.findings())
+    finally:
+        _until = "finding"
     return HolderOutcome(findings, time.perf_counter() - start)

@@ -1,11 +1,15 @@
 """The holder path at DEFAULT settings: a leak kept by each kind of container, in its own training
-loop, is found with the right kind, and its sentence starts the path at the name the script wrote.
+loop, is found with the right kind, and its sentence starts the path at the name the script wrote;
+one cause that grows several groups of tensors is one finding that lists them, with their total rate.
 Scenarios: holder_scenarios.py."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from holder_scenarios import SCENARIOS, HolderScenario, run_holder_scenario
+from holder_scenarios import CAUSES, SCENARIOS, HolderScenario, run_holder_scenario
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
@@ -18,3 +22,23 @@ def test_the_path_starts_at_the_name_in_the_script(scenario: HolderScenario, out
     assert leak[0].kind == scenario.kind, leak[0].summary
     assert f"held by {scenario.first_name}" in leak[0].summary, leak[0].summary
     assert "path cut" not in leak[0].summary and "dict key" not in leak[0].summary
+
+
+@pytest.mark.parametrize("scenario", CAUSES, ids=[s.name for s in CAUSES])
+def test_one_cause_is_one_finding(scenario: HolderScenario, out_dir: str) -> None:
+    outcome = run_holder_scenario(scenario, out_dir)
+
+    assert len(outcome.findings) == 1, [f.summary for f in outcome.findings]
+    finding = outcome.findings[0]
+    assert finding.state == "confirmed" and finding.kind == scenario.kind, finding.summary
+    assert sorted(c.description for c in finding.culprits) == sorted(scenario.groups), finding.summary
+    assert all(group in finding.summary for group in scenario.groups), finding.summary
+    # the total rate: one tensor of each group per step
+    assert finding.tensors_per_step is not None and round(finding.tensors_per_step) == len(scenario.groups)
+    assert f"+{len(scenario.groups)} tensors/step" in finding.headline, finding.headline
+    assert f"held by {scenario.first_name}" in finding.summary, finding.summary
+    # one line per state change of the one finding, in the findings file as in the log
+    lines = [json.loads(line) for line in
+             (Path(out_dir) / "leak-findings-rank0.jsonl").read_text().splitlines()]
+    assert [line["state"] for line in lines] == ["suspected", "confirmed"], [line["summary"] for line in lines]
+    assert len({line["series"] for line in lines}) == 1

@@ -1,0 +1,155 @@
+"""One finding per cause (``analysis.leak_causes``): count findings under one root at about the
+same rate are one finding; the grouping is sticky across evaluations and a cause clears once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, Key, cause_root, merge_causes, state_changes
+from gpumemd.records.device import CPU
+from gpumemd.records.findings import Culprit, Finding
+
+HISTORY = "`history` in main() at train.py:5 → list of {n} items → tuple of 2 items"
+ERRORS = "`errors` in main() at train.py:3 → list of {n} items → [i].__traceback__ → frame step() → local `{local}`"
+
+
+def _finding(group: str, holder: str | None, *, rate: float = 1.0, per_tensor: float = 1024.0,
+             state: str = "suspected", onset: int | None = 60, step: int = 600) -> Finding:
+    series = f"tensors{{device=cpu,group={group}}}"
+    active = state != "cleared"
+    culprit = Culprit(description=group, count_delta=round(rate * (step - 60)),
+                      bytes_delta=round(rate * (step - 60) * per_tensor), holder=holder)
+    slope = rate * per_tensor
+    return Finding(
+        kind="tensor_leak", series=series, state=state, slope_bytes_per_step=slope, slope_low=0.9 * slope,
+        slope_high=1.1 * slope, onset_step=onset, growth_bytes=round(slope * (step - 60)),
+        steps_to_oom=1e6 / slope if active else None, first_step=600, updated_step=step,
+        summary=f"tensor leak {state} on {series}", headline=f"tensor leak {state}", device=CPU,
+        culprits=(culprit,) if active else (), tensors_per_step=rate,
+        hours_to_oom=1e6 / slope / 3600 if active else None, severity="warning" if active else None, group=group,
+    )
+
+
+def _key(f: Finding) -> Key:
+    return (f.series, f.phase)
+
+
+def _run(*evaluations: list[Finding]) -> tuple[list[Causes], list[list[Finding]]]:
+    """Each evaluation's findings (every one changed), as the component feeds them."""
+    current = NO_CAUSES
+    history: list[Causes] = []
+    reported: list[list[Finding]] = []
+    for findings in evaluations:
+        previous, current = current, merge_causes({_key(f): f for f in findings}, current)
+        history.append(current)
+        reported.append(state_changes(previous, current, [_key(f) for f in findings]))
+    return history, reported
+
+
+def test_the_root_is_the_path_up_to_its_first_growing_container() -> None:
+    assert cause_root(HISTORY.format(n=501)) == "`history` in main() at train.py:5"
+    assert cause_root(ERRORS.format(n=40, local="act")) == "`errors` in main() at train.py:3"
+    assert cause_root("`buffers` in f() at x.py:1 → dict of 3 items → [k] → list of 500 items") == \
+        "`buffers` in f() at x.py:1 → dict → [k]"
+    assert cause_root("function `<lambda>` closure `value`") == "function `<lambda>` closure `value`"
+    assert cause_root(None) is None
+
+
+def test_same_root_same_rate_is_one_finding_with_the_total_rate() -> None:
+    logits = _finding("float32[32, 10]", HISTORY.format(n=541), per_tensor=1280, onset=61)
+    labels = _finding("int64[32]", HISTORY.format(n=541), per_tensor=256, onset=60)
+
+    [causes], [reported] = _run([logits, labels])
+
+    assert len(causes.findings) == 1
+    finding = next(iter(causes.findings.values()))
+    assert [c.description for c in finding.culprits] == ["float32[32, 10]", "int64[32]"]
+    assert finding.tensors_per_step == 2.0
+    assert finding.slope_bytes_per_step == 1280 + 256
+    assert finding.onset_step == 60  # the earliest
+    assert finding.steps_to_oom is not None and abs(finding.steps_to_oom - 1e6 / (1280 + 256)) < 1
+    assert "2 groups (float32[32, 10], int64[32])" in finding.summary
+    assert "+2 tensors/step" in finding.headline and "held by `history` in main()" in finding.headline
+    assert len(finding.headline) <= 200 - len("gpumemd: ")
+    assert reported == [finding]  # one line, not two
+
+
+def test_a_kept_frames_locals_are_one_finding() -> None:
+    act = _finding("float32[128, 128]", ERRORS.format(n=40, local="act"), per_tensor=65536)
+    out = _finding("float32[32, 128] with grad_fn", ERRORS.format(n=40, local="out"), per_tensor=16384)
+
+    [causes], _ = _run([act, out])
+
+    [finding] = causes.findings.values()
+    assert "frame step()" in finding.headline and "local `act`" in finding.summary and "local `out`" in finding.summary
+
+
+def test_different_roots_stay_separate() -> None:
+    kept = _finding("float32[32, 10]", HISTORY.format(n=541))
+    other = _finding("int64[32]", "`labels_seen` in main() at train.py:9 → list of 541 items")
+
+    [causes], [reported] = _run([kept, other])
+
+    assert list(causes.findings.values()) == [kept, other]  # each one unchanged
+    assert reported == [kept, other]
+
+
+def test_rates_far_apart_stay_separate() -> None:
+    fast = _finding("float32[32, 10]", HISTORY.format(n=541), rate=4.0)
+    slow = _finding("int64[32]", HISTORY.format(n=541), rate=1.0)
+
+    [causes], _ = _run([fast, slow])
+
+    assert len(causes.findings) == 2
+
+
+def test_counts_on_other_devices_or_bytes_series_are_never_summed() -> None:
+    host = _finding("int64[32]", HISTORY.format(n=541))
+    bytes_series = dataclasses.replace(_finding("float32[32, 10]", HISTORY.format(n=541)),
+                                       series="census_bytes{device=cpu}", tensors_per_step=None)
+
+    [causes], _ = _run([host, bytes_series])
+
+    assert len(causes.findings) == 2
+
+
+def test_the_cause_is_stable_across_evaluations() -> None:
+    # the second group is raised one evaluation late; the rates then drift apart; the key stays
+    a1 = _finding("float32[32, 10]", HISTORY.format(n=501), step=600)
+    b2 = _finding("int64[32]", HISTORY.format(n=551), step=650)
+    a3 = _finding("float32[32, 10]", HISTORY.format(n=601), step=700, state="confirmed")
+    b3 = _finding("int64[32]", HISTORY.format(n=601), step=700, rate=3.0)
+
+    history, reported = _run([a1], [a1, b2], [a3, b3], [a3, b3])  # every one "changed": the worst case
+
+    assert [list(c.findings) for c in history] == [[_key(a1)]] * 4
+    assert history[0].findings[_key(a1)] == a1  # alone, it is its own finding
+    assert history[1].findings[_key(a1)].tensors_per_step == 2.0
+    assert [[f.state for f in r] for r in reported] == [["suspected"], [], ["confirmed"], []]
+
+
+def test_a_cause_clears_once_and_never_falls_back_to_suspected() -> None:
+    a = _finding("float32[32, 10]", HISTORY.format(n=501), state="confirmed")
+    b = _finding("int64[32]", HISTORY.format(n=501))
+    a_cleared = _finding("float32[32, 10]", None, state="cleared")
+    b_cleared = _finding("int64[32]", None, state="cleared")
+
+    history, reported = _run([a, b], [a_cleared, b], [a_cleared, b_cleared], [a_cleared, b_cleared])
+
+    assert [next(iter(c.findings.values())).state for c in history] == ["confirmed", "confirmed", "cleared",
+                                                                        "cleared"]
+    assert [[f.state for f in r] for r in reported] == [["confirmed"], [], ["cleared"], []]
+    cleared = next(iter(history[2].findings.values()))
+    assert cleared.culprits == () and "growth stopped" in cleared.summary and cleared.severity is None
+    # one group of two cleared: the finding goes on with the other's rate alone
+    assert next(iter(history[1].findings.values())).tensors_per_step == 1.0
+
+
+def test_a_withdrawn_finding_leaves_its_cause() -> None:
+    a = _finding("float32[32, 10]", HISTORY.format(n=501))
+    b = _finding("int64[32]", HISTORY.format(n=501))
+
+    history, _ = _run([a, b], [b])
+
+    assert list(history[1].findings.values()) == [b]
+    assert list(history[1].findings) == [_key(a)]  # the cause keeps its key
