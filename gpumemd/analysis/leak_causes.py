@@ -83,15 +83,14 @@ def cause_root(holder: str | None) -> str | None:
 def merge_causes(findings: Mapping[Key, Finding], previous: Causes) -> Causes:
     """The causes of ``findings`` (per (series, phase), in the order they were first raised), given
     the causes of the previous evaluation; see the module docstring."""
-    members: dict[Key, Member] = {}
+    # the findings already in a cause stay there; new ones join one of them, or start their own
+    members = {key: previous.members[key] for key in findings if key in previous.members}
     for key, finding in findings.items():
-        member = previous.members.get(key)
-        if member is None:
-            member = _join(key, finding, findings, members)
-        members[key] = member
+        if key not in members:
+            members[key] = _join(key, finding, findings, members)
     grouped: dict[Key, list[Finding]] = {}
-    for key, member in members.items():
-        grouped.setdefault(member.cause, []).append(findings[key])
+    for key, finding in findings.items():
+        grouped.setdefault(members[key].cause, []).append(finding)
     out: dict[Key, Finding] = {}
     for cause, group in grouped.items():
         before = previous.findings.get(cause)
