@@ -11,6 +11,7 @@ was looked up) stays in its ``summary``, which the findings file, ``agent.findin
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ def mention(finding: Finding) -> str:
     """A finding named once in the exit summary: its kind, who holds it, its state and onset
     ("tensor leak held by `kept` in main() at train.py:12 (confirmed, since step 300)")."""
     text = KIND_WORDS.get(finding.kind, finding.kind)
-    holder = holder_words(finding.culprits, finding.sites)
+    holder = holder_words(_shared(finding.culprits), finding.sites)
     if holder:
         text += " " + fit_holder(holder, _MENTION_HOLDER_MAX)
     state = finding.state + (f", since step {finding.onset_step:,}" if finding.onset_step is not None else "")
@@ -125,11 +126,39 @@ def cut_middle(text: str, width: int) -> str:
         return text
     if width < 5:
         return text[:width]
-    # the root (the name the user wrote) whole when it fits, then as much of the last hops
+    hops = text.split(" → ")
+    if len(hops) > 2:
+        # Whole hops only: the root (the name the user wrote), then as many of the last hops as fit.
+        kept: list[str] = []
+        for hop in reversed(hops[1:]):
+            candidate = " → ".join([hops[0], "…", hop, *kept])
+            if len(candidate) > width:
+                break
+            kept.insert(0, hop)
+        if kept:
+            return " → ".join([hops[0], "…", *kept])
+    # the root whole when it fits, then as much of the last hop as fits
     first = text.find(" → ")
     head = max((width - 1) * 2 // 3, min(first, width - 8) if first > 0 else 0)
     tail = width - 1 - head
     return text[:head].rstrip() + "…" + text[len(text) - tail:].lstrip()
+
+
+def _shared(culprits: Sequence[Culprit]) -> Sequence[Culprit]:
+    """The culprits a finding names in one mention: several groups of one cause (one finding listing
+    them) are named by the hops of their holder paths they share, as their headline does."""
+    holders = [c.holder for c in culprits if c.holder]
+    if len(holders) < 2 or len(holders) != len(culprits):
+        return culprits
+    paths = [short_path(h).split(" → ") for h in holders]
+    common: list[str] = []
+    for hops in zip(*paths, strict=False):  # paths of different lengths share a prefix at most
+        if any(hop != hops[0] for hop in hops):
+            break
+        common.append(hops[0])
+    if not common:
+        return culprits
+    return (dataclasses.replace(culprits[0], holder=" → ".join(common)),)
 
 
 def _fit(line: str) -> str:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from gpumemd.analysis.leak_headline import HEADLINE_MAX, Facts, headline, holder_words, mention, short_path
+from gpumemd.analysis.leak_headline import (
+    HEADLINE_MAX,
+    Facts,
+    cut_middle,
+    headline,
+    holder_words,
+    mention,
+    short_path,
+)
 from gpumemd.analysis.leak_track import hinge_onset, knee_between
 from gpumemd.records.findings import Culprit, Finding
 
@@ -50,3 +58,22 @@ def test_a_sparse_count_is_dated_between_its_scans() -> None:
     ys = [3 * max(0.0, x - 287) for x in xs]
     ys[2] = 1.0
     assert knee_between(xs, ys, hinge_onset(xs, ys)) == 287
+
+
+def test_a_cut_path_keeps_whole_hops_never_half_a_word() -> None:
+    path = "`errors` in <module>() → list → [i].__traceback__ → frame train_step() → local `act`"
+    assert cut_middle(path, 70) == "`errors` in <module>() → … → frame train_step() → local `act`"
+    assert cut_middle(path, 45) == "`errors` in <module>() → … → local `act`"
+    assert cut_middle(path, len(path)) == path
+
+
+def test_one_cause_of_several_groups_is_named_once_by_the_path_they_share() -> None:
+    root = "`errors` in main() at train.py:4 → list of 595 items → [i].__traceback__ → frame step()"
+    culprits = tuple(Culprit(group, 1, 8, holder=f"{root} → local `{name}`")
+                     for group, name in (("float32[32, 256]", "act"), ("float32[32, 64]", "x")))
+    finding = Finding(kind="tensor_leak", series="tensors{group=x}", state="confirmed", slope_bytes_per_step=16.0,
+                      slope_low=16.0, slope_high=16.0, onset_step=79, growth_bytes=160, steps_to_oom=None,
+                      first_step=100, updated_step=700, summary="...", culprits=culprits)
+    said = mention(finding)
+    assert said.startswith("tensor leak held by `errors` in main()") and said.endswith("(confirmed, since step 79)")
+    assert "frame step()" in said and "local `act`" not in said and "local `x`" not in said
