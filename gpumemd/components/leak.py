@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census import CensusComponent
     from gpumemd.probes.allocation_history import AllocationHistory
+    from gpumemd.records.census import Census
     from gpumemd.records.findings import Finding
     from gpumemd.records.step import StepRecord
 
@@ -117,6 +118,8 @@ class LeakComponent:
         self._next_scan_total = SCAN_EVERY  # agent.steps_total at which the next scan runs
         self._scan_cost: float | None = None  # moving average of a scan's seconds
         self._append_failed = False  # the last append to the findings file failed (logged once)
+        self._census_seen: Census | None = None  # the last census this component saw published
+        self._deferred = False  # the last due evaluation waited for the step after a census
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
         self.scan_seconds = 0.0  # time spent in survivor scans (benchmarks read it)
 
@@ -189,7 +192,9 @@ class LeakComponent:
                     self._scanned(agent, self._clock() - start)
         detector = series.detector
         due = detector.next_due_step()
-        if record.step >= due:
+        if record.step >= due and self._defer_after_census(agent, record):
+            pass  # evaluated at the next step end; the next scan is planned for it below
+        elif record.step >= due:
             start = self._clock()
             try:
                 _feed_unfed(series, unfed)
@@ -203,6 +208,21 @@ class LeakComponent:
         # search samples tensors and chain roots of that very step (an EMA's root is new each step).
         evaluation_at = total + max(1, due - record.step)
         self._next_scan_total = min(self._last_scan_total + self._scan_interval, evaluation_at)
+
+    def _defer_after_census(self, agent: AgentView, record: StepRecord) -> bool:
+        """Whether a due evaluation waits one step: when the census component (which runs first)
+        scanned the heap in this very step end, the evaluation's own heap scans (culprits, holders,
+        host looks) go to the next one, so no single pause of the job pays for both. Never twice in a
+        row, so a census at every step cannot starve the detector."""
+        census = agent.published.census
+        fresh = census is not None and census is not self._census_seen and census.step == record.step
+        self._census_seen = census
+        if fresh and not self._deferred:
+            self._deferred = True
+            agent.sample_within(1)
+            return True
+        self._deferred = False
+        return False
 
     def on_eve(self) -> None:
         """The step before a sampled one: if that one will scan, mark where its graphs begin."""

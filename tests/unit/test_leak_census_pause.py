@@ -1,0 +1,68 @@
+"""One heavy piece of work per step end: a leak evaluation never lands on the step end where the
+census component scanned the heap, and a census at every step never starves the detector."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from gpumemd.api import build_agent
+from gpumemd.components.census import CensusComponent
+from gpumemd.components.leak import LeakComponent
+from gpumemd.config import Config
+
+
+def _run(out_dir: str, census_every_steps: int, steps: int) -> tuple[list[int], list[int]]:
+    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, quiet=True, leak_warmup_steps=10,
+                    leak_check_every_steps=50, census_every_steps=census_every_steps)
+    agent = build_agent(config)
+    leak = next(c for c in agent._components if isinstance(c, LeakComponent))
+    census = next(c for c in agent._components if isinstance(c, CensusComponent))
+    evaluated: list[int] = []
+    censused: list[int] = []
+    evaluate, take = leak._evaluate, census._take
+
+    def counting_evaluate(agent_view: Any, parts: Any, step: int) -> None:
+        evaluated.append(step)
+        evaluate(agent_view, parts, step)
+
+    def counting_take(step: int | None, *args: Any, **kwargs: Any) -> Any:
+        censused.append(-1 if step is None else step)
+        return take(step, *args, **kwargs)
+
+    leak._evaluate = counting_evaluate  # type: ignore[method-assign]
+    census._take = counting_take  # type: ignore[method-assign]
+    model = torch.nn.Linear(8, 8)
+    agent.register(model)
+    agent.start()
+    try:
+        for step in range(steps):
+            model(torch.randn(4, 8)).sum().backward()
+            agent.mark_step(step)
+    finally:
+        agent.stop()
+    return evaluated, censused
+
+
+def _assert_on_cadence(evaluated: list[int], steps: int) -> None:
+    """Every leak_check_every_steps (50) from the first evaluation, a step or a sampling stride late."""
+    assert evaluated and evaluated[0] <= 20, evaluated
+    gaps = [b - a for a, b in itertools.pairwise(evaluated)]
+    assert all(50 <= gap <= 60 for gap in gaps), evaluated
+    assert steps - evaluated[-1] <= 60, evaluated
+
+
+@pytest.mark.parametrize("census_every_steps", [2, 3])
+def test_an_evaluation_waits_for_the_step_after_a_census(out_dir: str, census_every_steps: int) -> None:
+    evaluated, censused = _run(out_dir, census_every_steps, 400)
+    assert not set(evaluated) & set(censused), (evaluated, censused)
+    _assert_on_cadence(evaluated, 400)
+
+
+def test_a_census_at_every_step_cannot_starve_the_detector(out_dir: str) -> None:
+    evaluated, censused = _run(out_dir, 1, 300)
+    assert len(censused) >= 290
+    _assert_on_cadence(evaluated, 300)  # deferred once, then evaluated on the next step end anyway
