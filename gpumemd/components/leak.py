@@ -211,9 +211,9 @@ class LeakComponent:
 
     def _defer_after_census(self, agent: AgentView, record: StepRecord) -> bool:
         """Whether a due evaluation waits one step: when the census component (which runs first)
-        scanned the heap in this very step end, the evaluation's own heap scans (culprits, holders,
-        host looks) go to the next one, so no single pause of the job pays for both. Never twice in a
-        row, so a census at every step cannot starve the detector."""
+        took its periodic census in this very step end, the evaluation's own heap scans (culprits,
+        holders, host looks) go to the next one, so one pause of the job does not pay for both. Never
+        twice in a row, so a census at every step cannot starve the detector."""
         census = agent.published.census
         fresh = census is not None and census is not self._census_seen and census.step == record.step
         self._census_seen = census
