@@ -16,8 +16,10 @@ from gpumemd.config import Config
 
 
 def _run(out_dir: str, census_every_steps: int, steps: int) -> tuple[list[int], list[int]]:
-    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, quiet=True, leak_warmup_steps=10,
-                    leak_check_every_steps=50, census_every_steps=census_every_steps)
+    # The detector at its defaults (50 warm-up steps, an evaluation every 50); only the census cadence is
+    # forced, so that periodic censuses fall on evaluation steps.
+    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, quiet=True,
+                    census_every_steps=census_every_steps)
     agent = build_agent(config)
     leak = next(c for c in agent._components if isinstance(c, LeakComponent))
     census = next(c for c in agent._components if isinstance(c, CensusComponent))
@@ -49,7 +51,7 @@ def _run(out_dir: str, census_every_steps: int, steps: int) -> tuple[list[int], 
 
 def _assert_on_cadence(evaluated: list[int], steps: int) -> None:
     """Every leak_check_every_steps (50) from the first evaluation, a step or a sampling stride late."""
-    assert evaluated and evaluated[0] <= 20, evaluated
+    assert evaluated and evaluated[0] <= 60, evaluated
     gaps = [b - a for a, b in itertools.pairwise(evaluated)]
     assert all(50 <= gap <= 60 for gap in gaps), evaluated
     assert steps - evaluated[-1] <= 60, evaluated
