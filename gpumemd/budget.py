@@ -36,6 +36,16 @@ from types import MappingProxyType
 UNCLOCKED_SHARE = 0.25
 """Part of ``overhead_budget`` left for what the agent costs the job but cannot clock."""
 
+STEP_END_PAUSE_S = 0.2
+"""The longest pause the agent's heavy work aims to put on one step end, however large the heap.
+
+A heap pass (a census, a holder search, a heap look) costs ~0.1 s per million gc-tracked objects on a
+quiet core. The average is the overhead budget's business; this bounds the single pause a job (and
+its collectives, its data pipeline, its watchdog) feels: a census stops naming holders when it has
+run this long, and a leak finding's culprit search runs one heap pass per step end once a step end
+has paid this much (``components.leak_pending``)."""
+"""Part of ``overhead_budget`` left for what the agent costs the job but cannot clock."""
+
 
 class Part(enum.Enum):
     """A part of the agent that spends the overhead budget."""

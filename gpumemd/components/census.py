@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from gpumemd.budget import census_share
+from gpumemd.budget import STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ class CensusFn(Protocol):
     """``gpumemd.probes.census.take_census``, as the component calls it (tests give their own)."""
 
     def __call__(self, *, models: Sequence[object], optimizers: Sequence[object], step: int | None,
-                 allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int) -> Census: ...
+                 allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int,
+                 pause_s: float | None) -> Census: ...
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,11 @@ class CensusComponent(ComponentBase):
         # Holders only for what grew since the previous census: a step's first one has nothing to
         # compare. Outside a step (an OOM) the largest groups get theirs: there is no later chance.
         holders = self._holders if previous is not None or outside_step else 0
+        # In a step end the census is one bounded pause; outside one (an OOM, the job's own call) the
+        # holders are worth the wait: there is no later chance.
+        pause_s = None if outside_step else STEP_END_PAUSE_S
         return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
-                               previous=previous, holders=holders)
+                               previous=previous, holders=holders, pause_s=pause_s)
 
     def _account(self, agent: AgentView | None, cost: float, *, outside_step: bool) -> None:
         self._last_cost = cost

@@ -34,10 +34,12 @@ from gpumemd.components.leak_culprits import CulpritSearch
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.components.leak_options import LeakOptions
+from gpumemd.components.leak_pending import PendingEvaluation
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.files import append_line
 from gpumemd.probes.graph_chains import GraphChainTracker
+from gpumemd.probes.stepwise import Stepwise
 from gpumemd.probes.survivors import SurvivorTracker
 from gpumemd.records.plain import plain
 
@@ -120,6 +122,7 @@ class LeakComponent:
         self._append_failed = False  # the last append to the findings file failed (logged once)
         self._census_seen: Census | None = None  # the last census this component saw published
         self._deferred = False  # the last due evaluation waited for the step after a census
+        self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
         self.scan_seconds = 0.0  # time spent in survivor scans (benchmarks read it)
 
@@ -145,6 +148,15 @@ class LeakComponent:
     def stop(self) -> None:
         # The series, their past counts and the last census go with the parts; the trackers' gc
         # callback and weak references are released now.
+        pending, self._pending = self._pending, None
+        if pending is not None and self._parts is not None and self._agent is not None:
+            # Detaching: no later step end. The searches left run now, so a state change found in
+            # the last steps is still said and written.
+            try:
+                pending.finish_now()
+                self._conclude(self._agent, self._parts.series, pending)
+            finally:
+                pending.close()
         parts, self._parts = self._parts, None
         if parts is not None:
             if parts.tracker is not None:
@@ -171,6 +183,7 @@ class LeakComponent:
         if parts is None or agent is None:
             return
         series = parts.series
+        started = self._clock()  # the step end's heavy work (scans, searches) is bounded from here
         # The record waits in a short list and is fed to the detector, in one loop, just before the
         # evaluation that reads it (or once _UNFED_MAX wait). A sampled step end runs after a step of
         # compute, with the agent's code and data out of the cache: there each detector call costs
@@ -185,28 +198,31 @@ class LeakComponent:
                 agent.add_thread_seconds(tracker.take_callback_seconds())
             if total >= self._next_scan_total:
                 self._last_scan_total = total
-                start = self._clock()
+                scan_started = self._clock()
                 try:
                     series.feed_counts(record)
                 finally:
-                    self._scanned(agent, self._clock() - start)
+                    self._scanned(agent, self._clock() - scan_started)
         detector = series.detector
         due = detector.next_due_step()
-        if record.step >= due and self._defer_after_census(agent, record):
-            pass  # evaluated at the next step end; the next scan is planned for it below
-        elif record.step >= due:
-            start = self._clock()
+        busy = self._pending is not None or record.step >= due
+        if busy and self._defer_after_census(agent, record):
+            pass  # evaluated (or its searches go on) at the next step end; the next scan is planned for it below
+        elif busy:
+            evaluation_started = self._clock()
             try:
-                _feed_unfed(series, unfed)
-                self._evaluate(agent, parts, record.step)
+                if self._pending is None:
+                    _feed_unfed(series, unfed)
+                    self._evaluate(parts, record.step)
+                self._advance(agent, parts, started)
             finally:
-                self.evaluate_seconds += self._clock() - start
+                self.evaluate_seconds += self._clock() - evaluation_started
             due = detector.next_due_step()
-        elif len(unfed) >= _UNFED_MAX:
+        if len(unfed) >= _UNFED_MAX:
             _feed_unfed(series, unfed)
         # The next scan: every ``_scan_interval`` steps, and at every evaluation, so the culprit
         # search samples tensors and chain roots of that very step (an EMA's root is new each step).
-        evaluation_at = total + max(1, due - record.step)
+        evaluation_at = total + (max(1, due - record.step) if self._pending is None else self._scan_interval)
         self._next_scan_total = min(self._last_scan_total + self._scan_interval, evaluation_at)
 
     def _defer_after_census(self, agent: AgentView, record: StepRecord) -> bool:
@@ -252,20 +268,40 @@ class LeakComponent:
 
     # --- evaluation ----------------------------------------------------------------------------
 
-    def _evaluate(self, agent: AgentView, parts: _Parts, step: int) -> None:
+    def _evaluate(self, parts: _Parts, step: int) -> None:
+        """Evaluate the detector and plan the culprit searches its state changes need (``_advance``
+        runs them, one heap pass at a time on a big heap)."""
+        assert self._agent is not None
         series = parts.series
         statuses = series.evaluate(step)
         rising = series.rising_names()
+        work: list[tuple[_Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
         if series.host_spec.name in rising and not self._counts_active(series, rising):
-            self._host.look(step, agent)
-        if not statuses:
-            return
+            work.append((None, self._host.look_stepwise(step, self._agent)))
         for status in statuses:
             key = (status.spec.name, status.phase)
             active = status.state is not None and status.state.active
             if active and (status.changed or self._retry_culprits(key, step)):
                 self._attempts[key] = step
-                self._culprits[key] = parts.culprits.find(status)
+                work.append((key, parts.culprits.search(status)))
+        self._pending = PendingEvaluation(step, statuses, rising, work)
+
+    def _advance(self, agent: AgentView, parts: _Parts, started: float) -> None:
+        """Run the pending searches within this step end's share; when all are done, update the
+        findings and say their state changes."""
+        pending = self._pending
+        assert pending is not None
+        if not pending.advance(self._clock, started):
+            agent.sample_within(1)  # the next pass at the next step end
+            return
+        self._pending = None
+        self._conclude(agent, parts.series, pending)
+
+    def _conclude(self, agent: AgentView, series: LeakSeries, pending: PendingEvaluation) -> None:
+        self._culprits.update(pending.found)
+        statuses, rising = pending.statuses, pending.rising
+        if not statuses:
+            return
         held_graphs = self._graphs_reported(series, statuses, rising)
         changed = [(s.spec.name, s.phase) for s in statuses if self._update(series, s, held_graphs) and s.changed]
         # Groups that grow together under one holder are one cause: one finding, one line per

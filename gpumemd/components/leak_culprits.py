@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpumemd.analysis.leak_wording import chain_sentence, count_sentence, culprits_from_diff, refine_kind
@@ -20,6 +20,7 @@ from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes import host_objects
 from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
+from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.records.device import CPU, cuda_index
 from gpumemd.records.findings import Culprit
 
@@ -72,20 +73,25 @@ class CulpritSearch:
         self._check_every_steps = check_every_steps
 
     def find(self, status: TrackStatus) -> Evidence:
+        """The whole search at once (outside a training loop's step ends, and in tests)."""
+        return run_to_end(self.search(status))
+
+    def search(self, status: TrackStatus) -> Stepwise[Evidence]:
+        """The search, one heap pass between ``yield``s (see ``probes.stepwise``)."""
         kind = status.spec.kind
         if kind == "host_leak":
-            return self._host_culprits(status)
+            return (yield from self._host_culprits(status))
         if status.spec.unit == "tensors":
-            return self._count_culprits(status)
+            return (yield from self._count_culprits(status))
         if status.spec.unit == "nodes":
-            return self._chain_culprits(status)
+            return self._chain_culprits(status)  # one holder search: one pass
         if kind in ("tensor_leak", "graph_leak"):
-            return self._census_culprits(status)
+            return (yield from self._census_culprits(status))
         return NO_EVIDENCE
 
     # --- count series: one tensor of the group ---------------------------------------------------
 
-    def _count_culprits(self, status: TrackStatus) -> Evidence:
+    def _count_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         """Who holds the tensors of a growing count series: a sample of the group, looked up now (so
         the container's size is the one when the sentence is written), and what one of them costs."""
         key = self._series.counts.key_of(status.spec)
@@ -93,16 +99,19 @@ class CulpritSearch:
         if key is None or tracker is None:
             return NO_EVIDENCE
         group = next((g for g in tracker.groups() if g.key == key), None)
-        sample = tracker.sample(key)
         held = _SampleHolder(garbage=True)  # every tensor of the group died since the scan: nothing to blame
+        sampled = tracker.sample(key)
+        held_sample = hold_weakly(sampled) if sampled is not None else None
+        del sampled
+        if held_sample is not None:
+            held = yield from self._holder_of_sample(held_sample)
+        sample = held_sample() if held_sample is not None else None
         graph_bytes = graph_nodes = 0
         try:
-            if sample is not None:
-                held = self._holder_of_sample(sample)
-                if status.spec.kind == "graph_leak":
-                    graph_bytes = host_objects.saved_bytes(sample)
-                    if not graph_bytes:  # backward() freed them: the nodes are what it keeps
-                        graph_nodes = host_objects.graph_size(sample, max_nodes=_GRAPH_NODES_MAX)
+            if sample is not None and status.spec.kind == "graph_leak":
+                graph_bytes = host_objects.saved_bytes(sample)
+                if not graph_bytes:  # backward() freed them: the nodes are what it keeps
+                    graph_nodes = host_objects.graph_size(sample, max_nodes=_GRAPH_NODES_MAX)
         finally:
             del sample
         own = group.nbytes / group.count if group is not None and group.count else 0.0
@@ -123,24 +132,42 @@ class CulpritSearch:
                         bytes_per_unit=max(per_tensor, 1.0), sentence=sentence, graph_kept=held.graph_kept,
                         garbage=held.garbage)
 
-    def _holder_of_sample(self, sample: torch.Tensor) -> _SampleHolder:
-        started = time.monotonic()
+    def _holder_of_sample(self, held_sample: Callable[[], torch.Tensor | None]) -> Stepwise[_SampleHolder]:
+        """Who keeps the sample: a cycle, a Python path, else the autograd graph that saved it. One
+        heap pass per ``yield``; the sample is held weakly across them (a long-lived tensor of a
+        growing group: when it died meanwhile, nothing kept it)."""
+        sample = held_sample()
+        if sample is None:
+            return _SampleHolder(garbage=True)
         cycle = cycle_holder(sample)
+        del sample
         # Cyclic garbage while the collector runs is freed at its next collection (a burst),
         # not leaked; with gc disabled nothing will ever free it: that is the leak.
         garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
-        # one pause for both look-ups: the path gets what the cycle check left of the budget
-        remaining = max(0.05, HOLDER_BUDGET_S - (time.monotonic() - started))
-        holder = cycle or who_holds(sample, time_budget_s=remaining, ignore=(self._series.counts.specs,))
+        if cycle is not None:
+            return _SampleHolder(cycle, garbage=garbage)
+        yield
+        sample = held_sample()
+        if sample is None:
+            return _SampleHolder(garbage=True)
+        holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.counts.specs,))
         if holder is not None:
             return _SampleHolder(holder, garbage=garbage)
         # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it (torch
         # preserves the Python wrapper of saved tensors). Name the root of the largest live graph
         # and its holder. A tensor without grad_fn is said to be kept by a graph only when that
         # graph saves it: else (a look-up the budget cut short) its holder is unknown, not a graph.
-        if sample.grad_fn is None and not host_objects.saved_by_a_graph(sample):
+        del sample
+        yield
+        sample = held_sample()
+        if sample is None:
+            return _SampleHolder(garbage=True)
+        unsaved = sample.grad_fn is None and not host_objects.saved_by_a_graph(sample)
+        del sample
+        if unsaved:
             return _SampleHolder(garbage=garbage)
-        root = host_objects.growing_graph(0, min_added=1)
+        yield
+        root = yield from _growing_graph()
         if root is not None and root.holder is not None:
             return _SampleHolder(f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
                                  f"held by {root.holder}", graph_kept=True, garbage=garbage)
@@ -181,12 +208,13 @@ class CulpritSearch:
 
     # --- bytes series: the census diff ---------------------------------------------------------
 
-    def _census_culprits(self, status: TrackStatus) -> Evidence:
+    def _census_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         censuses = self._census
         now = self._agent.state().census
         stale = now is None or now.step is None or status.step - now.step > self._check_every_steps
         if stale and censuses is not None:
             now = censuses.take_now()
+            yield
         earlier = censuses.at_or_after(int(status.window_start)) if censuses is not None else None
         if earlier is None or earlier is now:
             # No census inside the window (a slow cadence on a big heap): the newest one before it.
@@ -202,15 +230,15 @@ class CulpritSearch:
         culprits = list(culprits_from_diff(deltas))
         kind = refine_kind(status.spec.kind, culprits) if culprits else None  # before holders are named
         if culprits and culprits[0].holder is None:
-            culprits[0] = _name_holder(culprits[0], deltas)
+            culprits[0] = yield from _name_holder(culprits[0], deltas)
         return Evidence(tuple(culprits), float(now.step - earlier.step), sites, kind)
 
     # --- host RSS: CPU tensors, else containers or a graph --------------------------------------
 
-    def _host_culprits(self, status: TrackStatus) -> Evidence:
+    def _host_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         # CPU tensors first: when a census taken now shows tensor/graph bytes growing at least half as
         # fast as RSS, the host leak is theirs, and the census diff names them and who holds them.
-        census = self._census_culprits(status)
+        census = yield from self._census_culprits(status)
         if census.culprits and census.steps > 0:
             # The census interval may start before the onset: compare what the census saw grow with
             # what RSS gained over the part of that interval where the leak ran.
@@ -219,15 +247,21 @@ class CulpritSearch:
             leak_steps = min(census.steps, max(1.0, status.step - since))
             if in_census >= 0.5 * status.verdict.slope.slope * leak_steps:
                 return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)
-        return self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids())
+        yield
+        return (yield from self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids()))
 
 
-def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Culprit:
+def _growing_graph() -> Stepwise[host_objects.GraphGrowth | None]:
+    """The root of the largest live autograd graph and who holds it (two heap passes)."""
+    return (yield from host_objects.growing_graph_stepwise(0, min_added=1, holder_budget_s=HOLDER_BUDGET_S))
+
+
+def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Stepwise[Culprit]:
     """The census looks up holders only for groups whose count grew; name the others here."""
     if culprit.category == "graph":
         # Tensors with a grad_fn that nothing in Python holds are kept by an autograd graph:
         # name the tensor at the root of the largest live graph and who holds it.
-        root = host_objects.growing_graph(0, min_added=1)
+        root = yield from _growing_graph()
         if root is not None and root.holder is not None:
             return dataclasses.replace(
                 culprit, holder=f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "

@@ -14,6 +14,8 @@ from gpumemd import budget
 from gpumemd.analysis.leak_detector import TrackStatus
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.probes import host_objects
+from gpumemd.probes.holders import HOLDER_BUDGET_S
+from gpumemd.probes.stepwise import Stepwise, run_to_end
 from gpumemd.records.findings import Culprit
 
 
@@ -60,33 +62,50 @@ class HostLooks:
         baseline that lets a host leak's culprit be named when the leak is first suspected, and it
         comes in the job's first thousand steps, where RSS rises as heaps warm up (a one-time cost,
         like the first census: ``bench_step_overhead.py`` reports both as start-up)."""
-        if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
+        run_to_end(self.look_stepwise(step, job, force=force))
+
+    def look_stepwise(self, step: int, job: JobSteps, *, force: bool = False) -> Stepwise[None]:
+        """``look`` in two passes (containers, then graphs), one step end each in a training loop."""
+        if not self._due(step, job, force=force):
             return
+        started = self._clock()
+        lengths = self._container_lengths()
+        took = self._clock() - started
+        yield
+        started = self._clock()
+        self._baseline = (step, lengths, self._largest_graph_nodes())
+        self._look_at = job.steps_total
+        self._look_cost = took + self._clock() - started
+        self.seconds += self._look_cost
+
+    def _due(self, step: int, job: JobSteps, *, force: bool) -> bool:
+        if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
+            return False
         if not force and self._look_at is not None:
             job_seconds = (job.steps_total - self._look_at) * (job.seconds_per_step or 0.0)
             if job_seconds * budget.share(self._overhead_budget, budget.Part.HOST_LOOKS) < self._look_cost:
-                return  # the job has not yet paid for the last look within this share of the budget
-        started = self._clock()
-        self._baseline = (step, self._container_lengths(), self._largest_graph_nodes())
-        self._look_at = job.steps_total
-        self._look_cost = self._clock() - started
-        self.seconds += self._look_cost
+                return False  # the job has not yet paid for the last look within this share of the budget
+        return True
 
-    def culprits(self, status: TrackStatus, job: JobSteps, *, ignore: set[int]) -> Evidence:
+    def culprits(self, status: TrackStatus, job: JobSteps, *, ignore: set[int]) -> Stepwise[Evidence]:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
         without a baseline, or with nothing grown, a fresh look that the next evaluation compares
-        with. ``ignore``: ids of containers that are the agent's own (the detector's buffers)."""
+        with. ``ignore``: ids of containers that are the agent's own (the detector's buffers). One
+        heap pass between ``yield``s (``probes.stepwise``)."""
         baseline = self._baseline
         if baseline is None or baseline[0] >= status.step:
             self._baseline = None
-            self.look(status.step, job, force=True)  # the next evaluation can compare
+            yield from self.look_stepwise(status.step, job, force=True)  # the next evaluation can compare
             return NO_EVIDENCE
         since, lengths, graph_nodes = baseline
         steps = float(status.step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
-        grown = host_objects.growing_containers(lengths, ignore=ignore)
+        grown = yield from host_objects.growing_containers_stepwise(lengths, ignore=ignore,
+                                                                    holder_budget_s=HOLDER_BUDGET_S)
         contained = sum(g.approx_bytes for g in grown)
-        graph = host_objects.growing_graph(graph_nodes, min_added=max(1, int(steps) // 2))
+        yield
+        graph = yield from host_objects.growing_graph_stepwise(graph_nodes, min_added=max(1, int(steps) // 2),
+                                                               holder_budget_s=HOLDER_BUDGET_S)
         if graph is not None and contained < 0.5 * growth:
             # Nothing Python-visible grew enough, but one autograd graph gains nodes every step.
             culprit = Culprit(description=f"{graph.description} (graph of {graph.nodes:,} autograd nodes, "
@@ -95,7 +114,8 @@ class HostLooks:
             return Evidence((culprit,), steps, (), "graph_leak")
         if not grown:
             self._baseline = None
-            self.look(status.step, job, force=True)
+            yield
+            yield from self.look_stepwise(status.step, job, force=True)
             return NO_EVIDENCE
         culprits = tuple(
             Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",

@@ -72,6 +72,7 @@ def take_census(
     optimizers: Iterable[Any] = (),
     step: int | None = None,
     holders: int = 3,
+    pause_s: float | None = None,
     graph: bool = True,
     previous: Census | None = None,
     allocator: Sequence[AllocatorSample] | None = None,
@@ -87,6 +88,8 @@ def take_census(
     ``previous`` (the last census) the groups that grew, for holders. ``holders`` is how many
     groups get a ``who_holds`` line: the anonymous groups that grew most since ``previous``, or the
     largest anonymous groups when there is no ``previous``; all lookups together stop after ``HOLDERS_TIME_BUDGET_S``.
+    ``pause_s`` (a census in a step end): the lookups stop when the whole census has run that long, so
+    a big heap's census is one bounded pause (the leak finding that needs a holder looks it up itself).
     """
     start = clock()
     models = _distinct(models)
@@ -100,9 +103,9 @@ def take_census(
     objects, truncated, errors = census.objects_scanned, census.graph_truncated, census.errors
     census.release()  # drop every reference the pass holds before the heap is searched for holders
     del census, grouping
-    if holders > 0:
-        groups = fill_holders(groups, samples, owners, holders=holders, previous=previous,
-                              budget_s=HOLDERS_TIME_BUDGET_S)
+    budget_s = HOLDERS_TIME_BUDGET_S if pause_s is None else min(HOLDERS_TIME_BUDGET_S, pause_s - (clock() - start))
+    if holders > 0 and budget_s > 0:
+        groups = fill_holders(groups, samples, owners, holders=holders, previous=previous, budget_s=budget_s)
     samples.clear()
     owners.clear()
     return Census(

@@ -13,19 +13,23 @@ not). ``largest_graph_nodes`` / ``growing_graph`` compare the largest live graph
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.probes.autograd_graph import GraphWalk, count_nodes
+from gpumemd.probes.heap_tensors import live_tensors
 from gpumemd.probes.holders import who_holds
+from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.probes.storages import StorageKey, Storages
 
 if TYPE_CHECKING:
     import torch
 
-_CONTAINERS = (list, dict, set, collections.deque)
+_CONTAINERS = frozenset({list, dict, set, collections.deque})
 _MIN_LEN = 8  # smaller containers are not where a leak lives after a few hundred steps
 _MAX_TRACKED = 50_000  # bounded memory for one snapshot: ids -> lengths
 
@@ -45,8 +49,9 @@ class ContainerGrowth:
 def container_lengths() -> dict[int, int]:
     """id -> length of every gc-tracked container with at least ``_MIN_LEN`` items (bounded)."""
     out: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if type(obj) in _CONTAINERS:
+    containers = _containers()
+    try:
+        for obj in containers:
             try:
                 n = len(obj)
             except Exception:  # noqa: BLE001 - an odd subclass must not stop the scan
@@ -55,7 +60,19 @@ def container_lengths() -> dict[int, int]:
                 out[id(obj)] = n
                 if len(out) >= _MAX_TRACKED:
                     break
+    finally:
+        containers.clear()
     return out
+
+
+def _containers() -> list[Any]:
+    """The gc-tracked lists, dicts, sets and deques (exact types), selected in C: a heap of a million
+    objects is walked in a fraction of what a Python-level type test per object costs."""
+    objects = gc.get_objects()
+    try:
+        return list(itertools.compress(objects, map(_CONTAINERS.__contains__, map(type, objects))))
+    finally:
+        objects.clear()
 
 
 def _newest_item(obj: Any) -> Any:
@@ -72,9 +89,18 @@ def growing_containers(
     """Containers from ``before`` that gained at least ``min_added`` items, most bytes first; the
     first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
     ids of containers that are the caller's own bounded buffers."""
+    return run_to_end(growing_containers_stepwise(before, limit=limit, min_added=min_added, ignore=ignore,
+                                                  holder_budget_s=0.5))
+
+
+def growing_containers_stepwise(
+    before: dict[int, int], *, limit: int = 3, min_added: int = 4, ignore: set[int] | frozenset[int] = frozenset(),
+    holder_budget_s: float,
+) -> Stepwise[list[ContainerGrowth]]:
+    """``growing_containers`` in two passes: the heap scan, then (after a ``yield``) the holder search."""
     found: list[tuple[int, Any, int, Any]] = []
-    for obj in gc.get_objects():
-        if type(obj) not in _CONTAINERS or id(obj) in ignore:
+    for obj in _containers():
+        if id(obj) in ignore:
             continue
         was = before.get(id(obj))
         if was is None:
@@ -91,14 +117,18 @@ def growing_containers(
             continue  # the agent's own bounded buffers (step ring, census history) fill up at start
         found.append((added * size, obj, added, item))
     found.sort(key=lambda f: f[0], reverse=True)
-    out = []
-    for rank, (approx, obj, added, item) in enumerate(found[:limit]):
-        holder = None
-        if rank == 0 and item is not None:
-            holder = who_holds(item, time_budget_s=0.5, ignore=(found,))
-        out.append(ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj), holder))
+    grown = [ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj))
+             for approx, obj, added, item in found[:limit]]
+    newest = hold_weakly(found[0][3]) if found and found[0][3] is not None else None
     found.clear()
-    return out
+    if newest is None:
+        return grown
+    yield
+    item = newest()
+    if item is not None:
+        grown[0] = dataclasses.replace(grown[0], holder=who_holds(item, time_budget_s=holder_budget_s))
+    del item
+    return grown
 
 
 # --- autograd graphs that grow behind one tensor (``total_loss += loss``) ------------------------
@@ -117,27 +147,25 @@ class GraphGrowth:
 
 
 def _largest_graph() -> tuple[int, Any]:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return 0, None
-    tensor_type = torch.Tensor
     budget = _GRAPH_NODE_BUDGET
     best, best_tensor = 0, None
-    for obj in gc.get_objects():
-        if budget <= 0:
-            break
-        if not issubclass(type(obj), tensor_type):  # type(): never runs a lazy object's __class__
-            continue
-        try:
-            fn = obj.grad_fn
-        except Exception:  # noqa: BLE001 - odd subclass
-            continue
-        if fn is None:
-            continue
-        n = count_nodes(fn, budget)
-        budget -= n
-        if n > best:
-            best, best_tensor = n, obj
+    tensors = live_tensors()
+    try:
+        for obj in tensors:
+            if budget <= 0:
+                break
+            try:
+                fn = obj.grad_fn
+            except Exception:  # noqa: BLE001 - odd subclass
+                continue
+            if fn is None:
+                continue
+            n = count_nodes(fn, budget)
+            budget -= n
+            if n > best:
+                best, best_tensor = n, obj
+    finally:
+        tensors.clear()
     return best, best_tensor
 
 
@@ -150,13 +178,29 @@ def largest_graph_nodes() -> int:
 
 def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
     """The largest live graph, if it gained at least ``min_added`` nodes since ``before_nodes``."""
+    return run_to_end(growing_graph_stepwise(before_nodes, min_added=min_added, holder_budget_s=0.5))
+
+
+def growing_graph_stepwise(
+    before_nodes: int, *, min_added: int, holder_budget_s: float,
+) -> Stepwise[GraphGrowth | None]:
+    """``growing_graph`` in two passes: the graphs, then (after a ``yield``) who holds the root. The
+    root is held weakly meanwhile: a step's own graph must not outlive its step because of us."""
     n, tensor = _largest_graph()
     if tensor is None or n - before_nodes < min_added:
         return None
     try:
         dtype = str(tensor.dtype).removeprefix("torch.")
         shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
-        holder = who_holds(tensor, time_budget_s=0.5)
+        root = hold_weakly(tensor)
+    finally:
+        del tensor
+    yield
+    tensor = root()
+    if tensor is None:
+        return None  # freed with its step: it was not kept
+    try:
+        holder = who_holds(tensor, time_budget_s=holder_budget_s)
     finally:
         del tensor
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
@@ -166,23 +210,22 @@ def saved_by_a_graph(sample: Any, *, max_nodes: int = _GRAPH_NODE_BUDGET) -> boo
     """Does a live autograd graph save a tensor on ``sample``'s storage? The graphs of the tensors
     with a ``grad_fn`` are walked newest first, each node once, ``max_nodes`` in all. What makes a
     tensor that nothing in Python holds "kept by a graph", rather than unexplained."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
     try:
         ptr = sample.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - no storage (a wrapper subclass): nothing to compare
         return False
     walk = GraphWalk(max_nodes)
+    tensors = live_tensors()
     try:
-        for index, obj in enumerate(reversed(gc.get_objects())):
+        for index, obj in enumerate(reversed(tensors)):
             if walk.truncated:
                 return False
-            fn = getattr(obj, "grad_fn", None) if issubclass(type(obj), torch.Tensor) else None
+            fn = getattr(obj, "grad_fn", None)
             if fn is not None and walk.walked_by(fn) is None and _saves(walk, fn, index, ptr):
                 return True
         return False
     finally:
+        tensors.clear()
         walk.clear()
 
 

@@ -1,0 +1,51 @@
+"""Every live tensor on the heap, in one fast pass over ``gc.get_objects()``.
+
+The passes that look for a graph or a tensor on a heap of a million objects are paid on the training
+thread. ``issubclass(type(o), Tensor)`` per object costs ~0.2 s at 1M objects; a set of the tensor
+types, tested in C (``itertools.compress``), costs a fraction of that. The set is built from
+``__subclasses__`` at each pass, so subclasses defined since the last one are in it.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+from typing import Any
+
+
+def tensor_types(torch: Any) -> frozenset[type]:
+    """``torch.Tensor`` and every live subclass of it (``Parameter``, ``FakeTensor``, ...)."""
+    found: set[type] = {torch.Tensor}
+    stack: list[type] = [torch.Tensor]
+    while stack:
+        subs: list[type] = type.__subclasses__(stack.pop())
+        for sub in subs:
+            if sub not in found:
+                found.add(sub)
+                stack.append(sub)
+    return frozenset(found)
+
+
+def live_tensors() -> list[Any]:
+    """The gc-tracked tensors, in ``gc.get_objects()`` order (oldest first); [] without torch.
+
+    The caller owns the list: clear it when done, so no tensor outlives the pass because of it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    types = tensor_types(torch)
+    objects = gc.get_objects()
+    try:
+        return list(itertools.compress(objects, map(types.__contains__, map(type, objects))))
+    except TypeError:  # a metaclass that makes its types unhashable: one object at a time
+        return [o for o in objects if _is_tensor(o, types)]
+    finally:
+        objects.clear()
+
+
+def _is_tensor(obj: Any, types: frozenset[type]) -> bool:
+    try:
+        return type(obj) in types
+    except TypeError:
+        return False
