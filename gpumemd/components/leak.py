@@ -266,6 +266,8 @@ class LeakComponent:
             if active and (status.changed or self._retry_culprits(key, step)):
                 self._attempts[key] = step
                 self._culprits[key] = parts.culprits.find(status)
+            elif not active:
+                self._sites.settle(status)  # a decided suspicion no longer needs allocation history
         held_graphs = self._graphs_reported(series, statuses, rising)
         changed = [(s.spec.name, s.phase) for s in statuses if self._update(series, s, held_graphs) and s.changed]
         # Groups that grow together under one holder are one cause: one finding, one line per
