@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import cuda_index
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class AllocationSites:
         snap = self._snapshot() if before is not None else None
         if before is None or snap is None:
             return ()
-        grown = diff_sites(before[1], live_by_site(snap, d, internal=internal_dirs()), limit=3)
+        grown = diff_sites(before[1], live_by_site(snap, d, internal=internal_dirs(), library=library_dirs()), limit=3)
         sites = tuple(site_sentence(g, status.step - before[0]) for g in grown)
         if status.state is LeakState.CONFIRMED:
             self._named[d] = sites
@@ -99,7 +99,8 @@ class AllocationSites:
             return
         snap = self._snapshot()
         if snap is not None:
-            self._before[device] = (step, live_by_site(snap, device, internal=internal_dirs()))
+            self._before[device] = (step, live_by_site(snap, device, internal=internal_dirs(),
+                                                           library=library_dirs()))
 
     def clear(self) -> None:
         """Forget the sites and switch our allocation history off (at stop)."""

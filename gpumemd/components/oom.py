@@ -38,7 +38,7 @@ from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summa
 from gpumemd.components.base import ComponentBase
 from gpumemd.components.oom_capture import Capture, CaptureSlot
 from gpumemd.probes.environment import collect_environment
-from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.report.build import ReportInputs, build_report, oom_device
@@ -385,7 +385,8 @@ class OomComponent(ComponentBase):
             step=step,
             phase=agent.current_phase,
             observer=capture.call if capture else None,
-            snapshot_summaries=summarize_snapshot(snapshot, internal=internal_dirs()) if snapshot is not None else {},
+            snapshot_summaries=summarize_snapshot(
+                snapshot, internal=internal_dirs(), library=library_dirs()) if snapshot is not None else {},
             snapshot_source=snapshot_source,
             snapshot_file="snapshot.pickle" if snapshot is not None else None,
             expandable_segments=expandable_segments_enabled(snapshot) if snapshot is not None else None,
