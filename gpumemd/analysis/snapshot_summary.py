@@ -63,11 +63,15 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], dirs: tuple[Sequen
     largest: dict[int, int] = s["largest_free"]  # stream -> largest free large-pool block
     stream = _int(seg.get("stream", 0))
     blocks = seg.get("blocks")
+    private = _private_pool(seg)
     for block in blocks if isinstance(blocks, list) else ():
         if not isinstance(block, Mapping):
             continue
         size = _int(block.get("size", 0))
         state = block.get("state")
+        if state == "inactive" and private:
+            s["private_free"] += size  # only its own graphs' replays can use it
+            continue
         if state == "inactive":
             s["inactive"] += size
             if large:
@@ -80,6 +84,14 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], dirs: tuple[Sequen
             if site is not None:
                 bytes_, count = s["sites"].get(site, (0, 0))
                 s["sites"][site] = (bytes_ + size, count + 1)
+
+
+def _private_pool(seg: Mapping[str, Any]) -> bool:
+    """Is the segment in a private pool (CUDA graphs, MemPool)? ``(0, 0)`` is the default pool."""
+    pool = seg.get("segment_pool_id")
+    if not isinstance(pool, (tuple, list)) or len(pool) != 2:
+        return False
+    return any(_int(part) != 0 for part in pool)
 
 
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
@@ -99,7 +111,8 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     def slot(device: int) -> dict[str, Any]:
         if device not in acc:
             acc[device] = {"segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0,
-                           "largest_free": {}, "expandable": 0, "sites": {}}
+                           "largest_free": {}, "expandable": 0, "sites": {},
+                           "private_free": 0}
         return acc[device]
 
     for seg in segments:
@@ -127,6 +140,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
             oom_requested_bytes=_int(oom["size"]) if oom is not None and "size" in oom else None,
             oom_device_free_bytes=_int(oom["device_free"]) if oom is not None and "device_free" in oom else None,
             sites=tuple(SnapshotSite(frame=k, nbytes=v[0], blocks=v[1]) for k, v in sites),
+            private_pool_free_bytes=s["private_free"],
         )
     return out
 

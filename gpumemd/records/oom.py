@@ -188,6 +188,9 @@ class SnapshotSummary:
     oom_requested_bytes: int | None = None  # size of the last "oom" trace entry
     oom_device_free_bytes: int | None = None
     sites: tuple[SnapshotSite, ...] = field(default_factory=tuple)
+    # Free blocks in private pools (CUDA graphs, MemPool): kept for their graphs' replays, never
+    # handed to other allocations, so neither free memory for the OOM's request nor fragmentation.
+    private_pool_free_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,8 @@ def test_a_library_frame_is_the_site_and_the_users_line_is_shown_beside_it() -> 
     assert first_user_frame(stack, CONDA_INTERNAL, LIBRARY) == (
         "modeling_llama.py:321 in forward, called from train.py:57 in main")
     # no user frame at all (a library's own entry point): the library frame alone
-    assert first_user_frame([TORCH_IN_CONDA, HF, TRAINER], CONDA_INTERNAL, LIBRARY) == "modeling_llama.py:321 in forward"
+    alone = first_user_frame([TORCH_IN_CONDA, HF, TRAINER], CONDA_INTERNAL, LIBRARY)
+    assert alone == "modeling_llama.py:321 in forward"
     live = live_by_site(snapshot([block(1 << 20, fr=stack)]), internal=CONDA_INTERNAL, library=LIBRARY)
     assert list(live) == ["modeling_llama.py:321 in forward, called from train.py:57 in main"]
 

@@ -167,3 +167,18 @@ def test_history_switched_on_at_suspicion_goes_off_when_it_clears(out_dir: str) 
     with open(os.path.join(out_dir, "leak-findings-rank3.jsonl"), encoding="utf-8") as fh:
         assert [json.loads(line)["state"] for line in fh] == ["suspected", "cleared"]
     assert running == [("all", 5000), (None, None)]  # never confirmed, yet off again while the job runs
+
+
+class GraphPool(FakeDevice):
+    """torch.compile "reduce-overhead": each new shape records a CUDA graph whose private pool grows
+    by what its blocks hold; allocated bytes grow with it (reserved_bytes_by_private_pools, 2.13)."""
+
+    def stats(self, device: int) -> dict[str, int]:
+        stats = super().stats(device)
+        stats["reserved_bytes_by_private_pools.1_0.all.current"] = self.leaked_blocks() * self.leak
+        return stats
+
+
+def test_private_pool_growth_is_not_an_allocated_bytes_leak(out_dir: str) -> None:
+    agent, _, _ = run(GraphPool(leak=2 * MIB), out_dir)
+    assert [f.series for f in agent.findings() if f.series.startswith("allocated_bytes")] == []
