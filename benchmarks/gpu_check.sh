@@ -19,13 +19,15 @@ declare -a NAMES RESULTS
 record() { NAMES+=("$1"); RESULTS+=("$2"); }
 start=$(date +%s)
 
-timeout 270 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tail -25
-record "tests/gpu" "$([ "${PIPESTATUS[0]}" -eq 0 ] && echo PASS || echo FAIL)"
+timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -25
+rc=${PIPESTATUS[0]}
+record "tests/gpu" "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)"
 
 for smoke in oom leak exporter; do
     limit=40; [ "$smoke" = leak ] && limit=100
     timeout "$limit" "$PY" benchmarks/gpu_smoke.py "$smoke"
-    record "smoke: $smoke" "$([ $? -eq 0 ] && echo PASS || echo FAIL)"
+    rc=$?
+    record "smoke: $smoke" "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)"
 done
 
 echo
