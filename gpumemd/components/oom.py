@@ -7,14 +7,10 @@ Moments, in order, for a CUDA OOM:
    and a burst of calls (cuDNN halving its workspace in a loop) takes one snapshot per step and second;
 2. the ``OutOfMemoryError`` propagates: ``gpumemd.oom_guard`` or an excepthook (uncaught, main or
    other thread) hands it to ``handle``, which writes the report with the pending capture;
-3. a step that completes after a capture proves it was recovered: the next sampled step end drops
-   it, and a capture of another step, another device or older than a few seconds is never attached
-   to a later OOM (``oom_capture``).
-CPU allocation failures skip step 1. The observer is attached through torch's lazy-init queue: at
-CUDA initialisation, before the job's first CUDA allocation, so an OOM in the first forward, an eval
-loop or inference is captured at the moment; attaching never initialises CUDA itself (that must
-never happen before a DataLoader forks). Where torch has no queue, it is attached at the first
-sampled step end after the job initialised CUDA.
+3. a capture no OOM claimed is dropped at the next step end, never attached to another (``oom_capture``).
+CPU allocation failures skip step 1. The observer goes on torch's lazy-init queue: attached when the
+job initialises CUDA, before its first allocation (a first-forward OOM is caught at the moment), and
+never initialising CUDA itself (not before a DataLoader forks); without a queue, at a step end.
 """
 
 from __future__ import annotations
@@ -67,7 +63,7 @@ _observer_target: weakref.ref[OomComponent] | None = None
 
 def _observer_attached(ok: bool) -> None:
     global _observer_installed
-    _observer_installed = ok  # one assignment: the queued call may run inside a locked section of ours
+    _observer_installed = ok  # no lock: the queued call may run inside a locked section of ours
 
 
 def _trampoline(device: int, alloc: int, total_or_cap: int, free: int) -> None:
