@@ -11,7 +11,12 @@ The loop every tutorial writes ("start large, halve on OOM"), done properly:
    sizes that ran, and **verified** by running it. A verified size refines the line; a failure
    bounds the search from above and the next guess bisects. A guess is never more than
    ``MAX_GROWTH`` (4) times the largest size that ran. At most ``max_tries`` runs.
-3. Return the **largest size that ran** within the budget, with its **measured** peak.
+3. Return the **largest size that ran** within ``(1 - margin)·capacity``, with its **measured** peak:
+   a size that ran at 99% of the capacity does not fit (the margin is what a long run needs for
+   fragmentation, longer sequences and the other ranks' buffers).
+
+Under ``torch.distributed`` with more than one rank it refuses: one rank's OOM would leave the
+others blocked in the step's collectives. Search in one process and hand the size to every rank.
 
 Capacity and measurement:
 
@@ -197,9 +202,24 @@ def find_batch_size(
         budget_bytes = _cuda_capacity(device)
     if budget_bytes < 1:
         raise ValueError(f"find_batch_size(budget_bytes={budget_bytes!r}) is not valid: expected bytes >= 1")
+    _refuse_under_distributed(torch)
     runner = _Runner(step_fn, device, budget_bytes, reset_fn)
     return search(runner.run, start=start, max_size=max, budget_bytes=budget_bytes, margin=margin,
                   max_tries=max_tries, multiple_of=multiple_of)
+
+
+def _refuse_under_distributed(torch: Any) -> None:
+    dist = getattr(torch, "distributed", None)
+    try:
+        ranks = int(dist.get_world_size()) if dist is not None and dist.is_available() and dist.is_initialized() else 1
+    except Exception:  # noqa: BLE001 - a broken process group is not ours to diagnose here
+        ranks = 1
+    if ranks > 1:
+        raise RuntimeError(
+            f"find_batch_size under torch.distributed (world size {ranks}): one rank's out-of-memory would "
+            "leave the other ranks blocked in the step's collectives. Run it in a single process (before "
+            "init_process_group, or with torchrun --nproc-per-node 1) and pass the size it finds to every rank"
+        )
 
 
 def search(
@@ -218,6 +238,8 @@ def search(
 
     def attempt(size: int) -> Try:
         result = run(size)
+        if result.fits and (result.peak_bytes is None or result.peak_bytes > target):
+            result = Try(result.batch_size, result.ran, result.peak_bytes, False)  # ran, but inside the margin
         tries.append(result)
         return result
 
@@ -236,7 +258,8 @@ def search(
         hi = size
         if size <= multiple_of:
             raise RuntimeError(
-                f"find_batch_size: batch size {size} does not fit in {budget_bytes} bytes "
+                f"find_batch_size: batch size {size} does not fit in {int(target)} bytes ({budget_bytes} "
+                f"less the margin of {margin:.0%}) "
                 f"(tries: {tries}); reduce the model or raise the budget"
             )
         if len(tries) >= max_tries:

@@ -157,7 +157,7 @@ def cuda_breakdown(
     room, non_pytorch = _room_items(limits, reserved, device)
     items += room
     verdict, why = _cuda_verdict(requested=requested, allocated=allocated, reserved=reserved, limits=limits,
-                                 largest=largest)
+                                 largest=largest, private_free=snapshot.private_pool_free_bytes if snapshot else 0)
     return Breakdown(
         device=device, total_bytes=limits.total, items=tuple(items), requested_bytes=requested,
         allocated_bytes=allocated, reserved_bytes=reserved, largest_free_block_bytes=largest,
@@ -174,6 +174,7 @@ def _cuda_verdict(
     reserved: int | None,
     limits: _Limits,
     largest: int | None,
+    private_free: int = 0,
 ) -> tuple[str, str]:
     if requested is None:
         return "unknown", "the request size is unknown (no observer call, no parsable message)"
@@ -188,7 +189,7 @@ def _cuda_verdict(
                 "a size or shape bug, not memory pressure")
     if allocated is None or reserved is None:
         return "unknown", "the allocator's state at the OOM is unknown"
-    cached_free = max(0, reserved - allocated)
+    cached_free = max(0, reserved - allocated - private_free)  # a private pool's free blocks serve only its graphs
     room = limits.headroom or 0
     free_total = cached_free + room
     where = "on the device" if cap is None else f"left under {cap_words(cap, limits.fraction)}"

@@ -15,6 +15,10 @@ Formats (TORCH_MEMORY_API.md §4.3, §4.4):
   ``CUDNN_STATUS_ALLOC_FAILED``: memory ran out, the allocator's numbers are unknown;
 - CPU: a plain ``RuntimeError`` ``... DefaultCPUAllocator: can't allocate memory: you tried to allocate
   1152921504606846976 bytes. Error code 12 (Cannot allocate memory)`` (or "not enough memory").
+- ROCm: the same caching allocator, hipified: ``HIP out of memory. Tried to allocate ...`` in either
+  CUDA wording above (the device is ``torch.cuda``'s ordinal there too), ``HIP error: out of memory``;
+- XPU: ``XPU out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.11 GiB. Of the
+  allocated memory ...`` (an ``xpu`` device; "of which ... is free" where the runtime says it).
 ``Storage size calculation overflowed`` is a shape error, not an allocation failure: not an OOM here.
 One classifier serves the OOM reports, ``oom_guard`` and ``find_batch_size``.
 """
@@ -31,11 +35,11 @@ from gpumemd.records.oom import OomMessage
 # run. Real sizes have at most ~20 digits.
 _SIZE = r"(?<![\d.])(\d{1,20}(?:\.\d{1,6})?) (bytes|KiB|MiB|GiB|TiB)"
 _NEW = re.compile(
-    r"CUDA out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of "
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of "
     + _SIZE + r" of which " + _SIZE + r" is free\."
 )
 _OLD = re.compile(
-    r"CUDA out of memory\. Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE + r" total capacity; "
+    r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE + r" total capacity; "
     + _SIZE + r" already allocated; " + _SIZE + r" free; (?:" + _SIZE + r" allowed; )?" + _SIZE
     + r" reserved in total by PyTorch\)"
 )
@@ -47,7 +51,13 @@ _ASYNC_LINES = {
     "free": re.compile(r"Free \(according to CUDA\)\s*: " + _SIZE),
     "limit": re.compile(r"PyTorch limit \(set by user-supplied memory fraction\)\s*: " + _SIZE),
 }
-_RUNTIME = re.compile(r"CUDA error: out of memory|(?:CUBLAS|CUDNN|HIPBLAS|MIOPEN)_STATUS_ALLOC_FAILED")
+_RUNTIME = re.compile(r"(?:CUDA|HIP) error: out of memory|(?:CUBLAS|CUDNN|HIPBLAS|MIOPEN)_STATUS_ALLOC_FAILED")
+_XPU = re.compile(
+    r"XPU out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of " + _SIZE
+    + r"(?: of which " + _SIZE + r" is free)?\."
+)
+_XPU_PT = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, and " + _SIZE
+                     + r" is reserved by PyTorch but unallocated")
 _PT = re.compile(
     r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, (?:with " + _SIZE
     + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?and " + _SIZE
@@ -104,12 +114,14 @@ def parse_oom_message(text: str) -> OomMessage | None:
         )
     if m := _ASYNC.search(text):
         return _async_message(Device.cuda(int(m[1])), text)
+    if m := _XPU.search(text):
+        return _xpu_message(m, text)
     if m := _CPU.search(text):
         return OomMessage(kind="cpu", format="cpu", requested_bytes=int(m[1]))
     if _MPS.search(text):
         size = _MPS_SIZE.search(text)
         return OomMessage(kind="mps", format="mps", requested_bytes=parse_size(size[1], size[2]) if size else None)
-    if "CUDA out of memory" in text:  # a future wording: still an OOM, numbers unknown
+    if "CUDA out of memory" in text or "HIP out of memory" in text:  # a future wording: numbers unknown
         return OomMessage(kind="cuda", format="unparsed")
     if _RUNTIME.search(text):
         return OomMessage(kind="cuda", format="cuda-runtime")
@@ -131,6 +143,22 @@ def _async_message(device: Device, text: str) -> OomMessage:
         # With no fraction set the limit is SIZE_MAX ("17179869184.00 GiB"): no cap to report.
         allowed_bytes=limit if limit is not None and (total is None or limit < total) else None,
         allocated_bytes=sizes.get("allocated"),
+    )
+
+
+def _xpu_message(m: re.Match[str], text: str) -> OomMessage:
+    """XPU's caching allocator: the request, the device total, what PyTorch holds and caches."""
+    pt = _XPU_PT.search(text)
+    return OomMessage(
+        kind="device",
+        format="xpu",
+        requested_bytes=parse_size(m[1], m[2]),
+        device=Device("xpu", int(m[3])),
+        total_bytes=parse_size(m[4], m[5]),
+        free_bytes=parse_size(m[6], m[7]) if m[6] else None,
+        allocated_bytes=parse_size(pt[1], pt[2]) if pt else None,
+        reserved_unallocated_bytes=parse_size(pt[3], pt[4]) if pt else None,
+        reserved_bytes=(parse_size(pt[1], pt[2]) + parse_size(pt[3], pt[4])) if pt else None,
     )
 
 

@@ -12,23 +12,29 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpumemd.analysis.alloc_sites import is_user_frame
+from gpumemd.analysis.alloc_sites import site_frames
 from gpumemd.records.device import Device
 from gpumemd.records.oom import SnapshotSite, SnapshotSummary
 
 _TOP_SITES = 10
 
 
-def _frame_key(frames: Any, internal: Sequence[str]) -> str | None:
-    """The innermost frame that is the user's code (frames[0] is nearest the allocation, usually
-    inside torch or C++), else the innermost frame: the line a person can change."""
+def _frame_key(frames: Any, internal: Sequence[str], library: Sequence[str] = ()) -> str | None:
+    """The innermost frame outside torch and gpumemd (frames[0] is nearest the allocation, usually
+    inside torch or C++), with the user's own frame further out when that one is a library's; else
+    the innermost frame: the line a person can change."""
     if not frames or not isinstance(frames, Sequence):
         return None
     mappings = [f for f in frames if isinstance(f, Mapping)]
     if not mappings:
         return None
-    first = next((f for f in mappings if is_user_frame(str(f.get("filename", "")), internal)), mappings[0])
-    return f"{first.get('filename', '?')}:{first.get('line', '?')}:{first.get('name', '?')}"
+    outside, own = site_frames(mappings, internal, library)
+    key = _full(outside if outside is not None else mappings[0])
+    return key if own is None or own is outside else f"{key}, called from {_full(own)}"
+
+
+def _full(frame: Mapping[str, Any]) -> str:
+    return f"{frame.get('filename', '?')}:{frame.get('line', '?')}:{frame.get('name', '?')}"
 
 
 def _int(value: Any) -> int:
@@ -46,7 +52,7 @@ def _largest_free(by_stream: dict[int, int], oom: Mapping[str, Any] | None) -> i
     return max(by_stream.values(), default=0)
 
 
-def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], internal: Sequence[str]) -> None:
+def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], dirs: tuple[Sequence[str], Sequence[str]]) -> None:
     """One segment and its blocks into its device's tallies ``s``."""
     s["segments"] += 1
     s["reserved"] += _int(seg.get("total_size", 0))
@@ -57,11 +63,15 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], internal: Sequence
     largest: dict[int, int] = s["largest_free"]  # stream -> largest free large-pool block
     stream = _int(seg.get("stream", 0))
     blocks = seg.get("blocks")
+    private = _private_pool(seg)
     for block in blocks if isinstance(blocks, list) else ():
         if not isinstance(block, Mapping):
             continue
         size = _int(block.get("size", 0))
         state = block.get("state")
+        if state == "inactive" and private:
+            s["private_free"] += size  # only its own graphs' replays can use it
+            continue
         if state == "inactive":
             s["inactive"] += size
             if large:
@@ -70,16 +80,26 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], internal: Sequence
         s["active"] += size
         if state == "active_allocated":
             s["allocated"] += size
-            site = _frame_key(block.get("frames"), internal)
+            site = _frame_key(block.get("frames"), *dirs)
             if site is not None:
                 bytes_, count = s["sites"].get(site, (0, 0))
                 s["sites"][site] = (bytes_ + size, count + 1)
 
 
+def _private_pool(seg: Mapping[str, Any]) -> bool:
+    """Is the segment in a private pool (CUDA graphs, MemPool)? ``(0, 0)`` is the default pool."""
+    pool = seg.get("segment_pool_id")
+    if not isinstance(pool, (tuple, list)) or len(pool) != 2:
+        return False
+    return any(_int(part) != 0 for part in pool)
+
+
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
-                       internal: Sequence[str] = ()) -> dict[Device, SnapshotSummary]:
+                       internal: Sequence[str] = (), library: Sequence[str] = ()) -> dict[Device, SnapshotSummary]:
     """CUDA device -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
-    ``internal``: directory prefixes whose frames are not the user's (``gpumemd.probes.package_dirs``)."""
+    ``internal``, ``library``: directory prefixes of torch and gpumemd, and of the standard library and
+    installed packages (``gpumemd.probes.package_dirs``): a site is the first frame outside the former,
+    with the first outside both when that is another."""
     if isinstance(snapshot, list):
         segments: list[Any] = snapshot
         traces: list[Any] = []
@@ -91,12 +111,13 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     def slot(device: int) -> dict[str, Any]:
         if device not in acc:
             acc[device] = {"segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0,
-                           "largest_free": {}, "expandable": 0, "sites": {}}
+                           "largest_free": {}, "expandable": 0, "sites": {},
+                           "private_free": 0}
         return acc[device]
 
     for seg in segments:
         if isinstance(seg, Mapping):
-            _count_segment(slot(_int(seg.get("device", 0))), seg, internal)
+            _count_segment(slot(_int(seg.get("device", 0))), seg, (internal, library))
     out: dict[Device, SnapshotSummary] = {}
     for device in set(acc) | set(range(len(traces))):
         entries = traces[device] if device < len(traces) and isinstance(traces[device], list) else []
@@ -119,6 +140,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
             oom_requested_bytes=_int(oom["size"]) if oom is not None and "size" in oom else None,
             oom_device_free_bytes=_int(oom["device_free"]) if oom is not None and "device_free" in oom else None,
             sites=tuple(SnapshotSite(frame=k, nbytes=v[0], blocks=v[1]) for k, v in sites),
+            private_pool_free_bytes=s["private_free"],
         )
     return out
 

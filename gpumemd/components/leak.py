@@ -284,6 +284,8 @@ class LeakComponent:
             if active and (status.changed or self._retry_culprits(key, step)):
                 self._attempts[key] = step
                 work.append((key, parts.culprits.search(status)))
+            elif not active:
+                self._sites.settle(status)  # a decided suspicion no longer needs allocation history
         self._pending = PendingEvaluation(step, statuses, rising, work)
 
     def _advance(self, agent: AgentView, parts: _Parts, started: float) -> None:

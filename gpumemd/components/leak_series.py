@@ -131,7 +131,10 @@ class LeakSeries:
         for a in record.allocator:
             d = a.device
             if a.allocated_bytes is not None:
-                self._observe(_spec("allocated_bytes", "tensor_leak", d), step, a.allocated_bytes, phase)
+                # A private pool (CUDA graphs under "reduce-overhead") grows with each graph recorded
+                # and holds its blocks for replays: the pool's growth, not a tensor leak.
+                outside_pools = max(0, a.allocated_bytes - (a.private_pool_reserved_bytes or 0))
+                self._observe(_spec("allocated_bytes", "tensor_leak", d), step, outside_pools, phase)
             if a.inactive_split_bytes is not None:
                 # Fragmentation is what empty_cache() cannot release: inactive split blocks. Reserved −
                 # allocated also holds whole cached segments, which the allocator frees and retries

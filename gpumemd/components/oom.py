@@ -7,9 +7,10 @@ Moments, in order, for a CUDA OOM:
    and a burst of calls (cuDNN halving its workspace in a loop) takes one snapshot per step and second;
 2. the ``OutOfMemoryError`` propagates: ``gpumemd.oom_guard`` or an excepthook (uncaught, main or
    other thread) hands it to ``handle``, which writes the report with the pending capture;
-3. a step that completes after a capture proves it was recovered: ``on_step`` drops the capture.
-CPU allocation failures skip step 1. The observer is attached lazily, once the job itself has
-initialised CUDA (attaching initialises CUDA, which must never happen before a DataLoader forks).
+3. a capture no OOM claimed is dropped at the next step end, never attached to another (``oom_capture``).
+CPU allocation failures skip step 1. The observer goes on torch's lazy-init queue: attached when the
+job initialises CUDA, before its first allocation (a first-forward OOM is caught at the moment), and
+never initialising CUDA itself (not before a DataLoader forks); without a queue, at a step end.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.components.base import ComponentBase
+from gpumemd.components.oom_capture import Capture, CaptureSlot
 from gpumemd.probes.environment import collect_environment
-from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.report.build import ReportInputs, build_report, oom_device
@@ -49,23 +51,19 @@ log = logging.getLogger("gpumemd")
 
 _TRACEBACK_CHARS = 20_000
 _MARK = "_gpumemd_oom_handled"  # set on an exception once handled, so guard + excepthook report it once
-_BURST_S = 1.0  # observer calls within this long of a capture, in the same step, reuse its snapshot
-
-
-@dataclass(frozen=True)
-class _Capture:
-    call: ObserverCall
-    snapshot: dict[str, Any] | None
-    memory_summary: str | None
-    steps_total: int = 0  # the agent's step count when the observer fired
-    captured_at: float | None = None  # the clock when the snapshot was taken (None: none was attempted)
 
 
 # PyTorch keeps observers forever (no detach API): one process-wide trampoline is attached once and
 # dispatches to whichever component is running, through a weak reference.
 _observer_lock = threading.Lock()
 _observer_installed = False
+_observer_queued = False  # on torch's lazy-init queue (it runs at most once per process)
 _observer_target: weakref.ref[OomComponent] | None = None
+
+
+def _observer_attached(ok: bool) -> None:
+    global _observer_installed
+    _observer_installed = ok  # no lock: the queued call may run inside a locked section of ours
 
 
 def _trampoline(device: int, alloc: int, total_or_cap: int, free: int) -> None:
@@ -122,7 +120,7 @@ class OomComponent(ComponentBase):
         self._wall = wall_clock
         self._agent: AgentView | None = None
         self._lock = threading.Lock()
-        self._pending: _Capture | None = None
+        self._captures = CaptureSlot()
         self._written = 0
         self._last_report: float | None = None
         self._ooms = 0
@@ -145,11 +143,20 @@ class OomComponent(ComponentBase):
         self._install_excepthooks()
         available = getattr(self._probe, "cuda_available", None)
         self._cuda_possible = bool(available()) if available is not None else True  # no step looks on a CPU build
+        if self._cuda_possible:
+            self._queue_observer()
         self._maybe_hook_cuda()
+
+    @property
+    def _pending(self) -> Capture | None:
+        return self._captures.pending
 
     def on_step(self, record: StepRecord) -> None:
         if not self._cuda_hooked and self._cuda_possible:
             self._maybe_hook_cuda()
+        agent = self._agent
+        if agent is not None:  # a capture no OOM claimed before this step ended was recovered from
+            self._captures.drop_stale(steps_total=agent.steps_total, now=self._clock())
 
     def stop(self) -> None:
         global _observer_target
@@ -159,12 +166,26 @@ class OomComponent(ComponentBase):
             if _observer_target is not None and _observer_target() is self:
                 _observer_target = None
         self._probe.disable_history()
-        self._pending = None
+        self._captures.clear()
         if self._owns_census:
             self._owns_census = False
             self._census.stop()
 
     # --- CUDA: history and the observer (lazy) -------------------------------------------------
+
+    def _queue_observer(self) -> None:
+        """Point the trampoline here and, once per process, put its attach on torch's lazy-init queue
+        (at once if CUDA is up): in place before the job's first CUDA allocation."""
+        global _observer_queued, _observer_target
+        with _observer_lock:
+            _observer_target = weakref.ref(self)
+            if _observer_installed or _observer_queued:
+                return
+            _observer_queued = True
+        # Outside our lock: with CUDA up the attach runs at once, inside torch's init lock.
+        if not self._probe.attach_oom_observer_at_init(_trampoline, _observer_attached):
+            with _observer_lock:
+                _observer_queued = False  # no queue in this torch: attached at a step end instead
 
     def _maybe_hook_cuda(self) -> None:
         global _observer_installed, _observer_target
@@ -175,38 +196,25 @@ class OomComponent(ComponentBase):
             self._probe.enable_history(self.config.history_max_entries)
         with _observer_lock:
             _observer_target = weakref.ref(self)
-            if not _observer_installed:
+            if not _observer_installed and not _observer_queued:
                 _observer_installed = self._probe.attach_oom_observer(_trampoline)
 
     def observe(self, device: int, alloc: int, total_or_cap: int, free: int) -> None:
-        """The observer body: capture only (the report is written if the OOM really propagates).
+        """The observer body: capture only (the report is written if the OOM really propagates);
+        bursts share one snapshot (``CaptureSlot.observe``).
 
         PyTorch calls it as ``(device, alloc_size, allowed_memory_maximum or device_total, device_free)``:
         the third argument is the device total or the per-process cap, not allocated bytes.
-
-        A burst (cuDNN retrying with ever smaller workspaces, each retry an OOM it catches) takes one
-        snapshot: a call in the same step, within ``_BURST_S`` of the last snapshot, keeps that
-        snapshot and records its own numbers (the latest call is the one that may propagate).
         """
         agent = self._agent
         if not self._running or agent is None or not agent.running:
             return
-        ordinal = int(device)
-        call = ObserverCall(device=Device.cuda(ordinal), requested_bytes=int(alloc),
+        call = ObserverCall(device=Device.cuda(int(device)), requested_bytes=int(alloc),
                             total_or_cap_bytes=int(total_or_cap), device_free_bytes=int(free),
                             wall_time=self._wall())
-        steps, now = agent.steps_total, self._clock()
-        earlier = self._pending
-        snapshot = summary = captured_at = None
-        if (earlier is not None and earlier.captured_at is not None and earlier.steps_total == steps
-                and now - earlier.captured_at < _BURST_S):
-            snapshot, captured_at = earlier.snapshot, earlier.captured_at  # all devices: still this moment
-            summary = earlier.memory_summary if earlier.call.device == call.device else \
-                self._probe.memory_summary(ordinal)
-        elif self._may_write(now):  # no snapshot for an OOM we would not report anyway
-            snapshot, captured_at = self._probe.capture(), now
-            summary = self._probe.memory_summary(ordinal)
-        self._pending = _Capture(call, snapshot, summary, steps, captured_at)
+        now = self._clock()
+        self._captures.observe(call, steps_total=agent.steps_total, now=now, may_snapshot=self._may_write(now),
+                               snapshot=self._probe.capture, summary=self._probe.memory_summary)
 
     # --- excepthooks -------------------------------------------------------------------------
 
@@ -313,13 +321,10 @@ class OomComponent(ComponentBase):
             log.warning("gpumemd: could not write the OOM report (%s: %s)", type(err).__name__, err)
             return None
 
-    def _recent_capture(self, agent: AgentView) -> _Capture | None:
-        """The observer's capture, unless a step ended after it fired: that OOM was recovered (cuDNN
-        retried with less workspace) and the capture is of a different moment."""
-        capture = self._pending
-        if capture is not None and capture.steps_total != agent.steps_total:
-            return None
-        return capture
+    def _recent_capture(self, agent: AgentView) -> Capture | None:
+        """The observer's capture, unless a step ended after it fired or it is too old: that OOM was
+        recovered (cuDNN retried with less workspace) and the capture is of a different moment."""
+        return self._captures.peek(steps_total=agent.steps_total, now=self._clock())
 
     def _may_write(self, now: float) -> bool:
         if self._written >= self.config.oom_max_reports:
@@ -344,7 +349,8 @@ class OomComponent(ComponentBase):
             self._last_report = now
             capture = None
             if message is None or message.kind != "cpu":  # a CUDA capture says nothing about host RAM
-                capture, self._pending = self._recent_capture(agent), None
+                capture = self._captures.take(steps_total=agent.steps_total, now=now,
+                                              device=message.device if message is not None else None)
         path = self._write(agent, exc, message, source, capture)
         with self._lock:
             self._written += 1
@@ -353,7 +359,7 @@ class OomComponent(ComponentBase):
         return path
 
     def _write(self, agent: AgentView, exc: BaseException | None, message: OomMessage | None, source: str,
-               capture: _Capture | None) -> str:
+               capture: Capture | None) -> str:
         state = agent.state()
         snapshot = capture.snapshot if capture else None
         snapshot_source = "oom_observer" if snapshot is not None else None
@@ -375,7 +381,8 @@ class OomComponent(ComponentBase):
             step=step,
             phase=agent.current_phase,
             observer=capture.call if capture else None,
-            snapshot_summaries=summarize_snapshot(snapshot, internal=internal_dirs()) if snapshot is not None else {},
+            snapshot_summaries=summarize_snapshot(
+                snapshot, internal=internal_dirs(), library=library_dirs()) if snapshot is not None else {},
             snapshot_source=snapshot_source,
             snapshot_file="snapshot.pickle" if snapshot is not None else None,
             expandable_segments=expandable_segments_enabled(snapshot) if snapshot is not None else None,

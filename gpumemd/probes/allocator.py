@@ -85,7 +85,20 @@ def sample_from_stats(ordinal: int, stats: Mapping[str, Any], *, backend: str = 
         if expandable_segments and field_name == "inactive_split_bytes":
             kept = False
         values[field_name] = int(raw) if kept and isinstance(raw, (int, float)) else None
-    return AllocatorSample(device=Device.cuda(ordinal), memory_fraction=memory_fraction, cap_bytes=cap_bytes, **values)
+    return AllocatorSample(device=Device.cuda(ordinal), memory_fraction=memory_fraction, cap_bytes=cap_bytes,
+                           private_pool_reserved_bytes=None if backend == ASYNC_BACKEND else _private_pools(stats),
+                           **values)
+
+
+_PRIVATE_POOLS = "reserved_bytes_by_private_pools."
+
+
+def _private_pools(stats: Mapping[str, Any]) -> int | None:
+    """Bytes reserved by every private pool (``reserved_bytes_by_private_pools.<a>_<b>.all.current``,
+    one per pool id); None when torch lists none."""
+    found = [v for k, v in stats.items() if k.startswith(_PRIVATE_POOLS) and k.endswith(".all.current")
+             and isinstance(v, (int, float))]
+    return int(sum(found)) if found else None
 
 
 def torch_cap_reader(torch: Any) -> CapFn:

@@ -12,7 +12,7 @@ import sys
 import types
 from typing import Any
 
-from gpumemd.probes.package_dirs import internal_dirs
+from gpumemd.probes.package_dirs import not_user_dirs
 
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
 
@@ -114,7 +114,7 @@ def user_modules(namespaces: dict[int, str]) -> list[tuple[str, dict[str, Any]]]
     """(name, namespace) of the loaded modules that are the job's own code: neither the standard
     library, torch, gpumemd, nor an installed package. ``namespaces``: ``module_dicts()``."""
     try:
-        internal = internal_dirs()
+        internal = not_user_dirs()
     except Exception:  # noqa: BLE001 - no torch (it names torch's directory): no module is told apart
         return []
     out: list[tuple[str, dict[str, Any]]] = []

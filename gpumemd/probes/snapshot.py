@@ -8,6 +8,8 @@ Loading a snapshot someone sent you is the other half, in ``snapshot_load``.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -60,12 +62,32 @@ class SnapshotProbe:
         if not self.cuda_initialized():
             return None
         try:
-            snapshot = self._t().cuda.memory._snapshot()
+            snapshot = self._snapshot_fn()()
         except Exception as exc:  # noqa: BLE001 - cudaMallocAsync raises RuntimeError, CPU AttributeError
             self.health.failed(exc)
             return None
         self.health.ok()
         return snapshot if isinstance(snapshot, dict) else None
+
+    def _snapshot_fn(self) -> Callable[[], Any]:
+        """``_snapshot``, asking torch to map frames of torch.compile's generated code back to the
+        model's source where its signature offers it (``augment_with_fx_traces``, torch 2.9+). The
+        mapping is plain Python over the frames: if it fails, the snapshot is taken without it."""
+        take = self._t().cuda.memory._snapshot
+        try:
+            offers_fx = "augment_with_fx_traces" in inspect.signature(take).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            offers_fx = False
+        if not offers_fx:
+            return take
+
+        def augmented() -> Any:
+            try:
+                return take(augment_with_fx_traces=True)
+            except Exception:  # noqa: BLE001 - the FX registry is torch-private: fall back to the plain one
+                return take()
+
+        return augmented
 
     def memory_summary(self, device: int) -> str | None:
         """``torch.cuda.memory_summary(device)`` text, or None without CUDA."""
@@ -99,6 +121,40 @@ class SnapshotProbe:
             return
         self.history_enabled = False
         self._history.release(_HISTORY_USER)
+
+    def attach_oom_observer_at_init(self, observer: OomObserver, attached: Callable[[bool], None]) -> bool:
+        """Have ``observer`` attached when CUDA initialises, through torch's lazy-init queue
+        (``torch.cuda._lazy_call``): at once if CUDA is up, else queued, and run by ``_lazy_init``
+        right after ``_cuda_init()``, before the job's first CUDA allocation. Nothing here initialises
+        CUDA. ``attached(ok)`` is told when the attach ran. False: this torch has no queue or no
+        observer API (a CPU build), and the caller attaches at a step end instead.
+
+        The queued call must never raise: ``_lazy_init`` turns an exception from it into a
+        ``DeferredCudaCallError`` in the job's first CUDA call."""
+        torch = self._t()
+        lazy_call = getattr(getattr(torch, "cuda", None), "_lazy_call", None)
+        attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer", None)
+        if lazy_call is None or attach is None:
+            return False
+        health = self.health
+
+        def at_init() -> None:
+            # Inside _lazy_init, is_initialized() is still False: attach directly, no check
+            ok = False
+            try:
+                attach(observer)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - cudaMallocAsync / pluggable allocators raise
+                health.failed(exc)
+            with contextlib.suppress(Exception):  # see above: never into the job's CUDA init
+                attached(ok)
+
+        try:
+            lazy_call(at_init)
+        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
+            health.failed(exc)
+            return False
+        return True
 
     def attach_oom_observer(self, observer: OomObserver) -> bool:
         """Register ``observer`` with the CUDA allocator. It initialises CUDA: call it only once

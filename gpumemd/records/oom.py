@@ -57,7 +57,8 @@ class OomMessage:
     """The numbers in an out-of-memory message. ``None`` means "the message did not say"."""
 
     kind: str
-    format: str  # "cuda-2.1+", "cuda-legacy", "cuda-async", "cuda-runtime", "cpu", "mps" or "unparsed"
+    format: str  # "cuda-2.1+", "cuda-legacy", "cuda-async", "cuda-runtime", "xpu", "cpu", "mps" or "unparsed"
+    # (ROCm's "HIP out of memory" is the CUDA caching allocator's text: "cuda-2.1+" or "cuda-legacy")
     requested_bytes: int | None = None
     device: Device | None = field(default=None, metadata=AS_ORDINAL)  # the CUDA device it names
     total_bytes: int | None = None  # the device's total capacity
@@ -188,6 +189,9 @@ class SnapshotSummary:
     oom_requested_bytes: int | None = None  # size of the last "oom" trace entry
     oom_device_free_bytes: int | None = None
     sites: tuple[SnapshotSite, ...] = field(default_factory=tuple)
+    # Free blocks in private pools (CUDA graphs, MemPool): kept for their graphs' replays, never
+    # handed to other allocations, so neither free memory for the OOM's request nor fragmentation.
+    private_pool_free_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

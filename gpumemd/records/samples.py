@@ -37,6 +37,10 @@ class AllocatorSample:
     # not read (older torch, fake probes), 1.0 with no cap; ``cap_bytes`` is None unless a cap is set.
     memory_fraction: float | None = None
     cap_bytes: int | None = None
+    # Reserved by private pools (CUDA graphs: torch.compile's "reduce-overhead", MemPool), summed over
+    # ``reserved_bytes_by_private_pools`` (torch 2.13+; None where torch does not report it). Blocks
+    # allocated there count in ``allocated_bytes`` too: a pool growing with each recorded graph.
+    private_pool_reserved_bytes: int | None = None
 
     @property
     def cached_free_bytes(self) -> int | None:

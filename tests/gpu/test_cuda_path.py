@@ -412,3 +412,35 @@ def test_a_cpu_job_with_gpumemd_attached_leaves_cuda_uninitialised(tmp_path: Pat
     assert facts["after_detach"] is False
     if not alone["fork_poisoned"]:  # torch itself leaves fork safe here: gpumemd must too
         assert facts["fork_poisoned"] is False, "gpumemd called cudaGetDeviceCount (is_available?) in a CPU job"
+
+
+# --- 7. an OOM in the first forward, attach() before any CUDA use --------------------------------------
+
+FIRST_FORWARD_JOB = """
+    agent = gpumemd.attach(output_dir=OUT, record_history=False)  # as the README says: before .cuda()
+    before = torch.cuda.is_initialized()
+    queued = [getattr(fn, "__qualname__", "") for fn, _ in torch.cuda._queued_calls]
+    model = torch.nn.Linear(1024, 1024).cuda()  # the job's first CUDA use runs torch's lazy-init queue
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        with gpumemd.oom_guard():  # the first forward, no step ended: only the observer can see it
+            model(torch.randn(64, 1024, device="cuda")) + torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        pass
+    emit(before=before, queued=queued, report=only_report(agent), total=total,
+         steps=agent.state().steps_total, num_ooms=torch.cuda.memory_stats()["num_ooms"])
+    gpumemd.detach()
+"""
+
+
+def test_an_oom_in_the_first_forward_is_captured_by_the_observer(tmp_path: Path) -> None:
+    facts = run_job(tmp_path, "first_forward", FIRST_FORWARD_JOB)
+    assert facts["before"] is False, "attach() initialised CUDA"
+    assert any("attach_oom_observer_at_init" in name for name in facts["queued"]), facts["queued"]
+    assert facts["steps"] == 0 and facts["num_ooms"] == 1
+    report = load_report(facts["report"])
+    assert report["snapshot"]["source"] == "oom_observer", report["snapshot"]
+    assert report["observer"] is not None and report["observer"]["total_or_cap_bytes"] == facts["total"]
+    assert report["observer"]["requested_bytes"] >= 2 * facts["total"]
+    devices = {d["device"]: d for d in report["snapshot"]["devices"]}
+    assert devices[0]["allocated_bytes"] >= 1024 * 1024 * 4  # the weights, read inside the allocator

@@ -73,19 +73,57 @@ def test_a_users_folder_named_like_a_package_is_user_code() -> None:
     assert first_user_frame([*TORCH_FRAMES, *user], INTERNAL) == "train.py:9 in step"
 
 
-def test_internal_dirs_are_the_installed_packages_and_the_stdlib() -> None:
+def test_internal_dirs_are_torch_and_gpumemd_and_library_dirs_the_stdlib_and_packages() -> None:
     import os
     import sysconfig
 
     import torch
 
     import gpumemd
-    from gpumemd.probes.package_dirs import internal_dirs
+    from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 
     dirs = internal_dirs()
     for module in (torch, gpumemd):
         assert os.path.dirname(module.__file__).replace("\\", "/") + "/" in dirs
-    assert sysconfig.get_paths()["stdlib"].replace("\\", "/") + "/" in dirs
+    # in a venv, conda or a python:3.x image the stdlib dirs hold site-packages: never internal
+    assert sysconfig.get_paths()["stdlib"].replace("\\", "/") + "/" not in dirs
+    assert sysconfig.get_paths()["stdlib"].replace("\\", "/") + "/" in library_dirs()
+    assert sysconfig.get_paths()["purelib"].replace("\\", "/") + "/" in library_dirs()
     here = {"filename": os.path.abspath(__file__), "line": 1, "name": "t"}  # tests/ is not gpumemd/
     inside = {"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py"), "line": 1, "name": "f"}
-    assert first_user_frame([inside, here], dirs) == f"{os.path.basename(__file__)}:1 in t"
+    assert first_user_frame([inside, here], dirs, library_dirs()) == f"{os.path.basename(__file__)}:1 in t"
+
+
+SITE = "/opt/conda/lib/python3.11/site-packages/"
+LIBRARY = ("/opt/conda/lib/python3.11/", SITE)  # as package_dirs gives them: the stdlib and site-packages
+CONDA_INTERNAL = (SITE + "torch/",)
+HF = {"filename": SITE + "transformers/models/llama/modeling_llama.py", "line": 321, "name": "forward"}
+TRAINER = {"filename": SITE + "transformers/trainer.py", "line": 2241, "name": "train"}
+USER = {"filename": "/home/me/train.py", "line": 57, "name": "main"}
+TORCH_IN_CONDA = {"filename": SITE + "torch/nn/modules/module.py", "line": 1775, "name": "_call_impl"}
+
+
+def test_a_library_frame_is_the_site_and_the_users_line_is_shown_beside_it() -> None:
+    stack = [CPP_FRAME, TORCH_IN_CONDA, HF, TORCH_IN_CONDA, TRAINER, USER]
+    assert first_user_frame(stack, CONDA_INTERNAL, LIBRARY) == (
+        "modeling_llama.py:321 in forward, called from train.py:57 in main")
+    # no user frame at all (a library's own entry point): the library frame alone
+    alone = first_user_frame([TORCH_IN_CONDA, HF, TRAINER], CONDA_INTERNAL, LIBRARY)
+    assert alone == "modeling_llama.py:321 in forward"
+    live = live_by_site(snapshot([block(1 << 20, fr=stack)]), internal=CONDA_INTERNAL, library=LIBRARY)
+    assert list(live) == ["modeling_llama.py:321 in forward, called from train.py:57 in main"]
+
+
+def test_user_code_installed_as_a_package_is_not_hidden() -> None:
+    mine = {"filename": SITE + "mytrainer/loop.py", "line": 88, "name": "step"}
+    assert first_user_frame([TORCH_IN_CONDA, mine], CONDA_INTERNAL, LIBRARY) == "loop.py:88 in step"
+
+
+def test_inductor_generated_code_is_not_user_code_and_fx_traces_name_the_models_line() -> None:
+    generated = {"filename": "/tmp/torchinductor_me/ab/cabc123.py", "line": 40, "name": "call"}
+    assert first_user_frame([CPP_FRAME, generated, TORCH_IN_CONDA, USER], CONDA_INTERNAL, LIBRARY) == \
+        "train.py:57 in main"
+    fx = {"filename": "/tmp/fx_generated_xyz.py", "line": 7, "name": "forward", "fx_node_op": "call_function",
+          "fx_original_trace": '  File "/home/me/train.py", line 57, in main\n    loss = model(x)\n'
+                               '  File "/home/me/model.py", line 12, in forward\n    h = self.proj(x)\n'}
+    assert first_user_frame([CPP_FRAME, fx, TORCH_IN_CONDA, USER], CONDA_INTERNAL, LIBRARY) == "model.py:12 in forward"

@@ -32,18 +32,18 @@ def runner(peak: Callable[[int], int], budget: int, calls: list[int]) -> Callabl
 )
 def test_linear_peaks_land_on_the_margin_target(fixed: int, slope: int, headroom: int, start: int,
                                                 max_size: int) -> None:
-    budget = fixed + slope + headroom  # batch size 1 always fits
+    budget = -(-(fixed + slope) * 10 // 9) + headroom  # batch size 1 always fits within the margin
     calls: list[int] = []
     size, peak = search(runner(lambda b: fixed + slope * b, budget, calls), start=start, max_size=max_size,
                         budget_bytes=budget, margin=0.1, max_tries=12)
-    assert peak == fixed + slope * size <= budget
+    assert peak == fixed + slope * size <= budget * 0.9  # the margin is kept, not only steered towards
     assert 1 <= size <= max_size
     assert len(calls) <= 12
     target = budget * 0.9
     expected = min(max_size, max(1, int((target - fixed) // slope)))
     # the answer is the largest size under the margin target (or the last that fit, when even
     # `start` is over the target), up to one unit of float rounding
-    assert size >= min(expected, max(s for s in calls if fixed + slope * s <= budget)) - 1
+    assert size >= min(expected, max(s for s in calls if fixed + slope * s <= target)) - 1
 
 
 @settings(max_examples=100, deadline=None)
@@ -58,11 +58,11 @@ def test_flat_then_linear_peaks_never_exceed_the_budget(flat: int, knee: int, sl
     def peak(b: int) -> int:
         return max(flat, flat + slope * (b - knee))
 
-    budget = flat + slope * 3000
+    budget = -(-(flat + slope * 3000) * 10 // 9)  # the default margin (10%) above flat + slope·3000
     calls: list[int] = []
     size, measured = search(runner(peak, budget, calls), start=8, max_size=1 << 16, budget_bytes=budget,
                             max_tries=16, multiple_of=multiple_of)
-    assert measured == peak(size) <= budget
+    assert measured == peak(size) <= budget * 0.9
     assert size % multiple_of == 0
     assert len(calls) <= 16
     assert all(b2 <= 4 * max(b for b in calls[: i + 1] if peak(b) <= budget) for i, b2 in enumerate(calls[1:]))
@@ -77,5 +77,24 @@ def test_start_too_large_halves_until_it_fits() -> None:
 
 
 def test_nothing_fits() -> None:
-    with pytest.raises(RuntimeError, match="batch size 1 does not fit in 10 bytes"):
+    with pytest.raises(RuntimeError, match=r"batch size 1 does not fit in 9 bytes \(10 less the margin of 10%\)"):
         search(runner(lambda b: 100 * b, 10, []), start=4, max_size=8, budget_bytes=10)
+
+
+def test_a_size_that_ran_at_99_percent_of_the_capacity_does_not_fit() -> None:
+    calls: list[int] = []
+    size, peak = search(runner(lambda b: b, 100, calls), start=99, max_size=99, budget_bytes=100, margin=0.1)
+    assert calls[0] == 99 and size <= 90 and peak <= 90
+
+
+def test_find_batch_size_refuses_under_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from gpumemd.batch_size import find_batch_size
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    ran: list[int] = []
+    with pytest.raises(RuntimeError, match=r"world size 8.*torchrun --nproc-per-node 1"):
+        find_batch_size(ran.append, budget_bytes=1 << 30, device="cpu")
+    assert ran == []  # refused before the first try

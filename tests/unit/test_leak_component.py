@@ -85,7 +85,7 @@ class HistoryTorch:
         self.calls.append((enabled, max_entries))
 
 
-def run(device: FakeDevice, out_dir: str, steps: int = 300,
+def run(device: FakeDevice, out_dir: str, steps: int = 300, before_stop: list[Any] | None = None,
         **config: Any) -> tuple[Agent, LeakComponent, list[tuple[str | None, int | None]]]:
     torch_history = HistoryTorch()
     config_ = Config(output_dir=out_dir, sample_interval_s=0, census=False, leak_warmup_steps=20,
@@ -105,6 +105,8 @@ def run(device: FakeDevice, out_dir: str, steps: int = 300,
         for step in range(steps):
             device.step = step
             agent.mark_step(step)
+        if before_stop is not None:  # what history looked like while the job still ran (stop switches it off)
+            before_stop.extend(torch_history.calls)
         return agent, component, torch_history.calls
     finally:
         agent.stop()
@@ -148,3 +150,35 @@ def test_flat_device_raises_nothing(out_dir: str) -> None:
     agent, _, _ = run(FakeDevice(), out_dir)
     assert agent.findings() == []
     assert not os.path.exists(os.path.join(out_dir, "leak-findings-rank3.jsonl"))
+
+
+class PassingLeak(FakeDevice):
+    """A suspicion that clears: the leaked blocks are freed 50 steps after ONSET (a cache that filled)."""
+
+    def leaked_blocks(self) -> int:
+        n = super().leaked_blocks()
+        return n if n < 50 else 0
+
+
+def test_history_switched_on_at_suspicion_goes_off_when_it_clears(out_dir: str) -> None:
+    running: list[Any] = []
+    run(PassingLeak(leak=2 * MIB), out_dir, before_stop=running, leak_history_on_suspect=True,
+        history_max_entries=5000)
+    with open(os.path.join(out_dir, "leak-findings-rank3.jsonl"), encoding="utf-8") as fh:
+        assert [json.loads(line)["state"] for line in fh] == ["suspected", "cleared"]
+    assert running == [("all", 5000), (None, None)]  # never confirmed, yet off again while the job runs
+
+
+class GraphPool(FakeDevice):
+    """torch.compile "reduce-overhead": each new shape records a CUDA graph whose private pool grows
+    by what its blocks hold; allocated bytes grow with it (reserved_bytes_by_private_pools, 2.13)."""
+
+    def stats(self, device: int) -> dict[str, int]:
+        stats = super().stats(device)
+        stats["reserved_bytes_by_private_pools.1_0.all.current"] = self.leaked_blocks() * self.leak
+        return stats
+
+
+def test_private_pool_growth_is_not_an_allocated_bytes_leak(out_dir: str) -> None:
+    agent, _, _ = run(GraphPool(leak=2 * MIB), out_dir)
+    assert [f.series for f in agent.findings() if f.series.startswith("allocated_bytes")] == []

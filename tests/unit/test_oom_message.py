@@ -174,3 +174,31 @@ def test_a_device_the_message_does_not_name_is_never_gpu_0() -> None:
     two = (AllocatorSample(device=Device.cuda(1)), AllocatorSample(device=Device.cuda(2)))
     assert oom_device(ReportInputs(**base, allocator=two)) is None  # type: ignore[arg-type]
     assert oom_device(ReportInputs(**base)) is None  # type: ignore[arg-type]
+
+
+def test_rocm_hip_messages_are_the_cuda_allocators_numbers() -> None:
+    from gpumemd.analysis.oom_message import parse_oom_message as parse
+    from gpumemd.records.device import Device as Dev
+
+    hip = ("HIP out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 191.98 GiB of which "
+           "1.50 GiB is free. Of the allocated memory 180.00 GiB is allocated by PyTorch, and 4.00 GiB is reserved "
+           "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+           "PYTORCH_HIP_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+    m = parse(hip)
+    assert m is not None and m.format == "cuda-2.1+" and m.device == Dev.cuda(1)
+    assert m.requested_bytes == 2 * 2**30 and m.reserved_bytes == 184 * 2**30
+    runtime = parse("HIP error: out of memory")
+    assert runtime is not None and runtime.format == "cuda-runtime"
+
+
+def test_xpu_messages_are_read_on_their_own_device() -> None:
+    from gpumemd.analysis.oom_message import parse_oom_message as parse
+    from gpumemd.records.device import Device as Dev
+
+    xpu = ("XPU out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 64.00 GiB. Of the "
+           "allocated memory 58.00 GiB is allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but "
+           "unallocated. Please use `empty_cache` to release all unoccupied cached memory.")
+    m = parse(xpu)
+    assert m is not None and (m.kind, m.format, m.device) == ("device", "xpu", Dev("xpu", 0))
+    assert (m.requested_bytes, m.total_bytes, m.free_bytes) == (4 * 2**30, 64 * 2**30, None)
+    assert m.allocated_bytes == 58 * 2**30 and m.reserved_bytes == 59 * 2**30
