@@ -253,11 +253,7 @@ class Agent(StepCounting):
         host = None
         if rss is not None:
             base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
-            host = (
-                HostSample(rss, base.available_bytes, base.total_bytes, base.pinned_bytes)
-                if base is not None
-                else HostSample(rss_bytes=rss)
-            )
+            host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
         return StepRecord(step=number, wall_time=self._wall(), duration_s=duration, allocator=allocator, host=host,
                           nvml=previous.nvml, phase=self._phase, steps=steps)
 

@@ -245,6 +245,9 @@ def _host(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_host_available_bytes", host.available_bytes)
     out.add("gpumemd_host_total_bytes", host.total_bytes)
     out.add("gpumemd_host_pinned_bytes", host.pinned_bytes)
+    for limit in host.limits:
+        out.add("gpumemd_host_limit_bytes", limit.limit_bytes, limit=limit.kind)
+        out.add("gpumemd_host_limit_headroom_bytes", limit.headroom_bytes, limit=limit.kind)
 
 
 def _steps(out: _Families, state: AgentState, live: LiveFigures, last_step_at: float | None) -> None:
