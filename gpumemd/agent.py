@@ -135,8 +135,10 @@ class Agent(StepCounting):
         self._running = True
         self._components = self._start_components()
         self._eve_callbacks = [c.on_eve for c in self._components]
-        self.tick()
+        # The sampler's thread first, then the first reading: a new thread's stack and malloc arena take
+        # ~70 MiB of address space, which a reading before them would count as headroom under RLIMIT_AS.
         self._sampler.start(self.tick, self.config.sample_interval_s)
+        self.tick()
         atexit.register(self.stop)
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
