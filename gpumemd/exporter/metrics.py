@@ -33,6 +33,8 @@ def _c(name: str, labels: tuple[str, ...], help_: str, source: str) -> MetricSpe
 
 
 _D = ("device",)
+HOST_DEVICE_LABEL = "host"
+"""The ``device`` label of leak series off CUDA (host RSS, cpu tensors); CUDA devices are their ordinal."""
 
 SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -133,6 +135,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_census_tensors", ("category",), "Live tensor storages by category in the last census.",
        "Census.count_by_category()"),
     _g("gpumemd_census_duration_seconds", (), "Wall time the last census took.", "Census.duration_s"),
+    _g("gpumemd_census_step", (),
+       "Training step of the last census: gpumemd_census_bytes and _tensors are as of this step "
+       "(compare with gpumemd_step).", "Census.step"),
+    _g("gpumemd_census_timestamp_seconds", (),
+       "Unix time the last census was taken: time() - this is how old the census series are.", "Census.taken_at"),
     _c("gpumemd_censuses_total", (), "Tensor censuses taken since attach.", "AgentState.censuses_total"),
     _g("gpumemd_census_invisible_bytes", _D,
        "CUDA allocated bytes the last census could not see as live tensors (mostly activations saved for "

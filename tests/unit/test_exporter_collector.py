@@ -236,6 +236,8 @@ def test_census_bytes_and_counts_per_category() -> None:
     assert value(samples, "gpumemd_census_tensors", category="graph") == 30
     assert value(samples, "gpumemd_census_tensors", category="gradient") == 0
     assert value(samples, "gpumemd_censuses_total") == 2
+    assert value(samples, "gpumemd_census_step") == 40  # how old the census series are, in steps and time
+    assert value(samples, "gpumemd_census_timestamp_seconds") == 1000.0
 
 
 def test_census_invisible_bytes_per_device_index() -> None:
