@@ -135,8 +135,10 @@ class Agent(StepCounting):
         self._running = True
         self._components = self._start_components()
         self._eve_callbacks = [c.on_eve for c in self._components]
-        self.tick()
+        # The sampler's thread first, then the first reading: a new thread's stack and malloc arena take
+        # ~70 MiB of address space, which a reading before them would count as headroom under RLIMIT_AS.
         self._sampler.start(self.tick, self.config.sample_interval_s)
+        self.tick()
         atexit.register(self.stop)
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
@@ -253,11 +255,7 @@ class Agent(StepCounting):
         host = None
         if rss is not None:
             base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
-            host = (
-                HostSample(rss, base.available_bytes, base.total_bytes, base.pinned_bytes)
-                if base is not None
-                else HostSample(rss_bytes=rss)
-            )
+            host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
         return StepRecord(step=number, wall_time=self._wall(), duration_s=duration, allocator=allocator, host=host,
                           nvml=previous.nvml, phase=self._phase, steps=steps)
 

@@ -14,7 +14,6 @@ import functools
 import inspect
 import ipaddress
 import itertools
-import logging
 import math
 import os
 import types
@@ -266,9 +265,7 @@ class Config:
         """Defaults < ``GPUMEMD_*`` in ``env`` < ``overrides``; errors name the variable that was wrong."""
         env_map = os.environ if env is None else env
         env_values = cls.parse_env(env_map)
-        for line in unknown_env_lines(env_map):
-            logging.getLogger("gpumemd").warning("gpumemd: %s", line)
-        for line in renamed_env_lines(env_map):
+        for line in (*unknown_env_lines(env_map), *renamed_env_lines(env_map)):
             log_once(line, "gpumemd: %s", line)  # once: `gpumemd run` validates, then attaches
         return cls._build(env_map, env_values, overrides)
 

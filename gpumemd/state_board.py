@@ -54,6 +54,9 @@ class StateBoard:
         self._view: tuple[AgentState, tuple[StepRecord, int] | None, int, AgentState] | None = None
         self._health_key: tuple[tuple[str, int, bool | None], ...] = ()
         self._health: tuple[dict[str, int], dict[str, bool]] = ({}, {})
+        # When the probes' figures (allocator, host) were last published: a component's publish (a
+        # finding, a census) makes the state newer than the newest step without making its readings so.
+        self._sampled_at = float("-inf")
 
     def publish(self, changes: Mapping[str, object]) -> None:
         """Swap in a new state with ``changes`` applied (plus fresh overhead, probe health and phase)."""
@@ -61,9 +64,12 @@ class StateBoard:
             current = self.base
             assert current is not None, "agent not started"
             errors, available = self._probe_health()
+            now = self._wall()
+            if "host" in changes or "allocator" in changes:
+                self._sampled_at = now
             self.base = dataclasses.replace(  # one reference assignment: readers see old or new
                 current,
-                updated_at=self._wall(),
+                updated_at=now,
                 overhead=self._counts.overhead(),
                 probe_errors=errors,
                 probes_available=available,
@@ -96,7 +102,7 @@ class StateBoard:
     def _with_step(self, base: AgentState, record: StepRecord) -> AgentState:
         """The published state with the newest record, and the step count of the steps since it."""
         counts = self._counts
-        sampler_newer = base.updated_at > record.wall_time  # the sampler read after this step ended
+        sampler_newer = self._sampled_at > record.wall_time  # the sampler read after this step ended
         allocator = base.allocator if sampler_newer and base.allocator else (record.allocator or base.allocator)
         host = base.host if sampler_newer and base.host else (record.host or base.host)
         return dataclasses.replace(

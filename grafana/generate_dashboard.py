@@ -25,6 +25,12 @@ def sel(metric: str, device: bool = False, extra: str = "") -> str:
     return f"{metric}{{{matchers}{', ' + extra if extra else ''}}}"
 
 
+def no_device(host_metric: str, device_metric: str) -> str:
+    """``host_metric`` of the ranks that export no ``device_metric``: CPU jobs, where the device panels
+    would otherwise stay empty."""
+    return f"{sel(host_metric)} unless on (job, instance, rank) {sel(device_metric)}"
+
+
 class Layout:
     """Places panels on Grafana's 24-column grid, row by row."""
 
@@ -140,11 +146,13 @@ def build() -> dict[str, Any]:
         "NVML alone counts that cache as used and shows a full device for a healthy job. Under a per-process "
         "cap (set_per_process_memory_fraction) the free part is at most cap - reserved. Where the allocator "
         "is not read yet (CUDA not initialised), NVML's free memory. Below a few GiB, the next larger batch "
-        "or a new shape can run out of memory.", "bytes",
+        "or a new shape can run out of memory. On a rank with no GPU, the host's headroom under its binding "
+        "limit (RAM, cgroup, rlimit) instead.", "bytes",
         (f"((({free} < {under_cap}) or {under_cap} or {free})"
          f" + {sel('gpumemd_allocator_reserved_bytes', device=True)}"
          f" - {sel('gpumemd_allocator_allocated_bytes', device=True)})"
          f" or {free}", DEV),
+        (no_device("gpumemd_host_available_bytes", "gpumemd_device_free_bytes"), INST + " host (no GPU)"),
         thresholds=[(None, "red"), (2 * 1024**3, "orange"), (8 * 1024**3, "green")]), w=6)
     g.add(stat(
         "Host memory available", "Memory the host still has for new allocations (DataLoader workers, "
@@ -166,13 +174,16 @@ def build() -> dict[str, Any]:
     g.add(timeseries(
         "Memory at step end vs the device", "Allocated bytes after optimizer.step() (the job's baseline: "
         "a steady rise is a leak), the allocator's reserved bytes, NVML's used and total for the device, and "
-        "the per-process cap on reserved bytes when the job set one (set_per_process_memory_fraction).",
+        "the per-process cap on reserved bytes when the job set one (set_per_process_memory_fraction). On a "
+        "rank with no GPU, the process's RSS against the host limit that binds (RAM, cgroup or rlimit).",
         "bytes",
         (sel("gpumemd_step_end_allocated_bytes", device=True), DEV + " step-end allocated"),
         (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved"),
         (sel("gpumemd_device_used_bytes", device=True), DEV + " NVML used"),
         (sel("gpumemd_device_total_bytes", device=True), DEV + " total"),
-        (sel("gpumemd_allocator_cap_bytes", device=True), DEV + " process cap")), w=12)
+        (sel("gpumemd_allocator_cap_bytes", device=True), DEV + " process cap"),
+        (no_device("gpumemd_host_rss_bytes", "gpumemd_device_total_bytes"), INST + " host RSS (no GPU)"),
+        (no_device("gpumemd_host_total_bytes", "gpumemd_device_total_bytes"), INST + " host limit (no GPU)")), w=12)
     # Grafana has no "bytes per step" unit (a custom unit such as "suffix:B/step" loses the KiB/MiB
     # scaling): IEC bytes, with "per step" on the axis and in each series' name.
     g.add(timeseries(

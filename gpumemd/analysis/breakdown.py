@@ -34,8 +34,8 @@ CATEGORY_KEYS: dict[str, str] = {
 }
 
 
-def breakdown_item(key: str, nbytes: int, device: Device) -> BreakdownItem:
-    return BreakdownItem(key, breakdown_label(key, device), nbytes)
+def breakdown_item(key: str, nbytes: int, device: Device, limit: str | None = None) -> BreakdownItem:
+    return BreakdownItem(key, breakdown_label(key, device, limit=limit), nbytes)
 
 
 def census_bytes_on(census: Census | None, device: Device) -> dict[str, int]:
@@ -212,30 +212,37 @@ def cpu_breakdown(
     host: HostSample | None = None,
     census: Census | None = None,
 ) -> Breakdown:
-    """The breakdown of host memory at a CPU allocation failure."""
+    """The breakdown of host memory at a CPU allocation failure, against the limit that binds: the
+    host's RAM, or a cgroup memory limit or an rlimit when that leaves less room."""
     requested = message.requested_bytes if message else None
     total = host.total_bytes if host else None
     available = host.available_bytes if host else None
     rss = host.rss_bytes if host else None
+    limit = host.limit if host else None
     by_cat = census_bytes_on(census, CPU)
     items = [breakdown_item(key, by_cat[cat], CPU) for cat, key in CATEGORY_KEYS.items()]
     seen = sum(by_cat.values())
     if rss is not None:
         items.append(breakdown_item("process_other", max(0, rss - seen), CPU))
     if total is not None and available is not None and rss is not None:
-        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), CPU))
+        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), CPU, limit))
     if available is not None:
-        items.append(breakdown_item("free", available, CPU))
-    if requested is not None and total is not None and requested > total:
-        verdict, why = ("request_exceeds_device",
-                        f"one request of {fmt(requested)} is larger than the host's {fmt(total)} of RAM: "
-                        "a size or shape bug, not memory pressure")
-    elif requested is not None and available is not None and requested > available:
-        verdict, why = ("capacity", f"the request of {fmt(requested)} exceeds the {fmt(available)} available")
-    else:
-        verdict, why = "unknown", "the host had room by its own account (overcommit limits or cgroup caps?)"
+        items.append(breakdown_item("free", available, CPU, limit))
+    verdict, why = _host_verdict(requested, total, available, host)
     return Breakdown(
         device=CPU, total_bytes=total, items=tuple(items), requested_bytes=requested,
         allocated_bytes=rss, reserved_bytes=None, largest_free_block_bytes=None,
-        device_free_bytes=available, verdict=verdict, verdict_why=why,
+        device_free_bytes=available, verdict=verdict, verdict_why=why, host_limit=limit,
     )
+
+
+def _host_verdict(requested: int | None, total: int | None, available: int | None,
+                  host: HostSample | None) -> tuple[str, str]:
+    words = host.limit_words if host else "the host's RAM"
+    if requested is not None and total is not None and requested > total:
+        limit = f"the host's {fmt(total)} of RAM" if words == "the host's RAM" else f"{words} ({fmt(total)})"
+        return ("request_exceeds_device",
+                f"one request of {fmt(requested)} is larger than {limit}: a size or shape bug, not memory pressure")
+    if requested is not None and available is not None and requested > available:
+        return "capacity", f"the request of {fmt(requested)} exceeds the {fmt(available)} left under {words}"
+    return "unknown", "the host had room by its own account (overcommit limits?)"

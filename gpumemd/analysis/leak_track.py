@@ -35,6 +35,7 @@ class Track:
         "floors",
         "last_status",
         "onset",
+        "onset_value",
         "ordered",
         "peak",
         "pending",
@@ -59,6 +60,7 @@ class Track:
         self.episode_slope = 0.0  # the slope when the current episode was last passed
         self.last_status: TrackStatus | None = None
         self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
+        self.onset_value = 0.0  # the floor at the onset, kept with it: growth is measured from it
         self.consecutive_pass = 0
         self.consecutive_fail = 0
         # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
@@ -111,15 +113,16 @@ class Track:
         xs = [p[0] for p in floors]
         ys = [p[1] for p in floors]
         i = hinge_onset(xs, ys)
-        before = min(ys[: i + 1])
         now = min(ys[-max(1, len(ys) // 20):])
         if i > 0 or self.onset is None:
             # i == 0: the flat start has left the bounded history; the onset found while it was
-            # there stays (never later than the data says).
+            # there stays (never later than the data says), and so does the value there: growth
+            # against the oldest kept floor would stop counting what scrolled out.
             # A count series has one point per scan (up to 50 steps apart): the knee falls on a
             # scan's step, so it is dated between the scans instead (see ``knee_between``).
             self.onset = knee_between(xs, ys, i) if self.spec.unit != "bytes" else int(xs[i])
-        growth = max(0.0, now - before)
+            self.onset_value = min(ys[: i + 1])
+        growth = max(0.0, now - self.onset_value)
         return self.onset, growth
 
     def _points(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:

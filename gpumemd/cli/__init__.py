@@ -38,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        if extra and getattr(args, "command", None) == "run":  # a mistyped option: name the close ones
+            print(f"gpumemd run: {run.unknown_options(extra)}", file=sys.stderr)
+            return 2
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")  # as parse_args says it
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     if not getattr(args, "func", None):

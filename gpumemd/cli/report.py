@@ -112,9 +112,9 @@ def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
     total = b.get("total_bytes") or 0
     print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
           f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
-    if isinstance(b.get("cap_bytes"), int):  # under a per-process cap, the total is the cap: say so
+    if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
         print(f"  {total_words(b)}", file=out)
-    rows = [[item_label(item, b.get("device")), fmt_bytes(item["nbytes"]),
+    rows = [[item_label(item, b.get("device"), b.get("host_limit")), fmt_bytes(item["nbytes"]),
              f"{100 * item['nbytes'] / total:.1f}%" if total else "-"] for item in b.get("items") or []]
     if rows:
         for line in _columns(rows, right=(1, 2)):

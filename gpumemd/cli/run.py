@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import gpumemd
@@ -65,6 +66,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="script.py [args...]",
                    help="the script and its own arguments")
     p.set_defaults(func=run)
+
+
+def unknown_options(extra: Sequence[str]) -> str:
+    """The one line for options ``gpumemd run`` does not have, each with its close matches
+    (``--prot`` -> did you mean ``--port``?)."""
+    import difflib
+
+    known = [option_name(field) for field in field_types()] + ["-m", "--help"]
+    named = [arg.split("=", 1)[0] for arg in extra if arg.startswith("-")] or list(extra)
+    parts = []
+    for name in named:
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        parts.append(f"{name} (did you mean {' or '.join(close)}?)" if close else name)
+    return (f"unrecognized option{'s' if len(parts) > 1 else ''}: {', '.join(parts)}; options go before the "
+            "script (gpumemd run --help lists them)")
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:

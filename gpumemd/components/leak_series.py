@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gpumemd.probes.graph_chains import ChainGroup, ChainKey, GraphChainTracker
     from gpumemd.probes.survivors import GroupKey, SurvivorGroup, SurvivorTracker
     from gpumemd.records.census import Census
+    from gpumemd.records.samples import HostSample
     from gpumemd.records.step import StepRecord
 
 
@@ -113,6 +114,7 @@ class LeakSeries:
         self.seconds_per_step: float | None = None  # the mean step time, pauses included: time-to-OOM projections
         self._known: set[str] = set()
         self._own_record_bytes: float | None = None
+        self._last_host: tuple[float, HostSample] | None = None  # the newest fed step's (wall time, host)
         self._previous_scan_step: int | None = None
         self._last_census: Census | None = None
 
@@ -153,6 +155,7 @@ class LeakSeries:
             self.seconds_per_step = duration if avg is None else 0.98 * avg + 0.02 * duration
         host = record.host
         if host is not None:
+            self._last_host = (record.wall_time, host)
             # The agent's own step records grow until the ring buffer is full: not the job's memory.
             self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
 
@@ -274,9 +277,12 @@ class LeakSeries:
         """The memory a series' growth draws on: host RAM available, or what the device's allocator
         may still reserve plus what it caches beyond the step's peak."""
         if cuda_index(spec.device) is None:
-            # Host RAM available is the sampler's figure: a step's host sample carries the published
-            # one, so the published state has it without building a state at every evaluation.
-            host = self._agent.published.host
+            # The headroom under the binding host limit is the sampler's figure, less the RSS grown since:
+            # the newest fed step carries both, without building a state at every evaluation.
+            published = self._agent.published
+            host = published.host
+            if self._last_host is not None and self._last_host[0] >= published.updated_at:
+                host = self._last_host[1]
             return float(host.available_bytes) if host is not None and host.available_bytes is not None else None
         state = self._agent.state()
         nv = next((n for n in state.nvml if n.device == spec.device), None)

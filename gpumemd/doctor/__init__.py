@@ -23,7 +23,14 @@ from gpumemd._version import __version__
 from gpumemd.doctor.allocator_checks import check_allocator, check_history, parse_alloc_conf
 from gpumemd.doctor.check import Check, Status, failed_needed
 from gpumemd.doctor.config_checks import INVALID, check_config, resolve_field
-from gpumemd.doctor.host_checks import check_frameworks, check_output_dir, check_port, check_prometheus, check_psutil
+from gpumemd.doctor.host_checks import (
+    check_frameworks,
+    check_memory_limits,
+    check_output_dir,
+    check_port,
+    check_prometheus,
+    check_psutil,
+)
 from gpumemd.doctor.nvml_checks import check_nvml, import_nvml
 from gpumemd.doctor.torch_checks import (
     TorchImport,
@@ -45,6 +52,7 @@ __all__ = [
     "check_cuda",
     "check_frameworks",
     "check_history",
+    "check_memory_limits",
     "check_numpy",
     "check_nvml",
     "check_output_dir",
@@ -86,6 +94,7 @@ def run_checks(environ: Mapping[str, str] | None = None, overrides: Mapping[str,
     checks += guarded("allocation history", False, check_history, torch)
     checks += _nvml_checks(torch, env, os.getpid() if pid is None else pid)
     checks += guarded("psutil", True, check_psutil)
+    checks += guarded("memory limits", False, check_memory_limits)
     values = {n: resolve_field(n, env, given) for n in ("output_dir", "port", "bind", "textfile", "pushgateway")}
     exporting = any(values[n] not in (None, INVALID) for n in ("port", "textfile", "pushgateway"))
     checks += guarded("prometheus_client", exporting, check_prometheus, exporting)

@@ -34,6 +34,29 @@ def check_psutil() -> Check:
                  f"{format_bytes(vm.available)} available of {format_bytes(vm.total)}", needed=True)
 
 
+def check_memory_limits(root: str = "/") -> Check:
+    """The memory limits this process runs under (host RAM, cgroup, rlimits) and which one binds: the
+    agent's host headroom and its OOM projections are measured against that one."""
+    from gpumemd.probes.host import HostProbe
+
+    probe = HostProbe(pinned_fn=lambda: None, root=root)
+    try:
+        limits = probe.limits()
+    finally:
+        probe.close()
+    if not limits:
+        return Check("memory limits", "warn", "none could be read: host headroom is unknown")
+    bound = min(limits, key=lambda limit: limit.headroom_bytes)
+    where = f" ({probe.cgroup.binding_file})" if bound.kind == "cgroup" and probe.cgroup.binding_file else ""
+    others = [f"{limit.words} {format_bytes(limit.headroom_bytes)} left of {format_bytes(limit.limit_bytes)}"
+              for limit in limits if limit is not bound]
+    if probe.cgroup.version is not None and not any(limit.kind == "cgroup" for limit in limits):
+        others.append(f"cgroup v{probe.cgroup.version} {probe.cgroup.path}: no memory limit")
+    detail = (f"bound by {bound.words}{where}: {format_bytes(bound.headroom_bytes)} left of "
+              f"{format_bytes(bound.limit_bytes)}" + ("; " + "; ".join(others) if others else ""))
+    return Check("memory limits", "ok", detail)
+
+
 def check_prometheus(wanted: bool) -> Check:
     """prometheus_client serves, pushes and writes metrics; needed only when one of those is configured."""
     version = dist_version("prometheus-client") or dist_version("prometheus_client")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumemd._version import __version__
 from gpumemd.analysis.leak_detector import LeakState
-from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, LEAK_STATE_VALUES
+from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, HOST_DEVICE_LABEL, LEAK_STATE_VALUES
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import AgentState
@@ -245,6 +245,9 @@ def _host(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_host_available_bytes", host.available_bytes)
     out.add("gpumemd_host_total_bytes", host.total_bytes)
     out.add("gpumemd_host_pinned_bytes", host.pinned_bytes)
+    for limit in host.limits:
+        out.add("gpumemd_host_limit_bytes", limit.limit_bytes, limit=limit.kind)
+        out.add("gpumemd_host_limit_headroom_bytes", limit.headroom_bytes, limit=limit.kind)
 
 
 def _steps(out: _Families, state: AgentState, live: LiveFigures, last_step_at: float | None) -> None:
@@ -272,6 +275,8 @@ def _census(out: _Families, state: AgentState) -> None:
     for category, count in census.count_by_category().items():
         out.add("gpumemd_census_tensors", count, category=category)
     out.add("gpumemd_census_duration_seconds", census.duration_s)
+    out.add("gpumemd_census_step", census.step)  # the census series are as of this step and time
+    out.add("gpumemd_census_timestamp_seconds", census.taken_at)
     # The label is N, as on every allocator series; in the order of torch's names, as always.
     for device, nbytes in sorted(census.invisible_bytes_by_device.items(), key=lambda dn: dn[0].name):
         out.add("gpumemd_census_invisible_bytes", nbytes, device=device.label)
@@ -292,9 +297,10 @@ def _findings(out: _Families, findings: Iterable[Finding]) -> None:
     # most severe one, so each label set appears once and stays bounded.
     worst: dict[tuple[str, str], Finding] = {}
     for finding in findings:
-        # The CUDA ordinal; findings off CUDA (the host's, cpu tensors') share the empty label.
+        # The CUDA ordinal; findings off CUDA (the host's RSS, cpu tensors) share device="host": a real
+        # value, which a dashboard's device variable and an alert's text can show.
         ordinal = cuda_index(finding.device)
-        key = (finding.kind, "" if ordinal is None else str(ordinal))
+        key = (finding.kind, HOST_DEVICE_LABEL if ordinal is None else str(ordinal))
         current = worst.get(key)
         if current is None or _rank(finding) > _rank(current):
             worst[key] = finding

@@ -33,6 +33,8 @@ def _c(name: str, labels: tuple[str, ...], help_: str, source: str) -> MetricSpe
 
 
 _D = ("device",)
+HOST_DEVICE_LABEL = "host"
+"""The ``device`` label of leak series off CUDA (host RSS, cpu tensors); CUDA devices are their ordinal."""
 
 SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -87,9 +89,23 @@ SPECS: tuple[MetricSpec, ...] = (
        "NVML running compute processes"),
     # --- host ---
     _g("gpumemd_host_rss_bytes", (), "Resident set size of this process.", "/proc/self/statm or psutil"),
-    _g("gpumemd_host_available_bytes", (), "Memory available on the host for new allocations.",
-       "psutil.virtual_memory().available"),
-    _g("gpumemd_host_total_bytes", (), "Total host memory.", "psutil.virtual_memory().total"),
+    _g("gpumemd_host_available_bytes", (),
+       "Memory this process can still allocate: the least headroom of the host's available RAM, its cgroup's "
+       "memory limit less the cgroup's working set, and RLIMIT_AS / RLIMIT_DATA less the process's size "
+       "(gpumemd_host_limit_headroom_bytes per limit).",
+       "psutil.virtual_memory().available; memory.max - memory.current + inactive_file (cgroup v2) or v1's "
+       "memory.limit_in_bytes; getrlimit and /proc/self/statm"),
+    _g("gpumemd_host_total_bytes", (),
+       "Size of the memory limit that binds (the one gpumemd_host_available_bytes is the headroom of): the "
+       "host's RAM, or the cgroup limit or rlimit when it leaves less room.",
+       "psutil.virtual_memory().total, or the limit"),
+    _g("gpumemd_host_limit_bytes", ("limit",),
+       "Each memory limit found: limit=\"ram\" (the host's RAM), \"cgroup\" (the tightest memory limit of "
+       "this process's cgroup and its parents), \"rlimit_as\", \"rlimit_data\" (soft limits).",
+       "psutil, the cgroup's memory files, getrlimit"),
+    _g("gpumemd_host_limit_headroom_bytes", ("limit",),
+       "Headroom under each memory limit found; the least is gpumemd_host_available_bytes.",
+       "limit - its use (RAM in use, cgroup working set, virtual or data size)"),
     _g("gpumemd_host_pinned_bytes", (), "Pinned host memory held by torch's caching host allocator.",
        "torch.cuda.host_memory_stats()"),
     # --- steps ---
@@ -119,6 +135,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_census_tensors", ("category",), "Live tensor storages by category in the last census.",
        "Census.count_by_category()"),
     _g("gpumemd_census_duration_seconds", (), "Wall time the last census took.", "Census.duration_s"),
+    _g("gpumemd_census_step", (),
+       "Training step of the last census: gpumemd_census_bytes and _tensors are as of this step "
+       "(compare with gpumemd_step).", "Census.step"),
+    _g("gpumemd_census_timestamp_seconds", (),
+       "Unix time the last census was taken: time() - this is how old the census series are.", "Census.taken_at"),
     _c("gpumemd_censuses_total", (), "Tensor censuses taken since attach.", "AgentState.censuses_total"),
     _g("gpumemd_census_invisible_bytes", _D,
        "CUDA allocated bytes the last census could not see as live tensors (mostly activations saved for "

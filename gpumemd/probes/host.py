@@ -1,4 +1,5 @@
-"""Host memory: this process's RSS, the machine's available memory, torch's pinned-host bytes."""
+"""Host memory: this process's RSS, the headroom under the limits it runs under (the machine's available
+RAM, its cgroup's memory limit, its rlimits), torch's pinned-host bytes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import os
 from collections.abc import Callable
 
 from gpumemd.probes.health import ProbeHealth
-from gpumemd.records.samples import HostSample
+from gpumemd.probes.host_limits import CgroupMemory, binding, rlimits
+from gpumemd.records.samples import HostLimit, HostSample
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -34,9 +36,13 @@ class _StatmReader:
         self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
     def __call__(self) -> int:
+        return self.fields()[1]
+
+    def fields(self) -> list[int]:
+        """statm's fields in bytes: size (virtual), resident, shared, text, lib, data (+ stack), dt."""
         if self._fd is None or _forks != self._forks:
             raise OSError("statm reader closed (or inherited by a forked child)")
-        return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
+        return [int(v) * _PAGE for v in os.pread(self._fd, 128, 0).split()]
 
     def close(self) -> None:
         if self._fd is not None and os.getpid() == self._pid:
@@ -47,8 +53,9 @@ class _StatmReader:
 class HostProbe:
     """``rss()`` is the cheap per-step read; ``read()`` the fuller one for the sampler thread."""
 
-    def __init__(self, pinned_fn: Callable[[], int | None] | None = None) -> None:
+    def __init__(self, pinned_fn: Callable[[], int | None] | None = None, *, root: str = "/") -> None:
         self.health = ProbeHealth("host")
+        self.cgroup = CgroupMemory(root)  # found once: each sample then reads its files once
         import psutil
 
         self._psutil = psutil
@@ -81,16 +88,38 @@ class HostProbe:
             return None
         if not full:
             return HostSample(rss_bytes=rss)
-        available: int | None
-        total: int | None
+        limits = self.limits()
+        bound = binding(limits)
+        self.health.ok()
+        if bound is None:
+            return HostSample(rss_bytes=rss, pinned_bytes=self._pinned())
+        return HostSample(rss_bytes=rss, available_bytes=bound.headroom_bytes, total_bytes=bound.limit_bytes,
+                          pinned_bytes=self._pinned(), limit=bound.kind, limits=tuple(limits))
+
+    def limits(self) -> list[HostLimit]:
+        """Every memory limit found now, host RAM first; each one that cannot be read is left out."""
+        out: list[HostLimit] = []
         try:
             vm = self._psutil.virtual_memory()
-            available, total = int(vm.available), int(vm.total)
+            out.append(HostLimit("ram", int(vm.total), int(vm.total) - int(vm.available)))
         except Exception as exc:  # noqa: BLE001
             self.health.failed(exc)
-            available = total = None
-        self.health.ok()
-        return HostSample(rss_bytes=rss, available_bytes=available, total_bytes=total, pinned_bytes=self._pinned())
+        try:
+            cgroup = self.cgroup.read()
+            if cgroup is not None:
+                out.append(cgroup)
+            out.extend(rlimits(*self._sizes()))
+        except Exception as exc:  # noqa: BLE001 - never raise into the job
+            self.health.failed(exc)
+        return out
+
+    def _sizes(self) -> tuple[int | None, int | None]:
+        """The process's virtual size and data size (what RLIMIT_AS and RLIMIT_DATA are checked against)."""
+        if self._fast_rss is not None:
+            fields = self._fast_rss.fields()
+            return fields[0], fields[5]
+        info = self._process.memory_info()
+        return int(info.vms), getattr(info, "data", None)
 
     def _pinned(self) -> int | None:
         try:

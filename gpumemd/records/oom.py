@@ -44,9 +44,23 @@ HOST_LABELS: dict[str, str] = {
 }
 
 
-def breakdown_label(key: str, device: Device | None = None, default: str | None = None) -> str:
-    """The words for breakdown item ``key`` on ``device``; ``default`` (an older report's own label) or
-    the key itself for a key this version does not know."""
+# Under a host limit other than RAM (``HostSample.limit``) the host items partition that limit instead.
+LIMIT_LABELS: dict[tuple[str, str], str] = {
+    ("cgroup", "non_pytorch"): "rest of the cgroup (other processes, kernel memory, page cache in use)",
+    ("cgroup", "free"): "left under the cgroup memory limit",
+    ("rlimit_as", "non_pytorch"): "address space mapped but not resident (reserved, not yet touched)",
+    ("rlimit_as", "free"): "left under RLIMIT_AS (ulimit -v)",
+    ("rlimit_data", "non_pytorch"): "data segment mapped but not resident",
+    ("rlimit_data", "free"): "left under RLIMIT_DATA (ulimit -d)",
+}
+
+
+def breakdown_label(key: str, device: Device | None = None, default: str | None = None,
+                    limit: str | None = None) -> str:
+    """The words for breakdown item ``key`` on ``device`` (on the host, under ``limit``); ``default``
+    (an older report's own label) or the key itself for a key this version does not know."""
+    if device == CPU and limit is not None and (limit, key) in LIMIT_LABELS:
+        return LIMIT_LABELS[(limit, key)]
     if device == CPU and key in HOST_LABELS:
         return HOST_LABELS[key]
     return BREAKDOWN_LABELS.get(key) or default or key
@@ -131,6 +145,9 @@ class Breakdown:
     # that uses several): "The error does not name its device; showing cuda:1, the fullest ...". None
     # when the error (or the observer, or the only device in use) named it.
     device_note: str | None = None
+    # On the host: the kind of limit the items partition ("ram", "cgroup", "rlimit_as", "rlimit_data";
+    # ``HostSample.limit``): total_bytes is that limit's size, the "free" item what was left under it.
+    host_limit: str | None = None
 
     def get(self, key: str) -> int:
         """Bytes of the item ``key`` (0 when the breakdown has no such item)."""

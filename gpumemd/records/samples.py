@@ -61,11 +61,64 @@ class NvmlDeviceSample:
     process_used_bytes: int | None = None  # None: NVML could not attribute use to this pid (containers)
 
 
+HOST_LIMIT_WORDS = {
+    "ram": "the host's RAM",
+    "cgroup": "the cgroup memory limit",
+    "rlimit_as": "the address-space rlimit (RLIMIT_AS, ulimit -v)",
+    "rlimit_data": "the data-segment rlimit (RLIMIT_DATA, ulimit -d)",
+}
+"""Each host limit, in words (``HostLimit.kind`` -> the phrase reports, logs and doctor print)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostLimit:
+    """One bound on this process's memory: its size and what already counts against it.
+
+    ``ram``: the host's total and what is not available; ``cgroup``: the memory limit of the process's
+    cgroup (or an ancestor's) and its working set (usage less inactive page cache, which the kernel
+    reclaims before it kills); ``rlimit_as`` / ``rlimit_data``: the soft rlimit and the process's
+    virtual / data size, which is what the kernel checks them against."""
+
+    kind: str  # a key of HOST_LIMIT_WORDS
+    limit_bytes: int
+    used_bytes: int
+
+    @property
+    def headroom_bytes(self) -> int:
+        return max(0, self.limit_bytes - self.used_bytes)
+
+    @property
+    def words(self) -> str:
+        return HOST_LIMIT_WORDS.get(self.kind, self.kind)
+
+
 @dataclass(frozen=True, slots=True)
 class HostSample:
-    """This process and its host."""
+    """This process and its host.
+
+    ``available_bytes`` is the headroom under the limit that binds: the least of the host's available
+    RAM, the cgroup memory limit less its usage and the rlimits less the process's size; ``total_bytes``
+    is that limit's size and ``limit`` its kind. ``limits`` holds every limit found (host RAM first)."""
 
     rss_bytes: int
     available_bytes: int | None = None
     total_bytes: int | None = None
     pinned_bytes: int | None = None  # torch's pinned-host caching allocator, when CUDA reports it
+    limit: str | None = None  # the kind of the binding limit ("ram", "cgroup", "rlimit_as", "rlimit_data")
+    limits: tuple[HostLimit, ...] = ()
+
+    @property
+    def limit_words(self) -> str:
+        """The binding limit in words ("the host's RAM" when none is known)."""
+        return HOST_LIMIT_WORDS.get(self.limit or "ram", self.limit or "")
+
+    def with_rss(self, rss: int) -> HostSample:
+        """This reading with the RSS read now. Growth since this reading came out of the headroom: RSS
+        growth is what a leak adds to the cgroup's usage, the process's size and the host's used RAM
+        alike, so the headroom read seconds ago is not stale by a fast leak's growth (a shrink is left
+        to the next full reading: freed memory is not always given back to the limit)."""
+        grown = rss - self.rss_bytes
+        available = self.available_bytes
+        if available is not None and grown > 0:
+            available = max(0, available - grown)
+        return HostSample(rss, available, self.total_bytes, self.pinned_bytes, self.limit, self.limits)

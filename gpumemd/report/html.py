@@ -29,6 +29,7 @@ from gpumemd.report.view import (
     sentence,
     slug,
     timeline_columns,
+    total_axis_label,
     total_words,
     verdict_lines,
 )
@@ -38,6 +39,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;m
 h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
 td.n{text-align:right;font-variant-numeric:tabular-nums}pre{background:#f6f6f6;padding:.8em;overflow-x:auto}
+pre.wrap{white-space:pre-wrap;overflow-wrap:anywhere}
 .verdict{font-weight:bold}.key{display:inline-block;margin-right:1em;font-size:.85em}
 nav{font-size:.9em}nav a{margin-right:.8em;white-space:nowrap}tr.leak td{background:#fff3e0}
 .also{border-left:4px solid #e8702a;padding-left:.6em}code{background:#f3f3f3;padding:0 .2em}
@@ -110,13 +112,14 @@ def _suggestions(report: dict[str, Any]) -> str:
 def _breakdown(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
     device = b.get("device")
-    items = [{**i, "label": item_label(i, device)} for i in b.get("items", [])]
+    items = [{**i, "label": item_label(i, device, b.get("host_limit"))} for i in b.get("items", [])]
     drawn = [i for i in items if i.get("nbytes")]
     total = b.get("total_bytes") or 0
     rows = [[i["label"], fmt_bytes(i["nbytes"]), f"{100 * i['nbytes'] / total:.1f}%" if total else "-"]
             for i in items]
     return "".join([
-        _h2("Breakdown"), breakdown_bar(drawn, total or None), f"<p>{legend(drawn)}</p>",
+        _h2("Breakdown"), breakdown_bar(drawn, total or None, total_label=total_axis_label(b)),
+        f"<p>{legend(drawn)}</p>",
         _table(["part", "bytes", "of total"], rows),
         f"<p>{_e(total_words(b))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
         f"largest free block {_e(fmt_bytes(b.get('largest_free_block_bytes')))}; "
@@ -166,7 +169,9 @@ def _snapshot(report: dict[str, Any]) -> str:
 
 def _exception(report: dict[str, Any]) -> str:
     exc = report.get("exception") or {}
-    out = _h2("Exception") + f"<pre>{_e(exc.get('type'))}: {_e(exc.get('message'))}</pre>"
+    # The message wraps: CUDA's runs to one line of several hundred characters, with the request
+    # size ("Tried to allocate ...") that matters most in its middle.
+    out = _h2("Exception") + f"<pre class=\"wrap\">{_e(exc.get('type'))}: {_e(exc.get('message'))}</pre>"
     if exc.get("traceback"):
         out += f"<pre>{_e(exc['traceback'])}</pre>"
     return out

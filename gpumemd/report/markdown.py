@@ -103,7 +103,7 @@ def _suggestions(report: dict[str, Any]) -> list[str]:
 def _breakdown(report: dict[str, Any]) -> list[str]:
     b = report.get("breakdown") or {}
     total = b.get("total_bytes") or 0
-    rows = [[item_label(i, b.get("device")), fmt_bytes(i["nbytes"]),
+    rows = [[item_label(i, b.get("device"), b.get("host_limit")), fmt_bytes(i["nbytes"]),
              f"{100 * i['nbytes'] / total:.1f}%" if total else "-"] for i in b.get("items", [])]
     return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], rows), "",
             f"{total_words(b)}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "

@@ -34,7 +34,7 @@ REPORT_SCHEMA: _Spec = {
                   "requested_bytes": "int?", "items": [_ITEM], "leak": _LEAK, "cap_bytes": "int?",
                   "memory_fraction": "num?", "device_total_bytes": "int?", "headroom_bytes": "int?",
                   "device_free_bytes": "int?", "non_pytorch_bytes": "int?",
-                  "device_note": "str?"},
+                  "device_note": "str?", "host_limit": "str?"},
     "suggestions": [_SUGGESTION],
     "tensors": {"available": "bool?", "tensor_count": "int?", "total_bytes": "int?", "note": "str?",
                 "top": [_TENSOR], "groups": [_GROUP]},

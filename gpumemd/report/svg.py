@@ -61,8 +61,10 @@ def item_colour(item: dict[str, Any], n: int) -> str:
     return ITEM_COLOURS.get(str(item.get("key")), PALETTE[n % len(PALETTE)])
 
 
-def breakdown_bar(items: list[dict[str, Any]], total: int | None, width: int = 900, height: int = 40) -> str:
-    """A stacked horizontal bar of the breakdown items against the device total, with a byte axis."""
+def breakdown_bar(items: list[dict[str, Any]], total: int | None, width: int = 900, height: int = 40,
+                  total_label: str = "device total") -> str:
+    """A stacked horizontal bar of the breakdown items against their total (the device's, a cap, the
+    host's RAM or limit: ``total_label`` names it on the axis), with a byte axis."""
     scale_total = max(total or 0, sum(max(0, int(i["nbytes"])) for i in items), 1)
     values, unit, scale = byte_ticks(scale_total, 8)
     axis_max = values[-1] * scale
@@ -90,7 +92,7 @@ def breakdown_bar(items: list[dict[str, Any]], total: int | None, width: int = 9
                      f"{_num(value)} {unit}</text>")
     if total:
         parts.append(f'<text x="{left + plot * total / axis_max:.1f}" y="{height + 34}" font-size="11" '
-                     f'text-anchor="end">device total {escape(fmt_bytes(total))}</text>')
+                     f'text-anchor="end">{escape(total_label)} {escape(fmt_bytes(total))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpumemd.records.device import Device
 from gpumemd.records.oom import breakdown_label
+from gpumemd.records.samples import HOST_LIMIT_WORDS
 from gpumemd.report.fmt import fmt_bytes
 
 GROUPS_SHOWN = 10  # tensor groups on the first screen; report.json keeps up to build.TOP_GROUPS
@@ -158,10 +159,11 @@ def groups_note(tensors: dict[str, Any], rows: list[GroupRow], shown: int) -> st
 # --- breakdown, timeline -------------------------------------------------------------------------
 
 
-def item_label(item: dict[str, Any], device: Any) -> str:
-    """The words for a breakdown item, the same in every rendering."""
+def item_label(item: dict[str, Any], device: Any, limit: Any = None) -> str:
+    """The words for a breakdown item, the same in every rendering (``limit``: the breakdown's
+    ``host_limit``, what host items partition)."""
     known = Device.parse(device) if isinstance(device, str) else None  # report.json spells it "cuda:0", "cpu"
-    return breakdown_label(str(item.get("key")), known, item.get("label"))
+    return breakdown_label(str(item.get("key")), known, item.get("label"), limit)
 
 
 def total_words(b: dict[str, Any]) -> str:
@@ -169,6 +171,8 @@ def total_words(b: dict[str, Any]) -> str:
     per-process cap "Process cap: 12.00 GiB (fraction 0.50 of the device's 24.00 GiB); free under it
     30.00 MiB; free on the device 10.20 GiB; outside PyTorch 1.50 GiB (not counted against the cap)"."""
     cap = b.get("cap_bytes")
+    if b.get("device") == "cpu":
+        return host_words(b)
     if not isinstance(cap, int):
         return f"Device total: {fmt_bytes(b.get('total_bytes'))}"
     fraction = b.get("memory_fraction")
@@ -177,6 +181,27 @@ def total_words(b: dict[str, Any]) -> str:
             f"free under it {fmt_bytes(b.get('headroom_bytes'))}; free on the device "
             f"{fmt_bytes(b.get('device_free_bytes'))}; outside PyTorch {fmt_bytes(b.get('non_pytorch_bytes'))} "
             "(not counted against the cap)")
+
+
+_AXIS_LABELS = {"ram": "host RAM", "cgroup": "cgroup limit", "rlimit_as": "RLIMIT_AS", "rlimit_data": "RLIMIT_DATA"}
+
+
+def total_axis_label(b: dict[str, Any]) -> str:
+    """The few words on the breakdown bar's total mark: "device total", "process cap", "host RAM" ..."""
+    if b.get("device") == "cpu":
+        limit = b.get("host_limit")
+        return _AXIS_LABELS.get(limit if isinstance(limit, str) else "ram", "host limit")
+    return "process cap" if isinstance(b.get("cap_bytes"), int) else "device total"
+
+
+def host_words(b: dict[str, Any]) -> str:
+    """What a host breakdown is measured against: "Host RAM: 23.54 GiB", or under a tighter limit
+    "Host limit: the cgroup memory limit, 2.00 GiB (it leaves less room than the host's RAM)"."""
+    limit = b.get("host_limit")
+    total = fmt_bytes(b.get("total_bytes"))
+    if limit in (None, "ram") or not isinstance(limit, str):
+        return f"Host RAM: {total}"
+    return f"Host limit: {HOST_LIMIT_WORDS.get(limit, limit)}, {total} (it leaves less room than the host's RAM)"
 
 
 # (key, column / series label): what a timeline row may hold.

@@ -44,8 +44,8 @@ def doctor_lines(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, d
 
 
 _NAMES = sorted(["gpumemd", "config", "torch", "numpy", "cuda", "allocator", "expandable segments",
-                 "allocation history", "nvml process", "nvml", "psutil", "prometheus_client", "output dir",
-                 "metrics port", "lightning", "pytorch-lightning", "transformers", "accelerate"],
+                 "allocation history", "nvml process", "nvml", "psutil", "memory limits", "prometheus_client",
+                 "output dir", "metrics port", "lightning", "pytorch-lightning", "transformers", "accelerate"],
                 key=len, reverse=True)  # "nvml process" before "nvml"
 
 
@@ -63,6 +63,7 @@ def test_cpu_machine_everything_needed_works(capsys: pytest.CaptureFixture[str],
     assert not (tmp_path / "out").exists()  # doctor never creates the directory
     assert os.listdir(tmp_path) == []  # nor leaves its probe file behind
     assert lines["metrics port"][0].startswith("n/a ")
+    assert lines["memory limits"][0].startswith("ok bound by ")  # the limit host headroom is measured in
 
 
 def test_json_parses_and_is_ok(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:

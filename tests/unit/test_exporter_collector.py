@@ -16,7 +16,7 @@ from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Finding
-from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
+from gpumemd.records.samples import AllocatorSample, HostLimit, HostSample, NvmlDeviceSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.records.step_profile import StepProfile
 
@@ -82,7 +82,9 @@ def full_state(n_devices: int = 2) -> AgentState:
         attached_at=900.0, updated_at=1001.0, step=41, steps_total=42, last_step=record,
         allocator=allocator,
         nvml=tuple(NvmlDeviceSample(Device.cuda(d), 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
-        host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
+        host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB,
+                        limit="ram", limits=(HostLimit("ram", 128 * GiB, 28 * GiB),
+                                             HostLimit("cgroup", 256 * GiB, 20 * GiB))),
         census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
         step_profile=cuda_step_profile(),
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
@@ -128,7 +130,7 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state(), live=FULL_LIVE)
     allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "point", "version", "world_size", "hostname",
-               "launcher", "job_phase", "stepping"}
+               "launcher", "job_phase", "stepping", "limit"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
         assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name
@@ -234,6 +236,8 @@ def test_census_bytes_and_counts_per_category() -> None:
     assert value(samples, "gpumemd_census_tensors", category="graph") == 30
     assert value(samples, "gpumemd_census_tensors", category="gradient") == 0
     assert value(samples, "gpumemd_censuses_total") == 2
+    assert value(samples, "gpumemd_census_step") == 40  # how old the census series are, in steps and time
+    assert value(samples, "gpumemd_census_timestamp_seconds") == 1000.0
 
 
 def test_census_invisible_bytes_per_device_index() -> None:

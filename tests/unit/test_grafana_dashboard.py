@@ -233,7 +233,7 @@ GIB = 1024**3
 def test_device_headroom_counts_the_allocator_cache_as_free(tmp_path: Path) -> None:
     # NVML: 1 GiB free; the allocator holds 30 GiB of which tensors use 6: 25 GiB are really available.
     stat_panel = panel("Device headroom")
-    [target] = stat_panel["targets"]
+    target, host_target = stat_panel["targets"]
     series = {
         f'gpumemd_device_free_bytes{{{JOB},device="0"}}': f"{GIB}x2",
         f'gpumemd_allocator_reserved_bytes{{{JOB},device="0"}}': f"{30 * GIB}x2",
@@ -245,6 +245,16 @@ def test_device_headroom_counts_the_allocator_cache_as_free(tmp_path: Path) -> N
                                                 (f'gpumemd_device_free_bytes{{{JOB},device="1"}}', 3 * GIB)])
     steps = stat_panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [s["color"] for s in steps if s["value"] is not None and s["value"] <= 25 * GIB][-1] == "green"
+    # a rank with a GPU shows no host line; the CPU rank beside it does
+    cpu_job = JOB.replace('rank="0"', 'rank="1"')
+    evaluate(tmp_path, host_target["expr"], {**series, f"gpumemd_host_available_bytes{{{JOB}}}": f"{GIB}x2",
+                                             f"gpumemd_host_available_bytes{{{cpu_job}}}": f"{2 * GIB}x2"},
+             [(f"gpumemd_host_available_bytes{{{cpu_job}}}", 2 * GIB)])
+
+
+def test_headline_panels_show_host_memory_on_a_cpu_job() -> None:
+    titles = {t["legendFormat"] for t in panel("Memory at step end vs the device")["targets"]}
+    assert {"{{instance}} r{{rank}} host RSS (no GPU)", "{{instance}} r{{rank}} host limit (no GPU)"} <= titles
 
 
 def test_leak_state_reads_healthy_without_a_finding(tmp_path: Path) -> None:
