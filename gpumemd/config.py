@@ -153,7 +153,9 @@ class Config:
 
     step_profile: bool = False
     """Measure forward / backward / optimizer-step memory on sampled steps (saved-tensor hooks);
-    on CUDA, sampled steps reset torch's peak counters at forward start and before the optimizer step."""
+    on CUDA, sampled steps reset torch's peak counters at forward start and before the optimizer step,
+    so your own ``torch.cuda.max_memory_allocated()`` then covers only the time since that reset (with
+    both this and ``reset_peak_each_step`` off, the default, gpumemd never resets them)."""
 
     step_profile_every_steps: int = 50
     """Profile one step in this many (when ``step_profile`` is on)."""

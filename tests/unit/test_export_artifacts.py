@@ -76,6 +76,7 @@ DASHBOARD_CHECKS: list[tuple[str, dict[str, Any]]] = [
     ("test_every_metric_a_query_names_is_really_emitted", {}),
     ("test_unique_ids_and_panels_inside_the_grid", {}),
     ("test_provisioning_files", {}),
+    ("test_headline_panels_show_host_memory_on_a_cpu_job", {}),
     ("test_every_query_parses_as_promql", {"tmp_path": None}),  # needs promtool
     ("test_device_headroom_counts_the_allocator_cache_as_free", {"tmp_path": None}),
     ("test_leak_state_reads_healthy_without_a_finding", {"tmp_path": None}),
