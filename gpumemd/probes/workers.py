@@ -66,8 +66,13 @@ class WorkersProbe:
         if fd is None:
             if len(self._children_fds) >= 8:  # steps ended on ever new threads: keep a few files only
                 self._close_children()
-            fd = os.open(os.path.join(self._proc, str(self._pid), "task", str(tid), "children"), _FLAGS)
+            try:
+                fd = os.open(os.path.join(self._proc, str(self._pid), "task", str(tid), "children"), _FLAGS)
+            except OSError:
+                fd = -1  # no such file (a kernel without CONFIG_PROC_CHILDREN): the sampler's list only
             self._children_fds[tid] = fd
+        if fd < 0:
+            return set()
         return {int(p) for p in os.pread(fd, 65536, 0).split()}
 
     def _read_statm(self, pids: list[int]) -> list[WorkerSample]:
@@ -163,6 +168,8 @@ class WorkersProbe:
     def _close_children(self) -> None:
         for fd in self._children_fds.values():
             with contextlib.suppress(OSError):
+                if fd < 0:
+                    continue
                 os.close(fd)
         self._children_fds.clear()
 
