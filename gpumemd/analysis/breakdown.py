@@ -21,7 +21,7 @@ from gpumemd.records.oom import (
     SnapshotSummary,
     breakdown_label,
 )
-from gpumemd.records.samples import AllocatorSample, HostSample
+from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 
 # Census category -> breakdown key.
 CATEGORY_KEYS: dict[str, str] = {
@@ -210,8 +210,10 @@ def cpu_breakdown(
     message: OomMessage | None = None,
     host: HostSample | None = None,
     census: Census | None = None,
+    workers: WorkersSample | None = None,
 ) -> Breakdown:
-    """The breakdown of host memory at a CPU allocation failure."""
+    """The breakdown of host memory at a CPU allocation failure; the job's worker processes (their PSS,
+    else their RSS) are an item of their own, out of "other processes"."""
     requested = message.requested_bytes if message else None
     total = host.total_bytes if host else None
     available = host.available_bytes if host else None
@@ -221,8 +223,11 @@ def cpu_breakdown(
     seen = sum(by_cat.values())
     if rss is not None:
         items.append(breakdown_item("process_other", max(0, rss - seen), CPU))
+    in_workers = _workers_bytes(workers)
+    if in_workers:
+        items.append(breakdown_item("workers", in_workers, CPU))
     if total is not None and available is not None and rss is not None:
-        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), CPU))
+        items.append(breakdown_item("non_pytorch", max(0, total - available - rss - in_workers), CPU))
     if available is not None:
         items.append(breakdown_item("free", available, CPU))
     if requested is not None and total is not None and requested > total:
@@ -238,3 +243,11 @@ def cpu_breakdown(
         allocated_bytes=rss, reserved_bytes=None, largest_free_block_bytes=None,
         device_free_bytes=available, verdict=verdict, verdict_why=why,
     )
+
+
+def _workers_bytes(workers: WorkersSample | None) -> int:
+    """What the job's child processes add to the host's use: their PSS (shared pages split), else RSS."""
+    if workers is None or not workers.workers:
+        return 0
+    pss = workers.pss_bytes
+    return pss if pss is not None else workers.rss_bytes

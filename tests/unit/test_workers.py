@@ -62,7 +62,7 @@ def test_a_real_child_is_seen_by_the_training_thread_without_the_sampler() -> No
         while (sample is None or child.pid not in sample.pids) and time.monotonic() < deadline:
             sample = probe.rss()
         assert sample is not None and child.pid in sample.pids
-        assert next(w for w in sample.workers if w.pid == child.pid).rss_bytes > 1 << 20
+        assert next(w for w in sample.workers if w.pid == child.pid).rss_bytes > 0  # (seen from its fork on)
     finally:
         child.kill()
         child.wait()
@@ -88,3 +88,17 @@ def test_a_workers_finding_names_them_their_dataset_and_what_to_try() -> None:
     assert workers_noun((7,), False) == "child processes (1, pid 7)"
     culprit = Culprit("DataLoader workers", 2, 0, holder=workers_noun((41, 42), True), category="workers")
     assert holder_words([culprit], ()) == "in DataLoader workers (2, pids 41, 42)"
+
+
+def test_the_workers_are_an_item_of_their_own_in_a_host_oom_breakdown() -> None:
+    from gpumemd.analysis.breakdown import cpu_breakdown
+    from gpumemd.records.samples import HostSample, WorkerSample, WorkersSample
+
+    gib = 1 << 30
+    host = HostSample(rss_bytes=4 * gib, available_bytes=gib, total_bytes=16 * gib)
+    workers = WorkersSample(tuple(WorkerSample(p, 5 * gib, pss_bytes=int(2.275 * gib)) for p in (1, 2, 3, 4)))
+    items = {i.key: i for i in cpu_breakdown(host=host, workers=workers).items}
+    assert items["workers"].nbytes == int(2.275 * gib) * 4  # their PSS: ~9.1 GiB
+    assert items["workers"].label.startswith("the job's worker processes")
+    assert items["non_pytorch"].nbytes == 16 * gib - gib - 4 * gib - items["workers"].nbytes
+    assert "workers" not in {i.key for i in cpu_breakdown(host=host).items}
