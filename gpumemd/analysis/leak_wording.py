@@ -333,9 +333,11 @@ def workers_noun(pids: Sequence[int], dataloader: bool) -> str:
     return f"{noun} ({len(pids)}, pid{'s' if len(pids) != 1 else ''} {shown})"
 
 
-def workers_holder(pids: Sequence[int], dataloader: bool) -> str:
-    """What a workers finding names where others name a holder."""
-    return workers_noun(pids, dataloader)
+def workers_holder(pids: Sequence[int], datasets: Sequence[str]) -> str:
+    """What a workers finding names where others name a holder: 'DataLoader workers (2, pids 41, 42)
+    running CachingDataset'."""
+    text = workers_noun(pids, bool(datasets))
+    return text + f" running {', '.join(datasets)}" if datasets else text
 
 
 def workers_sentence(pids: Sequence[int], per_worker: float, onset_step: int | None,

@@ -168,8 +168,9 @@ class CulpritSearch:
         per_worker = self._series.stated_rate(status) / max(1, len(pids))
         sentence = workers_sentence(pids, per_worker, status.onset_step,
                                     [(loader.dataset, loader.persistent) for loader in loaders])
+        datasets = [loader.dataset.split(" (")[0] for loader in loaders]  # the class, without its module
         culprit = Culprit(description=workers_noun(pids, bool(loaders)), count_delta=len(pids),
-                          bytes_delta=round(status.growth_bytes), holder=workers_holder(pids, bool(loaders)),
+                          bytes_delta=round(status.growth_bytes), holder=workers_holder(pids, datasets),
                           noun="process", category="workers")
         since = status.onset_step if status.onset_step is not None else status.window_start
         return Evidence((culprit,), status.step - since, (), sentence=sentence)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from gpumemd.analysis.leak_headline import holder_words
-from gpumemd.analysis.leak_wording import workers_noun, workers_sentence
+from gpumemd.analysis.leak_wording import workers_holder, workers_noun, workers_sentence
 from gpumemd.analysis.worker_growth import WorkerGrowth
 from gpumemd.probes.workers import WorkersProbe
 from gpumemd.records.findings import Culprit
@@ -86,8 +86,9 @@ def test_a_workers_finding_names_them_their_dataset_and_what_to_try() -> None:
     assert "running CachingDataset (train.data), persistent_workers=True" in text
     assert "copy-on-read" in text and "bound it" in text
     assert workers_noun((7,), False) == "child processes (1, pid 7)"
-    culprit = Culprit("DataLoader workers", 2, 0, holder=workers_noun((41, 42), True), category="workers")
-    assert holder_words([culprit], ()) == "in DataLoader workers (2, pids 41, 42)"
+    culprit = Culprit("DataLoader workers", 2, 0, holder=workers_holder((41, 42), ["CachingDataset"]),
+                      category="workers")
+    assert holder_words([culprit], ()) == "in DataLoader workers (2, pids 41, 42) running CachingDataset"
 
 
 def test_the_workers_are_an_item_of_their_own_in_a_host_oom_breakdown() -> None:
