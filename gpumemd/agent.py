@@ -33,7 +33,7 @@ from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
-from gpumemd.records.samples import AllocatorSample, HostSample
+from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.state_board import StateBoard
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
     from gpumemd.probes.nvml import NvmlProbe
+    from gpumemd.probes.workers import WorkersProbe
     from gpumemd.records.census import Census
     from gpumemd.records.findings import Finding
     from gpumemd.state_board import Probe
@@ -82,6 +83,7 @@ class Agent(StepCounting):
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
         max_stride: int | None = None,
+        workers_probe: WorkersProbe | None = None,
     ) -> None:
         self.config = config
         self.output_dir = os.path.abspath(config.output_dir)
@@ -96,9 +98,14 @@ class Agent(StepCounting):
         probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
         if nvml_probe is not None:
             probes["nvml"] = nvml_probe
+        if workers_probe is not None:
+            probes["workers"] = workers_probe
+        self._workers = workers_probe
+        self._workers_read_at: int | None = None  # the step of the last per-step read of the workers
         self._probes = probes
         self._board = StateBoard(self, probes, wall_clock)
-        self._sampler = Sampler(allocator=allocator_probe, host=host_probe, nvml=nvml_probe, clock=clock)
+        self._sampler = Sampler(allocator=allocator_probe, host=host_probe, nvml=nvml_probe, clock=clock,
+                                workers=workers_probe)
         # tests: max_stride=1 samples every step
         self._planner = StridePlanner(config.overhead_budget, MAX_STRIDE if max_stride is None else max_stride)
         self._reset_step_counts()
@@ -177,6 +184,8 @@ class Agent(StepCounting):
         if self._nvml is not None:
             self._nvml.close()
         self._host.close()
+        if self._workers is not None:
+            self._workers.close()
         atexit.unregister(self.stop)
         if summary is not None:
             say(summary, rank=self.state().identity.rank, quiet=self.config.quiet)
@@ -257,7 +266,15 @@ class Agent(StepCounting):
             base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
             host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
         return StepRecord(step=number, wall_time=self._wall(), duration_s=duration, allocator=allocator, host=host,
-                          nvml=previous.nvml, phase=self._phase, steps=steps)
+                          nvml=previous.nvml, phase=self._phase, steps=steps, workers=self._read_workers(number))
+
+    def _read_workers(self, number: int) -> WorkersSample | None:
+        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps (a few preads: ~1 µs each)."""
+        last = self._workers_read_at
+        if self._workers is None or (last is not None and 0 <= number - last < WORKERS_EVERY):
+            return None
+        self._workers_read_at = number
+        return self._workers.rss()
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
@@ -299,9 +316,11 @@ class Agent(StepCounting):
         state = self._board.base
         assert state is not None
         allocator, nvml, host = self._sampler.read(state.identity.local_rank)
+        workers = self._sampler.read_workers()
         state = self._board.base
         assert state is not None
-        self.publish(allocator=allocator or state.allocator, nvml=nvml, host=host or state.host)
+        self.publish(allocator=allocator or state.allocator, nvml=nvml, host=host or state.host,
+                     workers=workers or state.workers)
 
     def publish(self, **changes: Any) -> AgentState:
         """Swap in a new immutable state with ``changes`` applied (plus fresh overhead/probe health).
@@ -385,6 +404,8 @@ class Agent(StepCounting):
         return None
 
 
+WORKERS_EVERY = 10
+"""Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
 _IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
 _NO_REQUEST = 1 << 62  # the countdown while a sampled step end runs, before anyone asked for a sample
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
     from gpumemd.probes.nvml import NvmlProbe
+    from gpumemd.probes.workers import WorkersProbe
     from gpumemd.records.step import Identity, StepRecord
 
 _lock = threading.Lock()
@@ -131,12 +132,14 @@ def build_agent(
     clock: Callable[[], float] = time.perf_counter,
     wall_clock: Callable[[], float] = time.time,
     max_stride: int | None = None,
+    workers_probe: WorkersProbe | None = None,
 ) -> Agent:
     """An agent (not started) with the probes and components ``config`` asks for; any of them can be
     given instead (tests and benchmarks do). ``components=None`` means the default set."""
     from gpumemd.agent import Agent
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
+    from gpumemd.probes.workers import WorkersProbe
 
     if components is None:
         components = build_components(config, history=history)
@@ -146,7 +149,8 @@ def build_agent(
         nvml_probe = NvmlProbe()
     return Agent(config, allocator_probe=allocator_probe or AllocatorProbe(), host_probe=host_probe or HostProbe(),
                  nvml_probe=nvml_probe, components=components, model=model, optimizer=optimizer,
-                 identity=identity, clock=clock, wall_clock=wall_clock, max_stride=max_stride)
+                 identity=identity, clock=clock, wall_clock=wall_clock, max_stride=max_stride,
+                 workers_probe=workers_probe if workers_probe is not None else WorkersProbe())
 
 
 def build_components(config: Config, *, history: AllocationHistory | None = None) -> list[Component]:

@@ -15,15 +15,17 @@ if TYPE_CHECKING:
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
     from gpumemd.probes.nvml import NvmlProbe
-    from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
+    from gpumemd.probes.workers import WorkersProbe
+    from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 
 class Sampler:
     """Reads the probes on request (``read``) and, once started, on its own thread (``tick`` each
     interval); ``seconds`` is the time its reads took, which the agent counts as its overhead."""
 
     def __init__(self, *, allocator: AllocatorProbe, host: HostProbe, nvml: NvmlProbe | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], workers: WorkersProbe | None = None) -> None:
         self._allocator = allocator
+        self._workers = workers
         self._host = host
         self._nvml = nvml
         self._clock = clock
@@ -63,6 +65,16 @@ class Sampler:
         host = self._host.read()
         self.seconds += self._clock() - start
         return allocator, nvml, host
+
+    def read_workers(self) -> WorkersSample | None:
+        """The job's child processes with their USS and PSS (slow: this thread only), timed."""
+        if self._workers is None:
+            return None
+        start = self._clock()
+        try:
+            return self._workers.read()
+        finally:
+            self.seconds += self._clock() - start
 
     def _read_nvml(self, allocator: tuple[AllocatorSample, ...], local_rank: int) -> tuple[NvmlDeviceSample, ...]:
         """Only the devices this process uses: those its allocator holds memory on; before CUDA is up,

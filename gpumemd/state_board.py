@@ -105,6 +105,9 @@ class StateBoard:
         sampler_newer = self._sampled_at > record.wall_time  # the sampler read after this step ended
         allocator = base.allocator if sampler_newer and base.allocator else (record.allocator or base.allocator)
         host = base.host if sampler_newer and base.host else (record.host or base.host)
+        # The sampler's reading of the workers has their USS and PSS: the record's (RSS only) stands in
+        # until it has read them once.
+        workers = base.workers if base.workers is not None else record.workers
         return dataclasses.replace(
             base,
             updated_at=max(base.updated_at, record.wall_time),
@@ -113,6 +116,7 @@ class StateBoard:
             last_step=record,
             allocator=allocator,
             host=host,
+            workers=workers,
             overhead=counts.overhead(),
             phase=counts.current_phase,
         )

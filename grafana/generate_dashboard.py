@@ -261,11 +261,18 @@ def build() -> dict[str, Any]:
 
     g.row("Host")
     g.add(timeseries(
-        "Process and host memory", "This process's resident set, the host's available memory and torch's "
-        "pinned host memory.", "bytes",
-        (sel("gpumemd_host_rss_bytes"), INST + " RSS"),
+        "Trainer and workers", "Host memory of the training process (its resident set) and of its child "
+        "processes, DataLoader workers included (their proportional share, PSS, which splits the pages they "
+        "share with the trainer; their RSS where the kernel gives no PSS), stacked: what the job takes from "
+        "the host. A workers' band that keeps rising while the trainer stays flat is a Dataset cache or "
+        "copy-on-read in the workers.", "bytes",
+        (sel("gpumemd_host_rss_bytes"), INST + " trainer"),
+        (f"{sel('gpumemd_workers_pss_bytes')} or {sel('gpumemd_workers_rss_bytes')}", INST + " workers"),
+        stack=True), w=12)
+    g.add(timeseries(
+        "Host available and pinned", "The host's available memory and torch's pinned host memory.", "bytes",
         (sel("gpumemd_host_available_bytes"), INST + " host available"),
-        (sel("gpumemd_host_pinned_bytes"), INST + " pinned")), w=24)
+        (sel("gpumemd_host_pinned_bytes"), INST + " pinned")), w=12)
 
     g.row("Agent")
     g.add(timeseries(

@@ -21,7 +21,7 @@ from gpumemd.records.oom import (
     SnapshotSummary,
     breakdown_label,
 )
-from gpumemd.records.samples import AllocatorSample, HostSample
+from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 
 # Census category -> breakdown key.
 CATEGORY_KEYS: dict[str, str] = {
@@ -211,9 +211,11 @@ def cpu_breakdown(
     message: OomMessage | None = None,
     host: HostSample | None = None,
     census: Census | None = None,
+    workers: WorkersSample | None = None,
 ) -> Breakdown:
     """The breakdown of host memory at a CPU allocation failure, against the limit that binds: the
-    host's RAM, or a cgroup memory limit or an rlimit when that leaves less room."""
+    host's RAM, or a cgroup memory limit or an rlimit when that leaves less room. The job's worker
+    processes (their PSS, else their RSS) are an item of their own, out of "other processes"."""
     requested = message.requested_bytes if message else None
     total = host.total_bytes if host else None
     available = host.available_bytes if host else None
@@ -224,8 +226,11 @@ def cpu_breakdown(
     seen = sum(by_cat.values())
     if rss is not None:
         items.append(breakdown_item("process_other", max(0, rss - seen), CPU))
+    in_workers = _workers_bytes(workers)
+    if in_workers:
+        items.append(breakdown_item("workers", in_workers, CPU))
     if total is not None and available is not None and rss is not None:
-        items.append(breakdown_item("non_pytorch", max(0, total - available - rss), CPU, limit))
+        items.append(breakdown_item("non_pytorch", max(0, total - available - rss - in_workers), CPU, limit))
     if available is not None:
         items.append(breakdown_item("free", available, CPU, limit))
     verdict, why = _host_verdict(requested, total, available, host)
@@ -246,3 +251,11 @@ def _host_verdict(requested: int | None, total: int | None, available: int | Non
     if requested is not None and available is not None and requested > available:
         return "capacity", f"the request of {fmt(requested)} exceeds the {fmt(available)} left under {words}"
     return "unknown", "the host had room by its own account (overcommit limits?)"
+
+
+def _workers_bytes(workers: WorkersSample | None) -> int:
+    """What the job's child processes add to the host's use: their PSS (shared pages split), else RSS."""
+    if workers is None or not workers.workers:
+        return 0
+    pss = workers.pss_bytes
+    return pss if pss is not None else workers.rss_bytes

@@ -86,6 +86,8 @@ def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | Non
         if not c.holder:
             return "(holder not found)"
         verb = "kept alive by" if c.holder.startswith(("the autograd graph", "autograd graph")) else "held by"
+        if c.category == "workers":  # the job's child processes: the memory is theirs, not held
+            verb = "in"
         return f"{verb} {short_path(c.holder)}"
     if sites:
         return f"allocated at {sites[0]}"

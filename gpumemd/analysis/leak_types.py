@@ -72,6 +72,7 @@ class SeriesSpec:
     min_bytes_per_step: float | None = None  # this series' own effect size (default: the detector's)
     unit: str = "bytes"  # what the values count: "bytes", "tensors" or "nodes" (autograd nodes chained)
     group: str | None = None  # the group a count series follows ("float32[4, 8]")
+    row_bytes: int = 0  # a growing tensor's series: bytes per row of its leading dimension (0: not one)
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:

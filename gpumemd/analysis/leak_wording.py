@@ -188,8 +188,11 @@ def build_finding(
     if active:
         oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
                else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
+        rate = _rate(status, per_step, slope)
+        if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
+            rate = f"+{format_bytes(slope / culprits[0].count_delta)}/step each"  # per worker process
         facts = dataclasses.replace(
-            facts, rate=_rate(status, per_step, slope), holder=holder_words(culprits, sites),
+            facts, rate=rate, holder=holder_words(culprits, sites),
             onset_step=status.onset_step, out_of_memory=oom)
     low, high = (v.slope.low, v.slope.high)
     if counts:
@@ -241,6 +244,8 @@ def _where(status: TrackStatus) -> str | None:
 
 def _rate(status: TrackStatus, per_step: float, slope: float) -> str:
     """"+1 tensor/step (~2.0 KiB/step)", "+128.2 KiB/step": the growth per step a headline states."""
+    if status.spec.row_bytes:
+        return rows_rate(slope / status.spec.row_bytes, status.spec.row_bytes)
     if status.spec.unit == "bytes":
         return f"+{format_bytes(slope)}/step"
     noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
@@ -261,7 +266,11 @@ def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_
         parts.append(f"{rate} (~{format_bytes(slope)}/step)" if slope >= 1 else rate)
     else:
         low = v.slope.low if math.isfinite(v.slope.low) else 0.0
-        parts.append(f"+{format_bytes(slope)}/step (>= {format_bytes(low)}/step at 95%)")
+        bounds = f">= {format_bytes(low)}/step at 95%"
+        if status.spec.row_bytes:  # "+64 rows/step (~2.5 KiB/step, >= ...)"
+            parts.append(rows_rate(slope / status.spec.row_bytes, status.spec.row_bytes)[:-1] + f", {bounds})")
+        else:
+            parts.append(f"+{format_bytes(slope)}/step ({bounds})")
     if status.onset_step is not None:
         parts.append(f"since step {status.onset_step}")
     grown = status.growth_bytes * bytes_per_unit if counts else status.growth_bytes
@@ -303,6 +312,55 @@ def count_sentence(per_step: float, description: str, own_bytes: float, graph_by
         text += (f", each keeping its autograd graph of {graph_nodes:,} nodes alive: backward() freed its "
                  "saved tensors, the nodes stay in host memory")
     return text + ")" + (f", held by {holder}" if holder else ", holder not found")
+
+
+def growth_sentence(holder: str | None, description: str, rows_per_step: float, row_bytes: int,
+                    rows_now: int) -> str:
+    """The culprit sentence of a tensor replaced each step by a larger one: '`all_logits` in
+    evaluate() at eval.py:30 grows +64 rows/step (~2.5 KiB/step): float32[N, 10], 19,200 rows
+    (750.0 KiB) now, a larger copy every step (torch.cat onto the kept tensor): ...'."""
+    who = holder if holder else f"a {description} tensor (holder not found)"
+    return (f"{who} grows {rows_rate(rows_per_step, row_bytes)}: {description}, {rows_now:,} rows "
+            f"({format_bytes(rows_now * row_bytes)}) now, replaced by a larger copy every step "
+            "(torch.cat onto the kept tensor): append the parts to a list and cat once, "
+            "move them to the CPU or reset it each epoch, or keep a running metric instead")
+
+
+def workers_noun(pids: Sequence[int], dataloader: bool) -> str:
+    """'DataLoader workers (2, pids 4120, 4121)', 'child processes (1, pid 4120)'."""
+    shown = ", ".join(str(p) for p in pids[:6]) + (", …" if len(pids) > 6 else "")
+    noun = "DataLoader workers" if dataloader else "child processes"
+    return f"{noun} ({len(pids)}, pid{'s' if len(pids) != 1 else ''} {shown})"
+
+
+def workers_holder(pids: Sequence[int], datasets: Sequence[str]) -> str:
+    """What a workers finding names where others name a holder: 'DataLoader workers (2, pids 41, 42)
+    running CachingDataset'."""
+    text = workers_noun(pids, bool(datasets))
+    return text + f" running {', '.join(datasets)}" if datasets else text
+
+
+def workers_sentence(pids: Sequence[int], per_worker: float, onset_step: int | None,
+                     loaders: Sequence[tuple[str, bool | None]]) -> str:
+    """'DataLoader workers (2, pids 4120, 4121) +300.0 KiB/step each since step 120, running
+    CachingDataset (train.data) with persistent_workers=True: ...' and what to try."""
+    text = f"{workers_noun(pids, bool(loaders))} +{format_bytes(per_worker)}/step each"
+    if onset_step is not None:
+        text += f" since step {onset_step:,}"
+    text += " while the training process stays flat"
+    if loaders:
+        runs = "; ".join(f"{name}{'' if persistent is None else f', persistent_workers={persistent}'}"
+                         for name, persistent in loaders)
+        text += f", running {runs}"
+    return (text + ": a cache in the Dataset fills in every worker: bound it (an LRU of fixed size) or "
+            "fill it before the workers start; Python lists and dicts the Dataset holds are copied into "
+            "each worker as it reads them (copy-on-read): hold numpy arrays or tensors instead")
+
+
+def rows_rate(rows_per_step: float, row_bytes: int) -> str:
+    """'+64 rows/step (~2.5 KiB/step)'."""
+    n = _count(rows_per_step)
+    return f"+{n} row{'' if n == '1' else 's'}/step (~{format_bytes(rows_per_step * row_bytes)}/step)"
 
 
 def chain_sentence(description: str, graph_nodes: int, saved_per_step: float, holder: str | None) -> str:

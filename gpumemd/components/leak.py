@@ -41,6 +41,7 @@ from gpumemd.files import append_line
 from gpumemd.probes.graph_chains import GraphChainTracker
 from gpumemd.probes.stepwise import Stepwise
 from gpumemd.probes.survivors import SurvivorTracker
+from gpumemd.probes.tensor_families import TensorFamilies
 from gpumemd.records.plain import plain
 
 if TYPE_CHECKING:
@@ -139,7 +140,8 @@ class LeakComponent:
         self._scan_interval, self._last_scan_total, self._scan_cost = SCAN_EVERY, 0, None
         self._next_scan_total = SCAN_EVERY
         tracker, chains = _trackers()
-        series = LeakSeries(self._options, agent, tracker=tracker, chains=chains)
+        families = TensorFamilies() if tracker is not None else None
+        series = LeakSeries(self._options, agent, tracker=tracker, chains=chains, families=families)
         culprits = CulpritSearch(agent, series, tracker=tracker, chains=chains, census=self._census,
                                  host=self._host, sites=self._sites,
                                  check_every_steps=self._options.leak_check_every_steps)
@@ -163,6 +165,8 @@ class LeakComponent:
                 parts.tracker.uninstall()
             if parts.chains is not None:
                 parts.chains.clear()
+            if parts.series.families is not None:
+                parts.series.families.clear()
         self._unfed.clear()
         self._sites.clear()
         self._host.clear()
@@ -375,7 +379,7 @@ class LeakComponent:
     def _counts_active(self, series: LeakSeries, rising: set[str]) -> bool:
         """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
         the heap scans that look for other culprits are not worth their cost."""
-        names = series.counts.names() | series.chain_nodes.names()
+        names = series.counts.names() | series.chain_nodes.names() | series.grown.names()
         if names & rising:
             return True
         return any(f.series in names and f.state != "cleared" for f in self._findings.values())

@@ -15,10 +15,19 @@ import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpumemd.analysis.leak_wording import chain_sentence, count_sentence, culprits_from_diff, refine_kind
+from gpumemd.analysis.leak_wording import (
+    chain_sentence,
+    count_sentence,
+    culprits_from_diff,
+    growth_sentence,
+    refine_kind,
+    workers_holder,
+    workers_noun,
+    workers_sentence,
+)
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
-from gpumemd.probes import host_objects
+from gpumemd.probes import dataloaders, host_objects
 from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.records.device import CPU, cuda_index
@@ -79,8 +88,12 @@ class CulpritSearch:
     def search(self, status: TrackStatus) -> Stepwise[Evidence]:
         """The search, one heap pass between ``yield``s (see ``probes.stepwise``)."""
         kind = status.spec.kind
+        if status.spec is self._series.workers_spec:
+            return self._workers_culprits(status)
         if kind == "host_leak":
             return (yield from self._host_culprits(status))
+        if status.spec.row_bytes:
+            return self._family_culprits(status)
         if status.spec.unit == "tensors":
             return (yield from self._count_culprits(status))
         if status.spec.unit == "nodes":
@@ -172,6 +185,50 @@ class CulpritSearch:
             return _SampleHolder(f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
                                  f"held by {root.holder}", graph_kept=True, garbage=garbage)
         return _SampleHolder(garbage=garbage)
+
+    # --- the job's child processes -------------------------------------------------------------
+
+    def _workers_culprits(self, status: TrackStatus) -> Evidence:
+        """Which workers grow (the children alive now), each one's rate, and the DataLoader they run."""
+        pids = self._series.worker_growth.pids
+        loaders = dataloaders.loaders_of(pids)
+        per_worker = self._series.stated_rate(status) / max(1, len(pids))
+        sentence = workers_sentence(pids, per_worker, status.onset_step,
+                                    [(loader.dataset, loader.persistent) for loader in loaders])
+        datasets = [loader.dataset.split(" (")[0] for loader in loaders]  # the class, without its module
+        culprit = Culprit(description=workers_noun(pids, bool(loaders)), count_delta=len(pids),
+                          bytes_delta=round(status.growth_bytes), holder=workers_holder(pids, datasets),
+                          noun="process", category="workers")
+        since = status.onset_step if status.onset_step is not None else status.window_start
+        return Evidence((culprit,), status.step - since, (), sentence=sentence)
+
+    # --- a growing tensor: its newest, largest member ------------------------------------------
+
+    def _family_culprits(self, status: TrackStatus) -> Evidence:
+        """Who holds the newest largest tensor of a growing family (alive: the scan that saw it ran
+        at this step end), and how many rows it has now."""
+        series = self._series
+        key = series.grown.key_of(status.spec)
+        families = series.families
+        family = families.get(key) if key is not None and families is not None else None
+        if key is None or families is None or family is None:
+            return NO_EVIDENCE
+        sample = families.sample(key)
+        holder = None
+        try:
+            if sample is not None:
+                holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(series.grown.specs,))
+        finally:
+            del sample
+        row_bytes = status.spec.row_bytes
+        rows = series.stated_rate(status) / row_bytes
+        desc = family.describe()
+        sentence = growth_sentence(holder, desc, rows, row_bytes, family.rows)
+        culprit = Culprit(description=desc, count_delta=round(status.growth_bytes / row_bytes),
+                          bytes_delta=round(status.growth_bytes), holder=holder, noun="row",
+                          category="graph" if family.key[3] else "other")
+        since = status.onset_step if status.onset_step is not None else status.window_start
+        return Evidence((culprit,), status.step - since, (), sentence=sentence)
 
     # --- graph chains: the newest root ---------------------------------------------------------
 

@@ -7,10 +7,14 @@ Series fed per step (all cheap reads of the ``StepRecord`` and the published sta
   absent under expandable segments and cudaMallocAsync, which do not maintain it), NVML used −
   reserved (memory outside PyTorch's allocator).
 - Host RSS (host leak) — unless the census of CPU tensors grows as fast, which makes it theirs.
+- The job's child processes (DataLoader workers), every few steps: their RSS growth since each was
+  first seen (``analysis.worker_growth``: a restarted worker starts again from nothing).
 - Census, per device, whenever a new census is published: total bytes including the autograd graph
   it keeps alive (on CPU this is the tensor/graph leak alarm), and CUDA's allocated − census
   ("invisible", i.e. autograd-saved tensors), which turns an allocated-bytes leak into a graph leak.
-- Per survivor scan: long-lived tensors per group and autograd nodes per graph chain (count series).
+- Per survivor scan: long-lived tensors per group and autograd nodes per graph chain (count series),
+  and the bytes of the largest new tensor of each family that keeps growing (``tensor_families``:
+  a tensor replaced each step by a larger one).
 
 The threshold of each series is its noise floor or, above it, what would exhaust the headroom the
 series draws on within ``leak_horizon_hours`` at the measured step rate.
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_types import series_family, series_name
+from gpumemd.analysis.worker_growth import WorkerGrowth
 from gpumemd.probes.graph_chains import MAX_ROOTS
 from gpumemd.records.device import CPU, Device, cuda_index
 
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
     from gpumemd.components.leak_options import LeakOptions
     from gpumemd.probes.graph_chains import ChainGroup, ChainKey, GraphChainTracker
     from gpumemd.probes.survivors import GroupKey, SurvivorGroup, SurvivorTracker
+    from gpumemd.probes.tensor_families import Family, FamilyKey, TensorFamilies
     from gpumemd.records.census import Census
     from gpumemd.records.samples import HostSample
     from gpumemd.records.step import StepRecord
@@ -94,11 +100,12 @@ class LeakSeries:
     ``tracker`` and ``chains`` (None when long-lived tensor tracking is off) give the count series."""
 
     def __init__(self, options: LeakOptions, agent: AgentView, *, tracker: SurvivorTracker | None,
-                 chains: GraphChainTracker | None) -> None:
+                 chains: GraphChainTracker | None, families: TensorFamilies | None = None) -> None:
         self._options = options
         self._agent = agent
         self._tracker = tracker
         self._chains = chains
+        self.families = families
         self.detector = LeakDetector(DetectorConfig(
             min_bytes_per_step=options.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
             warmup_steps=options.leak_warmup_steps,
@@ -108,8 +115,12 @@ class LeakSeries:
         self.host_spec = SeriesSpec(
             series_name("host_rss_bytes"), "host_leak", CPU,
             explained_by=(series_name("census_bytes", CPU), series_name("long_lived_bytes", CPU),
-                          series_family("tensors", CPU), series_family("graph_nodes", CPU)))
+                          series_family("tensors", CPU), series_family("graph_nodes", CPU),
+                          series_family("growing_tensor_bytes", CPU)))
+        self.workers_spec = SeriesSpec(series_name("workers_rss_bytes"), "host_leak", CPU)
+        self.worker_growth = WorkerGrowth()
         self.counts: GroupSeries[GroupKey] = GroupSeries()
+        self.grown: GroupSeries[FamilyKey] = GroupSeries()  # growing tensors' byte series, per family
         self.chain_nodes: GroupSeries[ChainKey] = GroupSeries()
         self.seconds_per_step: float | None = None  # the mean step time, pauses included: time-to-OOM projections
         self._known: set[str] = set()
@@ -158,6 +169,10 @@ class LeakSeries:
             self._last_host = (record.wall_time, host)
             # The agent's own step records grow until the ring buffer is full: not the job's memory.
             self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
+        workers = record.workers
+        if workers is not None and (workers.workers or self.worker_growth.seen):
+            grown = self.worker_growth.update(step, ((w.pid, w.rss_bytes) for w in workers.workers))
+            self._observe(self.workers_spec, step, grown, phase)
 
     def _own_bytes(self, record: StepRecord, samples: int) -> float:
         if self._own_record_bytes is None:
@@ -201,6 +216,28 @@ class LeakSeries:
                              [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
         if self._chains is not None:
             self._feed_chains(self._chains, tracker, record)
+        if self.families is not None:
+            self._feed_families(self.families, tracker, record)
+
+    def _feed_families(self, families: TensorFamilies, tracker: SurvivorTracker, record: StepRecord) -> None:
+        """The bytes of the largest new tensor of each family that keeps growing: one series per
+        family once it is watched (``MAX_COUNT_SERIES`` at most), started with its past scans. The
+        tensors are alive now, so their sizes are this step's."""
+        tensors = tracker.new_tensors()
+        try:
+            seen = families.observe(tensors, record.step)
+        finally:
+            tensors.clear()
+        specs = self.grown.specs
+        for family in seen:
+            spec = specs.get(family.key)
+            if spec is None:
+                if not family.watched or len(specs) >= MAX_COUNT_SERIES:
+                    continue
+                spec = specs[family.key] = _family_spec(family)
+                for earlier, rows in list(family.past)[:-1]:
+                    self._observe(spec, earlier, rows * family.row_bytes, record.phase)
+            self._observe(spec, record.step, family.rows * family.row_bytes, record.phase)
 
     def _feed_chains(self, chains: GraphChainTracker, tracker: SurvivorTracker, record: StepRecord) -> None:
         """Follow autograd graphs chained across steps and feed their node counts."""
@@ -332,7 +369,7 @@ _SPECS: dict[tuple[str, Device, bool, bool], SeriesSpec] = {}
 
 def _family(name: str) -> str:
     """The noise-floor family of a series name."""
-    if name.startswith("host_"):
+    if name.startswith(("host_", "workers_")):
         return "host"
     if name.startswith("inactive_split"):
         return "fragmentation"
@@ -374,7 +411,8 @@ def _explained_by(measure: str, device: Device) -> tuple[str, ...]:
     its allocated bytes."""
     if measure != "allocated_bytes":
         return ()
-    return series_name("long_lived_bytes", device), series_family("tensors", device)
+    return (series_name("long_lived_bytes", device), series_family("tensors", device),
+            series_family("growing_tensor_bytes", device))
 
 
 def _tensor_spec(group: SurvivorGroup) -> SeriesSpec:
@@ -390,3 +428,11 @@ def _chain_spec(group: ChainGroup) -> SeriesSpec:
     described = group.describe()
     return SeriesSpec(series_name("graph_nodes", group.device, described), "graph_leak", group.device,
                       sparse=True, unit="nodes", group=described)
+
+
+def _family_spec(family: Family) -> SeriesSpec:
+    """The bytes series of a growing tensor's family."""
+    described = family.describe()
+    return SeriesSpec(series_name("growing_tensor_bytes", family.device, described),
+                      "graph_leak" if family.key[3] else "tensor_leak", family.device, sparse=True,
+                      group=described, row_bytes=family.row_bytes)

@@ -392,6 +392,7 @@ class OomComponent(ComponentBase):
             steps=agent.steps(),
             findings=state.findings,
             host=state.host,
+            workers=state.workers,
             allocator=state.allocator,
             nvml=state.nvml,
             step_profile=state.step_profile,

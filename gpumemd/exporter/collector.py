@@ -248,6 +248,12 @@ def _host(out: _Families, state: AgentState) -> None:
     for limit in host.limits:
         out.add("gpumemd_host_limit_bytes", limit.limit_bytes, limit=limit.kind)
         out.add("gpumemd_host_limit_headroom_bytes", limit.headroom_bytes, limit=limit.kind)
+    workers = state.workers
+    if workers is not None:
+        out.add("gpumemd_workers", len(workers.workers))
+        out.add("gpumemd_workers_rss_bytes", workers.rss_bytes)
+        out.add("gpumemd_workers_pss_bytes", workers.pss_bytes)
+        out.add("gpumemd_workers_uss_bytes", workers.uss_bytes)
 
 
 def _steps(out: _Families, state: AgentState, live: LiveFigures, last_step_at: float | None) -> None:
@@ -293,6 +299,7 @@ def _step_profile(out: _Families, state: AgentState) -> None:
 
 
 def _findings(out: _Families, findings: Iterable[Finding]) -> None:
+    findings = tuple(findings)
     # Several findings can share a kind and device (e.g. two series of one device): export the
     # most severe one, so each label set appears once and stays bounded.
     worst: dict[tuple[str, str], Finding] = {}
@@ -309,6 +316,22 @@ def _findings(out: _Families, findings: Iterable[Finding]) -> None:
         out.add("gpumemd_leak_slope_bytes_per_step", finding.slope_bytes_per_step, kind=kind, device=device)
         out.add("gpumemd_leak_growth_bytes", finding.growth_bytes, kind=kind, device=device)
         out.add("gpumemd_leak_steps_to_oom", finding.steps_to_oom, kind=kind, device=device)
+    _growth_slopes(out, findings)
+
+
+def _growth_slopes(out: _Families, findings: Iterable[Finding]) -> None:
+    """The two growths that have a figure of their own, with the leak series' labels (the fastest of each)."""
+    findings = tuple(findings)
+    for name, prefix in (("gpumemd_leak_workers_slope_bytes_per_step", "workers_rss_bytes"),
+                         ("gpumemd_leak_growing_tensor_slope_bytes_per_step", "growing_tensor_bytes")):
+        fastest: dict[tuple[str, str], float] = {}
+        for finding in findings:
+            if finding.state != "cleared" and finding.series.startswith(prefix):
+                ordinal = cuda_index(finding.device)
+                key = (finding.kind, "" if ordinal is None else str(ordinal))
+                fastest[key] = max(fastest.get(key, 0.0), finding.slope_bytes_per_step)
+        for (kind, device), slope in sorted(fastest.items()):
+            out.add(name, slope, kind=kind, device=device)
 
 
 def _rank(finding: Finding) -> tuple[int, float]:

@@ -108,6 +108,17 @@ SPECS: tuple[MetricSpec, ...] = (
        "limit - its use (RAM in use, cgroup working set, virtual or data size)"),
     _g("gpumemd_host_pinned_bytes", (), "Pinned host memory held by torch's caching host allocator.",
        "torch.cuda.host_memory_stats()"),
+    _g("gpumemd_workers", (), "The job's child processes (DataLoader workers and any other children) seen at the "
+       "last reading.", "/proc/self/task/*/children or psutil"),
+    _g("gpumemd_workers_rss_bytes", (),
+       "Resident set size of the job's child processes, summed (counts the pages they share with this process "
+       "once per worker).", "/proc/<pid>/statm or psutil"),
+    _g("gpumemd_workers_pss_bytes", (),
+       "Proportional set size of the job's child processes, summed: what they add to the host's use, shared "
+       "pages split (absent where the kernel does not give it).", "/proc/<pid>/smaps_rollup or psutil"),
+    _g("gpumemd_workers_uss_bytes", (),
+       "Pages only the job's child processes hold, summed: where a Dataset's copy-on-read and caches show.",
+       "/proc/<pid>/smaps_rollup or psutil"),
     # --- steps ---
     _g("gpumemd_step", (), "Number of the last completed training step.", "AgentState.step"),
     _c("gpumemd_steps_total", (), "Training steps completed since attach.", "AgentState.steps_total"),
@@ -161,6 +172,12 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_leak_steps_to_oom", ("kind", "device"),
        "Steps until out-of-memory at the current slope (absent when there is no headroom figure).",
        "Finding.steps_to_oom"),
+    _g("gpumemd_leak_workers_slope_bytes_per_step", ("kind", "device"),
+       "Growth per step of the job's child processes (DataLoader workers) when a leak finding is on them, "
+       "all of them together.", "Finding.slope_bytes_per_step of the workers_rss_bytes series"),
+    _g("gpumemd_leak_growing_tensor_slope_bytes_per_step", ("kind", "device"),
+       "Growth per step of a tensor replaced each step by a larger one (torch.cat onto a kept tensor), the "
+       "fastest when several grow.", "Finding.slope_bytes_per_step of a growing_tensor_bytes series"),
     # --- OOM post-mortems ---
     _c("gpumemd_ooms_total", (), "Out-of-memory errors the agent saw propagate since attach.",
        "AgentState.ooms_total"),

@@ -178,6 +178,12 @@ class SurvivorTracker:
                     break
         return out
 
+    def new_tensors(self) -> list[Any]:
+        """The tensors made since the last scan and still alive, as listed by it (strong references:
+        the caller drops the list soon). Read right after ``scan()``: what grows by being replaced
+        each step (``torch.cat`` onto a kept tensor) is only ever here, never counted."""
+        return [t for ref in self._pending if (t := ref()) is not None]
+
     def long_lived_graph_samples(self, limit: int) -> list[Any]:
         """The newest live members of the groups that have a ``grad_fn`` (strong references: drop
         them soon). An accumulator updated in place (``total += loss``) stays one long-lived tensor

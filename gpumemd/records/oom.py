@@ -39,6 +39,7 @@ BREAKDOWN_LABELS: dict[str, str] = {
 }
 HOST_LABELS: dict[str, str] = {
     "process_other": "rest of this process (interpreter, libraries, unseen tensors)",
+    "workers": "the job's worker processes (DataLoader workers and other children)",
     "non_pytorch": "other processes and the kernel",
     "free": "available on the host",
 }

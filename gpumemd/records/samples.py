@@ -122,3 +122,42 @@ class HostSample:
         if available is not None and grown > 0:
             available = max(0, available - grown)
         return HostSample(rss, available, self.total_bytes, self.pinned_bytes, self.limit, self.limits)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSample:
+    """One child process of the job (a DataLoader worker, or any other child)."""
+
+    pid: int
+    rss_bytes: int
+    uss_bytes: int | None = None  # its own pages (copy-on-read shows here); None: not read (the per-step read)
+    pss_bytes: int | None = None  # its proportional share of the pages it shares with the job
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersSample:
+    """The job's child processes at one reading."""
+
+    workers: tuple[WorkerSample, ...] = ()
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(w.pid for w in self.workers)
+
+    @property
+    def rss_bytes(self) -> int:
+        return sum(w.rss_bytes for w in self.workers)
+
+    @property
+    def pss_bytes(self) -> int | None:
+        """Their proportional share (what they add to the host's use without counting the pages
+        they share with the job twice); None unless every worker's was read."""
+        if not self.workers or any(w.pss_bytes is None for w in self.workers):
+            return None
+        return sum(w.pss_bytes or 0 for w in self.workers)
+
+    @property
+    def uss_bytes(self) -> int | None:
+        if not self.workers or any(w.uss_bytes is None for w in self.workers):
+            return None
+        return sum(w.uss_bytes or 0 for w in self.workers)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpumemd.records.device import Device
-from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
+from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 
 if TYPE_CHECKING:
     from gpumemd.records.census import Census
@@ -34,6 +34,7 @@ class StepRecord:
     phase: str = "train"
     census_total_bytes: int | None = None  # filled on steps where a census ran
     steps: int = 1  # steps since the previous record (this one included)
+    workers: WorkersSample | None = None  # the job's child processes' RSS, on every few records
 
     def allocator_for(self, device: Device) -> AllocatorSample | None:
         for sample in self.allocator:
@@ -106,6 +107,7 @@ class AgentState:
     allocator: tuple[AllocatorSample, ...] = ()
     nvml: tuple[NvmlDeviceSample, ...] = ()
     host: HostSample | None = None
+    workers: WorkersSample | None = None  # the job's child processes (the sampler's reading: USS and PSS too)
     census: Census | None = None
     censuses_total: int = 0
     findings: tuple[Finding, ...] = ()

@@ -21,7 +21,7 @@ from gpumemd.records.device import Device
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, ObserverCall, OomMessage, SnapshotSummary
 from gpumemd.records.plain import plain
-from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
+from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 from gpumemd.records.step import Identity, StepRecord
 from gpumemd.records.step_profile import StepProfile
 
@@ -70,6 +70,7 @@ class ReportInputs:
     steps: Sequence[StepRecord] = ()
     findings: Sequence[Finding] = ()
     host: HostSample | None = None
+    workers: WorkersSample | None = None  # the job's child processes at the OOM (the last reading)
     allocator: Sequence[AllocatorSample] = ()
     nvml: Sequence[NvmlDeviceSample] = ()
     environment: Mapping[str, Any] = field(default_factory=dict)
@@ -181,7 +182,7 @@ def _device_breakdown(inputs: ReportInputs) -> Breakdown:
     shown = breakdown_device(inputs)
     device = shown.device
     if device is None:
-        return cpu_breakdown(message=inputs.message, host=inputs.host, census=inputs.census)
+        return cpu_breakdown(message=inputs.message, host=inputs.host, census=inputs.census, workers=inputs.workers)
     allocator, nvml = _sample_of(inputs, device)
     breakdown = cuda_breakdown(
         device=device, message=inputs.message, observer=inputs.observer,

@@ -234,6 +234,84 @@ def host_only_leak(steps: int) -> None:
     raw_samples.clear()
 
 
+def _logits_model() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def _logits_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    out = model(torch.randn(64, 16))
+    loss = out.pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return out
+
+
+def logits_concatenated_every_step(steps: int) -> None:
+    """An eval-style accumulation, ``all_logits = torch.cat([all_logits, out.detach()])``: one tensor
+    alive at any time, a new one each step, 64 rows (2.5 KiB) larger than the last."""
+    model = _logits_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    all_logits = torch.empty(0, 10)
+    for step in _steps(steps):
+        out = _logits_step(model, opt)
+        if step >= ONSET:
+            all_logits = torch.cat([all_logits, out.detach()])
+    del all_logits
+
+
+class DecodedSampleCache(torch.utils.data.Dataset[list[float]]):
+    """A Dataset that keeps every decoded sample (8 KiB) in a dict, in whichever worker decoded it;
+    ``size`` samples, each worker caching its share (never evicted), from sample ``cache_from`` on."""
+
+    def __init__(self, size: int, cache_from: int = 0) -> None:
+        self.size = size
+        self.cache_from = cache_from
+        self.decoded: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> list[float]:
+        sample = self.decoded.get(i)
+        if sample is None:
+            sample = torch.full((2048,), float(i))  # "decoded": written, so resident
+            if i >= self.cache_from:
+                self.decoded[i] = sample
+        return sample[:4].tolist()
+
+
+def _loader(dataset: torch.utils.data.Dataset[list[float]], *, persistent: bool) -> Any:
+    # Batches as plain lists (through the workers' pipe, not a shared-memory tensor each): the
+    # scenario's steps stay short; the memory that matters is the workers' own.
+    return torch.utils.data.DataLoader(dataset, batch_size=16, num_workers=2, persistent_workers=persistent,
+                                       multiprocessing_context="fork", collate_fn=list)
+
+
+def _loader_steps(loader: Any, steps: int) -> None:
+    """Train a tiny model on ``loader``'s batches for ``steps`` steps, epoch after epoch."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = iter(())
+    for _ in _steps(steps):
+        batch = next(batches, None)
+        if batch is None:
+            batches = iter(loader)  # a new epoch (non-persistent workers start again)
+            batch = next(batches)
+        loss = model(torch.tensor(batch)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    del batches
+
+
+def dataloader_worker_cache(steps: int) -> None:
+    """Persistent DataLoader workers whose Dataset caches every decoded sample once caching is
+    switched on (step ``ONSET``, 16 samples a step): each worker grows ~64 KiB/step while the
+    training process stays flat."""
+    _loader_steps(_loader(DecodedSampleCache(10**7, cache_from=ONSET * 16), persistent=True), steps)
+
+
 # --- healthy jobs ----------------------------------------------------------------------------------
 
 
@@ -312,16 +390,35 @@ def bounded_cache_keyed_by_shape(steps: int) -> None:
 
 
 def metric_list_reset_every_epoch(steps: int) -> None:
-    """Predictions gathered for an epoch-level metric (AUROC-style), reset every 200-step epoch."""
+    """Predictions gathered for an epoch-level metric (AUROC-style), reset every 200-step epoch: as a
+    list, and as one tensor concatenated onto each step (``torch.cat``, a larger copy every step); and
+    a running tensor replaced each step by one of the same size."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     epoch_predictions: list[torch.Tensor] = []
+    all_logits = torch.empty(0, 16)
+    smoothed = torch.zeros(32, 128)
     for step in _steps(steps):
         out = _train_step(model, opt)
         epoch_predictions.append(out.detach().clone())
+        all_logits = torch.cat([all_logits, out.detach()[:, :16].clone()])
+        smoothed = 0.9 * smoothed + 0.1 * out.detach()
         if step % 200 == 199:
             torch.cat(epoch_predictions).mean()  # "compute" the metric
+            all_logits.softmax(-1).mean()
             epoch_predictions = []
+            all_logits = torch.empty(0, 16)
+
+
+def dataloader_persistent_workers_warm(steps: int) -> None:
+    """Persistent workers that cache a small dataset whole in their first epoch, then stay flat."""
+    _loader_steps(_loader(DecodedSampleCache(512), persistent=True), steps)
+
+
+def dataloader_workers_restarted_each_epoch(steps: int) -> None:
+    """Workers started again every 100-step epoch (no persistent_workers), each caching its share of
+    the epoch's samples: every epoch's workers grow, then exit."""
+    _loader_steps(_loader(DecodedSampleCache(1_600), persistent=False), steps)
 
 
 def gradient_accumulation(steps: int) -> None:
@@ -435,6 +532,12 @@ LEAKS = (
              ("Node.payload",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
     Scenario("retain_graph=True misuse", retain_graph_misuse, "graph_leak",
              ("`loss_history` in retain_graph_misuse()",), bytes_per_step=16 * 1024, rate="+1 tensor/step"),
+    Scenario("logits concatenated every step (torch.cat, 2.5 KiB/step)", logits_concatenated_every_step,
+             "tensor_leak", ("`all_logits` in logits_concatenated_every_step()",), bytes_per_step=2560,
+             rate="+64 rows/step"),
+    Scenario("DataLoader workers caching decoded samples (persistent)", dataloader_worker_cache, "host_leak",
+             ("DataLoader workers (2, pids", "DecodedSampleCache"), bytes_per_step=128 * 1024,
+             rate="KiB/step each"),
     Scenario("host-only Python buffer (128 KiB/step)", host_only_leak, "host_leak",
              ("`raw_samples` in host_only_leak()",), bytes_per_step=128 * 1024),
 )
@@ -445,6 +548,8 @@ HEALTHY = (
     Scenario("variable batch and sequence lengths", variable_batch_and_sequence_lengths),
     Scenario("bounded cache keyed by shape", bounded_cache_keyed_by_shape),
     Scenario("metric list reset every epoch", metric_list_reset_every_epoch),
+    Scenario("DataLoader persistent workers, warm then flat", dataloader_persistent_workers_warm),
+    Scenario("DataLoader workers restarted each epoch", dataloader_workers_restarted_each_epoch),
     Scenario("gradient accumulation", gradient_accumulation),
     Scenario("micro-batch losses summed, one backward", micro_batch_losses_summed),
     Scenario("epoch loss as .item(), detached running loss", epoch_loss_as_item),

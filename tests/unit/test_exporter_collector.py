@@ -16,7 +16,14 @@ from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Finding
-from gpumemd.records.samples import AllocatorSample, HostLimit, HostSample, NvmlDeviceSample
+from gpumemd.records.samples import (
+    AllocatorSample,
+    HostLimit,
+    HostSample,
+    NvmlDeviceSample,
+    WorkerSample,
+    WorkersSample,
+)
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.records.step_profile import StepProfile
 
@@ -76,6 +83,11 @@ def full_state(n_devices: int = 2) -> AgentState:
         growth_bytes=50 * 1024**2, steps_to_oom=1234.0, first_step=100, updated_step=150,
         summary="allocated grows 1 MiB/step", device=Device.cuda(0),
     )
+    # a DataLoader workers' finding and a growing tensor's: each growth with a figure of its own
+    workers_finding = dataclasses.replace(finding, kind="host_leak", series="workers_rss_bytes",
+                                          slope_bytes_per_step=300 * 1024.0, device=None)
+    grown = dataclasses.replace(finding, series="growing_tensor_bytes{device=cuda:0,group=float32[N, 10]}",
+                                slope_bytes_per_step=2560.0)
     record = StepRecord(step=41, wall_time=1001.0, duration_s=0.25, allocator=allocator)
     return AgentState(
         identity=Identity(rank=3, local_rank=1, world_size=8, hostname="node-a", pid=4242, source="torchrun"),
@@ -85,7 +97,9 @@ def full_state(n_devices: int = 2) -> AgentState:
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB,
                         limit="ram", limits=(HostLimit("ram", 128 * GiB, 28 * GiB),
                                              HostLimit("cgroup", 256 * GiB, 20 * GiB))),
-        census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
+        workers=WorkersSample((WorkerSample(5001, 2 * GiB, GiB // 2, GiB), WorkerSample(5002, 2 * GiB, GiB // 2, GiB))),
+        census=census, censuses_total=2, findings=(finding, workers_finding, grown), reports=("/tmp/oom-1",),
+        ooms_total=1,
         step_profile=cuda_step_profile(),
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
                           sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
@@ -446,3 +460,22 @@ def test_the_phase_label_is_bounded() -> None:
 def test_without_live_figures_the_phase_comes_from_the_state() -> None:
     _, samples = scrape(_stepped(steps_total=3, record_step=2, wall_time=1.0, phase="checkpoint"))
     assert value(samples, "gpumemd_job_phase_info", job_phase="checkpoint", stepping="true") == 1
+
+
+def test_workers_memory_and_the_growths_with_figures_of_their_own_are_exported() -> None:
+    def finding(series: str, kind: str, slope: float, state: str = "confirmed") -> Finding:
+        return Finding(kind=kind, series=series, state=state, slope_bytes_per_step=slope, slope_low=slope,
+                       slope_high=slope, onset_step=1, growth_bytes=1, steps_to_oom=None, first_step=1,
+                       updated_step=2, summary="")
+    state = dataclasses.replace(full_state(), findings=(
+        finding("workers_rss_bytes", "host_leak", 600 * 1024.0),
+        finding("growing_tensor_bytes{device=cpu,group=float32[N, 10]}", "tensor_leak", 2560.0),
+        finding("growing_tensor_bytes{device=cpu,group=float32[N, 4]}", "tensor_leak", 9999.0, "cleared"),
+    ))
+    values = {(s.name, s.labels.get("kind", "")): s.value for m in build_families(state) for s in m.samples}
+    assert values[("gpumemd_workers", "")] == 2
+    assert values[("gpumemd_workers_rss_bytes", "")] == 4 * GiB
+    assert values[("gpumemd_workers_pss_bytes", "")] == 2 * GiB
+    assert values[("gpumemd_workers_uss_bytes", "")] == GiB
+    assert values[("gpumemd_leak_workers_slope_bytes_per_step", "host_leak")] == 600 * 1024
+    assert values[("gpumemd_leak_growing_tensor_slope_bytes_per_step", "tensor_leak")] == 2560
