@@ -6,6 +6,7 @@ allocation history and the components, and hands each its dependencies and its o
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,8 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     """
     global _agent
     config = Config.from_sources(os.environ, **overrides)  # validate even when already attached
+    if _reimporting_main():
+        return _unstarted(config, model=model, optimizer=optimizer)
     with _lock:
         agent = current()
         if agent is None:
@@ -49,6 +52,32 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
             agent.register(obj)
     _say_kept_settings(agent, config, overrides)
     return agent
+
+
+def _reimporting_main() -> bool:
+    """Is this a process that ``multiprocessing`` started with spawn or forkserver, re-importing the
+    job's script (as ``__mp_main__``) before it runs its target? A DataLoader worker under the spawn
+    start method does, so an ``attach()`` at the top of the script runs in every worker: those must
+    stay silent, as forked workers are (they inherit a stopped agent). multiprocessing marks that
+    import with ``_inheriting`` on the current process (its own checks read it). An ``attach()`` the
+    worker's own code makes afterwards (``worker_init_fn``, a ``torch.multiprocessing.spawn`` target)
+    is asked for there, and attaches."""
+    mp = sys.modules.get("multiprocessing")  # a spawned child has imported it to start
+    if mp is None:
+        return False
+    try:
+        return bool(getattr(mp.current_process(), "_inheriting", False))
+    except Exception:  # noqa: BLE001 - an odd multiprocessing: attach as usual
+        return False
+
+
+def _unstarted(config: Config, *, model: Any, optimizer: Any) -> Agent:
+    """An agent that never starts: it records, serves and says nothing (``current()`` stays None)."""
+    import logging
+
+    logging.getLogger("gpumemd").debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)",
+                                       os.getpid())
+    return build_agent(config, model=model, optimizer=optimizer, components=())
 
 
 def _say_kept_settings(agent: Agent, asked: Config, overrides: dict[str, Any]) -> None:
