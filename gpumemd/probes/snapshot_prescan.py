@@ -365,15 +365,20 @@ class _Scan:
         """STOP: the size of what the pickle returns (``built``: bytes of its scalars and empty containers)."""
         if len(self.stack) <= self.fence:
             raise _malformed("STOP with nothing to return", at)
-        built += self.containers.built
-        budget = self.containers.built_budget
-        if built > budget:  # the prescan builds nothing itself: once, here, before the unpickler builds
-            raise SnapshotLoadError(
-                f"refused: it would build ~{built // 2**20} MiB of objects from {len(self.data) // 2**20} MiB "
-                f"of file, over the {budget // 2**20} MiB a snapshot of its size may take (a real one takes "
-                "6 to 11 times its size; many empty containers or one-byte objects were written on purpose)")
+        self.check_built(at, built)
         top = self.stack[-1]
         return 1 if top >= 0 else self.containers.size[-2 - top]
+
+    def check_built(self, at: int, built: int) -> None:
+        """Refuse when the objects built (``built``: bytes of the scalars and empty containers pushed,
+        plus what ``containers`` charged) would take more than the file's size allows."""
+        built += self.containers.built
+        budget = self.containers.built_budget
+        if built > budget:
+            raise SnapshotLoadError(
+                f"refused at byte {at}: its objects would take more than the {budget // 2**20} MiB a "
+                f"{len(self.data):,}-byte snapshot may build (a real one builds 6 to 11 times its size; this one "
+                "is mostly empty containers or tiny objects, written to exhaust memory)")
 
 
 _Handler = Callable[[_Scan, int, int, int, int, int], int]
@@ -444,7 +449,9 @@ def prescan(data: bytes, limits: Limits) -> int:
             push(record)
             built += scalar
         elif effect == _NEW:  # an empty list, dict or set: containers.new(), inlined
-            built += record  # its cost
+            built += record  # its cost; past the budget, refused now rather than at STOP
+            if built + containers.built > containers.built_budget:
+                scan.check_built(at, built)
             new_size(1)
             new_height(1)
             new_flags(0)
