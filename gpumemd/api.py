@@ -5,6 +5,7 @@ allocation history and the components, and hands each its dependencies and its o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -43,8 +44,11 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     with _lock:
         agent = current()
         if agent is None:
-            agent = build_agent(config, model=model, optimizer=optimizer)
-            agent.start()
+            try:
+                agent = build_agent(config, model=model, optimizer=optimizer)
+                agent.start()
+            except Exception as exc:  # noqa: BLE001 - the job comes first: no agent, never an error
+                return _absent(config, agent, exc, model=model, optimizer=optimizer)
             _agent = agent
             return agent
     for obj in (model, optimizer):
@@ -78,6 +82,19 @@ def _unstarted(config: Config, *, model: Any, optimizer: Any) -> Agent:
     logging.getLogger("gpumemd").debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)",
                                        os.getpid())
     return build_agent(config, model=model, optimizer=optimizer, components=())
+
+
+def _absent(config: Config, agent: Agent | None, exc: Exception, *, model: Any, optimizer: Any) -> Agent:
+    """``attach()`` could not build or start the agent (a thread the process may not start, a probe's
+    library failing in an unforeseen way): the job goes on unwatched, and one line says why."""
+    import logging
+
+    logging.getLogger("gpumemd").warning("gpumemd: not attached (%s: %s); the job runs without gpumemd",
+                                         type(exc).__name__, exc)
+    if agent is not None:
+        with contextlib.suppress(Exception):
+            agent.stop()  # whatever start() installed before it failed (hooks, components)
+    return build_agent(config, model=model, optimizer=optimizer, components=())  # never started
 
 
 def _say_kept_settings(agent: Agent, asked: Config, overrides: dict[str, Any]) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
 from gpumemd.records.samples import HostSample
@@ -49,10 +51,16 @@ class HostProbe:
 
     def __init__(self, pinned_fn: Callable[[], int | None] | None = None) -> None:
         self.health = ProbeHealth("host")
-        import psutil
+        self._psutil: Any = None
+        self._process: Any = None
+        psutil_error: str | None = None
+        try:
+            import psutil
 
-        self._psutil = psutil
-        self._process = psutil.Process()
+            self._psutil = psutil
+            self._process = psutil.Process()
+        except Exception as exc:  # noqa: BLE001 - a sandbox without /proc, a psutil that cannot load
+            psutil_error = f"psutil cannot read this process ({type(exc).__name__}: {exc})"
         self._fast_rss: _StatmReader | None = None
         if os.path.exists("/proc/self/statm"):
             try:
@@ -60,11 +68,18 @@ class HostProbe:
             except OSError:
                 self._fast_rss = None  # psutil below
         self._pinned_fn = pinned_fn if pinned_fn is not None else _torch_pinned_bytes
+        if psutil_error is not None:  # RSS may still come from /proc/self/statm; RAM totals cannot
+            if self._fast_rss is None:
+                self.health.absent(psutil_error)
+            else:
+                logging.getLogger("gpumemd").info("gpumemd: host RAM totals absent: %s", psutil_error)
 
     def rss(self) -> int | None:
         try:
             if self._fast_rss is not None:
                 return self._fast_rss()
+            if self._process is None:
+                return None
             return int(self._process.memory_info().rss)
         except Exception as exc:  # noqa: BLE001 - never raise into the job
             self.health.failed(exc)
@@ -83,12 +98,13 @@ class HostProbe:
             return HostSample(rss_bytes=rss)
         available: int | None
         total: int | None
-        try:
-            vm = self._psutil.virtual_memory()
-            available, total = int(vm.available), int(vm.total)
-        except Exception as exc:  # noqa: BLE001
-            self.health.failed(exc)
-            available = total = None
+        available = total = None
+        if self._psutil is not None:
+            try:
+                vm = self._psutil.virtual_memory()
+                available, total = int(vm.available), int(vm.total)
+            except Exception as exc:  # noqa: BLE001
+                self.health.failed(exc)
         self.health.ok()
         return HostSample(rss_bytes=rss, available_bytes=available, total_bytes=total, pinned_bytes=self._pinned())
 
