@@ -5,7 +5,9 @@ allocation history and the components, and hands each its dependencies and its o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,11 +40,16 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     """
     global _agent
     config = Config.from_sources(os.environ, **overrides)  # validate even when already attached
+    if _reimporting_main():
+        return _unstarted(config, model=model, optimizer=optimizer)
     with _lock:
         agent = current()
         if agent is None:
-            agent = build_agent(config, model=model, optimizer=optimizer)
-            agent.start()
+            try:
+                agent = build_agent(config, model=model, optimizer=optimizer)
+                agent.start()
+            except Exception as exc:  # noqa: BLE001 - the job comes first: no agent, never an error
+                return _absent(config, agent, exc, model=model, optimizer=optimizer)
             _agent = agent
             return agent
     for obj in (model, optimizer):
@@ -50,6 +57,45 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
             agent.register(obj)
     _say_kept_settings(agent, config, overrides)
     return agent
+
+
+def _reimporting_main() -> bool:
+    """Is this a process that ``multiprocessing`` started with spawn or forkserver, re-importing the
+    job's script (as ``__mp_main__``) before it runs its target? A DataLoader worker under the spawn
+    start method does, so an ``attach()`` at the top of the script runs in every worker: those must
+    stay silent, as forked workers are (they inherit a stopped agent). multiprocessing marks that
+    import with ``_inheriting`` on the current process (its own checks read it). An ``attach()`` the
+    worker's own code makes afterwards (``worker_init_fn``, a ``torch.multiprocessing.spawn`` target)
+    is asked for there, and attaches."""
+    mp = sys.modules.get("multiprocessing")  # a spawned child has imported it to start
+    if mp is None:
+        return False
+    try:
+        return bool(getattr(mp.current_process(), "_inheriting", False))
+    except Exception:  # noqa: BLE001 - an odd multiprocessing: attach as usual
+        return False
+
+
+def _unstarted(config: Config, *, model: Any, optimizer: Any) -> Agent:
+    """An agent that never starts: it records, serves and says nothing (``current()`` stays None)."""
+    import logging
+
+    logging.getLogger("gpumemd").debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)",
+                                       os.getpid())
+    return build_agent(config, model=model, optimizer=optimizer, components=())
+
+
+def _absent(config: Config, agent: Agent | None, exc: Exception, *, model: Any, optimizer: Any) -> Agent:
+    """``attach()`` could not build or start the agent (a thread the process may not start, a probe's
+    library failing in an unforeseen way): the job goes on unwatched, and one line says why."""
+    import logging
+
+    logging.getLogger("gpumemd").warning("gpumemd: not attached (%s: %s); the job runs without gpumemd",
+                                         type(exc).__name__, exc)
+    if agent is not None:
+        with contextlib.suppress(Exception):
+            agent.stop()  # whatever start() installed before it failed (hooks, components)
+    return build_agent(config, model=model, optimizer=optimizer, components=())  # never started
 
 
 def _say_kept_settings(agent: Agent, asked: Config, overrides: dict[str, Any]) -> None:

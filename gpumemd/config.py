@@ -16,6 +16,7 @@ import ipaddress
 import itertools
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -251,7 +252,7 @@ class Config:
         _require(1 <= self.step_profile_every_steps <= _MAX_STEPS, "step_profile_every_steps",
                  self.step_profile_every_steps, f"an integer from 1 to {_MAX_STEPS:,}")
         _require(self.pushgateway is None or _is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
-                 "host:port (optionally with http:// or https://), e.g. pushgateway.monitoring:9091")
+                 "host:port or an http(s):// URL, e.g. pushgateway.monitoring:9091")
         _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
 
     def options(self, kind: type[OptionsT]) -> OptionsT:
@@ -374,17 +375,35 @@ def _tls_problem(certfile: str, keyfile: str) -> tuple[str, str] | None:
 
 
 def _is_host_port(value: str) -> bool:
-    """``host:port`` with an optional http(s) scheme: what prometheus_client's push accepts."""
+    """``host:port``, or an http(s) URL whose port may be left to the scheme: an address the user plainly
+    named. ``9091`` alone would be read as the host 0.0.35.131, ``-1`` or ``1e999`` looked up in DNS,
+    ``a..b`` or a non-ASCII name fail deep inside the push at exit: each is refused here."""
     from urllib.parse import urlsplit
 
-    text = value if "://" in value else "http://" + value
+    url = "://" in value
+    text = value if url else "http://" + value
     try:
         parts = urlsplit(text)
         port = parts.port
     except ValueError:
         return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and (port is None or 0 < port < 65536) \
-        and not parts.path.strip("/") and not any(c.isspace() for c in value)
+    if parts.scheme not in ("http", "https") or parts.hostname is None or (port is None and not url):
+        return False
+    return (port is None or 0 < port < 65536) and _is_host(parts.hostname) and value.isascii() \
+        and not parts.path.strip("/") and not parts.query and not parts.fragment \
+        and not any(c.isspace() for c in value)
+
+
+def _is_host(name: str) -> bool:
+    """An IP address, or a DNS name: labels of letters, digits and inner hyphens, the last not all
+    digits (a number is not a name: ``1.2.3`` or ``9091`` would be read as an IPv4 address)."""
+    if _is_ip(name):
+        return True
+    labels = name.rstrip(".").split(".")
+    if len(name) > 253 or labels[-1].isdigit():
+        return False
+    return all(0 < len(label) <= 63 and label[0] != "-" and label[-1] != "-"
+               and all(c.isascii() and (c.isalnum() or c == "-") for c in label) for label in labels)
 
 
 def _is_ip(value: str) -> bool:
@@ -435,16 +454,31 @@ def parse_value(kind: type, raw: str) -> Any:
             return False
         raise ConfigError("", raw, _ACCEPTED[bool])
     if kind is int:
-        try:
-            return int(float(text)) if text.lower().count("e") == 1 else int(text)
-        except (ValueError, OverflowError):  # "1e999" is inf: no integer
-            raise ConfigError("", raw, _ACCEPTED[int]) from None
+        value = _parse_int(text)
+        if value is None:
+            raise ConfigError("", raw, _ACCEPTED[int])
+        return value
     if kind is float:
         try:
             return float(text)
         except ValueError:
             raise ConfigError("", raw, _ACCEPTED[float]) from None
     return text
+
+
+_INT_TEXT = re.compile(r"[+-]?[0-9](?:_?[0-9])*")
+_EXPONENT_TEXT = re.compile(r"([+-]?[0-9]+)[eE]\+?([0-9]{1,2})")
+
+
+def _parse_int(text: str) -> int | None:
+    """ASCII digits, or digits times a power of ten (``1e6``): an integer as typed. Not ``1e-5`` (0),
+    ``0.5e1`` (5), ``1e999``, nor other scripts' digits (``int("٣")`` is 3)."""
+    if _INT_TEXT.fullmatch(text):
+        return int(text)
+    match = _EXPONENT_TEXT.fullmatch(text)
+    if match:
+        return int(match.group(1)) * 10 ** int(match.group(2))
+    return None
 
 
 def _check_type(name: str, value: object) -> None:

@@ -6,10 +6,13 @@ It reads and times; publishing what it read is the agent's (``Agent.tick``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+log = logging.getLogger("gpumemd")
 
 if TYPE_CHECKING:
     from gpumemd.probes.allocator import AllocatorProbe
@@ -42,9 +45,14 @@ class Sampler:
         """Call ``tick`` every ``interval_s`` on a thread of its own (0: no thread)."""
         if interval_s > 0:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, args=(tick, interval_s), name="gpumemd-sampler",
-                                            daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._loop, args=(tick, interval_s), name="gpumemd-sampler",
+                                      daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread": a process at its thread limit
+                log.info("gpumemd: sampler thread absent (%s); readings are taken at sampled steps only", exc)
+                return
+            self._thread = thread
 
     def stop(self) -> None:
         self._stop.set()

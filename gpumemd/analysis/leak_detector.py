@@ -21,7 +21,9 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
    a row -> confirmed; cleared only once the growth has stopped: ``clear_after`` failures in a row
    whose recent slope is below a quarter of the episode's (a leak that goes on is never cleared,
    whatever its p-value does). Only state changes are reported.
-6. A series may be "explained by" others (host RSS by the census of CPU tensors): when they grow at
+6. A series may be *held* (``hold``): its values stopped measuring it (a counter that hit its cap
+   counts no more), so its tracks keep the state they had, never cleared, and say why.
+7. A series may be "explained by" others (host RSS by the census of CPU tensors): when they grow at
    least half as fast over the same window, the growth is theirs and the series does not fire.
 """
 
@@ -53,6 +55,7 @@ class LeakDetector:
         # (series, phase) of quiet tracks whose floor rose enough at the last evaluation to be
         # assessed in full: a component may start collecting culprit evidence before they fire.
         self.rising: set[tuple[str, str]] = set()
+        self._held: dict[str, str] = {}  # series name -> why it is no longer judged
         long_points = math.ceil(config.long_window_steps / config.block) + 2 * config.min_points
         self._max_floors = max(64, min(4096, long_points))
 
@@ -61,6 +64,12 @@ class LeakDetector:
     def add_series(self, spec: SeriesSpec) -> None:
         """Declare a series (idempotent; a changed spec replaces the old one for new tracks)."""
         self._specs[spec.name] = spec
+
+    def hold(self, name: str, reason: str) -> None:
+        """Stop judging a series whose values no longer measure it (a counter at its cap stays flat
+        while the thing it counts goes on growing): later values are ignored, and its tracks keep the
+        state they had, an active finding staying active with ``reason`` on its status, never cleared."""
+        self._held[name] = reason
 
     def series(self) -> list[SeriesSpec]:
         return list(self._specs.values())
@@ -76,6 +85,8 @@ class LeakDetector:
     def observe(self, name: str, step: int, value: float, phase: str = "train") -> None:
         spec = self._specs.get(name)
         if spec is None or step < self.config.warmup_steps or not math.isfinite(value):
+            return
+        if self._held and name in self._held:
             return
         track = self._track(spec, phase)
         if track is None:
@@ -164,6 +175,8 @@ class LeakDetector:
         spec = track.spec
         if not spec.alarm or len(track.floors) < c.min_points:
             return None
+        if spec.name in self._held:
+            return self._held_status(track, step, self._held[spec.name])
         resting = self._resting(track, step)
         if resting is not None:
             return resting
@@ -202,6 +215,14 @@ class LeakDetector:
         )
         track.last_status = status
         return status
+
+    @staticmethod
+    def _held_status(track: Track, step: int, reason: str) -> TrackStatus | None:
+        """A held track's last status, kept as it was (never cleared: nothing measures it any more)."""
+        last = track.last_status
+        if last is None or track.state is None or not track.state.active:
+            return None
+        return dataclasses.replace(last, changed=False, step=step, held=reason)
 
     def _resting(self, track: Track, step: int) -> TrackStatus | None:
         """A confirmed leak is re-tested less often: the O(n²) tests on every check of a finding

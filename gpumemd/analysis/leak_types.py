@@ -132,6 +132,7 @@ class TrackStatus:
     onset_step: int | None
     growth_bytes: float  # floor now minus floor at onset (in the series' unit)
     min_slope: float = 0.0  # the threshold this evaluation used
+    held: str | None = None  # why the series is no longer judged (its counter hit a cap): the state is kept
 
     @property
     def state_name(self) -> str | None:

@@ -175,6 +175,8 @@ def build_finding(
         parts.append(f"growth stopped ({v.reason})")
     else:
         parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
+        if status.held:  # its counter stopped: the rate and growth are as last measured, a lower bound
+            parts.append(status.held)
         if hours_to_oom is not None:
             parts.append(f"out of memory in ~{_duration(hours_to_oom)} (~{steps_to_oom:,.0f} steps)")
         elif steps_to_oom is not None:

@@ -41,7 +41,14 @@ def _int(value: Any) -> int:
     """A number from a snapshot someone sent: wrong types count as 0 instead of failing the summary."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return 0
+    if isinstance(value, int):  # before isfinite, which overflows on a 2,000-bit int
+        return value if abs(value) < 2**63 else 0
     return int(value) if math.isfinite(value) and abs(value) < 2**63 else 0
+
+
+def _list(value: Any) -> list[Any]:
+    """A list from a snapshot someone sent; anything else (an int where a list belongs) reads as empty."""
+    return list(value) if isinstance(value, (list, tuple)) else []
 
 
 def _largest_free(by_stream: dict[int, int], oom: Mapping[str, Any] | None) -> int:
@@ -104,8 +111,8 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
         segments: list[Any] = snapshot
         traces: list[Any] = []
     else:
-        segments = list(snapshot.get("segments") or [])
-        traces = list(snapshot.get("device_traces") or [])
+        segments = _list(snapshot.get("segments"))
+        traces = _list(snapshot.get("device_traces"))
     acc: dict[int, dict[str, Any]] = {}
 
     def slot(device: int) -> dict[str, Any]:

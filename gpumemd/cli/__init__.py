@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from gpumemd._version import __version__
 from gpumemd.cli import run
 from gpumemd.cli.errors import CliError
+from gpumemd.cli.escape import escaped
 
 # Subcommand -> module. Each module defines ``add_parser(subparsers)``, which registers its parser
 # and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
@@ -56,10 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
             return int(args.func(args))
     except CliError as err:
-        print(f"gpumemd {args.command}: {err}", file=sys.stderr)
+        print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)  # it may quote a file's bytes
         return err.exit_code
     except ValueError as err:  # configuration errors raised by attach() and friends
-        print(f"gpumemd {args.command}: {err}", file=sys.stderr)
+        print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

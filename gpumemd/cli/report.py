@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli.errors import CliError
+from gpumemd.cli.escape import escaped
 from gpumemd.probes.snapshot_load import load_snapshot
 from gpumemd.probes.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
@@ -37,6 +38,11 @@ _SUGGESTIONS = 5
 _COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "reserved_unallocated")
 
 
+def _say(out: TextIO, line: str) -> None:
+    """Print one line of the summary: its values come from the files, so it is printed escaped."""
+    print(escaped(line), file=out)
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="summarise OOM report directories (one, or every rank's)")
     p.add_argument("dir", help="a report directory, or a directory holding several (e.g. the output dir)")
@@ -52,6 +58,9 @@ def _snapshot_check(directory: str) -> dict[str, Any] | None:
         snapshot = load_snapshot(path)
     except SnapshotLoadError as err:
         raise CliError(f"{path}: {err}") from None
+    shape = _snapshot_shape_error(snapshot)
+    if shape is not None:
+        raise CliError(f"{path} is not a PyTorch memory snapshot: {shape}")
     devices = summarize_snapshot(snapshot)
     return {
         "file": path,
@@ -62,6 +71,23 @@ def _snapshot_check(directory: str) -> dict[str, Any] | None:
             for d, s in sorted(devices.items(), key=lambda ds: ds[0].order)
         ],
     }
+
+
+def _snapshot_shape_error(snapshot: dict[str, Any] | list[Any]) -> str | None:
+    """The first top-level field of the wrong shape (the summary reads past anything deeper), or None."""
+    if isinstance(snapshot, list):
+        return None
+    traces = snapshot.get("device_traces")
+    if traces is not None and not isinstance(traces, list):
+        return f"device_traces: expected a list (one per device), got {type(traces).__name__}"
+    if isinstance(traces, list):
+        bad = next((i for i, t in enumerate(traces) if not isinstance(t, list)), None)
+        if bad is not None:
+            return f"device_traces[{bad}]: expected a list of trace entries, got {type(traces[bad]).__name__}"
+    bad = next((i for i, s in enumerate(snapshot["segments"]) if not isinstance(s, dict)), None)
+    if bad is not None:
+        return f"segments[{bad}]: expected a segment dict, got {type(snapshot['segments'][bad]).__name__}"
+    return None
 
 
 def _column_label(key: str) -> str:
@@ -96,53 +122,53 @@ def _columns(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
 def _print_groups(report: dict[str, Any], out: TextIO) -> None:
     tensors = report.get("tensors") or {}
     if not tensors.get("available"):
-        print(f"tensors: {tensors.get('note')}", file=out)
+        _say(out, f"tensors: {tensors.get('note')}")
         return
     rows = group_rows(tensors, leak_of(report))
-    print(f"largest tensor groups ({census_summary(tensors, rows)}):", file=out)
+    _say(out, f"largest tensor groups ({census_summary(tensors, rows)}):")
     columns = group_columns(rows)
     cells = [group_cells(r, columns) for r in rows[:_TENSORS]]
     if cells:
         for line in _columns(cells, right=(0,)):
-            print(f"  {line}", file=out)
+            _say(out, f"  {line}")
 
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
     b = report["breakdown"]
     total = b.get("total_bytes") or 0
-    print(f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
-          f"{fmt_bytes(report.get('peak_bytes'))}):", file=out)
+    _say(out, f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
+              f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
-        print(f"  {total_words(b)}", file=out)
+        _say(out, f"  {total_words(b)}")
     rows = [[item_label(item, b.get("device"), b.get("host_limit")), fmt_bytes(item["nbytes"]),
              f"{100 * item['nbytes'] / total:.1f}%" if total else "-"] for item in b.get("items") or []]
     if rows:
         for line in _columns(rows, right=(1, 2)):
-            print(f"  {line}", file=out)
+            _say(out, f"  {line}")
 
 
 def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
     b = report["breakdown"]
-    print(f"gpumemd OOM report: {report['_dir']}", file=out)
-    print(headline(report), file=out)
-    print(f"written {fmt_time(report.get('created_at'))} via {report.get('source')}", file=out)
+    _say(out, f"gpumemd OOM report: {report['_dir']}")
+    _say(out, headline(report))
+    _say(out, f"written {fmt_time(report.get('created_at'))} via {report.get('source')}")
     why, *also = verdict_lines(report)
-    print(f"verdict: {b.get('verdict')}: {why}", file=out)
+    _say(out, f"verdict: {b.get('verdict')}: {why}")
     for line in also:
-        print(line, file=out)
+        _say(out, line)
     _print_groups(report, out)
     suggestions = report.get("suggestions") or []
-    print("suggestions:" if suggestions else "suggestions: none", file=out)
+    _say(out, "suggestions:" if suggestions else "suggestions: none")
     for n, s in enumerate(suggestions[:_SUGGESTIONS], 1):
-        print(f"  {n}. {s['title']} (saves ~{fmt_bytes(s['saving_bytes'])}): {s['why']}", file=out)
+        _say(out, f"  {n}. {s['title']} (saves ~{fmt_bytes(s.get('saving_bytes'))}): {s['why']}")
     _print_breakdown(report, out)
     for f in report.get("findings") or []:
-        print(f"finding: {f['state']} {f['kind']} on {f['series']}: {f['summary']}", file=out)
+        _say(out, f"finding: {f['state']} {f['kind']} on {f['series']}: {f['summary']}")
     if snap is not None:
         for d in snap["devices"]:
-            print(f"snapshot: {snap['file']} device {d['device']}: {d['segments']} segments, reserved "
+            _say(out, f"snapshot: {snap['file']} device {d['device']}: {d['segments']} segments, reserved "
                   f"{fmt_bytes(d['reserved_bytes'])}, largest free block {fmt_bytes(d['largest_free_block_bytes'])}, "
-                  f"{d['trace_entries']} trace entries", file=out)
+                  f"{d['trace_entries']} trace entries")
 
 
 def _leak_cell(report: dict[str, Any]) -> str | None:
@@ -172,8 +198,8 @@ def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _print_overview(view: dict[str, Any], out: TextIO) -> None:
     first = view["first"]
-    print(f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
-          f"first (step {first['step']}, {fmt_time(first['created_at'])})", file=out)
+    _say(out, f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
+          f"first (step {first['step']}, {fmt_time(first['created_at'])})")
     head = ["rank", "step", "time", "device", "requested", "peak", *(_column_label(k) for k in _COLUMNS),
             "verdict", "leak"]
     rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["device"]),
@@ -181,9 +207,9 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
             for r in view["reports"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(), file=out)
+    _say(out, "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
     for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(), file=out)
+        _say(out, "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -207,7 +233,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         report = reports[0]
         snap = _snapshot_check(report["_dir"])
         if args.json:
-            print(json.dumps({**report, "snapshot_check": snap}, indent=1), file=out)
+            print(json.dumps({**report, "snapshot_check": snap}, indent=1), file=out)  # ASCII: escapes it all
         else:
             _print_one(report, snap, out)
         return 0

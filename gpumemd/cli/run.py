@@ -195,6 +195,43 @@ def _check_module(name: str) -> None:
                        f"({os.getcwd()} is searched first, as with python -m)")
 
 
+def _run_script(target: str) -> None:
+    """Run a script file as ``__main__`` the way ``python target`` does: an absolute ``__file__`` (a
+    script that chdirs and then reads next to ``__file__`` must work the same) and ``sys.argv[0]`` as
+    typed (``runpy.run_path`` would make it absolute). A directory or zip with a ``__main__.py``, or
+    a compiled file, goes through ``runpy``."""
+    import importlib.machinery
+    import io
+    import runpy
+    import types
+
+    path = os.path.abspath(target)
+    if not os.path.isfile(path) or (not path.endswith(".py") and _is_compiled_or_zip(path)):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:  # as python reads it (audit hooks see it)
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _is_compiled_or_zip(path: str) -> bool:
+    import importlib.util
+    import zipfile
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == importlib.util.MAGIC_NUMBER or zipfile.is_zipfile(path)
+
+
 def _execute(target: str, script_args: list[str], is_module: bool) -> int:
     """Run the target as ``__main__`` and turn its ending into an exit code, as ``python`` does."""
     import runpy
@@ -208,9 +245,7 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> int:
         else:
             sys.argv = [target, *script_args]
             _set_path0(os.path.dirname(os.path.abspath(target)))
-            # python gives __main__ an absolute __file__ (argv[0] stays as typed): a script that
-            # chdirs and then reads next to __file__ must work the same under gpumemd run
-            runpy.run_path(os.path.abspath(target), run_name="__main__")
+            _run_script(target)
     except SystemExit as exc:
         return _exit_code(exc.code)
     except KeyboardInterrupt:

@@ -148,6 +148,6 @@ class ExporterComponent(ComponentBase):
             key = {"instance": ident.hostname or socket.gethostname(), "rank": str(ident.rank)}
             try:
                 push_once(config.pushgateway, self.registry, key)
-            except OSError as exc:  # URLError is an OSError: unreachable gateway, refused, timeout
+            except (OSError, ValueError) as exc:  # URLError: unreachable, refused, timeout; ValueError: a bad name
                 log.warning("gpumemd: could not push metrics to the Pushgateway %s (%s)", config.pushgateway, exc)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import sys
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -78,6 +79,8 @@ scans span 640 to 3,200 steps, more than a detection window."""
 
 K = TypeVar("K", bound=Hashable)
 
+log = logging.getLogger("gpumemd")
+
 
 class GroupSeries(Generic[K]):
     """The count series of one family of groups (survivor groups, graph chains): a spec per watched
@@ -128,6 +131,8 @@ class LeakSeries:
         self._last_host: tuple[float, HostSample] | None = None  # the newest fed step's (wall time, host)
         self._previous_scan_step: int | None = None
         self._last_census: Census | None = None
+        self._capped = False  # the tracker hit its cap: the count series are held (see _hold_counts)
+        self._long_lived: set[str] = set()  # names of the long-lived bytes series (one per device)
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -208,12 +213,10 @@ class LeakSeries:
         tracker.scan()
         step = self._previous_scan_step if self._previous_scan_step is not None else record.step
         self._previous_scan_step = record.step
-        _, by_device = tracker.total()
-        for device, nbytes in by_device.items():
-            self._observe(_spec("long_lived_bytes", "tensor_leak", device, sparse=True, alarm=False),
-                          step, nbytes, record.phase)
-        self._observe_groups(self.counts, step, record.phase,
-                             [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
+        if tracker.capped:
+            self._hold_counts(tracker)
+        else:
+            self._feed_tensor_counts(tracker, step, record.phase)
         if self._chains is not None:
             self._feed_chains(self._chains, tracker, record)
         if self.families is not None:
@@ -238,6 +241,27 @@ class LeakSeries:
                 for earlier, rows in list(family.past)[:-1]:
                     self._observe(spec, earlier, rows * family.row_bytes, record.phase)
             self._observe(spec, record.step, family.rows * family.row_bytes, record.phase)
+
+    def _feed_tensor_counts(self, tracker: SurvivorTracker, step: int, phase: str) -> None:
+        _, by_device = tracker.total()
+        for device, nbytes in by_device.items():
+            spec = _spec("long_lived_bytes", "tensor_leak", device, sparse=True, alarm=False)
+            self._long_lived.add(spec.name)
+            self._observe(spec, step, nbytes, phase)
+        self._observe_groups(self.counts, step, phase,
+                             [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
+
+    def _hold_counts(self, tracker: SurvivorTracker) -> None:
+        """Once the tracker is capped its counts stay flat however many tensors leak, which would read
+        as a leak that stopped: the count series are held (a finding stays as it was, saying why,
+        never cleared) and are fed no more. The bytes series (allocated, host RSS) still judge."""
+        if self._capped:
+            return
+        self._capped = True
+        reason = f"counting capped at {tracker.max_tracked:,} long-lived tensors (a lower bound from here on)"
+        for name in self.counts.names() | self._long_lived:
+            self.detector.hold(name, reason)
+        log.info("gpumemd: long-lived tensor %s; the count series keep their last state", reason)
 
     def _feed_chains(self, chains: GraphChainTracker, tracker: SurvivorTracker, record: StepRecord) -> None:
         """Follow autograd graphs chained across steps and feed their node counts."""

@@ -5,9 +5,14 @@ one ``start_http_server`` gives runs one unbounded thread per connection with no
 (200 idle connections were 200 threads in the training process, alive after detach) and leaves its
 listening socket to forked DataLoader workers. Here:
 
-- at most ``MAX_CONNECTIONS`` connections are served at once; one more is closed at accept;
-- every connection has a socket timeout (``REQUEST_TIMEOUT_S``): a client that sends nothing, or stalls
-  a TLS handshake, is dropped; the handshake runs in the connection's thread, never the accept loop;
+- at most ``MAX_CONNECTIONS`` connections are served at once. When all are taken, a new one sheds the
+  oldest connection still sending its request (a scrape sends its request in microseconds: the oldest
+  such is the slowest client), so 16 clients trickling bytes cannot lock a scraper out; when every
+  connection is already being answered, the new one is closed at accept;
+- every connection has a whole-request deadline (``REQUEST_TIMEOUT_S``, from accept to its last byte,
+  enforced by the accept loop) and the same socket timeout on each read: a client that sends nothing,
+  trickles a byte at a time, stalls a TLS handshake or reads the answer slowly is dropped; the
+  handshake runs in the connection's thread, never the accept loop;
 - ``stop()`` closes the open connections and joins their threads; the accept loop polls every 50 ms,
   so a detach does not wait half a second;
 - a forked child closes its copy of the listening socket and connections at once
@@ -26,6 +31,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -43,7 +49,10 @@ MAX_CONNECTIONS = 16
 """Connections served at once (scrapers, a browser, curl); more are closed when accepted."""
 
 REQUEST_TIMEOUT_S = 10.0
-"""Socket timeout of a connection: a scrape answers in milliseconds; a client silent this long is dropped."""
+"""The whole-request deadline of a connection (and the socket timeout of each read): a scrape is
+answered in milliseconds; a connection open this long is closed, whatever its client does."""
+
+_SHED_WAIT_S = 1.0  # how long the accept loop waits for a shed connection's thread to free its slot
 
 _POLL_S = 0.05  # how often the accept loop looks for stop(): the bound on a detach's wait
 
@@ -88,6 +97,19 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # a scrape every 15 s must not write to the job's stderr
 
 
+@dataclass(slots=True)
+class _Connection:
+    sock: socket.socket
+    opened: float  # time.monotonic() at accept
+    answering: bool = False  # its request was read whole and the app is answering it
+    shed: bool = False  # closed by the server (deadline, or shed for a newer client)
+
+    def close(self) -> None:
+        self.shed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, blocked reading or writing
+
+
 class _ContainedServer(WSGIServer):
     """A WSGI server with a bounded set of connection threads, each with a timeout."""
 
@@ -102,7 +124,7 @@ class _ContainedServer(WSGIServer):
         self._tls = tls
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)  # notified when a connection starts or ends
-        self._live: dict[threading.Thread, socket.socket] = {}  # each connection's thread and socket
+        self._live: dict[threading.Thread, _Connection] = {}  # each connection's thread, socket and age
         self.begun = 0  # metrics responses begun (each one's number is its ticket)
         self.sent_ticket = 0  # the highest ticket of a metrics response sent whole
         self.stopped = False  # set by MetricsServer.stop: a wait for a response ends
@@ -112,6 +134,7 @@ class _ContainedServer(WSGIServer):
         """``app`` with its metrics responses numbered when begun and recorded once sent whole."""
 
         def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            self._answering()
             if not _full_exposition(environ):
                 return app(environ, start_response)
             with self.changed:
@@ -126,16 +149,42 @@ class _ContainedServer(WSGIServer):
             self.sent_ticket = max(self.sent_ticket, ticket)
             self.changed.notify_all()
 
+    def _answering(self) -> None:
+        with self._lock:
+            conn = self._live.get(threading.current_thread())
+            if conn is not None:
+                conn.answering = True
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # over the cap: closed at once, no thread
+        if not self._slots.acquire(blocking=False) and not self._shed_for_new():
+            self.shutdown_request(request)  # every slot is answering a request: closed at once, no thread
             return
         thread = threading.Thread(target=self._serve_one, args=(request, client_address),
                                   name=f"{THREAD_NAME}-connection", daemon=True)
         with self.changed:
-            self._live[thread] = request
+            self._live[thread] = _Connection(request, time.monotonic())
             self.changed.notify_all()
         thread.start()
+
+    def _shed_for_new(self) -> bool:
+        """Every slot is taken: close the oldest connection still sending its request and take its
+        slot once its thread has let it go. False when none is (every one is being answered)."""
+        with self._lock:
+            reading = [c for c in self._live.values() if not c.answering and not c.shed]
+            oldest = min(reading, key=lambda c: c.opened, default=None)
+            if oldest is not None:
+                oldest.close()
+        if oldest is None:
+            return self._slots.acquire(blocking=False)
+        return self._slots.acquire(timeout=_SHED_WAIT_S)
+
+    def service_actions(self) -> None:
+        """Run by the accept loop at least every ``_POLL_S``: close connections past their deadline."""
+        expired = time.monotonic() - self._timeout
+        with self._lock:
+            for conn in self._live.values():
+                if conn.opened < expired and not conn.shed:
+                    conn.close()
 
     def _serve_one(self, request: socket.socket, client_address: Any) -> None:
         try:
@@ -143,7 +192,9 @@ class _ContainedServer(WSGIServer):
             if self._tls is not None:
                 request = self._tls.wrap_socket(request, server_side=True)  # the handshake, here
                 with self._lock:
-                    self._live[threading.current_thread()] = request
+                    conn = self._live.get(threading.current_thread())
+                    if conn is not None:
+                        conn.sock = request
             self.finish_request(request, client_address)
         except (OSError, ValueError):
             pass  # a client that went away, timed out or failed its handshake: nothing to report
@@ -158,8 +209,7 @@ class _ContainedServer(WSGIServer):
         with self._lock:
             live = list(self._live.items())
         for _, conn in live:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+            conn.close()
         for thread, _ in live:
             thread.join(timeout)
 
@@ -170,7 +220,7 @@ class _ContainedServer(WSGIServer):
             self._live.clear()
         for conn in conns:
             with contextlib.suppress(OSError):
-                conn.close()
+                conn.sock.close()
         with contextlib.suppress(OSError):
             self.socket.close()
 

@@ -3,8 +3,10 @@ RAM, its cgroup's memory limit, its rlimits), torch's pinned-host bytes."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
 from gpumemd.probes.host_limits import CgroupMemory, binding, rlimits
@@ -56,10 +58,16 @@ class HostProbe:
     def __init__(self, pinned_fn: Callable[[], int | None] | None = None, *, root: str = "/") -> None:
         self.health = ProbeHealth("host")
         self.cgroup = CgroupMemory(root)  # found once: each sample then reads its files once
-        import psutil
+        self._psutil: Any = None
+        self._process: Any = None
+        psutil_error: str | None = None
+        try:
+            import psutil
 
-        self._psutil = psutil
-        self._process = psutil.Process()
+            self._psutil = psutil
+            self._process = psutil.Process()
+        except Exception as exc:  # noqa: BLE001 - a sandbox without /proc, a psutil that cannot load
+            psutil_error = f"psutil cannot read this process ({type(exc).__name__}: {exc})"
         self._fast_rss: _StatmReader | None = None
         if os.path.exists("/proc/self/statm"):
             try:
@@ -67,11 +75,18 @@ class HostProbe:
             except OSError:
                 self._fast_rss = None  # psutil below
         self._pinned_fn = pinned_fn if pinned_fn is not None else _torch_pinned_bytes
+        if psutil_error is not None:  # RSS may still come from /proc/self/statm; RAM totals cannot
+            if self._fast_rss is None:
+                self.health.absent(psutil_error)
+            else:
+                logging.getLogger("gpumemd").info("gpumemd: host RAM totals absent: %s", psutil_error)
 
     def rss(self) -> int | None:
         try:
             if self._fast_rss is not None:
                 return self._fast_rss()
+            if self._process is None:
+                return None
             return int(self._process.memory_info().rss)
         except Exception as exc:  # noqa: BLE001 - never raise into the job
             self.health.failed(exc)
@@ -99,11 +114,12 @@ class HostProbe:
     def limits(self) -> list[HostLimit]:
         """Every memory limit found now, host RAM first; each one that cannot be read is left out."""
         out: list[HostLimit] = []
-        try:
-            vm = self._psutil.virtual_memory()
-            out.append(HostLimit("ram", int(vm.total), int(vm.total) - int(vm.available)))
-        except Exception as exc:  # noqa: BLE001
-            self.health.failed(exc)
+        if self._psutil is not None:  # absent when psutil cannot read this process (said at start)
+            try:
+                vm = self._psutil.virtual_memory()
+                out.append(HostLimit("ram", int(vm.total), int(vm.total) - int(vm.available)))
+            except Exception as exc:  # noqa: BLE001
+                self.health.failed(exc)
         try:
             cgroup = self.cgroup.read()
             if cgroup is not None:
@@ -118,6 +134,8 @@ class HostProbe:
         if self._fast_rss is not None:
             fields = self._fast_rss.fields()
             return fields[0], fields[5]
+        if self._process is None:
+            return None, None
         info = self._process.memory_info()
         return int(info.vms), getattr(info, "data", None)
 

@@ -12,7 +12,14 @@ import pickletools
 from array import array
 from collections.abc import Callable
 
-from gpumemd.probes.snapshot_rules import ALLOWED_GLOBALS, PY2_MODULES, Limits, SnapshotLoadError, refused_global
+from gpumemd.probes.snapshot_rules import (
+    ALLOWED_GLOBALS,
+    PY2_MODULES,
+    BuildCost,
+    Limits,
+    SnapshotLoadError,
+    refused_global,
+)
 
 # What each opcode a snapshot may use does to the unpickler's stack; prescan mirrors exactly that.
 (_PUSH, _NEW, _LONG1, _GET, _PUT, _MEMOIZE, _MARK, _APPEND, _APPENDS, _SETITEM, _SETITEMS, _ADDITEMS,
@@ -27,7 +34,7 @@ _AIMABLE = 1
 # Protocols 2-5 write builtin containers and scalars, and the allowlisted constructors, with these and
 # no others: no protocol-0 text opcodes, no EXT*/PERSID/INST/OBJ/NEWOBJ/BUILD (no allowlisted type needs
 # them), no out-of-band buffers, no LONG4 (an int past 255 bytes: never a size or an address).
-# name -> (effect, record pushed, tuple arity)
+# name -> (effect, record pushed (for an empty container: what building it costs), tuple arity)
 _SNAPSHOT_OPCODES: dict[str, tuple[int, int, int]] = {
     "PROTO": (_NOOP, 0, 0), "FRAME": (_NOOP, 0, 0), "STOP": (_STOP, 0, 0),
     "MARK": (_MARK, 0, 0), "POP": (_POP, 0, 0), "POP_MARK": (_POP_MARK, 0, 0),
@@ -37,9 +44,9 @@ _SNAPSHOT_OPCODES: dict[str, tuple[int, int, int]] = {
     "SHORT_BINUNICODE": (_PUSH, 0, 0), "BINUNICODE": (_PUSH, 0, 0), "BINUNICODE8": (_PUSH, 0, 0),
     "SHORT_BINBYTES": (_PUSH, 0, 0), "BINBYTES": (_PUSH, 0, 0), "BINBYTES8": (_PUSH, 0, 0),
     "BYTEARRAY8": (_PUSH, 0, 0),
-    "EMPTY_LIST": (_NEW, 0, 0), "APPEND": (_APPEND, 0, 0), "APPENDS": (_APPENDS, 0, 0),
-    "EMPTY_DICT": (_NEW, 0, 0), "SETITEM": (_SETITEM, 0, 0), "SETITEMS": (_SETITEMS, 0, 0),
-    "EMPTY_SET": (_NEW, 0, 0), "ADDITEMS": (_ADDITEMS, 0, 0), "FROZENSET": (_FROZENSET, 0, 0),
+    "EMPTY_LIST": (_NEW, BuildCost.LIST, 0), "APPEND": (_APPEND, 0, 0), "APPENDS": (_APPENDS, 0, 0),
+    "EMPTY_DICT": (_NEW, BuildCost.DICT, 0), "SETITEM": (_SETITEM, 0, 0), "SETITEMS": (_SETITEMS, 0, 0),
+    "EMPTY_SET": (_NEW, BuildCost.SET, 0), "ADDITEMS": (_ADDITEMS, 0, 0), "FROZENSET": (_FROZENSET, 0, 0),
     "EMPTY_TUPLE": (_TUPLE_N, 0, 0), "TUPLE1": (_TUPLE_N, 0, 1), "TUPLE2": (_TUPLE_N, 0, 2),
     "TUPLE3": (_TUPLE_N, 0, 3), "TUPLE": (_TUPLE, 0, 0),
     "BINPUT": (_PUT, 0, 0), "LONG_BINPUT": (_PUT, 0, 0), "MEMOIZE": (_MEMOIZE, 0, 0),
@@ -117,6 +124,8 @@ class _Containers:
         self.max_depth = limits.max_depth
         self.max_hashed = limits.max_hashed_nodes
         self.hashed = 0
+        self.built = 0  # bytes the objects built take (estimated: BuildCost), but for scalars and empty ones
+        self.built_budget = limits.built_budget(nbytes)
 
     def new(self, kind: int = 0, size: int = 1, height: int = 1) -> int:
         """A new container's record."""
@@ -137,6 +146,7 @@ class _Containers:
 
     def place(self, items: list[int]) -> tuple[int, int]:
         """Size and height of ``items`` together, which go into a container now."""
+        self.built += BuildCost.ITEM * len(items)
         if not items or min(items) >= 0:  # scalars only: one object each
             return len(items), 0
         size, height = 0, 0
@@ -170,8 +180,9 @@ class _Containers:
                                         "snapshot nests about 7")
             self.height[i] = height + 1
 
-    def build(self, items: list[int]) -> int:
+    def build(self, items: list[int], cost: int = BuildCost.TUPLE) -> int:
         """TUPLE*, FROZENSET, REDUCE: a new (hashable) container made of ``items``."""
+        self.built += cost
         size, height = self.place(items)
         return self.new(_HASHABLE, 1 + size, 1 + height)
 
@@ -282,7 +293,7 @@ class _Scan:
         _, items = self._pop_mark(code, at)
         if any(items):
             self.containers.hash(items, at)
-        self.stack.append(self.containers.build(items))
+        self.stack.append(self.containers.build(items, BuildCost.SET))
         return pos
 
     def op_tuple(self, code: int, at: int, pos: int, width: int, arity: int) -> int:
@@ -347,15 +358,27 @@ class _Scan:
         operands = stack[-2:]
         del stack[-2:]
         # a constructor's result holds at most what its arguments held (set(list) and the like)
-        stack.append(0 if code == _STACK_GLOBAL_CODE else self.containers.build(operands[1:]))
+        stack.append(0 if code == _STACK_GLOBAL_CODE else self.containers.build(operands[1:], BuildCost.SET))
         return pos
 
-    def result(self, at: int) -> int:
-        """STOP: the size of what the pickle returns."""
+    def result(self, at: int, built: int) -> int:
+        """STOP: the size of what the pickle returns (``built``: bytes of its scalars and empty containers)."""
         if len(self.stack) <= self.fence:
             raise _malformed("STOP with nothing to return", at)
+        self.check_built(at, built)
         top = self.stack[-1]
         return 1 if top >= 0 else self.containers.size[-2 - top]
+
+    def check_built(self, at: int, built: int) -> None:
+        """Refuse when the objects built (``built``: bytes of the scalars and empty containers pushed,
+        plus what ``containers`` charged) would take more than the file's size allows."""
+        built += self.containers.built
+        budget = self.containers.built_budget
+        if built > budget:
+            raise SnapshotLoadError(
+                f"refused at byte {at}: its objects would take more than the {budget // 2**20} MiB a "
+                f"{len(self.data):,}-byte snapshot may build (a real one builds 6 to 11 times its size; this one "
+                "is mostly empty containers or tiny objects, written to exhaust memory)")
 
 
 _Handler = Callable[[_Scan, int, int, int, int, int], int]
@@ -394,6 +417,8 @@ def prescan(data: bytes, limits: Limits) -> int:
     push = stack.append
     new_size, new_height, new_flags = containers.size.append, containers.height.append, containers.flags.append
     pos = 0
+    built = 0  # bytes of the scalars and empty containers pushed (the rest is charged by ``containers``)
+    scalar = BuildCost.SCALAR
     while True:
         if pos >= end:
             raise SnapshotLoadError("not a readable pickle: it ends before its STOP opcode; truncated?")
@@ -422,12 +447,16 @@ def prescan(data: bytes, limits: Limits) -> int:
             raise _truncated(at)
         if effect == _PUSH:
             push(record)
+            built += scalar
         elif effect == _NEW:  # an empty list, dict or set: containers.new(), inlined
+            built += record  # its cost; past the budget, refused now rather than at STOP
+            if built + containers.built > containers.built_budget:
+                scan.check_built(at, built)
             new_size(1)
             new_height(1)
             new_flags(0)
             push(-1 - len(containers.size))
         elif effect == _STOP:
-            return scan.result(at)
+            return scan.result(at, built)
         else:
             pos = handlers[effect](scan, code, at, pos, width, arity)

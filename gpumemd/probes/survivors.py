@@ -37,7 +37,10 @@ from gpumemd.records.device import Device
 log = logging.getLogger("gpumemd")
 
 MAX_TRACKED = 200_000
-"""Long-lived tensors tracked at most (one weakref each, ~100 bytes); beyond it new ones are not counted."""
+"""Long-lived tensors tracked at most; beyond it new ones are not counted (``capped``). Each costs ~200
+bytes here (a 112-byte weakref with four slots, its dict entry and its id: group keys are shared), and
+torch keeps the 64-byte Python object of its storage, made when it is sized, while the tensor lives:
+~52 MB at the cap (measured: benchmarks/bench_survivor_memory.py)."""
 
 MAX_GROUPS = 256
 """Distinct (device, dtype, shape, graph) groups at most; further shapes share one overflow group."""
@@ -118,10 +121,13 @@ class SurvivorTracker:
         self.collections = 0  # collections seen
         self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
-        self.truncated = False  # MAX_TRACKED was reached: counts are lower bounds
+        self.truncated = False  # the cap was reached: counts are lower bounds from then on (see ``capped``)
         self.errors = 0
         self._dtypes: dict[Any, str] = {}
         self._devices: dict[Any, str] = {}
+        # One key object per group, shared by its tensors' refs (a fresh key tuple and shape tuple
+        # per tensor were ~120 bytes each). Bounded: keys beyond ``max_groups`` become OVERFLOW.
+        self._keys: dict[GroupKey, GroupKey] = {OVERFLOW: OVERFLOW}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -142,8 +148,19 @@ class SurvivorTracker:
         self._counts.clear()
         self._bytes.clear()
         self._samples.clear()
+        self._keys = {OVERFLOW: OVERFLOW}
 
     # --- reading (training thread, every few steps) ------------------------------------------
+
+    @property
+    def max_tracked(self) -> int:
+        return self._max_tracked
+
+    @property
+    def capped(self) -> bool:
+        """Did the tracker ever reach its cap? Tensors made while it was there were never counted, so
+        from then on every count is a lower bound, and one that stays flat says nothing."""
+        return self.truncated
 
     def groups(self) -> list[SurvivorGroup]:
         return [SurvivorGroup(k, c, self._bytes.get(k, 0)) for k, c in list(self._counts.items())]
@@ -284,6 +301,7 @@ class SurvivorTracker:
                 continue
             if key not in self._counts and len(self._counts) >= self._max_groups:
                 key = OVERFLOW
+            key = self._keys.get(key) or self._intern(key)
             r = _Ref(t, died)
             r.key, r.nbytes, r.tid, r.base = key, nbytes, tid, id(base) if base is not None else 0
             if r.base:
@@ -301,6 +319,13 @@ class SurvivorTracker:
             samples.append(r)
         del t
         alive.clear()
+
+    def _intern(self, key: GroupKey) -> GroupKey:
+        if len(self._keys) > 2 * self._max_groups:  # groups that died and left their keys behind
+            self._keys = {k: k for k in self._counts}
+            self._keys[OVERFLOW] = OVERFLOW
+        self._keys[key] = key
+        return key
 
     def _describe(self, t: Any) -> tuple[GroupKey, int]:
         dev, dt = t.device, t.dtype

@@ -17,7 +17,10 @@ def fmt_time(epoch: Any) -> str:
     """Epoch seconds -> ISO-8601 UTC with milliseconds."""
     if not isinstance(epoch, (int, float)):
         return "-"
-    stamp = _dt.datetime.fromtimestamp(float(epoch), tz=_dt.timezone.utc)
+    try:
+        stamp = _dt.datetime.fromtimestamp(float(epoch), tz=_dt.timezone.utc)
+    except (OverflowError, OSError, ValueError):  # past what a date can say: the number itself
+        return f"{epoch!r} s"
     return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
 
 

@@ -40,7 +40,7 @@ def load_report(directory: str) -> dict[str, Any]:
     if len(text) > MAX_REPORT_BYTES:
         raise ReportLoadError(f"{path} is larger than {MAX_REPORT_BYTES // 2**20} MiB: not a report gpumemd wrote")
     try:
-        report = json.loads(text)
+        report = json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise ReportLoadError(f"{path} is truncated or not JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:
@@ -61,6 +61,27 @@ def load_report(directory: str) -> dict[str, Any]:
         report["step_profile"] = report.pop("phases")  # written before the section was renamed
     report["_dir"] = directory
     return report
+
+
+class _LongInt(float):
+    """An integer of more digits than a report ever writes, kept as a number the schema refuses by field
+    (``int()`` of a 5,000-digit string raises a ValueError that names neither the file nor the field)."""
+
+    digits = 0
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit integer"
+
+
+_MAX_DIGITS = 40  # 2**64 has 20 digits
+
+
+def _parse_int(text: str) -> int | float:
+    if len(text) <= _MAX_DIGITS:
+        return int(text)
+    value = _LongInt("-inf" if text.startswith("-") else "inf")
+    value.digits = len(text.lstrip("-"))
+    return value
 
 
 def find_report_dirs(root: str, max_depth: int = 2) -> list[str]:

@@ -23,7 +23,7 @@ _GROUP_KEY: _Spec = {"device": "str", "dtype": "str", "shape": ["int"], "categor
 _LEAK: _Spec = {"holder": "str?", "held_bytes": "int?", "summary": "str?", "holder_detail": "str?",
                 "onset_step": "int?", "group_keys": [_GROUP_KEY]}
 REPORT_SCHEMA: _Spec = {
-    "created_at": "num?",
+    "created_at": "time?",
     "source": "str?",
     "peak_bytes": "int?",
     "rank": "int?",
@@ -42,6 +42,7 @@ REPORT_SCHEMA: _Spec = {
 }
 
 _MAX_INT = 2**64  # byte counts and steps beyond this are not from a real job
+_MAX_TIME = 253402300800  # epoch seconds of 10000-01-01: later stamps cannot be printed as dates
 
 
 def schema_errors(report: dict[str, Any], schema: _Spec = REPORT_SCHEMA, where: str = "", *,
@@ -96,10 +97,13 @@ def _is(value: Any, kind: str) -> bool:
     if kind == "num":
         return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and abs(value) < _MAX_INT)
+    if kind == "time":
+        return _is(value, "num") and 0 <= value < _MAX_TIME
     raise AssertionError(kind)
 
 
-_WORDS = {"str": "a string", "bool": "true or false", "int": "an integer", "num": "a number"}
+_WORDS = {"str": "a string", "bool": "true or false", "int": "an integer", "num": "a number",
+          "time": "seconds since 1970 before the year 10000"}
 
 
 def _show(value: Any) -> str:

@@ -265,7 +265,7 @@ def test_real_process_exit_code_and_traceback(script: Path, tmp_path: Path, out_
 
 
 def test_a_script_cannot_tell_gpumemd_run_from_python(tmp_path: Path, out_dir: str) -> None:
-    """``__file__`` absolute (the script chdirs, then reads next to itself), and an
+    """``__file__`` absolute (the script chdirs, then reads next to itself), ``sys.argv[0]`` as typed, and an
     uncaught KeyboardInterrupt kills the process by SIGINT, traceback and all, as with ``python``."""
     scripts = tmp_path / "job"
     scripts.mkdir()
@@ -276,7 +276,7 @@ def test_a_script_cannot_tell_gpumemd_run_from_python(tmp_path: Path, out_dir: s
         here = os.path.dirname(__file__)
         os.chdir("/")
         with open(os.path.join(here, "data.txt")) as f:
-            print(os.path.isabs(__file__), f.read())
+            print(os.path.isabs(__file__), sys.argv[0], f.read())
         if sys.argv[1:] == ["interrupt"]:
             raise KeyboardInterrupt
         """
@@ -287,7 +287,7 @@ def test_a_script_cannot_tell_gpumemd_run_from_python(tmp_path: Path, out_dir: s
                                text=True, env=env, timeout=120)
         watched = subprocess.run([sys.executable, "-m", "gpumemd", "run", "job/train.py", *args], cwd=tmp_path,
                                  capture_output=True, text=True, env=env, timeout=120)
-        assert watched.stdout == plain.stdout == "True next to the script\n"
+        assert watched.stdout == plain.stdout == "True job/train.py next to the script\n"  # argv[0] as typed
         assert watched.returncode == plain.returncode == (-signal.SIGINT if args else 0), watched.stderr
         if args:
             assert plain.stderr.rstrip().endswith("KeyboardInterrupt")

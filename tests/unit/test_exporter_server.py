@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -71,13 +72,17 @@ def test_idle_connections_are_capped_and_closed_on_stop() -> None:
     assert server.port is not None
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)]
     try:
-        # 40 silent clients: 4 are served (one thread each), the other 36 closed as they are accepted
+        # 40 silent clients: 4 are served (one thread each, the newest), the other 36 shed as newer ones came
         closed: set[socket.socket] = set()
         deadline = time.monotonic() + 10
         while len(closed) < 36 and time.monotonic() < deadline:
             readable, _, _ = select.select([s for s in idle if s not in closed], [], [], 0.1)
             closed.update(s for s in readable if s.recv(1) == b"")
-        assert len(closed) == 36 and server.connections == 4
+        # the last shed connection's slot passes to the newest once its thread has ended: wait for that
+        assert len(closed) == 36 and server.wait_for_connections(lambda n: n == 4, timeout=10)
+        deadline = time.monotonic() + 10
+        while len(_exporter_threads()) != 1 + 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(_exporter_threads()) == 1 + 4
         # a scrape gets through once a slot frees: the cap limits, it does not lock out
         for s in idle:
@@ -231,3 +236,57 @@ def test_stop_ends_a_wait_for_a_response() -> None:
     server.stop()
     waiter.join(10)
     assert result == [False] and time.monotonic() - start < 10  # not the 60 s bound
+
+
+def test_a_scrape_gets_through_sixteen_clients_trickling_their_requests() -> None:
+    # At the defaults (16 connections, 10 s): each slow client sends a byte every 50 ms, so no single
+    # read ever times out; before the server shed the slowest, none of 30 scrapes got through.
+    server = MetricsServer(_registry(), ServeOptions(port=0))
+    server.start()
+    assert server.port is not None
+    slow = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(16)]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 10_000
+        for i in range(len(request)):
+            for s in slow:
+                with contextlib.suppress(OSError):  # shed by the server: this client lost its place
+                    s.send(request[i:i + 1])
+            if stop.wait(0.05):
+                return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        assert server.wait_for_connections(lambda n: n == 16, timeout=10)
+        for _ in range(3):  # and again: the slow clients keep every other slot
+            with urllib.request.urlopen(server.url, timeout=3) as response:
+                assert b"gpumemd_test_value 3.0" in response.read()
+    finally:
+        stop.set()
+        thread.join(5)
+        for s in slow:
+            s.close()
+        server.stop()
+
+
+def test_a_client_trickling_bytes_is_dropped_at_the_whole_request_deadline() -> None:
+    server = MetricsServer(_registry(), ServeOptions(port=0), timeout=0.5)
+    server.start()
+    assert server.port is not None
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+            start = time.monotonic()
+            closed = False
+            while not closed and time.monotonic() - start < 5:
+                try:
+                    client.send(b"G")  # well within the per-read timeout each time
+                except OSError:
+                    closed = True
+                    break
+                readable, _, _ = select.select([client], [], [], 0.1)
+                closed = bool(readable) and client.recv(1) == b""
+            assert closed  # within 5 s, at a deadline of 0.5 s, though every read came in time
+    finally:
+        server.stop()

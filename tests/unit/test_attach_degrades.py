@@ -1,0 +1,67 @@
+"""``attach()`` never raises into the job: a process psutil cannot read, a thread that cannot start or a
+part that fails to start leaves the job running, with one line saying what is missing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+import gpumemd
+from gpumemd.components.census import CensusComponent
+
+
+def _lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("gpumemd") and r.levelno >= level]
+
+
+def test_psutil_that_cannot_read_the_process_leaves_host_totals_absent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def denied(*args: object, **kwargs: object) -> None:
+        raise psutil.AccessDenied(pid=1)
+
+    monkeypatch.setattr(psutil, "Process", denied)
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    with gpumemd.attached(output_dir=str(tmp_path)) as agent:
+        assert agent.running
+        record = gpumemd.mark_step()
+        assert record is not None and record.host is not None and record.host.rss_bytes > 0  # /proc/self/statm
+    said = [line for line in _lines(caplog, logging.INFO) if "psutil cannot read this process" in line]
+    assert len(said) == 1 and said[0].startswith("gpumemd: host RAM totals absent") and "AccessDenied" in said[0]
+
+
+def test_a_sampler_thread_that_cannot_start_is_absent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("gpumemd"):
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    with gpumemd.attached(output_dir=str(tmp_path)) as agent:
+        assert agent.running and gpumemd.mark_step() is not None
+    assert len([line for line in _lines(caplog, logging.INFO) if "can't start new thread" in line]) == 1
+
+
+def test_a_part_that_fails_to_start_leaves_the_job_unwatched_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(self: CensusComponent, agent: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(CensusComponent, "start", broken)
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    agent = gpumemd.attach(output_dir=str(tmp_path))
+    try:
+        assert not agent.running and gpumemd.current() is None
+        assert gpumemd.mark_step() is None  # the job's own calls are no-ops
+        warnings = _lines(caplog, logging.WARNING)
+        assert warnings == ["gpumemd: not attached (RuntimeError: can't start new thread); the job runs without "
+                            "gpumemd"], warnings
+    finally:
+        gpumemd.detach()
