@@ -18,6 +18,7 @@ import types
 from typing import Any
 
 from gpumemd.probes.holder_paths import Root
+from gpumemd.probes.holder_roots import is_our_generator
 
 _OBJECTS_MAX = 20_000
 _DEPTH_MAX = 10
@@ -69,7 +70,7 @@ def reach_down(roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[
                 return reach
             if isinstance(obj, type) and depth == 1:
                 children: list[Any] = list(vars(obj).values())  # a class root: its attributes
-            elif isinstance(obj, _NOT_FOLLOWED) or id(obj) in module_dicts:
+            elif isinstance(obj, _NOT_FOLLOWED) or id(obj) in module_dicts or is_our_generator(obj):
                 continue
             else:
                 children = _referents(obj)

@@ -44,6 +44,15 @@ def is_ours(frame: types.FrameType) -> bool:
     return isinstance(name, str) and name.startswith("gpumemd") and name not in _USER_MODULES
 
 
+def is_our_generator(obj: object) -> bool:
+    """A generator of gpumemd's own (a culprit search that runs one heap pass per step end holds the
+    tensor it looks up in a local between its passes): never a holder, as gpumemd's frames are not."""
+    if not isinstance(obj, types.GeneratorType):
+        return False
+    frame = obj.gi_frame
+    return frame is not None and is_ours(frame)
+
+
 def drop_locals_snapshot(frame: types.FrameType, f_locals: dict[str, Any]) -> None:
     """Before 3.13 reading ``f_locals`` of a function frame leaves a snapshot dict on the frame
     that keeps every local alive until the frame ends: clear it, unless a tracer could write it

@@ -39,6 +39,7 @@ from gpumemd.probes.holder_roots import (
 )
 from gpumemd.probes.holder_roots import (
     drop_locals_snapshot,
+    is_our_generator,
     is_ours,
     live_frames,
     module_dicts,
@@ -139,7 +140,7 @@ class _Climb:
             if rid in self.own or rid in self.nodes:
                 continue
             child = _held_child(ref, frontier_ids)
-            if child is None or (isinstance(ref, types.FrameType) and is_ours(ref)):
+            if child is None or (isinstance(ref, types.FrameType) and is_ours(ref)) or is_our_generator(ref):
                 continue
             if isinstance(ref, types.ModuleType):
                 continue  # a module refers to its dict, which is a root already

@@ -151,3 +151,31 @@ def test_cheap_searches_run_whole_in_the_evaluation_step_end(kept_outputs_run: A
     passes, warned, _ = kept_outputs_run(pass_cost=0.0)
     first_search = [s for s in passes if s <= warned[0]]
     assert len(first_search) >= 2 and set(first_search) == {warned[0]}, (passes, warned)
+
+
+_SEARCH = "def search(held, who):\n    yield\n    sample = held()\n    return who(sample, time_budget_s=2.0)\n"
+
+
+def _generator_in(module_name: str) -> Any:
+    namespace: dict[str, Any] = {"__name__": module_name}
+    exec(compile(_SEARCH, f"<{module_name}>", "exec"), namespace)  # a fixed snippet, in a module of that name
+    return namespace["search"]
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_search_between_its_passes_is_not_the_holder_it_finds(ours: bool) -> None:
+    from gpumemd.probes.holders import who_holds
+
+    kept_by_the_job = [torch.ones(4)]
+    search = _generator_in("gpumemd.components.a_search" if ours else "users_module")
+    work = search(lambda: kept_by_the_job[0], who_holds)
+    next(work)
+    with pytest.raises(StopIteration) as done:
+        next(work)
+    holder = done.value.value or ""
+    # gpumemd's own search (running, the tensor in its frame) is never named; a user's generator is
+    # a holder like any other code
+    if ours:
+        assert "kept_by_the_job" in holder and "generator" not in holder, holder
+    else:
+        assert "`sample` in search()" in holder, holder  # the running generator's own local
