@@ -34,7 +34,7 @@ from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.samples import AllocatorSample, HostSample
-from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
+from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord, nvml_paired
 from gpumemd.sampler import Sampler
 from gpumemd.state_board import StateBoard
 from gpumemd.step_counting import StepCounting
@@ -243,7 +243,8 @@ class Agent(StepCounting):
         return record
 
     def _record(self, number: int, duration: float | None, steps: int) -> StepRecord:
-        """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled."""
+        """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled
+        where that reading pairs with this allocator reading (``nvml_paired``)."""
         allocator = self._allocator.read()
         if self.config.reset_peak_each_step and allocator:
             _reset_peaks(allocator)
@@ -258,8 +259,10 @@ class Agent(StepCounting):
                 if base is not None
                 else HostSample(rss_bytes=rss)
             )
-        return StepRecord(step=number, wall_time=self._wall(), duration_s=duration, allocator=allocator, host=host,
-                          nvml=previous.nvml, phase=self._phase, steps=steps)
+        wall = self._wall()
+        nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
+        return StepRecord(step=number, wall_time=wall, duration_s=duration, allocator=allocator, host=host,
+                          nvml=nvml, phase=self._phase, steps=steps)
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
