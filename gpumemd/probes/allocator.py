@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
+from gpumemd.probes.nvml import counting_initialises_cuda
 from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample
 
@@ -156,7 +157,8 @@ class AllocatorProbe:
             if torch.version.cuda is None and torch.version.hip is None:
                 self.health.absent("this torch is a CPU build")
                 self._never = stats_fn is None and is_initialized is None
-            elif device_count is None and torch.cuda.device_count() == 0:
+            elif device_count is None and not counting_initialises_cuda(os.environ.get("CUDA_VISIBLE_DEVICES")) \
+                    and torch.cuda.device_count() == 0:
                 self.health.absent("no CUDA device is visible to this process")
                 self._never = stats_fn is None and is_initialized is None
             stats_fn = stats_fn or torch.cuda.memory_stats

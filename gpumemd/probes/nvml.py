@@ -57,6 +57,14 @@ def parse_visible_devices(var: str | None) -> list[int] | list[str] | None:
     return ordinals
 
 
+def counting_initialises_cuda(visible: str | None) -> bool:
+    """Would ``torch.cuda.device_count()`` before CUDA is up call cudaGetDeviceCount whatever NVML can do?
+    Under a ``MIG-`` list it does (torch 2.13's ``_device_count_nvml`` skips MIG UUIDs), which initialises
+    CUDA in this process and poisons fork: gpumemd then leaves the count alone until the job is on CUDA."""
+    parsed = parse_visible_devices(visible)
+    return parsed is not None and bool(parsed) and str(parsed[0]).startswith("MIG-")
+
+
 def uuids_to_indices(candidates: list[str], uuids: list[str]) -> list[int]:
     """UUID prefixes -> indices, as torch does: an unknown or ambiguous prefix ends the list, a
     device named twice makes it empty."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from gpumemd.probes.allocation_history import AllocationHistory, process_history
 from gpumemd.probes.health import ProbeHealth
+from gpumemd.probes.nvml import counting_initialises_cuda
 
 OomObserver = Callable[[int, int, int, int], None]
 _HISTORY_USER = "oom"  # this probe's name among the users of the allocation history
@@ -45,6 +47,8 @@ class SnapshotProbe:
             torch = self._t()
             if getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None:
                 return False
+            if counting_initialises_cuda(os.environ.get("CUDA_VISIBLE_DEVICES")):
+                return True  # a MIG list: counting would initialise CUDA; the lazy-init queue waits harmlessly
             return int(torch.cuda.device_count()) > 0
         except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
             self.health.failed(exc)
