@@ -34,7 +34,7 @@ from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
-from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
+from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord, nvml_paired
 from gpumemd.sampler import Sampler
 from gpumemd.state_board import StateBoard
 from gpumemd.step_counting import StepCounting
@@ -254,7 +254,8 @@ class Agent(StepCounting):
         return record
 
     def _record(self, number: int, duration: float | None, steps: int) -> StepRecord:
-        """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled."""
+        """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled
+        where that reading pairs with this allocator reading (``nvml_paired``)."""
         allocator = self._allocator.read()
         if self.config.reset_peak_each_step and allocator:
             _reset_peaks(allocator)
@@ -265,8 +266,10 @@ class Agent(StepCounting):
         if rss is not None:
             base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
             host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
-        return StepRecord(step=number, wall_time=self._wall(), duration_s=duration, allocator=allocator, host=host,
-                          nvml=previous.nvml, phase=self._phase, steps=steps, workers=self._read_workers(number))
+        wall = self._wall()
+        nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
+        return StepRecord(step=number, wall_time=wall, duration_s=duration, allocator=allocator, host=host,
+                          nvml=nvml, phase=self._phase, steps=steps, workers=self._read_workers(number))
 
     def _read_workers(self, number: int) -> WorkersSample | None:
         """The job's child processes' RSS, every ``WORKERS_EVERY`` steps (a few preads: ~1 µs each)."""

@@ -211,9 +211,12 @@ def build() -> dict[str, Any]:
         (sel("gpumemd_allocator_requested_bytes", device=True), DEV + " requested")), w=12)
     g.add(timeseries(
         "Allocator retries and OOMs", "cudaMalloc failures answered by flushing the cache and retrying, "
-        "and allocator OOMs, per second. Any retries mean the job is at the edge of its memory.", "ops",
+        "and allocator OOMs, per second. Any retries mean the job is at the edge of its memory. Rejections: "
+        "allocations refused up front under the process cap (throw_on_cudamalloc_oom).", "ops",
         (f"rate({sel('gpumemd_allocator_alloc_retries_total', device=True)}[$__rate_interval])", DEV + " retries"),
-        (f"rate({sel('gpumemd_allocator_ooms_total', device=True)}[$__rate_interval])", DEV + " OOMs")), w=12)
+        (f"rate({sel('gpumemd_allocator_ooms_total', device=True)}[$__rate_interval])", DEV + " OOMs"),
+        (f"rate({sel('gpumemd_allocator_oom_rejections_total', device=True)}[$__rate_interval])",
+         DEV + " rejections")), w=12)
     g.add(timeseries(
         "cudaMalloc and cudaFree calls", "Calls the allocator makes to the driver per second; a steady "
         "rate after warm-up means the cache thrashes (empty_cache() in the loop, or fragmentation).", "ops",

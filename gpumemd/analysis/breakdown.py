@@ -136,7 +136,12 @@ def cuda_breakdown(
     msg = message or OomMessage(kind="cuda", format="unparsed")
     requested = _first(observer.requested_bytes if observer else None, msg.requested_bytes,
                        snapshot.oom_requested_bytes if snapshot else None)
-    allocated = _first(snapshot.allocated_bytes if snapshot else None, msg.allocated_bytes,
+    # torch's message counts the free blocks of private pools (CUDA graphs, MemPool) in "allocated by
+    # PyTorch" ("with X allocated in private pools"): they serve only their graphs. Read apart here.
+    msg_private = msg.private_pool_bytes or 0
+    private_free = snapshot.private_pool_free_bytes if snapshot else msg_private
+    msg_allocated = None if msg.allocated_bytes is None else max(0, msg.allocated_bytes - msg_private)
+    allocated = _first(snapshot.allocated_bytes if snapshot else None, msg_allocated,
                        allocator.allocated_bytes if allocator else None)
     reserved = _first(snapshot.reserved_bytes if snapshot else None, msg.reserved_bytes,
                       allocator.reserved_bytes if allocator else None)
@@ -153,17 +158,24 @@ def cuda_breakdown(
         # the census saw is, mid-step, mostly activations.
         items.append(breakdown_item("invisible", max(0, allocated - seen), device))
     if reserved is not None and allocated is not None:
-        items.append(breakdown_item("reserved_unallocated", max(0, reserved - allocated), device))
+        if private_free:
+            items.append(breakdown_item("private_pool_free", private_free, device))
+        items.append(breakdown_item("reserved_unallocated", max(0, reserved - allocated - private_free), device))
     room, non_pytorch = _room_items(limits, reserved, device)
     items += room
     verdict, why = _cuda_verdict(requested=requested, allocated=allocated, reserved=reserved, limits=limits,
-                                 largest=largest, private_free=snapshot.private_pool_free_bytes if snapshot else 0)
+                                 largest=largest, private_free=private_free)
+    rejections = allocator.num_oom_rejections if allocator else None
+    if rejections:
+        why += (f"; before it, the allocator had refused {rejections} allocation{'s' if rejections != 1 else ''} "
+                "up front as past the process cap (num_oom_rejections: throw_on_cudamalloc_oom with a memory "
+                "fraction), each an OutOfMemoryError the job caught or retried")
     return Breakdown(
         device=device, total_bytes=limits.total, items=tuple(items), requested_bytes=requested,
         allocated_bytes=allocated, reserved_bytes=reserved, largest_free_block_bytes=largest,
         device_free_bytes=limits.device_free, verdict=verdict, verdict_why=why, cap_bytes=limits.cap,
         memory_fraction=limits.fraction, device_total_bytes=limits.device_total, headroom_bytes=limits.headroom,
-        non_pytorch_bytes=non_pytorch,
+        non_pytorch_bytes=non_pytorch, oom_rejections=rejections,
     )
 
 

@@ -26,12 +26,13 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.components.base import ComponentBase
+from gpumemd.components.hook_printing import print_hook_failure, print_thread_hook_failure
 from gpumemd.components.oom_capture import Capture, CaptureSlot
 from gpumemd.probes.environment import collect_environment
 from gpumemd.probes.package_dirs import internal_dirs, library_dirs
@@ -120,6 +121,7 @@ class OomComponent(ComponentBase):
         self._wall = wall_clock
         self._agent: AgentView | None = None
         self._lock = threading.Lock()
+        self._history_lock = threading.Lock()  # switching history on at CUDA init vs off at stop
         self._captures = CaptureSlot()
         self._written = 0
         self._last_report: float | None = None
@@ -145,6 +147,8 @@ class OomComponent(ComponentBase):
         self._cuda_possible = bool(available()) if available is not None else True  # no step looks on a CPU build
         if self._cuda_possible:
             self._queue_observer()
+            if self.config.record_history:
+                self._queue_history()
         self._maybe_hook_cuda()
 
     @property
@@ -165,7 +169,8 @@ class OomComponent(ComponentBase):
         with _observer_lock:
             if _observer_target is not None and _observer_target() is self:
                 _observer_target = None
-        self._probe.disable_history()
+        with self._history_lock:  # a queued switch-on that runs after this finds _running False
+            self._probe.disable_history()
         self._captures.clear()
         if self._owns_census:
             self._owns_census = False
@@ -186,6 +191,17 @@ class OomComponent(ComponentBase):
         if not self._probe.attach_oom_observer_at_init(_trampoline, _observer_attached):
             with _observer_lock:
                 _observer_queued = False  # no queue in this torch: attached at a step end instead
+
+    def _queue_history(self) -> None:
+        """``record_history``: recording from the job's first CUDA allocation (the lazy-init queue), so
+        a first-step OOM's snapshot has its stacks; without a queue, from the first sampled step end."""
+        me = weakref.ref(self)
+
+        def wanted() -> bool:
+            component = me()
+            return component is not None and component._running
+
+        self._probe.enable_history_at_init(self.config.history_max_entries, wanted, self._history_lock)
 
     def _maybe_hook_cuda(self) -> None:
         global _observer_installed, _observer_target
@@ -238,7 +254,7 @@ class OomComponent(ComponentBase):
             except SystemExit:
                 raise  # python exits with the hook's code, as it would without gpumemd
             except BaseException as hook_error:  # noqa: BLE001 - shown as python shows it, not from here
-                _print_hook_failure(hook_error, exc_type, exc, tb, called_handling=called_handling)
+                print_hook_failure(hook_error, exc_type, exc, tb, called_handling=called_handling)
             finally:
                 if handled:
                     traceback.clear_frames(tb)
@@ -251,7 +267,7 @@ class OomComponent(ComponentBase):
             try:
                 prev_thread(args)
             except Exception as hook_error:  # noqa: BLE001 - shown as threading shows it, not from here
-                _print_thread_hook_failure(hook_error, sys._getframe(1), args)
+                print_thread_hook_failure(hook_error, sys._getframe(1), args)
             finally:
                 if handled:
                     traceback.clear_frames(args.exc_traceback)  # the process lives on: give the memory back
@@ -414,51 +430,6 @@ class OomComponent(ComponentBase):
             return agent.state().census, "the census module is not available; showing the last census"
         except Exception as err:  # noqa: BLE001 - a census failure must not cost the report
             return agent.state().census, f"census at the OOM failed ({type(err).__name__}: {err})"
-
-
-def _print_hook_failure(error: BaseException, exc_type: type[BaseException], exc: BaseException,
-                        tb: TracebackType | None, *, called_handling: bool) -> None:
-    """What python prints when ``sys.excepthook`` raises (``_PyErr_PrintEx``), for the job's hook that
-    ours wraps: re-raising would add our wrapper's frame to the hook's traceback. Each exception is
-    shown by ``sys.__excepthook__``, which is python's own display (``PyErr_Display``)."""
-    try:
-        hook_tb = error.__traceback__
-        hook_tb = hook_tb.tb_next if hook_tb is not None else None  # from the job's hook on: not sys_hook
-        if called_handling and error.__context__ is exc:
-            error.__context__ = None  # python calls the hook outside any except block
-        _write_stderr("Error in sys.excepthook:\n")
-        sys.__excepthook__(type(error), error.with_traceback(hook_tb), hook_tb)
-        _write_stderr("\nOriginal exception was:\n")
-        sys.__excepthook__(exc_type, exc, tb)
-    except Exception:  # noqa: BLE001 - python ignores a failure to print here too
-        pass
-
-
-def _print_thread_hook_failure(error: Exception, caller: FrameType, args: Any) -> None:
-    """What ``threading`` prints when ``threading.excepthook`` raises (``_make_invoke_excepthook``), for
-    the job's hook that ours wraps: "Exception in threading.excepthook:", then ``sys.excepthook`` with
-    the hook's exception, its traceback starting in the caller's frame as it would without gpumemd
-    (re-raising would put this wrapper's frame in it)."""
-    try:
-        error.__suppress_context__ = True
-        tb = error.__traceback__
-        hook_tb = tb.tb_next if tb is not None else None  # from the job's hook on: not thread_hook
-        shown = TracebackType(hook_tb, caller, caller.f_lasti, caller.f_lineno)
-        stderr = sys.stderr if sys.stderr is not None else getattr(args.thread, "_stderr", None)
-        print("Exception in threading.excepthook:", file=stderr, flush=True)
-        hook = sys.excepthook if sys.excepthook is not None else sys.__excepthook__  # None at shutdown
-        hook(type(error), error.with_traceback(shown), shown)
-    except Exception:  # noqa: BLE001 - threading ignores a failure to print here too
-        pass
-
-
-def _write_stderr(text: str) -> None:
-    """``PySys_WriteStderr``: to ``sys.stderr``, else to the process's stderr."""
-    try:
-        sys.stderr.write(text)
-    except Exception:  # noqa: BLE001 - no sys.stderr (None) or a broken one
-        with contextlib.suppress(OSError):
-            os.write(2, text.encode("utf-8", "backslashreplace"))
 
 
 def _interactive() -> bool:

@@ -23,6 +23,7 @@ from gpumemd._version import __version__
 from gpumemd.doctor.allocator_checks import check_allocator, check_history, parse_alloc_conf
 from gpumemd.doctor.check import Check, Status, failed_needed
 from gpumemd.doctor.config_checks import INVALID, check_config, resolve_field
+from gpumemd.doctor.fork_checks import check_device_count
 from gpumemd.doctor.host_checks import (
     check_frameworks,
     check_memory_limits,
@@ -90,6 +91,7 @@ def run_checks(environ: Mapping[str, str] | None = None, overrides: Mapping[str,
     checks += guarded("torch", True, check_torch, torch, imported.error)
     checks += guarded("numpy", False, check_numpy, imported.numpy_warning)
     checks += guarded("cuda", False, check_cuda, torch, env)
+    checks += guarded("device count", False, check_device_count, torch, env)
     checks += guarded("allocator", False, check_allocator, torch, env)
     checks += guarded("allocation history", False, check_history, torch)
     checks += _nvml_checks(torch, env, os.getpid() if pid is None else pid)

@@ -34,6 +34,7 @@ log = logging.getLogger("gpumemd")
 _ALLOCATOR_COUNTERS: dict[str, str] = {
     "num_alloc_retries": "gpumemd_allocator_alloc_retries_total",
     "num_ooms": "gpumemd_allocator_ooms_total",
+    "num_oom_rejections": "gpumemd_allocator_oom_rejections_total",
     "num_device_alloc": "gpumemd_allocator_device_allocs_total",
     "num_device_free": "gpumemd_allocator_device_frees_total",
 }

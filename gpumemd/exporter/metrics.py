@@ -70,6 +70,11 @@ SPECS: tuple[MetricSpec, ...] = (
        "memory_stats num_alloc_retries minus its value at attach"),
     _c("gpumemd_allocator_ooms_total", _D, "Out-of-memory errors raised by the CUDA allocator since attach.",
        "memory_stats num_ooms minus its value at attach"),
+    _c("gpumemd_allocator_oom_rejections_total", _D,
+       "Allocations the allocator refused up front, before asking the driver, because they would pass the "
+       "per-process cap (throw_on_cudamalloc_oom with a memory fraction; torch 2.13+), since attach. Each is "
+       "an OutOfMemoryError the job saw.",
+       "memory_stats num_oom_rejections minus its value at attach"),
     _c("gpumemd_allocator_device_allocs_total", _D, "cudaMalloc/cuMemMap calls made by the allocator since attach.",
        "memory_stats num_device_alloc minus its value at attach"),
     _c("gpumemd_allocator_device_frees_total", _D, "cudaFree/cuMemUnmap calls made by the allocator since attach.",

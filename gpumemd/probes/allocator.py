@@ -6,17 +6,24 @@ initialised CUDA, and only reports devices whose allocator has ever reserved mem
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
+from gpumemd.probes.nvml import counting_initialises_cuda
 from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample
 
 StatsFn = Callable[[int], Mapping[str, Any]]
 CapFn = Callable[[int], tuple[float, int] | None]  # device -> (memory fraction, device total bytes)
+
+DEVICE_RESCAN_S = 30.0
+"""Seconds between looks at every visible device for one the job has started to use. Between them a
+sample reads only the job's own devices: the current one and those it has reserved memory on (a
+``memory_stats`` call per visible ordinal each sample was 8 calls per rank on an 8-GPU node)."""
 
 CAP_RECHECK_S = 30.0
 """Seconds a device's memory fraction is trusted before it is read again. A job sets it once, at start
@@ -122,8 +129,9 @@ def touched(stats: Mapping[str, Any]) -> bool:
 
 
 class AllocatorProbe:
-    """Reads every touched device's allocator. Seams: ``stats_fn``, ``is_initialized``,
-    ``device_count``, ``backend_fn``; ``cap_fn`` (the memory fraction and device total: torch's when
+    """Reads the allocator of each device the job uses. Seams: ``stats_fn``, ``is_initialized``,
+    ``device_count``, ``backend_fn``, ``current_device`` (torch's when torch supplies the other seams,
+    else none); ``cap_fn`` (the memory fraction and device total: torch's when
     torch supplies the other seams, else none), ``environ`` (allocator settings), ``clock``."""
 
     def __init__(
@@ -134,6 +142,7 @@ class AllocatorProbe:
         backend_fn: Callable[[], str] | None = None,
         *,
         cap_fn: CapFn | None = None,
+        current_device: Callable[[], int] | None = None,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -148,7 +157,8 @@ class AllocatorProbe:
             if torch.version.cuda is None and torch.version.hip is None:
                 self.health.absent("this torch is a CPU build")
                 self._never = stats_fn is None and is_initialized is None
-            elif device_count is None and torch.cuda.device_count() == 0:
+            elif device_count is None and not counting_initialises_cuda(os.environ.get("CUDA_VISIBLE_DEVICES")) \
+                    and torch.cuda.device_count() == 0:
                 self.health.absent("no CUDA device is visible to this process")
                 self._never = stats_fn is None and is_initialized is None
             stats_fn = stats_fn or torch.cuda.memory_stats
@@ -156,6 +166,7 @@ class AllocatorProbe:
             device_count = device_count or torch.cuda.device_count
             backend_fn = backend_fn or torch.cuda.memory.get_allocator_backend
             cap_fn = cap_fn or torch_cap_reader(torch)
+            current_device = current_device or torch.cuda.current_device
         self._stats_fn = stats_fn
         self._is_initialized = is_initialized
         self._device_count = device_count
@@ -167,6 +178,9 @@ class AllocatorProbe:
         self._clock = clock
         self.expandable_segments: bool | None = None  # read with the backend, from the environment
         self._caps: dict[int, tuple[float, float | None, int | None]] = {}  # device -> (read at, fraction, cap)
+        self._current_device = current_device
+        self._touched: set[int] = set()  # devices whose allocator has reserved memory
+        self._scanned_at: float | None = None  # when every visible device was last looked at
 
     def read(self) -> tuple[AllocatorSample, ...]:
         if self._never or not self._safe_initialized():
@@ -178,10 +192,11 @@ class AllocatorProbe:
                 self.backend = self._read_backend()
                 self.expandable_segments = expandable_segments_from_env(self._environ)
             samples = []
-            for device in range(self._count):
+            for device in self._devices_to_read():
                 stats = self._stats_fn(device)
                 if not touched(stats):
                     continue
+                self._touched.add(device)
                 fraction, cap = self._cap(device)
                 sample = sample_from_stats(device, stats, backend=self.backend,
                                            expandable_segments=bool(self.expandable_segments),
@@ -189,10 +204,25 @@ class AllocatorProbe:
                 if sample is not None:
                     samples.append(sample)
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into the training loop
+            self._scanned_at = None  # a failed read tells nothing of the devices in use: look at all next time
             self.health.failed(exc)
             return ()
         self.health.ok()
         return tuple(samples)
+
+    def _devices_to_read(self) -> list[int]:
+        """Every visible device on the first read and every ``DEVICE_RESCAN_S``; in between the job's
+        own: those it reserved memory on and the current device (``torch.cuda.set_device``)."""
+        count = self._count or 0
+        now = self._clock()
+        if self._scanned_at is None or now - self._scanned_at >= DEVICE_RESCAN_S:
+            self._scanned_at = now
+            return list(range(count))
+        wanted = set(self._touched)
+        if self._current_device is not None:
+            with contextlib.suppress(Exception):  # the devices already known are still read
+                wanted.add(int(self._current_device()))
+        return sorted(d for d in wanted if 0 <= d < count)
 
     def _cap(self, device: int) -> tuple[float | None, int | None]:
         """The device's (memory fraction, cap): cached, read again after ``CAP_RECHECK_S``."""

@@ -19,6 +19,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -54,6 +55,14 @@ def parse_visible_devices(var: str | None) -> list[int] | list[str] | None:
             break
         ordinals.append(value)
     return ordinals
+
+
+def counting_initialises_cuda(visible: str | None) -> bool:
+    """Would ``torch.cuda.device_count()`` before CUDA is up call cudaGetDeviceCount whatever NVML can do?
+    Under a ``MIG-`` list it does (torch 2.13's ``_device_count_nvml`` skips MIG UUIDs), which initialises
+    CUDA in this process and poisons fork: gpumemd then leaves the count alone until the job is on CUDA."""
+    parsed = parse_visible_devices(visible)
+    return parsed is not None and bool(parsed) and str(parsed[0]).startswith("MIG-")
 
 
 def uuids_to_indices(candidates: list[str], uuids: list[str]) -> list[int]:
@@ -171,21 +180,24 @@ def nvml_gpus(nvml: Any) -> list[_Gpu]:
 
 class NvmlProbe:
     """Per visible device: total/used/free and this process's own use. Seams: ``nvml`` module;
-    ``cuda_uuid`` (ordinal -> CUDA's UUID of that device, or None), called only once CUDA is up."""
+    ``cuda_uuid`` (ordinal -> CUDA's UUID of that device, or None), called only once CUDA is up;
+    ``wall_clock`` (each sample's ``read_at``)."""
 
     def __init__(self, nvml: Any = None, pid: int | None = None, visible: str | None = None,
-                 cuda_uuid: Callable[[int], str | None] | None = None) -> None:
+                 cuda_uuid: Callable[[int], str | None] | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.health = ProbeHealth("nvml")
         self._nvml = nvml
         self._pid = os.getpid() if pid is None else pid
         self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
         self._cuda_uuid = torch_cuda_uuid if cuda_uuid is None else cuda_uuid
+        self._wall = wall_clock  # stamps each reading (NvmlDeviceSample.read_at)
         self._handles: list[tuple[int, Any]] | None = None  # from CUDA_VISIBLE_DEVICES
         self._by_uuid: dict[int, Any] = {}  # ordinal -> handle matched by UUID, or None: keep the env's
         self._targets: list[tuple[int, Any]] = []  # what read() reads: _handles with _by_uuid applied
         self._pid_note_logged = False
         self._memory_v2: bool | None = None  # None until tried; False: the driver has only v1
-        self._process_calls: list[str] | None = None  # pynvml names that work here, newest first
+        self._process_calls: dict[int, list[str]] = {}  # ordinal -> pynvml names still to use, newest first
         self._start()
 
     def _start(self) -> None:
@@ -226,10 +238,11 @@ class NvmlProbe:
             if todo:
                 self._match_by_uuid(todo)
         out = []
-        try:
-            for ordinal, handle in self._targets:
-                if devices is not None and ordinal not in devices:
-                    continue
+        failed = False
+        for ordinal, handle in self._targets:
+            if devices is not None and ordinal not in devices:
+                continue
+            try:  # one device's error (a GPU fallen off the bus, a MIG reconfiguration) costs only its sample
                 mem = self._memory(handle)
                 out.append(
                     NvmlDeviceSample(
@@ -237,13 +250,15 @@ class NvmlProbe:
                         total_bytes=int(mem.total),
                         used_bytes=int(mem.used),
                         free_bytes=int(mem.free),
-                        process_used_bytes=self._process_used(handle, has_context),
+                        process_used_bytes=self._process_used(ordinal, handle, has_context),
+                        read_at=self._wall(),
                     )
                 )
-        except Exception as exc:  # noqa: BLE001
-            self.health.failed(exc)
-            return ()
-        self.health.ok()
+            except Exception as exc:  # noqa: BLE001
+                failed = True
+                self.health.failed(exc)
+        if not failed:
+            self.health.ok()
         return tuple(out)
 
     def _match_by_uuid(self, ordinals: list[int]) -> None:
@@ -333,13 +348,16 @@ class NvmlProbe:
                 self._memory_v2 = False
         return nvml.nvmlDeviceGetMemoryInfo(handle)
 
-    def _processes(self, handle: Any) -> list[Any] | None:
-        """Compute processes through the newest call this driver answers (v3, then v2), found once and
-        said once; None when neither works (MIG on some drivers): per-process use is then absent."""
-        if self._process_calls is None:
-            self._process_calls = [n for n in ("nvmlDeviceGetComputeRunningProcesses",
-                                               "nvmlDeviceGetComputeRunningProcesses_v2") if hasattr(self._nvml, n)]
-        calls, errors = self._process_calls, []
+    def _processes(self, ordinal: int, handle: Any) -> list[Any] | None:
+        """Compute processes through the newest call this device answers (v3, then v2), found once per
+        device and said once: one device's refusal (a MIG instance, a GPU in another driver mode) leaves
+        the others on v3. None when neither works: this device's per-process use is then absent."""
+        calls = self._process_calls.get(ordinal)
+        if calls is None:
+            calls = self._process_calls[ordinal] = [
+                n for n in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2")
+                if hasattr(self._nvml, n)]
+        errors: list[str] = []
         while calls:
             try:
                 procs = list(getattr(self._nvml, calls[0])(handle))
@@ -347,15 +365,15 @@ class NvmlProbe:
                 errors.append(f"{calls.pop(0)}: {type(exc).__name__}: {exc}")
                 continue
             if errors:
-                log.info("gpumemd: NVML %s; using %s", "; ".join(errors), calls[0])
+                log.info("gpumemd: NVML on device %d: %s; using %s", ordinal, "; ".join(errors), calls[0])
             return procs
         if errors:
-            log.info("gpumemd: NVML cannot list compute processes (%s); this process's device use is absent",
-                     "; ".join(errors))
+            log.info("gpumemd: NVML cannot list compute processes on device %d (%s); this process's use of it "
+                     "is absent", ordinal, "; ".join(errors))
         return None
 
-    def _process_used(self, handle: Any, has_context: bool) -> int | None:
-        procs = self._processes(handle)
+    def _process_used(self, ordinal: int, handle: Any, has_context: bool) -> int | None:
+        procs = self._processes(ordinal, handle)
         if procs is None:
             return None
         for proc in procs:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from gpumemd.probes.allocation_history import AllocationHistory, process_history
 from gpumemd.probes.health import ProbeHealth
+from gpumemd.probes.nvml import counting_initialises_cuda
 
 OomObserver = Callable[[int, int, int, int], None]
 _HISTORY_USER = "oom"  # this probe's name among the users of the allocation history
@@ -44,6 +47,8 @@ class SnapshotProbe:
             torch = self._t()
             if getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None:
                 return False
+            if counting_initialises_cuda(os.environ.get("CUDA_VISIBLE_DEVICES")):
+                return True  # a MIG list: counting would initialise CUDA; the lazy-init queue waits harmlessly
             return int(torch.cuda.device_count()) > 0
         except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
             self.health.failed(exc)
@@ -108,6 +113,11 @@ class SnapshotProbe:
         """
         if not self.cuda_initialized():
             return False
+        return self._acquire_history(max_entries)
+
+    def _acquire_history(self, max_entries: int) -> bool:
+        if self.history_enabled:
+            return True
         if not self._history.acquire(_HISTORY_USER, max_entries):
             self.health.absent("allocation history cannot be recorded here (cudaMallocAsync or an old torch)")
             return False
@@ -121,6 +131,35 @@ class SnapshotProbe:
             return
         self.history_enabled = False
         self._history.release(_HISTORY_USER)
+
+    def enable_history_at_init(self, max_entries: int, wanted: Callable[[], bool],
+                               lock: threading.Lock) -> bool:
+        """Have allocation history recorded from the job's first CUDA allocation: queued on torch's
+        lazy-init queue like the observer (``attach_oom_observer_at_init``), so an OOM in the first
+        forward has its stacks, and never initialising CUDA itself. At init it switches history on only
+        if ``wanted()`` still says so (the queue runs once, maybe long after a detach), under ``lock``,
+        which the caller also holds while it switches history off (a detach racing the job's CUDA init).
+        False: this torch has no queue (the caller switches it on at a step end instead)."""
+        lazy_call = getattr(getattr(self._t(), "cuda", None), "_lazy_call", None)
+        if lazy_call is None:
+            return False
+        health = self.health
+
+        def at_init() -> None:
+            try:
+                with lock:
+                    if wanted():
+                        self._acquire_history(max_entries)  # is_initialized() is still False in _lazy_init
+            except Exception as exc:  # noqa: BLE001 - never into the job's CUDA init (DeferredCudaCallError)
+                with contextlib.suppress(Exception):
+                    health.failed(exc)
+
+        try:
+            lazy_call(at_init)
+        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
+            health.failed(exc)
+            return False
+        return True
 
     def attach_oom_observer_at_init(self, observer: OomObserver, attached: Callable[[bool], None]) -> bool:
         """Have ``observer`` attached when CUDA initialises, through torch's lazy-init queue

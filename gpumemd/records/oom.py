@@ -32,6 +32,7 @@ BREAKDOWN_LABELS: dict[str, str] = {
     "other": "other tensors",
     "unattributed": "allocated, not attributed (no census)",
     "invisible": "invisible to the census (mostly saved activations)",
+    "private_pool_free": "free in private pools (CUDA graphs, MemPool): for their own graphs only",
     "reserved_unallocated": "cached by PyTorch, unallocated",
     "non_pytorch": "outside PyTorch (CUDA context, NCCL, other processes)",
     "free": "free on the device",
@@ -149,6 +150,9 @@ class Breakdown:
     # On the host: the kind of limit the items partition ("ram", "cgroup", "rlimit_as", "rlimit_data";
     # ``HostSample.limit``): total_bytes is that limit's size, the "free" item what was left under it.
     host_limit: str | None = None
+    # Allocations the allocator had refused up front under the process cap (memory_stats
+    # num_oom_rejections, torch 2.13+, at the last sample before the OOM); None where not read.
+    oom_rejections: int | None = None
 
     def get(self, key: str) -> int:
         """Bytes of the item ``key`` (0 when the breakdown has no such item)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpumemd.records.device import Device
-from gpumemd.records.plain import AS_ORDINAL
+from gpumemd.records.plain import AS_ORDINAL, IN_MEMORY_ONLY
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,9 @@ class NvmlDeviceSample:
     used_bytes: int
     free_bytes: int
     process_used_bytes: int | None = None  # None: NVML could not attribute use to this pid (containers)
+    # Wall time of the reading: the sampler reads NVML every sample_interval_s, so a step end pairs
+    # its allocator reading with one up to that old (``records.step.nvml_paired``). Not in the files.
+    read_at: float | None = field(default=None, metadata=IN_MEMORY_ONLY)
 
 
 HOST_LIMIT_WORDS = {

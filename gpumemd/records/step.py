@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,7 +30,7 @@ class StepRecord:
     duration_s: float | None
     allocator: tuple[AllocatorSample, ...] = ()
     host: HostSample | None = None
-    nvml: tuple[NvmlDeviceSample, ...] = ()
+    nvml: tuple[NvmlDeviceSample, ...] = ()  # the sampler's last reading, where it pairs (``nvml_paired``)
     phase: str = "train"
     census_total_bytes: int | None = None  # filled on steps where a census ran
     steps: int = 1  # steps since the previous record (this one included)
@@ -41,6 +41,30 @@ class StepRecord:
             if sample.device == device:
                 return sample
         return None
+
+
+NVML_PAIR_MAX_AGE_S = 1.0
+"""How much older than a step end's allocator reading an NVML reading may be and still sit beside it
+in the record as of the same moment (unless the allocator's reserved bytes have not moved since)."""
+
+
+def nvml_paired(nvml: Sequence[NvmlDeviceSample], *, at: float, read_with: Sequence[AllocatorSample],
+                now: Sequence[AllocatorSample]) -> tuple[NvmlDeviceSample, ...]:
+    """The NVML readings a step record taken at wall time ``at`` may carry beside its own allocator
+    reading ``now``. The sampler reads NVML every ``sample_interval_s`` (5 s by default), and this
+    process's device use minus the reserved bytes of another moment is whatever the allocator did in
+    between, not memory outside PyTorch. Kept: readings at most ``NVML_PAIR_MAX_AGE_S`` old, and older
+    ones whose device's reserved bytes are still those of ``read_with`` (the allocator reading the
+    sampler took with them), which pair exactly as of their own moment. A reading with no time is kept."""
+    then = {a.device: a.reserved_bytes for a in read_with}
+    current = {a.device: a.reserved_bytes for a in now}
+    out = []
+    for sample in nvml:
+        fresh = sample.read_at is None or at - sample.read_at <= NVML_PAIR_MAX_AGE_S
+        reserved = current.get(sample.device)
+        if fresh or (reserved is not None and then.get(sample.device) == reserved):
+            out.append(sample)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,9 @@ def test_a_real_cuda_oom_leaves_a_report_with_the_observer_snapshot(out_dir: str
     with open(os.path.join(path, "report.json"), encoding="utf-8") as f:
         report = json.load(f)
     assert report["snapshot"]["source"] == "oom_observer"
-    assert report["observer"]["total_or_cap_bytes"] == total
+    # The observer's figure is cudaMemGetInfo's total, which the driver may keep below totalGlobalMem
+    # (its own reserve, vGPU, WSL): not equal, but never above it nor far below.
+    assert 0.9 * total <= report["observer"]["total_or_cap_bytes"] <= total
     assert report["breakdown"]["verdict"] == "request_exceeds_device"
     with open(os.path.join(path, "snapshot.pickle"), "rb") as f:
         snapshot = pickle.load(f)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import torch
 from torch import nn
 
 import gpumemd
-from gpumemd.batch_size import find_batch_size
 
 
 def make(device: str = "cuda"):  # type: ignore[no-untyped-def]
@@ -41,24 +47,49 @@ def test_step_profile_on_cuda_reads_the_allocator(out_dir: str) -> None:
     assert transient is not None and transient >= profile.parameter_bytes // 2
 
 
-def test_find_batch_size_under_a_memory_fraction() -> None:
-    model, opt = make()
+_UNDER_A_FRACTION = textwrap.dedent("""
+    import json, torch
+    from torch import nn
+    from gpumemd.batch_size import find_batch_size
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10)).cuda()
+    opt = torch.optim.Adam(model.parameters())
     total = torch.cuda.get_device_properties(0).total_memory
-    previous = torch.cuda.get_per_process_memory_fraction(0)
     cap = 2 * 1024**3
     torch.cuda.set_per_process_memory_fraction(cap / total, 0)
-    try:
-        def step(batch_size: int) -> None:
-            x = torch.randn(batch_size, 1024, device="cuda")
-            y = torch.randint(0, 10, (batch_size,), device="cuda")
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
 
-        size, peak = find_batch_size(step, start=64, max=1 << 20)
-        assert peak <= cap
-        assert size > 64
-    finally:
-        torch.cuda.set_per_process_memory_fraction(previous, 0)
-        torch.cuda.empty_cache()
+    def step(batch_size):
+        x = torch.randn(batch_size, 1024, device="cuda")
+        y = torch.randint(0, 10, (batch_size,), device="cuda")
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def peak_of(batch_size):
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        try:
+            step(batch_size)
+        except torch.OutOfMemoryError:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    size, peak = find_batch_size(step, start=64, max=1 << 20)
+    print(json.dumps({"cap": cap, "size": size, "peak": peak, "again": peak_of(size), "double": peak_of(2 * size)}))
+""")
+
+
+def test_find_batch_size_under_a_memory_fraction() -> None:
+    # A fresh process: a fraction set back to 1.0 still leaves the allocator's cap flag set in this one.
+    root = str(pathlib.Path(__file__).resolve().parents[2])  # this tree's gpumemd, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-c", _UNDER_A_FRACTION], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    cap, size, margin = facts["cap"], facts["size"], 0.1
+    assert size > 64
+    # Measured again, independently of the search: the size fits the cap with the margin kept ...
+    assert facts["again"] is not None and facts["again"] <= cap * (1 - margin)
+    # ... and it is the boundary, not any small size: twice it does not fit with that margin.
+    assert facts["double"] is None or facts["double"] > cap * (1 - margin) or 2 * size > 1 << 20

@@ -43,7 +43,7 @@ def doctor_lines(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, d
     return code, by_name, lines[-1]
 
 
-_NAMES = sorted(["gpumemd", "config", "torch", "numpy", "cuda", "allocator", "expandable segments",
+_NAMES = sorted(["gpumemd", "config", "torch", "numpy", "cuda", "device count", "allocator", "expandable segments",
                  "allocation history", "nvml process", "nvml", "psutil", "memory limits", "prometheus_client",
                  "output dir", "metrics port", "lightning", "pytorch-lightning", "transformers", "accelerate"],
                 key=len, reverse=True)  # "nvml process" before "nvml"
@@ -336,3 +336,36 @@ def test_a_check_that_raises_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setattr(doctor, "check_psutil", broken)
     psutil = next(c for c in doctor.run_checks({}, {"output_dir": str(tmp_path)}) if c.name == "psutil")
     assert psutil.status == "warn" and psutil.needed and not doctor.failed_needed([psutil])
+
+
+def test_device_count_under_a_mig_list_says_it_poisons_fork() -> None:
+    """torch 2.13's device_count() before CUDA init: NVML-based (fork-safe) unless CUDA_VISIBLE_DEVICES is
+    a MIG- list or NVML cannot count; then cudaGetDeviceCount, which initialises CUDA in the process."""
+    from types import SimpleNamespace
+
+    from gpumemd.doctor.fork_checks import check_device_count
+
+    cuda_build = SimpleNamespace(version=SimpleNamespace(cuda="12.8", hip=None))
+    mig = check_device_count(cuda_build, {"CUDA_VISIBLE_DEVICES": "MIG-1b2c3d4e-0000-1111-2222-333344445555"},
+                             nvml_counts=lambda: True)
+    assert mig.status == "warn" and "cudaGetDeviceCount" in mig.detail and "forked" in mig.detail
+    assert check_device_count(cuda_build, {"CUDA_VISIBLE_DEVICES": "0,1"}, nvml_counts=lambda: True).status == "ok"
+    no_nvml = check_device_count(cuda_build, {}, nvml_counts=lambda: False)
+    assert no_nvml.status == "warn" and "NVML" in no_nvml.detail
+    assert check_device_count(cuda_build, {"CUDA_VISIBLE_DEVICES": ""}, nvml_counts=lambda: False).status == "ok"
+    cpu = SimpleNamespace(version=SimpleNamespace(cuda=None, hip=None))
+    assert check_device_count(cpu, {}).status == "n/a"
+
+
+def test_gpumemd_leaves_the_device_count_alone_under_a_mig_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from gpumemd.probes.snapshot import SnapshotProbe
+
+    def count() -> int:
+        raise AssertionError("device_count() under a MIG list initialises CUDA")
+
+    torch_module = SimpleNamespace(version=SimpleNamespace(cuda="12.8", hip=None),
+                                   cuda=SimpleNamespace(device_count=count))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1b2c3d4e-0000-1111-2222-333344445555")
+    assert SnapshotProbe(torch_module=torch_module).cuda_available() is True  # the lazy-init queue waits

@@ -44,7 +44,7 @@ def torch_stats(allocated: int, reserved: int, *, retries: int = 0, ooms: int = 
         "active_bytes.all.current": allocated + 4096, "inactive_split_bytes.all.current": 3 * 1024**2,
         "requested_bytes.all.current": allocated - 512, "segment.all.current": 7,
         "num_alloc_retries": retries, "num_ooms": ooms, "num_sync_all_streams": 0,
-        "num_device_alloc": 40, "num_device_free": 2, "max_split_size": -1,
+        "num_device_alloc": 40, "num_device_free": 2, "max_split_size": -1, "num_oom_rejections": 0,
     })
     return stats
 

@@ -5,11 +5,12 @@ info v2 and compute-process fallbacks."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from fakes import FakeGpu, FakeNvml
+from fakes import FakeGpu, FakeNvml, Handle, NvmlError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,7 +19,8 @@ from gpumemd.config import Config
 from gpumemd.exporter.collector import StateCollector
 from gpumemd.probes.nvml import NvmlProbe, parse_visible_devices, uuids_to_indices, visible_indices
 from gpumemd.records.device import Device
-from gpumemd.records.step import Identity
+from gpumemd.records.samples import AllocatorSample, NvmlDeviceSample
+from gpumemd.records.step import NVML_PAIR_MAX_AGE_S, Identity, nvml_paired
 
 GIB = 1 << 30
 
@@ -115,3 +117,43 @@ def test_torchrun_rank_reads_only_its_gpu_and_exports_at_most_40_series(
         assert {s.labels.get("device") for s in series if "device" in s.labels} == {"3"}
     finally:
         agent.stop()
+
+
+class _OneDeviceRefusesV3(FakeNvml):
+    """Device 1 answers only the v2 process call (a MIG instance or another driver mode on some drivers),
+    and device 2's memory call fails (a GPU fallen off the bus)."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: Handle) -> list[SimpleNamespace]:
+        self.v3_calls = getattr(self, "v3_calls", 0) + 1
+        if h.path[0] == 1:
+            raise NvmlError("Not Supported")
+        return super().nvmlDeviceGetComputeRunningProcesses(h)
+
+    def nvmlDeviceGetMemoryInfo(self, h: Handle, version: int | None = None) -> SimpleNamespace:
+        if h.path[0] == 2:
+            raise NvmlError("GPU is lost")
+        return super().nvmlDeviceGetMemoryInfo(h, version)
+
+
+def test_one_devices_errors_cost_only_that_device() -> None:
+    nvml = _OneDeviceRefusesV3(3, processes={42: 3 * GIB})
+    probe = NvmlProbe(nvml=nvml, pid=42, visible="0,1,2", wall_clock=lambda: 1234.5)
+    first = probe.read()
+    assert [(s.device.cuda_index, s.process_used_bytes) for s in first] == [(0, 3 * GIB), (1, 3 * GIB)]
+    assert {s.read_at for s in first} == {1234.5}
+    assert probe.health.errors == 1  # device 2's sample is absent; 0 and 1 are read
+    nvml.v3_calls = 0
+    probe.read()
+    assert nvml.v3_calls == 1  # device 0 stays on v3; device 1 went to v2 alone, and is not asked v3 again
+
+
+def test_a_step_record_pairs_nvml_only_with_the_reserved_bytes_of_its_moment() -> None:
+    """The sampler read NVML (and the allocator) 4 s before this step end: process use minus reserved
+    would mix two moments, unless reserved has not moved since the sampler's reading."""
+    nvml = tuple(NvmlDeviceSample(Device.cuda(d), 80 * GIB, 10 * GIB, 70 * GIB, process_used_bytes=9 * GIB,
+                                  read_at=100.0) for d in (0, 1))
+    then = tuple(AllocatorSample(Device.cuda(d), reserved_bytes=6 * GIB) for d in (0, 1))
+    now = (AllocatorSample(Device.cuda(0), reserved_bytes=8 * GIB), then[1])
+    assert nvml_paired(nvml, at=104.0, read_with=then, now=now) == (nvml[1],)  # device 0 reserved 2 GiB since
+    assert nvml_paired(nvml, at=100.0 + NVML_PAIR_MAX_AGE_S, read_with=then, now=now) == nvml  # fresh enough
+    assert nvml_paired(nvml, at=104.0, read_with=(), now=now) == ()

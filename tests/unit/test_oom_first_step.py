@@ -268,3 +268,61 @@ def test_a_stale_capture_is_not_attached_to_a_later_unrelated_oom(out_dir: str, 
         assert written["snapshot"]["taken_inside_the_allocator"] is False
     finally:
         agent.stop()
+
+
+# --- record_history: stacks from the first allocation ------------------------------------------------
+
+
+class _RecordingCuda(_FakeCuda):
+    """Records allocation history as torch does: only what is allocated while recording is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+        self.recorded: list[int] = []
+        self.memory = SimpleNamespace(_snapshot=self._snapshot, _record_memory_history=self._record)
+
+    def _record(self, enabled: str | None = "all", context: str | None = "all", stacks: str = "all",
+                max_entries: int = 0) -> None:
+        self.recording = enabled is not None
+
+    def allocate(self, nbytes: int, device: int = 0) -> None:
+        self._lazy_init()
+        if self.recording:
+            self.recorded.append(nbytes)
+        super().allocate(nbytes, device)
+
+
+def _recording_torch(cuda: _RecordingCuda) -> Any:
+    torch_module = _fake_torch(cuda)
+    torch_module._C._cuda_isHistoryEnabled = lambda: cuda.recording
+    return torch_module
+
+
+def test_record_history_covers_the_first_forward(out_dir: str, fresh_process: None) -> None:
+    cuda = _RecordingCuda()
+    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
+                    record_history=True)
+    probe = SnapshotProbe(torch_module=_recording_torch(cuda))
+    component = OomComponent(config.options(OomOptions), snapshot_probe=probe, census=_census())
+    agent = build_agent(config, components=[component]).start()
+    try:
+        assert not cuda.initialized and not cuda.recording  # attach touched no CUDA
+        with pytest.raises(torch.OutOfMemoryError):
+            cuda.allocate(4 * MiB)  # the job's first CUDA use: history is on before this allocation
+            cuda.allocate(64 * MiB)
+        assert cuda.recorded == [4 * MiB, 64 * MiB]  # no step ever ended: still recorded from the start
+    finally:
+        agent.stop()
+    assert not cuda.recording  # switched off with the component that switched it on
+
+
+def test_a_history_queued_before_a_detach_stays_off(out_dir: str, fresh_process: None) -> None:
+    cuda = _RecordingCuda()
+    config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
+                    record_history=True)
+    probe = SnapshotProbe(torch_module=_recording_torch(cuda))
+    component = OomComponent(config.options(OomOptions), snapshot_probe=probe, census=_census())
+    build_agent(config, components=[component]).start().stop()
+    cuda.allocate(4 * MiB)  # CUDA comes up after the detach: the queued call runs and does nothing
+    assert cuda.initialized and not cuda.recording and cuda.recorded == []

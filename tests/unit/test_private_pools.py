@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpumemd.analysis.breakdown import cuda_breakdown
+from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.probes.allocator import sample_from_stats
 from gpumemd.records.device import Device
@@ -53,3 +54,32 @@ def test_private_pool_reserved_bytes_are_read_from_memory_stats() -> None:
     assert sample is not None and sample.private_pool_reserved_bytes == GiB + 512 * MiB
     plain = sample_from_stats(0, {"allocated_bytes.all.current": 1, "reserved_bytes.all.current": 2})
     assert plain is not None and plain.private_pool_reserved_bytes is None
+
+
+def test_the_messages_private_pool_bytes_are_read_apart_from_allocated() -> None:
+    """Without a snapshot: torch's message counts the free blocks of private pools in "allocated by
+    PyTorch" (CUDACachingAllocator.cpp: ``allocated_bytes + allocated_in_private_pools``, summed over the
+    pools' free-block sets), so allocated is 1 GiB less and that GiB is neither tensors nor cache."""
+    text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 80.00 GiB of which "
+            "1.00 GiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, with 10.00 GiB allocated "
+            "in private pools (e.g., CUDA Graphs), and 4.00 GiB is reserved by PyTorch but unallocated.")
+    message = parse_oom_message(text)
+    b = cuda_breakdown(device=Device.cuda(0), message=message)
+    assert b.allocated_bytes == 60 * GiB and b.reserved_bytes == 74 * GiB
+    assert b.get("private_pool_free") == 10 * GiB and b.get("reserved_unallocated") == 4 * GiB
+    assert b.get("unattributed") == 60 * GiB
+    # 4 GiB cached + 1 GiB free >= 2 GiB: fragmentation, never counting the pools' 10 GiB as free
+    assert b.verdict == "fragmentation" and "4.00 GiB cached" in b.verdict_why
+
+
+def test_rejections_under_the_cap_are_told_in_the_verdict() -> None:
+    sample = sample_from_stats(0, {"allocated_bytes.all.current": 3 * GiB, "reserved_bytes.all.current": 4 * GiB,
+                                   "num_oom_rejections": 3}, memory_fraction=0.5, cap_bytes=4 * GiB)
+    assert sample is not None and sample.num_oom_rejections == 3
+    b = cuda_breakdown(device=Device.cuda(0), allocator=sample,
+                       observer=ObserverCall(Device.cuda(0), 2 * GiB, 4 * GiB, 40 * GiB, wall_time=0.0))
+    assert b.oom_rejections == 3
+    assert "refused 3 allocations up front as past the process cap" in b.verdict_why
+    quiet = cuda_breakdown(device=Device.cuda(0), allocator=sample_from_stats(
+        0, {"allocated_bytes.all.current": 3 * GiB, "reserved_bytes.all.current": 4 * GiB, "num_oom_rejections": 0}))
+    assert "refused" not in quiet.verdict_why

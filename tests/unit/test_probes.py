@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
-from fakes import FakeGpu, FakeNvml
+from fakes import FakeGpu, FakeNvml, ManualClock
 
-from gpumemd.probes.allocator import AllocatorProbe, sample_from_stats
+from gpumemd.probes.allocator import DEVICE_RESCAN_S, AllocatorProbe, sample_from_stats
 from gpumemd.probes.host import HostProbe
 from gpumemd.probes.identity import current_identity, identity_from_env
 from gpumemd.probes.nvml import NvmlProbe, visible_indices
@@ -188,3 +188,35 @@ def test_allocator_probe_never_asks_cuda_runtime_for_availability(monkeypatch: p
     probe = AllocatorProbe()
     assert probe.read() == ()
     assert probe.health.absent_reason == "no CUDA device is visible to this process"
+
+
+def test_only_the_jobs_own_devices_are_read_between_rescans() -> None:
+    """torch.cuda.memory_stats is per device: a sample reads the current device and those the job
+    reserved memory on, and looks at all eight only every DEVICE_RESCAN_S (a device taken up later)."""
+    reserved = {3: 2**20}  # torchrun rank 3: its own GPU only
+    asked: list[int] = []
+
+    def stats(device: int) -> dict[str, int]:
+        asked.append(device)
+        held = reserved.get(device, 0)
+        return {"reserved_bytes.all.current": held, "reserved_bytes.all.peak": held, "allocated_bytes.all.current": 0}
+
+    clock = ManualClock(0.0)
+    probe = AllocatorProbe(stats_fn=stats, is_initialized=lambda: True, device_count=lambda: 8,
+                           backend_fn=lambda: "native", current_device=lambda: 3, clock=clock)
+    assert [s.device.cuda_index for s in probe.read()] == [3]
+    assert asked == list(range(8))  # the first read looks at every device
+    asked.clear()
+    for _ in range(5):
+        clock.now += 1.0
+        probe.read()
+    assert asked == [3] * 5
+    reserved[5] = 2**20  # the job starts using another GPU (model parallel)
+    clock.now += DEVICE_RESCAN_S
+    asked.clear()
+    assert [s.device.cuda_index for s in probe.read()] == [3, 5]
+    assert asked == list(range(8))
+    asked.clear()
+    clock.now += 1.0
+    probe.read()
+    assert asked == [3, 5]
