@@ -84,7 +84,7 @@ def full_state(n_devices: int = 2) -> AgentState:
         nvml=tuple(NvmlDeviceSample(Device.cuda(d), 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB),
         census=census, censuses_total=2, findings=(finding,), reports=("/tmp/oom-1",), ooms_total=1,
-        step_profile=cuda_step_profile(),
+        step_profile=cuda_step_profile(), ended="SIGTERM", ended_at=1_700_000_100.0,
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
                           sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
         probe_errors={"allocator": 0, "nvml": 2, "host": 0},
@@ -128,7 +128,7 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state(), live=FULL_LIVE)
     allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "point", "version", "world_size", "hostname",
-               "launcher", "job_phase", "stepping"}
+               "launcher", "job_phase", "stepping", "reason"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
         assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name
