@@ -114,8 +114,11 @@ def ending(doc: dict[str, Any], *, alive: bool | None) -> str:
         how = "exited normally" if doc["ended"] == "exit" else f"ended by {doc['ended']}"
         return f"{how} at {fmt_time(doc.get('ended_at'))}"
     if alive:
-        return "still running (pid alive on this host)"
-    return "VANISHED: no clean exit recorded (killed by SIGKILL, the OOM killer, or a crash of the interpreter)"
+        return "still running (its pid is alive on this host)"
+    why = "killed by SIGKILL, the OOM killer, or a crash of the interpreter"
+    if alive is None:
+        return f"no clean exit recorded: vanished ({why}), or still running on {doc.get('hostname') or 'its host'}"
+    return f"VANISHED: no clean exit recorded ({why})"
 
 
 def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
