@@ -177,7 +177,8 @@ class Agent(StepCounting):
         self._running = False
         self._signals.uninstall()
         self._sampler.stop()
-        self.publish(ended=ending, ended_at=self._wall())
+        if self.published.ended is None:  # a fatal OOM recorded its own end ("oom") already
+            self.publish(ended=ending, ended_at=self._wall())
         summary = exit_line(self.state(), self.output_dir)
         for component in reversed(self._components):
             self._stop_component(component)

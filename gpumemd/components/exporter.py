@@ -112,6 +112,9 @@ class ExporterComponent(ComponentBase):
         if agent is None or not agent.running or self.registry is None:  # stopped, or a forked worker
             return
         config = self.config
+        # The process ends right after: its end is recorded now, so the scrape that fetches the OOM also
+        # tells Prometheus this target did not vanish (GpumemdVanishedWhileAtRisk stays quiet).
+        agent.publish(ended="oom", ended_at=time.time())
         if config.textfile or config.pushgateway:
             self._exported_at_oom = True
             self._export(agent)
@@ -157,7 +160,8 @@ class ExporterComponent(ComponentBase):
         state = agent.state()
         live = [{"state": f.state, "kind": f.kind} for f in state.findings if f.state != "cleared"]
         interval = server.scrape_interval_s
-        if interval is None or state.ended is None or not at_risk({"findings": live, "headroom": headroom(state)}):
+        if interval is None or state.ended in (None, "oom") or not at_risk({"findings": live,
+                                                                             "headroom": headroom(state)}):
             return
         limit = min(self.config.oom_linger_s, 1.5 * interval + 1.0, ENDING_LINGER_MAX_S)
         if limit <= 0:
