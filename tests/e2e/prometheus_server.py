@@ -37,12 +37,15 @@ class Prometheus:
         self.log_path = workdir / "prometheus.log"
 
     def start(self, targets: list[str], rule_files: list[str], timeout: float = 30.0,
-              global_config: dict[str, Any] | None = None) -> None:
-        """``global_config``: the ``global`` section (default: scrape and evaluate every second)."""
+              global_config: dict[str, Any] | None = None,
+              scrape_configs: list[dict[str, Any]] | None = None) -> None:
+        """``global_config``: the ``global`` section (default: scrape and evaluate every second);
+        ``scrape_configs``: more scrape jobs beside the static ``gpumemd`` one (e.g. a file_sd one)."""
         config = {
             "global": global_config or {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": rule_files,
-            "scrape_configs": [{"job_name": "gpumemd", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": "gpumemd", "static_configs": [{"targets": targets}]},
+                               *(scrape_configs or [])],
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
