@@ -46,6 +46,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -55,6 +56,8 @@ log = logging.getLogger("gpumemd")
 SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 DEADLINE_S = 25.0
 """Longest a signal waits for the agent to write what it knows (a scrape included, see the exporter)."""
+
+_AGAIN_S = 1.0  # one signal's flushes, however many of our wrappers it passes through
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -84,6 +87,7 @@ class SignalEndings:
         self._signums = [int(getattr(signal, name)) for name in SIGNALS if hasattr(signal, name)]
         self._wrappers: dict[int, _Wrapper] = {}
         self._busy = False
+        self._flushed_at = -_AGAIN_S
 
     def install(self) -> None:
         """Wrap each signal's disposition (main thread only; elsewhere nothing is installed)."""
@@ -134,17 +138,26 @@ class SignalEndings:
         if inner == signal.SIG_DFL:
             if not installed:
                 if active:  # a later handler chains to its predecessor: that was no action
-                    self._bounded(self._flush)
+                    self._bounded(self._flush_once)
                 return None
             if active:
                 self._bounded(lambda: self._finish(name))
             _die_by(signum)
             return None
         if active:
-            self._bounded(self._flush)
+            self._bounded(self._flush_once)
         if callable(inner):
             return inner(signum, frame)
         return None
+
+    def _flush_once(self) -> None:
+        """The flush, unless one ran within ``_AGAIN_S``: a re-wrapped handler that chains to our first
+        wrapper would otherwise write everything twice for one signal."""
+        now = time.monotonic()
+        if now - self._flushed_at < _AGAIN_S:
+            return
+        self._flushed_at = now
+        self._flush()
 
     def _bounded(self, work: Callable[[], None]) -> None:
         """Run ``work`` on its own thread and wait for it, ``deadline_s`` at most (see the docstring)."""

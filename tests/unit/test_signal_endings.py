@@ -82,6 +82,18 @@ def test_a_later_handler_that_chains_to_ours_gets_a_flush_and_no_death(calls: Ca
     endings.uninstall()
 
 
+def test_a_chaining_handler_wrapped_again_is_flushed_once_per_signal(calls: Calls) -> None:
+    endings = calls.endings()
+    endings.install()
+    lightning = calls.handler("lightning", then=signal.getsignal(USR1))
+    signal.signal(USR1, lightning)  # type: ignore[arg-type]
+    endings.recheck()  # a step end: the newcomer is wrapped too, and still chains to our first wrapper
+    os.kill(os.getpid(), USR1)
+    assert calls.log == ["flush", "lightning"]
+    endings.uninstall()
+    assert signal.getsignal(USR1) is lightning
+
+
 def test_a_later_handler_that_does_not_chain_is_wrapped_at_the_next_recheck(calls: Calls) -> None:
     endings = calls.endings()
     endings.install()
