@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -51,7 +51,7 @@ class Prometheus:
         config_path.write_text(yaml.safe_dump(config))
         for _attempt in range(3):  # the free port can be taken between our probe and Prometheus's bind
             try:
-                self._launch(config_path, _free_port(), timeout)
+                self._launch(config_path, free_port(), timeout)
                 return
             except RuntimeError:
                 if "address already in use" not in self.logs():

@@ -1,7 +1,7 @@
 """The signal wrappers' decisions, in this process (SIGUSR1/SIGUSR2 only, handled by Python handlers the
 tests install, so nothing dies): what is wrapped, what is left alone, chaining, the lazy re-wrap, and
 the deadline on a flush that cannot finish. Dying of a signal is the real child processes' test
-(tests/integration/test_signal_endings.py)."""
+(tests/integration/test_job_endings.py)."""
 
 from __future__ import annotations
 
