@@ -9,12 +9,14 @@ metrics on a free port) and one real Prometheus scrapes them every second with t
   the removal (not a failed scrape) that makes the file_sd series stale: the alert must fire for that
   target within two intervals. Then the process is SIGKILLed (the OOM killer's way): the alert must
   fire for the static target within two scrape intervals;
-- ``terminated`` gets SIGTERM (scancel): it dies of it, but first records its end and keeps serving
-  until a scrape has fetched the exit marker: the alert stays quiet for it.
+- ``terminated`` gets SIGTERM (scancel): it dies of it (-15, as without gpumemd), but first writes
+  its exit summary, textfile, findings and state file, records its end and keeps serving until a
+  scrape has fetched the exit marker: the alert stays quiet for it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -77,11 +79,14 @@ def test_a_job_killed_while_leaking_fires_and_a_terminated_one_does_not(promethe
     # Ports chosen here, so Prometheus starts beside the jobs: file_sd's first discovery (Prometheus
     # sends target updates every 5 s) overlaps their start-up.
     targets = {name: f"127.0.0.1:{free_port()}" for name in ("killed", "terminated")}
-    procs = {name: subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True,
-                                    env={**env, "GPUMEMD_PORT": target.rsplit(":", 1)[1],
-                                         "GPUMEMD_OUTPUT_DIR": str(tmp_path / name)})
-             for name, target in targets.items()}
+    procs = {}
+    for name, target in targets.items():
+        with (tmp_path / f"{name}.stderr").open("w") as stderr:
+            procs[name] = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                                           stderr=stderr, text=True,
+                                           env={**env, "GPUMEMD_PORT": target.rsplit(":", 1)[1],
+                                                "GPUMEMD_OUTPUT_DIR": str(tmp_path / name),
+                                                "GPUMEMD_TEXTFILE": str(tmp_path / name / "metrics.prom")})
     try:
         sd_dir = tmp_path / "file_sd"
         sd_dir.mkdir()
@@ -131,6 +136,12 @@ def test_a_job_killed_while_leaking_fires_and_a_terminated_one_does_not(promethe
         killed_at = time.monotonic()
         procs["killed"].kill()
         kill = wait_until_fired(prometheus, static, killed_at)
+        # ... having written what it knew: exit summary, textfile with the marker, findings, state file
+        out = tmp_path / "terminated"
+        assert "gpumemd: ended by SIGTERM · " in (tmp_path / "terminated.stderr").read_text()
+        assert 'reason="SIGTERM"' in (out / "metrics.prom").read_text()
+        assert (out / "leak-findings-rank0.jsonl").read_text().strip()
+        assert json.loads((out / "gpumemd-state-rank0.json").read_text())["ended"] == "SIGTERM"
         [marker] = prometheus.query(f'last_over_time(gpumemd_agent_exit_timestamp_seconds'
                                     f'{{instance="{targets["terminated"]}"}}[1m])')
         assert marker["metric"]["reason"] == "SIGTERM"
