@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumemd.agent_announce import exit_line, say, start_facts
 from gpumemd.announce import start_line
-from gpumemd.components.base import Serving, TakesCensus
+from gpumemd.components.base import Flushes, Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord, nvml_paired
 from gpumemd.sampler import Sampler
+from gpumemd.signal_endings import SignalEndings
 from gpumemd.state_board import StateBoard
 from gpumemd.step_counting import StepCounting
 from gpumemd.stride import MAX_STRIDE, StridePlanner
@@ -119,6 +120,9 @@ class Agent(StepCounting):
         self._identity_checks_left = 0 if identity is not None else _IDENTITY_REFRESH_STEPS
         self._log_filter = RankLogFilter(lambda: self._board.base.identity if self._board.base is not None else None)
         self._running = False
+        self._signals = SignalEndings(flush=self.flush, finish=lambda name: self.stop(ending=name),
+                                      active=lambda: self.running)
+        self._signals_due = 0.0  # clock time of the next look for handlers the job installed since
         # Objects the user told us about (for naming); weak so we never keep a model alive.
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -147,6 +151,7 @@ class Agent(StepCounting):
         self._sampler.start(self.tick, self.config.sample_interval_s)
         self.tick()
         atexit.register(self.stop)
+        self._signals.install()
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
         facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=self.output_dir,
@@ -170,12 +175,19 @@ class Agent(StepCounting):
             raise
         return started
 
-    def stop(self) -> None:
-        """Remove every hook, thread and handler ``start`` installed. Idempotent."""
+    def stop(self, ending: str = "exit") -> None:
+        """Remove every hook, thread and handler ``start`` installed. Idempotent.
+
+        ``ending`` is how the job ended: "exit" (detach, the process's normal exit) or the signal that
+        ends it ("SIGTERM", from ``gpumemd.signal_endings``). It is published first, so the last
+        scrape, push, textfile and state file carry it: a reader tells this end from a vanished job."""
         if not self._running or not self._in_owner_process():
             return
         self._running = False
+        self._signals.uninstall()
         self._sampler.stop()
+        if self.published.ended is None:  # a fatal OOM recorded its own end ("oom") already
+            self.publish(ended=ending, ended_at=self._wall())
         summary = exit_line(self.state(), self.output_dir)
         for component in reversed(self._components):
             self._stop_component(component)
@@ -189,6 +201,16 @@ class Agent(StepCounting):
         atexit.unregister(self.stop)
         if summary is not None:
             say(summary, rank=self.state().identity.rank, quiet=self.config.quiet)
+
+    def flush(self) -> None:
+        """Write what the agent knows now (textfile, push, state file), without stopping: a signal the
+        job handles itself may end the process next, or may not."""
+        for component in self._components:
+            if isinstance(component, Flushes):
+                try:
+                    component.flush()
+                except Exception:
+                    log.debug("gpumemd: %s failed to flush", getattr(component, "name", component), exc_info=True)
 
     @property
     def running(self) -> bool:
@@ -245,6 +267,9 @@ class Agent(StepCounting):
                 log_once(f"on_step:{getattr(component, 'name', '?')}:{type(exc).__name__}",
                          "gpumemd: %s failed on step %d (%s: %s); the job continues",
                          getattr(component, "name", component), number, type(exc).__name__, exc)
+        if start >= self._signals_due:  # a handler the job installed since attach gets wrapped too
+            self._signals_due = start + _SIGNAL_RECHECK_S
+            self._signals.recheck()
         end = self._clock()
         self._plan_next_sample(end - start, duration)
         # Clocked after planning: the planning (~10 µs after a step of compute) is the agent's time too.
@@ -410,6 +435,7 @@ class Agent(StepCounting):
 WORKERS_EVERY = 10
 """Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
 _IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
+_SIGNAL_RECHECK_S = 5.0  # seconds between looks for signal handlers installed after attach
 _NO_REQUEST = 1 << 62  # the countdown while a sampled step end runs, before anyone asked for a sample
 
 _fork_generation = 0

@@ -54,6 +54,8 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     overhead = state.overhead
     steps = state.steps_total
     parts = [f"gpumemd: {steps:,} step{'s' if steps != 1 else ''} watched in {_duration(overhead.wall_seconds)}"]
+    if state.ended not in (None, "exit"):
+        parts[0] = f"gpumemd: ended by {state.ended} · " + parts[0].removeprefix("gpumemd: ")
     parts.append(_findings_text(state.findings))
     if state.reports:
         parts.append(f"{len(state.reports)} OOM report{'s' if len(state.reports) > 1 else ''}: "

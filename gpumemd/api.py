@@ -234,6 +234,9 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
 
         components.append(OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(history=history),
                                        census=census, on_fatal=exporter))
+    from gpumemd.components.last_state import LastStateComponent
+
+    components.append(LastStateComponent())  # before the exporter: stopped after it, with the ending in
     if exporter is not None:
         components.append(exporter)
     return components

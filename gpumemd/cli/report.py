@@ -1,6 +1,8 @@
 """``gpumemd report DIR``: summarise one OOM report, or every rank's reports side by side.
 
-DIR is one report directory, or a directory holding several (an output dir, every rank's). Missing,
+DIR is one report directory, or a directory holding several (an output dir, every rank's). In an
+output dir, each rank's last known state (``gpumemd-state-rank<R>.json``) is shown too: how the
+process ended, or that it vanished (a SIGKILL, the OOM killer) and what it was doing then. Missing,
 truncated or foreign files give one line and exit code 2. ``snapshot.pickle`` is checked through the
 restricted unpickler only: a report someone sends you cannot run code on your machine.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from typing import Any, TextIO
 
@@ -20,6 +23,7 @@ from gpumemd.probes.snapshot_load import load_snapshot
 from gpumemd.probes.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
 from gpumemd.report.fmt import fmt_bytes, fmt_time
+from gpumemd.report.last_state import StateLoadError, at_risk, ending, load_states, pid_alive, state_lines
 from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
 from gpumemd.report.markdown import headline
 from gpumemd.report.view import (
@@ -212,9 +216,39 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
         _say(out, "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    root = args.dir
+def _states(root: str) -> list[dict[str, Any]]:
+    try:
+        return load_states(root)
+    except StateLoadError as err:
+        raise CliError(str(err)) from None
+
+
+def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each state file as read, with what the report concludes: how it ended, and whether it vanished."""
+    host = socket.gethostname()
+    views = []
+    for doc in states:
+        alive = pid_alive(doc, host)
+        views.append({**doc, "ending": ending(doc, alive=alive), "vanished": not doc.get("ended") and alive is False,
+                      "at_risk": at_risk(doc)})
+    return views
+
+
+def _print_states(states: list[dict[str, Any]], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(json.dumps({"last_state": _state_views(states)}, indent=1), file=out)
+        return
+    host = socket.gethostname()
+    for n, doc in enumerate(states):
+        if n:
+            print(file=out)
+        for line in state_lines(doc, alive=pid_alive(doc, host)):
+            print(line, file=out)
+
+
+def _root(given: str) -> str:
+    """The directory to read: ``given``, or the directory of a ``report.json`` given itself."""
+    root = given
     if os.path.isfile(root):
         if os.path.basename(root) != REPORT_FILE:
             raise CliError(f"{root} is a file: pass a report directory (the folder holding {REPORT_FILE}) "
@@ -222,24 +256,41 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         root = os.path.dirname(root) or "."  # report.json itself: read its directory
     if not os.path.isdir(root):
         raise CliError(f"{root} does not exist: pass a report directory or the output dir")
+    return root
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    root = _root(args.dir)
     dirs = find_report_dirs(root)
-    if not dirs:
-        raise CliError(f"no gpumemd report in {root} (expected report.json, or report directories inside)")
+    states = _states(root)
+    if not dirs and not states:
+        raise CliError(f"no gpumemd report in {root} (expected report.json, report directories inside, or the "
+                       "gpumemd-state-rank<R>.json an agent keeps in its output dir)")
     try:
         reports = [load_report(d) for d in dirs]
     except ReportLoadError as err:
         raise CliError(str(err)) from None
+    if not reports:
+        _print_states(states, args.json, out)
+        return 0
+    if states and not args.json:
+        _print_states(states, False, out)
+        print(file=out)
     if len(reports) == 1:
         report = reports[0]
         snap = _snapshot_check(report["_dir"])
         if args.json:
-            print(json.dumps({**report, "snapshot_check": snap}, indent=1), file=out)  # ASCII: escapes it all
+            extra = {"last_state": _state_views(states)} if states else {}
+            print(json.dumps({**report, "snapshot_check": snap, **extra}, indent=1), file=out)  # ASCII: escapes it all
         else:
             _print_one(report, snap, out)
         return 0
     for report in reports:
         _snapshot_check(report["_dir"])  # a tampered snapshot anywhere is worth a refusal
     view = _overview(reports)
+    if states:
+        view["last_state"] = _state_views(states)
     if args.json:
         print(json.dumps(view, indent=1), file=out)
     else:

@@ -116,3 +116,11 @@ class TakesCensus(Protocol):
     so the job's censuses join the ones the leak detector and the OOM report compare."""
 
     def take_outside_step(self) -> Census: ...
+
+
+@runtime_checkable
+class Flushes(Protocol):
+    """A component that writes what it knows on request (the exporter's textfile and push, the state
+    file): a signal may end the process next (``gpumemd.signal_endings``)."""
+
+    def flush(self) -> None: ...

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpumemd")
 
+ENDING_LINGER_MAX_S = 20.0
+"""Longest wait at a job's end for the scrape that records it: below Slurm's KillWait and Kubernetes'
+grace period (30 s by default), with the flush around it (``gpumemd.signal_endings.DEADLINE_S``)."""
+
 
 @dataclass(frozen=True)
 class ExporterOptions:
@@ -108,6 +112,9 @@ class ExporterComponent(ComponentBase):
         if agent is None or not agent.running or self.registry is None:  # stopped, or a forked worker
             return
         config = self.config
+        # The process ends right after: its end is recorded now, so the scrape that fetches the OOM also
+        # tells Prometheus this target did not vanish (GpumemdVanishedWhileAtRisk stays quiet).
+        agent.publish(ended="oom", ended_at=time.time())
         if config.textfile or config.pushgateway:
             self._exported_at_oom = True
             self._export(agent)
@@ -125,15 +132,46 @@ class ExporterComponent(ComponentBase):
         log.debug("gpumemd: %s after %.1f s", "a scrape fetched the OOM" if seen else "no scrape came",
                   time.monotonic() - start)
 
+    def flush(self) -> None:
+        """Write the textfile and push now (a signal may end the process next); the server needs nothing."""
+        agent = self._agent
+        if agent is not None and self.registry is not None:
+            self._export(agent)
+
     def stop(self) -> None:
         agent, self._agent = self._agent, None
         if self._server is not None:
+            if agent is not None:
+                self._linger_for_ending(agent, self._server)
             self._server.stop()
             self._server = None
         self.url = None
         if agent is None or self.registry is None or self._exported_at_oom:
             return
         self._export(agent)
+
+    def _linger_for_ending(self, agent: AgentView, server: MetricsServer) -> None:
+        """A job that ends while leaking (or near OOM) keeps serving until one scrape has fetched its exit
+        marker: without it the ``GpumemdVanishedWhileAtRisk`` alert could not tell this end from a SIGKILL.
+        Only when a scraper has come twice (its cadence is known), for 1.5 of its intervals at most,
+        and never longer than ``oom_linger_s`` (0: never) or ``ENDING_LINGER_MAX_S``."""
+        from gpumemd.report.last_state import at_risk, headroom
+
+        state = agent.state()
+        live = [{"state": f.state, "kind": f.kind} for f in state.findings if f.state != "cleared"]
+        interval = server.scrape_interval_s
+        if interval is None or state.ended in (None, "oom") or not at_risk({"findings": live,
+                                                                             "headroom": headroom(state)}):
+            return
+        limit = min(self.config.oom_linger_s, 1.5 * interval + 1.0, ENDING_LINGER_MAX_S)
+        if limit <= 0:
+            return
+        mark = server.responses_begun
+        log.info("gpumemd: keeping %s up until a scrape records how the job ended (at most %.0f s)", self.url, limit)
+        try:
+            server.wait_for_response_after(mark, limit)
+        except KeyboardInterrupt:
+            return
 
     def _export(self, agent: AgentView) -> None:
         """Write the textfile and push to the Pushgateway, where configured; failures are logged."""

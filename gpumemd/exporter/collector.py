@@ -349,6 +349,8 @@ def _agent(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_agent_overhead_ratio", overhead.ratio)
     out.add("gpumemd_agent_last_update_timestamp_seconds", state.updated_at)
     out.add("gpumemd_agent_start_timestamp_seconds", state.attached_at)
+    if state.ended is not None:
+        out.add("gpumemd_agent_exit_timestamp_seconds", state.ended_at, reason=state.ended)
     for probe, errors in sorted(state.probe_errors.items()):
         out.add("gpumemd_probe_errors_total", errors, probe=probe)
     for probe, available in sorted(state.probes_available.items()):

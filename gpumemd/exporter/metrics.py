@@ -201,6 +201,12 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_agent_last_update_timestamp_seconds", (), "Unix time of the agent's last published state.",
        "AgentState.updated_at"),
     _g("gpumemd_agent_start_timestamp_seconds", (), "Unix time the agent was attached.", "AgentState.attached_at"),
+    _g("gpumemd_agent_exit_timestamp_seconds", ("reason",),
+       "Unix time the agent recorded the job's end: reason 'exit' (detach or the process's normal exit), the "
+       "signal that ended the job ('SIGTERM', 'SIGINT', 'SIGUSR1', 'SIGUSR2'), or 'oom' (an uncaught out-of-memory "
+       "error ends the process). Absent while the job runs; in the last scrape, push and textfile. A target gone "
+       "without it vanished (SIGKILL, the OOM killer).",
+       "AgentState.ended, AgentState.ended_at"),
     _c("gpumemd_probe_errors_total", ("probe",), "Failed reads per probe since attach (logged once per kind).",
        "AgentState.probe_errors"),
     _g("gpumemd_probe_available", ("probe",), "1 when the probe can read on this machine, 0 when it is absent.",

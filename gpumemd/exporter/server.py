@@ -126,6 +126,7 @@ class _ContainedServer(WSGIServer):
         self.changed = threading.Condition(self._lock)  # notified when a connection starts or ends
         self._live: dict[threading.Thread, _Connection] = {}  # each connection's thread, socket and age
         self.begun = 0  # metrics responses begun (each one's number is its ticket)
+        self.begun_at: tuple[float, ...] = ()  # monotonic times the last two metrics responses began
         self.sent_ticket = 0  # the highest ticket of a metrics response sent whole
         self.stopped = False  # set by MetricsServer.stop: a wait for a response ends
         super().__init__(address, _QuietHandler)
@@ -140,6 +141,7 @@ class _ContainedServer(WSGIServer):
             with self.changed:
                 self.begun += 1
                 ticket = self.begun
+                self.begun_at = (*self.begun_at[-1:], time.monotonic())
             return _Sent(app(environ, start_response), lambda: self._sent(ticket))
 
         return counted
@@ -301,6 +303,16 @@ class MetricsServer:
             return 0
         with httpd._lock:
             return httpd.begun
+
+    @property
+    def scrape_interval_s(self) -> float | None:
+        """Seconds between the last two metrics responses: the scraper's cadence (None before two)."""
+        httpd = self._httpd
+        if httpd is None:
+            return None
+        with httpd._lock:
+            times = httpd.begun_at
+        return times[1] - times[0] if len(times) == 2 else None
 
     def wait_for_response_after(self, mark: int, timeout: float) -> bool:
         """Block until a metrics response begun after ``mark`` (from ``responses_begun``) has been sent

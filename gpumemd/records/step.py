@@ -142,3 +142,7 @@ class AgentState:
     overhead: Overhead = field(default_factory=Overhead)
     probe_errors: Mapping[str, int] = field(default_factory=dict)
     probes_available: Mapping[str, bool] = field(default_factory=dict)
+    # How the agent ended, once it has: "exit" (detach, or the process's normal exit) or the signal
+    # that ended the job ("SIGTERM", ...); None while it runs. A reader told apart from a vanished one.
+    ended: str | None = None
+    ended_at: float | None = None

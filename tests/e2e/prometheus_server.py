@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -37,18 +37,21 @@ class Prometheus:
         self.log_path = workdir / "prometheus.log"
 
     def start(self, targets: list[str], rule_files: list[str], timeout: float = 30.0,
-              global_config: dict[str, Any] | None = None) -> None:
-        """``global_config``: the ``global`` section (default: scrape and evaluate every second)."""
+              global_config: dict[str, Any] | None = None,
+              scrape_configs: list[dict[str, Any]] | None = None) -> None:
+        """``global_config``: the ``global`` section (default: scrape and evaluate every second);
+        ``scrape_configs``: more scrape jobs beside the static ``gpumemd`` one (e.g. a file_sd one)."""
         config = {
             "global": global_config or {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": rule_files,
-            "scrape_configs": [{"job_name": "gpumemd", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": "gpumemd", "static_configs": [{"targets": targets}]},
+                               *(scrape_configs or [])],
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
         for _attempt in range(3):  # the free port can be taken between our probe and Prometheus's bind
             try:
-                self._launch(config_path, _free_port(), timeout)
+                self._launch(config_path, free_port(), timeout)
                 return
             except RuntimeError:
                 if "address already in use" not in self.logs():

@@ -11,6 +11,7 @@ import gpumemd
 from gpumemd.api import build_agent, build_components
 from gpumemd.components.census import CensusComponent
 from gpumemd.components.exporter import ExporterComponent
+from gpumemd.components.last_state import LastStateComponent
 from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
@@ -49,7 +50,8 @@ def test_one_allocation_history_is_shared_and_siblings_are_given_not_looked_up(o
     leak = next(c for c in components if isinstance(c, LeakComponent))
     oom = next(c for c in components if isinstance(c, OomComponent))
     exporter = next(c for c in components if isinstance(c, ExporterComponent))
-    assert [type(c) for c in components] == [CensusComponent, LeakComponent, OomComponent, ExporterComponent]
+    assert [type(c) for c in components] == [CensusComponent, LeakComponent, OomComponent, LastStateComponent,
+                                             ExporterComponent]
     assert leak._census is census and leak._history is history
     assert oom._probe._history is history and oom._on_fatal is exporter
     assert oom._census is census  # one census path: the OOM report's census is the census component's
@@ -57,8 +59,8 @@ def test_one_allocation_history_is_shared_and_siblings_are_given_not_looked_up(o
 
 def test_with_censuses_off_the_one_census_component_still_serves_the_oom_capture(out_dir: str) -> None:
     components = build_components(Config(output_dir=out_dir, census=False, leak_detection=False))
-    assert [type(c) for c in components] == [CensusComponent, OomComponent]
-    census, oom = components
+    assert [type(c) for c in components] == [CensusComponent, OomComponent, LastStateComponent]
+    census, oom, _ = components
     assert isinstance(oom, OomComponent) and oom._census is census
 
 
@@ -89,9 +91,10 @@ def test_each_component_gets_its_own_options_from_the_config(out_dir: str) -> No
 
 def test_switched_off_components_are_not_built(out_dir: str) -> None:
     config = Config(output_dir=out_dir, census=False, leak_detection=False, oom_reports=False)
-    assert [type(c) for c in build_components(config)] == [CensusComponent]  # the one census path
+    # the one census path, and the state file a SIGKILL leaves (always: it is how a vanished job is told)
+    assert [type(c) for c in build_components(config)] == [CensusComponent, LastStateComponent]
     leak_only = build_components(Config(output_dir=out_dir, census=False, oom_reports=False))
-    assert [type(c) for c in leak_only] == [CensusComponent, LeakComponent]
+    assert [type(c) for c in leak_only] == [CensusComponent, LeakComponent, LastStateComponent]
     assert isinstance(leak_only[1], LeakComponent) and leak_only[1]._census is None  # no step censuses to read
 
 

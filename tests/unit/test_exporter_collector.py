@@ -100,7 +100,7 @@ def full_state(n_devices: int = 2) -> AgentState:
         workers=WorkersSample((WorkerSample(5001, 2 * GiB, GiB // 2, GiB), WorkerSample(5002, 2 * GiB, GiB // 2, GiB))),
         census=census, censuses_total=2, findings=(finding, workers_finding, grown), reports=("/tmp/oom-1",),
         ooms_total=1,
-        step_profile=cuda_step_profile(),
+        step_profile=cuda_step_profile(), ended="SIGTERM", ended_at=1_700_000_100.0,
         overhead=Overhead(training_thread_seconds_total=0.5, census_seconds_total=0.2,
                           sampler_seconds_total=0.1, wall_seconds=100.0, steps=42),
         probe_errors={"allocator": 0, "nvml": 2, "host": 0},
@@ -144,7 +144,7 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state(), live=FULL_LIVE)
     allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "point", "version", "world_size", "hostname",
-               "launcher", "job_phase", "stepping", "limit"}
+               "launcher", "job_phase", "stepping", "limit", "reason"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
         assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name

@@ -1,0 +1,162 @@
+"""The last known state, as a small JSON file beside the findings: what a SIGKILL leaves behind.
+
+A process the kernel's OOM killer (or ``kill -9``, or a cgroup limit) ends runs no handler: nothing
+it knew reaches a report unless it was already on disk. The agent keeps ``gpumemd-state-rank<R>.json``
+in the output directory, replaced whole (temp file + rename) as the job runs: step, memory headroom,
+the newest findings, the OOM reports, and ``ended`` once it ended cleanly. ``gpumemd report`` on the
+output directory reads it back: a file with no ``ended`` from a process that is gone says the job
+vanished, and what it was doing then.
+
+Bounded: at most ``MAX_FINDINGS`` findings, each sentence cut at ``MAX_TEXT`` characters, the last
+``MAX_REPORTS`` report paths; a few KiB whatever the job. Pure apart from ``load_states`` (reads files).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+from gpumemd.records.device import cuda_index
+from gpumemd.report.fmt import fmt_bytes, fmt_time
+
+if TYPE_CHECKING:
+    from gpumemd.records.findings import Finding
+    from gpumemd.records.step import AgentState
+
+SCHEMA = 1
+MAX_FINDINGS = 8
+MAX_TEXT = 600
+MAX_REPORTS = 5
+NEAR_OOM_SHARE = 0.05
+"""Headroom under this share of a device's (or the host's) memory is "near out of memory": the same
+threshold as the ``GpumemdVanishedWhileAtRisk`` alert's."""
+
+_NAME = re.compile(r"gpumemd-state-rank(\d+)\.json$")
+
+
+def state_file(output_dir: str, rank: int) -> str:
+    return os.path.join(output_dir, f"gpumemd-state-rank{rank}.json")
+
+
+def state_document(state: AgentState, *, written_at: float, seconds_per_step: float | None) -> dict[str, Any]:
+    """What the file holds for ``state``: small, bounded, JSON-ready."""
+    ident = state.identity
+    live = sorted((f for f in state.findings if f.state != "cleared"),
+                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
+    return {
+        "schema": SCHEMA, "pid": ident.pid or os.getpid(), "rank": ident.rank, "world_size": ident.world_size,
+        "hostname": ident.hostname, "attached_at": state.attached_at, "written_at": written_at,
+        "step": state.step, "steps_total": state.steps_total, "phase": state.phase,
+        "seconds_per_step": seconds_per_step, "headroom": headroom(state),
+        "findings": [_finding(f) for f in live[:MAX_FINDINGS]], "findings_more": max(0, len(live) - MAX_FINDINGS),
+        "ooms_total": state.ooms_total, "reports": list(state.reports[-MAX_REPORTS:]),
+        "ended": state.ended, "ended_at": state.ended_at,
+    }
+
+
+def headroom(state: AgentState) -> list[dict[str, Any]]:
+    """Free memory where the job allocates: each CUDA device (NVML's free) and the host (available)."""
+    out: list[dict[str, Any]] = [{"where": f"cuda:{cuda_index(s.device)}", "free_bytes": s.free_bytes,
+                                  "total_bytes": s.total_bytes} for s in state.nvml]
+    host = state.host
+    if host is not None and host.available_bytes is not None:
+        out.append({"where": "host", "free_bytes": host.available_bytes, "total_bytes": host.total_bytes,
+                    "rss_bytes": host.rss_bytes})
+    return out
+
+
+def _finding(f: Finding) -> dict[str, Any]:
+    return {"state": f.state, "kind": f.kind, "series": f.series, "device": cuda_index(f.device),
+            "slope_bytes_per_step": f.slope_bytes_per_step, "growth_bytes": f.growth_bytes,
+            "steps_to_oom": f.steps_to_oom, "hours_to_oom": f.hours_to_oom, "updated_step": f.updated_step,
+            "headline": (f.headline or "")[:MAX_TEXT], "summary": f.summary[:MAX_TEXT]}
+
+
+def at_risk(doc: dict[str, Any]) -> str | None:
+    """Why the job was at risk when last written (a live leak finding, or headroom under 5%), or None."""
+    findings = doc.get("findings") or []
+    if findings:
+        return f"{findings[0]['state']} {findings[0]['kind']}"
+    for room in doc.get("headroom") or []:
+        free, total = room.get("free_bytes"), room.get("total_bytes")
+        if isinstance(free, int) and isinstance(total, int) and total > 0 and free < NEAR_OOM_SHARE * total:
+            return f"near out of memory on {room['where']} ({fmt_bytes(free)} free of {fmt_bytes(total)})"
+    return None
+
+
+class StateLoadError(ValueError):
+    pass
+
+
+def load_states(root: str) -> list[dict[str, Any]]:
+    """The state files directly in ``root``, by rank; a foreign or cut file is a ``StateLoadError``."""
+    docs = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(root), "gpumemd-state-rank*.json"))):
+        if not _NAME.search(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise StateLoadError(f"{path}: not a readable gpumemd state file ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            raise StateLoadError(f"{path}: not a gpumemd state file of schema {SCHEMA}")
+        docs.append({**doc, "_file": path})
+    return sorted(docs, key=lambda d: (d.get("rank") or 0))
+
+
+def ending(doc: dict[str, Any], *, alive: bool | None) -> str:
+    """How the process ended, in words: cleanly (and how), still running, or vanished."""
+    if doc.get("ended"):
+        how = "exited normally" if doc["ended"] == "exit" else f"ended by {doc['ended']}"
+        return f"{how} at {fmt_time(doc.get('ended_at'))}"
+    if alive:
+        return "still running (its pid is alive on this host)"
+    why = "killed by SIGKILL, the OOM killer, or a crash of the interpreter"
+    if alive is None:
+        return f"no clean exit recorded: vanished ({why}), or still running on {doc.get('hostname') or 'its host'}"
+    return f"VANISHED: no clean exit recorded ({why})"
+
+
+def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
+    """The text ``gpumemd report`` prints for one state file."""
+    who = f"rank {doc.get('rank')} (pid {doc.get('pid')}" + (f" on {doc['hostname']}" if doc.get("hostname") else "")
+    lines = [f"last known state of {who}): {doc['_file']}",
+             f"  {ending(doc, alive=alive)}",
+             f"  last written {fmt_time(doc.get('written_at'))} at step {doc.get('step')} "
+             f"({doc.get('steps_total')} steps since attach, phase {doc.get('phase')})"]
+    risk = at_risk(doc)
+    if risk and not doc.get("ended"):
+        lines.append(f"  at risk when last seen: {risk}")
+    for room in doc.get("headroom") or []:
+        lines.append(f"  headroom {room['where']}: {fmt_bytes(room.get('free_bytes'))} free of "
+                     f"{fmt_bytes(room.get('total_bytes'))}")
+    for f in doc.get("findings") or []:
+        to_oom = f" · ~{f['steps_to_oom']:,.0f} steps to OOM" if isinstance(f.get("steps_to_oom"), int | float) else ""
+        lines.append(f"  finding: {f['state']} {f['kind']} on {f['series']}{to_oom}: {f['headline'] or f['summary']}")
+    if doc.get("findings_more"):
+        lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl)")
+    if not doc.get("findings"):
+        lines.append("  no live leak finding")
+    for path in doc.get("reports") or []:
+        lines.append(f"  OOM report: {path}")
+    return lines
+
+
+def pid_alive(doc: dict[str, Any], hostname: str) -> bool | None:
+    """Whether the process that wrote ``doc`` still runs: None when it ran on another host (cannot tell)."""
+    if doc.get("hostname") and doc["hostname"] != hostname:
+        return None
+    pid = doc.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True

@@ -1,0 +1,203 @@
+"""Signals that end a job: write what the agent knows, then end exactly as the job would have.
+
+Slurm (``scancel``, the time limit, ``--signal=USR1@60``), Kubernetes (pod deletion, preemption) and
+most schedulers end a job with SIGTERM (or the signal ``--signal`` names); without a handler Python
+dies of it at once, and the agent's exit summary, textfile, push and last state went with it.
+
+What is installed, at ``Agent.start`` and from the main thread only (``signal.signal`` elsewhere
+raises; a job that attaches from another thread keeps its signals as they are): for SIGTERM, SIGINT,
+SIGUSR1 and SIGUSR2, a wrapper around the disposition in place, when that is
+
+- the default action (``SIG_DFL``): on the signal, the agent stops as at a normal exit (exit summary,
+  textfile, push, final state file, the exit marker a scrape or push carries), then the default is
+  put back and the signal raised again: the process dies of the same signal, with the same status
+  (-15, or 143 in a shell), as without gpumemd;
+- a Python handler of the job's: the agent writes what it knows (textfile, push, state file; no exit
+  summary, since the job may go on), then calls the job's handler, whose ending is the job's.
+
+Left alone: ``SIG_IGN`` (the job ignores the signal: so do we), a handler not installed from Python
+(``getsignal`` gives None: faulthandler, a C library), and SIGINT's ``default_int_handler``, which
+raises KeyboardInterrupt: the job's own ``try/except KeyboardInterrupt`` must keep working and its
+traceback must not grow a frame of ours; an uncaught one ends the process through ``atexit`` (or
+``gpumemd run``'s detach), which already stops the agent.
+
+Handlers installed after attach: the job (or Lightning, or torchelastic) may replace ours later.
+Two cases, both handled at signal time or lazily:
+
+- the newcomer chains to what it replaced (Lightning calls the previous handler): our wrapper is then
+  called *not* as the installed handler (``getsignal`` is not it). Wrapping ``SIG_DFL`` it must not
+  kill: the newcomer would not have called a default action; it flushes and returns;
+- the newcomer does not chain: ``recheck``, called from sampled step ends on the main thread (every
+  few seconds at most; one ``getsignal`` per signal), wraps it in turn, so its signal still flushes.
+
+The flush runs on a short-lived thread the handler waits for, at most ``DEADLINE_S``: the handler
+runs between two bytecodes of the main thread, which may hold a lock the flush needs (the state
+board's writer lock, the OOM observer's); inline, that would hang the job forever instead of ending
+it. Slurm's KillWait and Kubernetes' grace period are 30 s by default, above the deadline.
+
+A DataLoader worker forked after attach inherits the wrappers; there the agent is not running, and
+the wrapper behaves as the disposition it wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("gpumemd")
+
+SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+DEADLINE_S = 25.0
+"""Longest a signal waits for the agent to write what it knows (a scrape included, see the exporter)."""
+
+_AGAIN_S = 1.0  # one signal's flushes, however many of our wrappers it passes through
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class _Wrapper:
+    """The handler installed in place of ``inner`` (``SIG_DFL`` or the job's Python handler)."""
+
+    def __init__(self, owner: SignalEndings, inner: Handler) -> None:
+        self.owner = owner
+        self.inner = inner
+
+    def __call__(self, signum: int, frame: FrameType | None) -> Any:
+        installed = signal.getsignal(signum) is self  # False: a later handler is chaining to us
+        return self.owner.on_signal(signum, frame, self.inner, installed=installed)
+
+
+class SignalEndings:
+    """Installs and removes the wrappers; ``flush`` writes what the agent knows, ``finish(name)``
+    stops the agent as ended by the signal ``name``; ``active()`` says whether the agent runs here."""
+
+    def __init__(self, *, flush: Callable[[], None], finish: Callable[[str], None], active: Callable[[], bool],
+                 deadline_s: float = DEADLINE_S) -> None:
+        self._flush = flush
+        self._finish = finish
+        self._active = active
+        self._deadline_s = deadline_s
+        self._signums = [int(getattr(signal, name)) for name in SIGNALS if hasattr(signal, name)]
+        self._wrappers: dict[int, _Wrapper] = {}
+        self._busy = False
+        self._flushed_at = -_AGAIN_S
+
+    def install(self) -> None:
+        """Wrap each signal's disposition (main thread only; elsewhere nothing is installed)."""
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("gpumemd: attached outside the main thread; signals are left as they are")
+            return
+        for signum in self._signums:
+            self._wrap(signum)
+
+    def recheck(self) -> None:
+        """Wrap a handler the job installed since (main thread only; cheap: one ``getsignal`` each)."""
+        if not self._wrappers or threading.current_thread() is not threading.main_thread():
+            return
+        for signum, wrapper in list(self._wrappers.items()):
+            if signal.getsignal(signum) is not wrapper:
+                self._wrap(signum)
+
+    def uninstall(self) -> None:
+        """Put back what each wrapper wraps, where ours is still the installed handler."""
+        wrappers, self._wrappers = self._wrappers, {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # stopping from the flush thread: the process is about to end
+        for signum, wrapper in wrappers.items():
+            if signal.getsignal(signum) is wrapper:
+                _set(signum, wrapper.inner)
+
+    def _wrap(self, signum: int) -> None:
+        current = signal.getsignal(signum)
+        if isinstance(current, _Wrapper):
+            if current.owner is self:
+                self._wrappers[signum] = current
+                return
+            current = current.inner  # an earlier agent's, left behind: wrap what it wrapped
+        if current is None or current == signal.SIG_IGN:
+            self._wrappers.pop(signum, None)
+            return
+        if signum == signal.SIGINT and current is signal.default_int_handler:
+            self._wrappers.pop(signum, None)
+            return
+        wrapper = _Wrapper(self, current)
+        if _set(signum, wrapper):
+            self._wrappers[signum] = wrapper
+
+    def on_signal(self, signum: int, frame: FrameType | None, inner: Handler, *, installed: bool) -> Any:
+        """One signal: write what the agent knows, then do what ``inner`` would have done."""
+        name = signal.Signals(signum).name
+        active = self._active() and not self._busy
+        if inner == signal.SIG_DFL:
+            if not installed:
+                if active:  # a later handler chains to its predecessor: that was no action
+                    self._bounded(self._flush_once)
+                return None
+            if active:
+                self._bounded(lambda: self._finish(name))
+            _die_by(signum)
+            return None
+        if active:
+            self._bounded(self._flush_once)
+        if callable(inner):
+            return inner(signum, frame)
+        return None
+
+    def _flush_once(self) -> None:
+        """The flush, unless one ran within ``_AGAIN_S``: a re-wrapped handler that chains to our first
+        wrapper would otherwise write everything twice for one signal."""
+        now = time.monotonic()
+        if now - self._flushed_at < _AGAIN_S:
+            return
+        self._flushed_at = now
+        self._flush()
+
+    def _bounded(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on its own thread and wait for it, ``deadline_s`` at most (see the docstring)."""
+        self._busy = True  # a second signal while we write goes straight to the job's ending
+
+        def run() -> None:
+            try:
+                work()
+            except Exception:
+                log.debug("gpumemd: writing at a signal failed", exc_info=True)
+
+        thread = threading.Thread(target=run, name="gpumemd-signal-flush", daemon=True)
+        try:
+            thread.start()
+            thread.join(self._deadline_s)
+            if thread.is_alive():
+                log.warning("gpumemd: writing what the agent knows took over %.0f s; the job ends without it",
+                            self._deadline_s)
+        except KeyboardInterrupt:
+            pass  # a Ctrl-C during the wait: the ending goes on
+        finally:
+            self._busy = False
+
+
+def _set(signum: int, handler: Handler) -> bool:
+    try:
+        signal.signal(signum, handler)
+    except (ValueError, OSError, TypeError) as exc:  # not the main thread, or an uncatchable signal
+        log.debug("gpumemd: could not install a handler for signal %d (%s)", signum, exc)
+        return False
+    return True
+
+
+def _die_by(signum: int) -> None:
+    """End the process of ``signum`` under its default action, as it would have without a handler."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)

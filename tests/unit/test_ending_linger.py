@@ -1,0 +1,51 @@
+"""At its end, an agent at risk (a live leak finding) that a scraper has visited keeps serving until one
+scrape has fetched its exit marker; a healthy one, or one never scraped twice, stops at once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from gpumemd.api import build_agent
+from gpumemd.config import Config
+from gpumemd.records.findings import Finding
+
+SUSPECTED = Finding(kind="tensor_leak", series="host_rss_bytes", state="suspected", slope_bytes_per_step=1e6,
+                    slope_low=9e5, slope_high=1.1e6, onset_step=50, growth_bytes=10**8, steps_to_oom=5000.0,
+                    first_step=100, updated_step=100, summary="tensor leak suspected")
+WAITING = "until a scrape records how the job ended"
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+@pytest.mark.parametrize("at_risk", [True, False])
+def test_the_last_scrape_carries_the_exit_marker_when_at_risk(out_dir: str, at_risk: bool,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    agent = build_agent(Config(output_dir=out_dir, port=0, nvml=False, quiet=True, leak_detection=False,
+                               census=False, sample_interval_s=0)).start()
+    url = agent.exporter_url
+    assert url is not None
+    if at_risk:
+        agent.publish(findings=(SUSPECTED,))
+    scrape(url)
+    scrape(url)  # the scraper's cadence is known: two scrapes
+    stopping = threading.Thread(target=agent.stop)
+    stopping.start()
+    if at_risk:
+        deadline = time.monotonic() + 10
+        while WAITING not in caplog.text:
+            assert time.monotonic() < deadline and stopping.is_alive()
+            time.sleep(0.01)  # polling until the exporter waits for its last scrape (deadline above)
+        last = scrape(url)
+        assert 'gpumemd_agent_exit_timestamp_seconds{local_rank="0",rank="0",reason="exit"}' in last
+    stopping.join(timeout=10)
+    assert not stopping.is_alive()
+    assert (WAITING in caplog.text) is at_risk
