@@ -38,6 +38,7 @@ from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.state_board import StateBoard
 from gpumemd.step_counting import StepCounting
+from gpumemd.step_history import StepHistory
 from gpumemd.stride import MAX_STRIDE, StridePlanner
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class Agent(StepCounting):
         self._identity = identity
         self._components: list[Component] = list(components)
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
+        self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
         probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
         if nvml_probe is not None:
             probes["nvml"] = nvml_probe
@@ -232,6 +234,7 @@ class Agent(StepCounting):
         duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
         record = self._record(number, duration, steps)
         self._recent_steps.append(record)
+        self._long_steps.add(record)
         self._samples += 1
         # One reference assignment makes the step visible to state() readers (components below,
         # scrapes on other threads); the state object itself is built only when someone reads it.
@@ -370,6 +373,25 @@ class Agent(StepCounting):
     def steps(self) -> list[StepRecord]:
         """The recorded step records, oldest first (at most ``keep_steps``)."""
         return list(self._recent_steps)
+
+    def history(self) -> list[StepRecord]:
+        """Step records since attach, thinned evenly to a bounded count (``gpumemd.step_history``)."""
+        return self._long_steps.records()
+
+    def read_now(self) -> StepRecord | None:
+        """The probes read now, as a record of the step that is running (one past the last that
+        ended): kept nowhere, seen by no component. An OOM report ends its timeline with it, so the
+        failing step is there even when the stride skipped the last step ends before it."""
+        base = self._board.base
+        if base is None or not self.running:
+            return None
+        current = self.current_step
+        rss = self._host.rss()
+        host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
+            HostSample(rss_bytes=rss) if rss is not None else None)
+        return StepRecord(step=0 if current is None else current + 1, wall_time=self._wall(), duration_s=None,
+                          allocator=self._allocator.read(), host=host, nvml=base.nvml, phase=self._phase,
+                          steps=max(1, self._steps_total + 1 - self._sampled_total))
 
     def findings(self) -> list[Finding]:
         """Leak findings so far (empty when the leak detector is off or found nothing)."""

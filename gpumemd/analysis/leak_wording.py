@@ -167,6 +167,7 @@ def build_finding(
     slope = per_step * bytes_per_unit if counts else per_step
     active = status.state is not None and status.state.active
     steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes, slope, seconds_per_step) if active else (None, None)
+    projected, oom = projection_words(steps_to_oom, hours_to_oom)
     name = status.spec.name
     parts = [f"{KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
     if status.phase != "train":
@@ -177,10 +178,8 @@ def build_finding(
         parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
         if status.held:  # its counter stopped: the rate and growth are as last measured, a lower bound
             parts.append(status.held)
-        if hours_to_oom is not None:
-            parts.append(f"out of memory in ~{_duration(hours_to_oom)} (~{steps_to_oom:,.0f} steps)")
-        elif steps_to_oom is not None:
-            parts.append(f"out of memory in ~{steps_to_oom:,.0f} steps")
+        if projected is not None:
+            parts.append(f"out of memory in {projected}")
     summary = ", ".join(parts)
     if active:
         summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
@@ -188,8 +187,6 @@ def build_finding(
     facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status),
                   stopped=None if active else v.reason)
     if active:
-        oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
-               else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
         rate = _rate(status, per_step, slope)
         if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
             rate = f"+{format_bytes(slope / culprits[0].count_delta)}/step each"  # per worker process
@@ -223,6 +220,28 @@ def build_finding(
         severity=severity(hours_to_oom, status.state),
         group=status.spec.group,
     )
+
+
+def projection_words(steps_to_oom: float | None, hours_to_oom: float | None) -> tuple[str | None, str | None]:
+    """The projected time to out-of-memory as the summary says it ("~12 min (~4,461 steps)") and as
+    the headline does ("~12 min"); (None, None) without a projection."""
+    if steps_to_oom is None:
+        return None, None
+    steps = f"~{steps_to_oom:,.0f} steps"
+    if hours_to_oom is None:
+        return steps, steps
+    return f"~{_duration(hours_to_oom)} ({steps})", f"~{_duration(hours_to_oom)}"
+
+
+def without_projection(finding: Finding) -> Finding:
+    """The finding as a report of the OOM it foresaw shows it: that OOM has happened, so neither its
+    summary nor its headline says when the memory would run out (the figures stay in its fields)."""
+    summary_words, headline_words = projection_words(finding.steps_to_oom, finding.hours_to_oom)
+    if summary_words is None:
+        return finding
+    return dataclasses.replace(
+        finding, summary=finding.summary.replace(f", out of memory in {summary_words}", "", 1),
+        headline=finding.headline.replace(f", out of memory in {headline_words}", "", 1))
 
 
 def _time_to_oom(headroom_bytes: float | None, slope: float,
