@@ -27,11 +27,12 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumemd.agent_announce import exit_line, say, start_facts
+from gpumemd.agent_announce import exit_line, say, start_facts, warn_output
 from gpumemd.announce import start_line
 from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
+from gpumemd.output_dir import settle_output_dir
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
@@ -136,6 +137,8 @@ class Agent(StepCounting):
         if self._running:
             return self
         identity = self._identity or current_identity()
+        settled = settle_output_dir(self.output_dir)  # said in the start line, not learnt at the OOM
+        self.output_dir = settled.path
         self._sampler.attached()
         now = self._wall()
         self._board.base = AgentState(identity=identity, attached_at=now, updated_at=now)
@@ -151,9 +154,10 @@ class Agent(StepCounting):
         atexit.register(self.stop)
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
-        facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=self.output_dir,
+        facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=settled.words(),
                             metrics_url=self.exporter_url)
         say(start_line(facts), rank=state.identity.rank, quiet=self.config.quiet)
+        warn_output(settled, rank=state.identity.rank, quiet=self.config.quiet)
         return self
 
     def _start_components(self) -> list[Component]:
