@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, headline, holder_words
+from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, duration_words, headline, holder_words, projection_words
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import GroupDelta
 from gpumemd.records.device import cuda_index
@@ -138,14 +138,6 @@ def severity(hours_to_oom: float | None, state: LeakState | None) -> str | None:
     return "critical" if hours_to_oom is not None and hours_to_oom < CRITICAL_HOURS else "warning"
 
 
-def _duration(hours: float) -> str:
-    if hours < 1:
-        return f"{hours * 60:.0f} min"
-    if hours < 48:
-        return f"{hours:.1f} h"
-    return f"{hours / 24:,.0f} days"
-
-
 def build_finding(
     status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
     culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
@@ -220,28 +212,6 @@ def build_finding(
         severity=severity(hours_to_oom, status.state),
         group=status.spec.group,
     )
-
-
-def projection_words(steps_to_oom: float | None, hours_to_oom: float | None) -> tuple[str | None, str | None]:
-    """The projected time to out-of-memory as the summary says it ("~12 min (~4,461 steps)") and as
-    the headline does ("~12 min"); (None, None) without a projection."""
-    if steps_to_oom is None:
-        return None, None
-    steps = f"~{steps_to_oom:,.0f} steps"
-    if hours_to_oom is None:
-        return steps, steps
-    return f"~{_duration(hours_to_oom)} ({steps})", f"~{_duration(hours_to_oom)}"
-
-
-def without_projection(finding: Finding) -> Finding:
-    """The finding as a report of the OOM it foresaw shows it: that OOM has happened, so neither its
-    summary nor its headline says when the memory would run out (the figures stay in its fields)."""
-    summary_words, headline_words = projection_words(finding.steps_to_oom, finding.hours_to_oom)
-    if summary_words is None:
-        return finding
-    return dataclasses.replace(
-        finding, summary=finding.summary.replace(f", out of memory in {summary_words}", "", 1),
-        headline=finding.headline.replace(f", out of memory in {headline_words}", "", 1))
 
 
 def _time_to_oom(headroom_bytes: float | None, slope: float,
@@ -433,7 +403,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     if onset is not None:
         parts.append(f"since step {onset}")
     parts.append(f"+{format_bytes(sum(m.growth_bytes for m in active))} so far")
-    oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
+    oom = (f"~{duration_words(hours_to_oom)}" if hours_to_oom is not None
            else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
     if hours_to_oom is not None and steps_to_oom is not None:
         parts.append(f"out of memory in {oom} (~{steps_to_oom:,.0f} steps)")

@@ -14,8 +14,7 @@ from typing import Any
 
 from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, fmt
 from gpumemd.analysis.headroom import reservable_bytes
-from gpumemd.analysis.leak_wording import without_projection
-from gpumemd.analysis.oom_leak import leak_at_oom, with_leak
+from gpumemd.analysis.oom_leak import leak_at_oom, with_leak, without_projection
 from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.device import Device

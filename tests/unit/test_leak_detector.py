@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec
+from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.analysis.leak_track import hinge_onset
 from gpumemd.analysis.leak_wording import (
     build_finding,
@@ -15,10 +16,9 @@ from gpumemd.analysis.leak_wording import (
     culprit_sentence,
     culprits_from_diff,
     merge_findings,
-    projection_words,
     refine_kind,
-    without_projection,
 )
+from gpumemd.analysis.oom_leak import without_projection
 from gpumemd.records.census import GroupDelta, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit
