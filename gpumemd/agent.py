@@ -27,11 +27,12 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumemd.agent_announce import exit_line, say, start_facts
+from gpumemd.agent_announce import exit_line, say, start_facts, warn_output
 from gpumemd.announce import start_line
 from gpumemd.components.base import Flushes, Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
+from gpumemd.output_dir import settle_output_dir
 from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord, nvml_paired
@@ -39,6 +40,7 @@ from gpumemd.sampler import Sampler
 from gpumemd.signal_endings import SignalEndings
 from gpumemd.state_board import StateBoard
 from gpumemd.step_counting import StepCounting
+from gpumemd.step_history import StepHistory
 from gpumemd.stride import MAX_STRIDE, StridePlanner
 
 if TYPE_CHECKING:
@@ -96,6 +98,7 @@ class Agent(StepCounting):
         self._identity = identity
         self._components: list[Component] = list(components)
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
+        self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
         probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
         if nvml_probe is not None:
             probes["nvml"] = nvml_probe
@@ -138,6 +141,8 @@ class Agent(StepCounting):
         if self._running:
             return self
         identity = self._identity or current_identity()
+        settled = settle_output_dir(self.output_dir)  # said in the start line, not learnt at the OOM
+        self.output_dir = settled.path
         self._sampler.attached()
         now = self._wall()
         self._board.base = AgentState(identity=identity, attached_at=now, updated_at=now)
@@ -154,9 +159,10 @@ class Agent(StepCounting):
         self._signals.install()
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
-        facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=self.output_dir,
+        facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=settled.words(),
                             metrics_url=self.exporter_url)
         say(start_line(facts), rank=state.identity.rank, quiet=self.config.quiet)
+        warn_output(settled, rank=state.identity.rank, quiet=self.config.quiet)
         return self
 
     def _start_components(self) -> list[Component]:
@@ -254,6 +260,7 @@ class Agent(StepCounting):
         duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
         record = self._record(number, duration, steps)
         self._recent_steps.append(record)
+        self._long_steps.add(record)
         self._samples += 1
         # One reference assignment makes the step visible to state() readers (components below,
         # scrapes on other threads); the state object itself is built only when someone reads it.
@@ -398,6 +405,25 @@ class Agent(StepCounting):
     def steps(self) -> list[StepRecord]:
         """The recorded step records, oldest first (at most ``keep_steps``)."""
         return list(self._recent_steps)
+
+    def history(self) -> list[StepRecord]:
+        """Step records since attach, thinned evenly to a bounded count (``gpumemd.step_history``)."""
+        return self._long_steps.records()
+
+    def read_now(self) -> StepRecord | None:
+        """The probes read now, as a record of the step that is running (one past the last that
+        ended): kept nowhere, seen by no component. An OOM report ends its timeline with it, so the
+        failing step is there even when the stride skipped the last step ends before it."""
+        base = self._board.base
+        if base is None or not self.running:
+            return None
+        current = self.current_step
+        rss = self._host.rss()
+        host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
+            HostSample(rss_bytes=rss) if rss is not None else None)
+        return StepRecord(step=0 if current is None else current + 1, wall_time=self._wall(), duration_s=None,
+                          allocator=self._allocator.read(), host=host, nvml=base.nvml, phase=self._phase,
+                          steps=max(1, self._steps_total + 1 - self._sampled_total))
 
     def findings(self) -> list[Finding]:
         """Leak findings so far (empty when the leak detector is off or found nothing)."""

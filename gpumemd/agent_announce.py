@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from gpumemd.announce import StartFacts, emit, exit_summary
 
 if TYPE_CHECKING:
+    from gpumemd.output_dir import SettledOutput
     from gpumemd.records.step import AgentState
     from gpumemd.state_board import Probe
 
@@ -38,6 +39,13 @@ def say(line: str, *, rank: int, quiet: bool) -> None:
         log.debug("%s", line)
         return
     emit(line)
+
+
+def warn_output(settled: SettledOutput, *, rank: int, quiet: bool) -> None:
+    """An output directory that cannot be written is a warning on every rank: rank 0's start line says
+    it, the others (and a quiet rank 0) log it."""
+    if settled.problem is not None and (quiet or rank != 0):
+        log.warning("gpumemd: output %s", settled.words())
 
 
 def exit_line(state: AgentState, output_dir: str) -> str | None:

@@ -58,8 +58,10 @@ class Config:
 
     output_dir: str = "gpumemd-out"
     """Directory for everything gpumemd writes (findings, OOM reports); relative paths are resolved
-    against the working directory at attach time; created on first write. (Not ``gpumemd``: a folder
-    named like the package next to a script shadows it on the next run.)"""
+    against the working directory at attach time; created on first write. Checked at attach: one that
+    cannot be written is said in the start line, and a temporary directory, named there, is used
+    instead. (Not ``gpumemd``: a folder named like the package next to a script shadows it on the next
+    run.)"""
 
     keep_steps: int = 10_000
     """How many step records the ring buffer keeps (older ones are dropped; memory stays bounded). On

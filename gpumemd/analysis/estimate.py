@@ -67,6 +67,8 @@ from dataclasses import dataclass
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "sgd-momentum", "adam", "adamw", "adam-8bit", "adafactor", "lion")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
+GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Gradient dtypes ``grad_dtype`` takes, and their bytes (default: the precision's, 4 in fp32, else 2)."""
 #: Nominal device sizes, in GiB (the "80 GB" of an A100/H100 is 80 GiB of HBM; H200: 141).
 DEVICE_SIZES_GIB: tuple[int, ...] = (16, 24, 40, 48, 80, 141)
 GIB = 1024**3
@@ -174,6 +176,7 @@ class Estimate:
     dominant: str
     devices: tuple[DeviceFit, ...]
     shape: TransformerShape | None = None
+    grad_dtype: str | None = None  # the gradients' dtype when given (None: the precision's)
 
     @property
     def before_activations_bytes(self) -> int:
@@ -204,8 +207,18 @@ def activation_width(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
-    """The table in the module docstring, for one precision and optimizer."""
+def bytes_per_param(precision: str, optimizer: str, grad_dtype: str | None = None) -> BytesPerParam:
+    """The table in the module docstring, for one precision and optimizer; ``grad_dtype`` sets the
+    gradients' dtype when it is not the precision's (fp32 gradients with bf16 parameters, as with
+    FSDP's ``MixedPrecision(reduce_dtype=torch.float32)`` or a gradient accumulation kept in fp32)."""
+    per = _bytes_per_param(precision, optimizer)
+    if grad_dtype is None:
+        return per
+    _check_choice("grad_dtype", grad_dtype, tuple(GRAD_DTYPES))
+    return BytesPerParam(per.weights, float(GRAD_DTYPES[grad_dtype]), per.optimizer_state, per.optimizer_intermediates)
+
+
+def _bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
     state = _STATE_FP32[optimizer]
@@ -312,11 +325,13 @@ def estimate(
     offload: str = "none",
     shape: TransformerShape | None = None,
     sizes_gib: Sequence[int] = DEVICE_SIZES_GIB,
+    grad_dtype: str | None = None,
 ) -> Estimate:
-    """Per-GPU memory of one training step; ``params`` defaults to the shape's parameter count."""
+    """Per-GPU memory of one training step; ``params`` defaults to the shape's parameter count;
+    ``grad_dtype`` (fp32, bf16, fp16) when the gradients are not in the precision's dtype."""
     params = _checked_params(params, precision=precision, optimizer=optimizer, gpus=gpus, zero_stage=zero_stage,
                              offload=offload, shape=shape)
-    per = bytes_per_param(precision, optimizer)
+    per = bytes_per_param(precision, optimizer, grad_dtype)
     weights = per.weights * params
     grads = per.gradients * params
     state = per.optimizer_state * params
@@ -369,6 +384,7 @@ def estimate(
         dominant=dominant_term(terms),
         devices=device_fits(peak, sizes_gib),
         shape=shape,
+        grad_dtype=grad_dtype,
     )
 
 

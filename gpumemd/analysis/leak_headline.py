@@ -166,3 +166,23 @@ def _shared(culprits: Sequence[Culprit]) -> Sequence[Culprit]:
 def _fit(line: str) -> str:
     width = HEADLINE_MAX - len(_PREFIX)
     return line if len(line) <= width else line[: width - 1].rstrip() + "…"
+
+
+def duration_words(hours: float) -> str:
+    """"12 min", "1.3 h", "3 days": a projected time to out-of-memory."""
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    if hours < 48:
+        return f"{hours:.1f} h"
+    return f"{hours / 24:,.0f} days"
+
+
+def projection_words(steps_to_oom: float | None, hours_to_oom: float | None) -> tuple[str | None, str | None]:
+    """The projected time to out-of-memory as the summary says it ("~12 min (~4,461 steps)") and as
+    the headline does ("~12 min"); (None, None) without a projection."""
+    if steps_to_oom is None:
+        return None, None
+    steps = f"~{steps_to_oom:,.0f} steps"
+    if hours_to_oom is None:
+        return steps, steps
+    return f"~{duration_words(hours_to_oom)} ({steps})", f"~{duration_words(hours_to_oom)}"

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, headline, holder_words
+from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, duration_words, headline, holder_words, projection_words
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import GroupDelta
 from gpumemd.records.device import cuda_index
@@ -138,14 +138,6 @@ def severity(hours_to_oom: float | None, state: LeakState | None) -> str | None:
     return "critical" if hours_to_oom is not None and hours_to_oom < CRITICAL_HOURS else "warning"
 
 
-def _duration(hours: float) -> str:
-    if hours < 1:
-        return f"{hours * 60:.0f} min"
-    if hours < 48:
-        return f"{hours:.1f} h"
-    return f"{hours / 24:,.0f} days"
-
-
 def build_finding(
     status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
     culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
@@ -167,6 +159,7 @@ def build_finding(
     slope = per_step * bytes_per_unit if counts else per_step
     active = status.state is not None and status.state.active
     steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes, slope, seconds_per_step) if active else (None, None)
+    projected, oom = projection_words(steps_to_oom, hours_to_oom)
     name = status.spec.name
     parts = [f"{KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
     if status.phase != "train":
@@ -177,10 +170,8 @@ def build_finding(
         parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
         if status.held:  # its counter stopped: the rate and growth are as last measured, a lower bound
             parts.append(status.held)
-        if hours_to_oom is not None:
-            parts.append(f"out of memory in ~{_duration(hours_to_oom)} (~{steps_to_oom:,.0f} steps)")
-        elif steps_to_oom is not None:
-            parts.append(f"out of memory in ~{steps_to_oom:,.0f} steps")
+        if projected is not None:
+            parts.append(f"out of memory in {projected}")
     summary = ", ".join(parts)
     if active:
         summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
@@ -188,8 +179,6 @@ def build_finding(
     facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status),
                   stopped=None if active else v.reason)
     if active:
-        oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
-               else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
         rate = _rate(status, per_step, slope)
         if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
             rate = f"+{format_bytes(slope / culprits[0].count_delta)}/step each"  # per worker process
@@ -414,7 +403,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     if onset is not None:
         parts.append(f"since step {onset}")
     parts.append(f"+{format_bytes(sum(m.growth_bytes for m in active))} so far")
-    oom = (f"~{_duration(hours_to_oom)}" if hours_to_oom is not None
+    oom = (f"~{duration_words(hours_to_oom)}" if hours_to_oom is not None
            else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
     if hours_to_oom is not None and steps_to_oom is not None:
         parts.append(f"out of memory in {oom} (~{steps_to_oom:,.0f} steps)")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt
+from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
@@ -265,3 +266,14 @@ def with_leak(breakdown: Breakdown, leak: LeakCause | None) -> Breakdown:
         why += f", more than the {fmt(breakdown.requested_bytes)} request that failed"
     why += f". Memory at the OOM: {breakdown.verdict_why}"
     return dataclasses.replace(breakdown, items=items, leak=leak, verdict="leak", verdict_why=why)
+
+
+def without_projection(finding: Finding) -> Finding:
+    """The finding as a report of the OOM it foresaw shows it: that OOM has happened, so neither its
+    summary nor its headline says when the memory would run out (the figures stay in its fields)."""
+    summary_words, headline_words = projection_words(finding.steps_to_oom, finding.hours_to_oom)
+    if summary_words is None:
+        return finding
+    return dataclasses.replace(
+        finding, summary=finding.summary.replace(f", out of memory in {summary_words}", "", 1),
+        headline=finding.headline.replace(f", out of memory in {headline_words}", "", 1))

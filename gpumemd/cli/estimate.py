@@ -1,6 +1,6 @@
 """``gpumemd estimate``: training memory before running — from numbers, or traced from a real model.
 
-    gpumemd estimate --params 7e9 --precision bf16-mixed --optimizer adamw
+    gpumemd estimate --params 7e9 --precision bf16-mixed --optimizer adamw [--grad-dtype fp32] [--explain]
     gpumemd estimate --params 7e9 --precision bf16-mixed --gpus 8 --zero 3 --layers 32 --hidden 4096 \\
         --heads 32 --seq 4096 --batch 1 --flash
     gpumemd estimate --model package.module:factory --input-shape 32,100 --optimizer adam [--json]
@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from gpumemd.analysis.estimate import (
+    GRAD_DTYPES,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
@@ -26,6 +27,7 @@ from gpumemd.analysis.estimate import (
     dominant_term,
     estimate,
 )
+from gpumemd.analysis.estimate_explain import explain
 from gpumemd.analysis.units import format_bytes
 from gpumemd.cli.errors import CliError
 from gpumemd.probes.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model
@@ -54,6 +56,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="fp32, bf16-mixed/fp16-mixed (fp32 master weights), or pure bf16/fp16 (default fp32)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
+    p.add_argument("--grad-dtype", default=None, choices=tuple(GRAD_DTYPES),
+                   help="the gradients' dtype when it is not the precision's (default: fp32 under fp32, "
+                        "else bf16/fp16), e.g. fp32 gradients with bf16 parameters (the analytic column; a traced "
+                        "model keeps its own dtypes)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPU count the state is sharded over")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--fsdp", default=None, choices=tuple(_FSDP),
@@ -71,6 +77,9 @@ def add_parser(sub: Any) -> None:
     shape.add_argument("--flash", action="store_true", help="flash attention (no seq² activations)")
     shape.add_argument("--checkpointing", action="store_true", help="full activation checkpointing per layer")
     p.add_argument("--json", action="store_true", help="print one JSON object (byte figures are integers)")
+    p.add_argument("--explain", action="store_true",
+                   help="after the table, say what each row is (bytes per parameter, what PyTorch keeps "
+                        "there) and why the peak adds it where it does")
     p.set_defaults(func=run)
 
 
@@ -142,13 +151,18 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         params = _parse_params(args.params) if args.params is not None else None
     try:
         est = estimate(params, precision=args.precision, optimizer=args.optimizer, gpus=args.gpus,
-                       zero_stage=stage, offload=args.offload, shape=shape)
+                       zero_stage=stage, offload=args.offload, shape=shape, grad_dtype=args.grad_dtype)
     except ValueError as err:
         raise CliError(str(err)) from None
     if args.json:
-        print(json.dumps(to_json(est, traced), sort_keys=True), file=out)
+        doc = to_json(est, traced)
+        if args.explain:
+            doc["explain"] = explain(est)
+        print(json.dumps(doc, sort_keys=True), file=out)
     else:
         print(render(est, traced), file=out)
+        if args.explain:
+            print("\n" + "\n".join(explain(est)), file=out)
     return 0
 
 
@@ -159,6 +173,7 @@ def to_json(est: Estimate, traced: TraceResult | None = None) -> dict[str, Any]:
         "params": est.params,
         "precision": est.precision,
         "optimizer": est.optimizer,
+        "grad_dtype": est.grad_dtype,  # null: the precision's
         "gpus": est.gpus,
         "zero_stage": est.zero_stage,
         "offload": est.offload,
@@ -194,8 +209,9 @@ def _fmt(n: int | None) -> str:
 def render(est: Estimate, traced: TraceResult | None = None) -> str:
     """The human table: per-GPU terms (analytic, and traced with --model), peak, device fit."""
     lines = [
-        f"{est.params:,} parameters, {est.precision}, {est.optimizer}, {est.gpus} GPU(s), "
-        f"ZeRO stage {est.zero_stage}, offload {est.offload}"
+        f"{est.params:,} parameters, {est.precision}"
+        + (f", {est.grad_dtype} gradients" if est.grad_dtype else "")
+        + f", {est.optimizer}, {est.gpus} GPU(s), ZeRO stage {est.zero_stage}, offload {est.offload}"
     ]
     rows: list[tuple[str, int | None, int | None]] = [
         ("weights", est.weights_bytes, traced.parameter_bytes + traced.buffer_bytes if traced else None),

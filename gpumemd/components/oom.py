@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -39,7 +38,7 @@ from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.oom import ObserverCall, OomMessage
 from gpumemd.report.build import ReportInputs, build_report, oom_device
-from gpumemd.report.writer import report_dir_name, write_report_dir
+from gpumemd.report.writer import render_files, report_dir_name, write_report_dir
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -406,6 +405,8 @@ class OomComponent(ComponentBase):
             census_note=note,
             census_before=census_before if census_before is not census else None,
             steps=agent.steps(),
+            history=agent.history(),
+            at_oom=_read_now(agent),
             findings=state.findings,
             host=state.host,
             workers=state.workers,
@@ -438,21 +439,12 @@ def _interactive() -> bool:
         or bool(os.environ.get("PYTHONINSPECT"))
 
 
-def render_files(report: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, bytes]:
-    """File name -> content of one report directory."""
-    import json
-
-    from gpumemd.report.html import render_html
-    from gpumemd.report.markdown import render_markdown
-
-    files = {
-        "report.json": json.dumps(report, indent=1, allow_nan=False).encode(),
-        "report.md": render_markdown(report).encode(),
-        "report.html": render_html(report).encode(),
-    }
-    if snapshot is not None:
-        files["snapshot.pickle"] = pickle.dumps(snapshot)  # what torch.cuda.memory._dump_snapshot writes
-    return files
+def _read_now(agent: AgentView) -> StepRecord | None:
+    """The memory at the OOM, in the failing step (the timeline's last row); None when unreadable."""
+    try:
+        return agent.read_now()
+    except Exception:  # noqa: BLE001 - a probe failing at the OOM must not cost the report
+        return None
 
 
 def _format_traceback(exc: BaseException | None) -> str:

@@ -8,10 +8,10 @@ import ipaddress
 import os
 import shutil
 import socket
-import tempfile
 
 from gpumemd.analysis.units import format_bytes
 from gpumemd.doctor.check import Check, dist_version
+from gpumemd.output_dir import output_dir_problem
 
 _LOW_DISK_BYTES = 1 << 30  # an OOM report with an allocator snapshot can be hundreds of MiB
 _FRAMEWORKS = {  # distribution -> what gpumemd offers for it (never needed: gpumemd works without any)
@@ -71,20 +71,18 @@ def check_prometheus(wanted: bool) -> Check:
 
 def check_output_dir(path: str) -> Check:
     """Writable: a temp file is created (and removed) in it, or, when it does not exist yet, in its
-    nearest existing parent, where the agent would create it. Doctor never creates the directory."""
+    nearest existing parent, where the agent would create it (``gpumemd.output_dir``, the check the
+    agent makes at start). Doctor never creates the directory."""
     name = "output dir"
     target = os.path.abspath(path)
+    problem = output_dir_problem(target)
+    if problem is not None:
+        return Check(name, "fail", f"{problem}; the agent would write to a temporary directory instead "
+                     "(its start line names it): set GPUMEMD_OUTPUT_DIR or output_dir= to a writable one",
+                     needed=True)
     base = target
     while not os.path.lexists(base) and os.path.dirname(base) != base:
         base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        return Check(name, "fail", f"{target} cannot be created: {base} is not a directory", needed=True)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".gpumemd-doctor-", dir=base)
-    except OSError as exc:
-        return Check(name, "fail", f"{target} is not writable ({exc.strerror or exc}: {base})", needed=True)
-    os.close(fd)
-    os.unlink(tmp)
     free = shutil.disk_usage(base).free
     where = f"{target} is writable" if base == target else \
         f"{target} does not exist yet and will be created on first write ({base} is writable)"

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, fmt
 from gpumemd.analysis.headroom import reservable_bytes
-from gpumemd.analysis.oom_leak import leak_at_oom, with_leak
+from gpumemd.analysis.oom_leak import leak_at_oom, with_leak, without_projection
 from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.census import Census
 from gpumemd.records.device import Device
@@ -67,7 +67,9 @@ class ReportInputs:
     census: Census | None = None  # taken at the OOM
     census_note: str | None = None
     census_before: Census | None = None  # the last census before the OOM's (what grew since)
-    steps: Sequence[StepRecord] = ()
+    steps: Sequence[StepRecord] = ()  # the recent ring, in full
+    history: Sequence[StepRecord] = ()  # since attach, thinned evenly (``gpumemd.step_history``)
+    at_oom: StepRecord | None = None  # the probes read at the OOM, in the failing step
     findings: Sequence[Finding] = ()
     host: HostSample | None = None
     workers: WorkersSample | None = None  # the job's child processes at the OOM (the last reading)
@@ -201,11 +203,32 @@ def compute_breakdown(inputs: ReportInputs) -> Breakdown:
     return with_leak(breakdown, leak)
 
 
-def _timeline_row(record: StepRecord, device: Device | None) -> dict[str, Any]:
+def timeline_records(inputs: ReportInputs) -> list[tuple[StepRecord, int]]:
+    """(record, steps it stands for), oldest first: the long history's records older than the recent
+    ones shown, then the last ``TIMELINE_STEPS`` recent records, then the reading at the OOM. The
+    chart so spans the run from attach to the OOM (a leak's onset far back included), the table's
+    last rows are the recent steps in full, and the failing step is always the last row."""
+    recent = list(inputs.steps)[-TIMELINE_STEPS:]
+    first = recent[0].step if recent else None
+    out: list[tuple[StepRecord, int]] = []
+    for record in inputs.history:
+        if first is not None and record.step >= first:
+            break
+        # a thinned record stands for the steps since the previous one kept
+        out.append((record, record.step - out[-1][0].step if out else record.steps))
+    out += [(r, r.steps) for r in recent]
+    at_oom = inputs.at_oom
+    if at_oom is not None and (not out or at_oom.step >= out[-1][0].step):
+        out.append((at_oom, at_oom.step - out[-1][0].step if out else at_oom.steps))
+    return out
+
+
+def _timeline_row(record: StepRecord, steps: int, device: Device | None, *, at_oom: bool) -> dict[str, Any]:
     sample = record.allocator_for(device) if device is not None else None
     return {
         "step": record.step,
-        "steps": record.steps,  # steps this row stands for (the agent samples every Nth on fast steps)
+        "steps": steps,  # steps this row stands for (sampled every Nth on fast steps; thinned far back)
+        "at_oom": at_oom,  # read at the OOM, in the failing step (the last row)
         "wall_time": record.wall_time,
         "duration_s": record.duration_s,
         "phase": record.phase,
@@ -267,7 +290,7 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
     device = breakdown_device(inputs).device  # the timeline and the peak follow the device shown
     suggestions = suggest(breakdown, findings=inputs.findings, phase=inputs.phase,
                           expandable_segments=inputs.expandable_segments)
-    timeline = [_timeline_row(r, device) for r in list(inputs.steps)[-TIMELINE_STEPS:]]
+    timeline = [_timeline_row(r, n, device, at_oom=r is inputs.at_oom) for r, n in timeline_records(inputs)]
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "kind": REPORT_KIND,
@@ -289,7 +312,8 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         # older reader sees no step profile, as when none was measured, and load.py reads old files.
         "step_profile": _step_profile(inputs.step_profile),
         "timeline": timeline,
-        "findings": [plain(f) for f in inputs.findings],
+        # the OOM these findings foresaw has happened: no "out of memory in ~12 min" beside it
+        "findings": [plain(without_projection(f)) for f in inputs.findings],
         "snapshot": {
             "file": inputs.snapshot_file,
             "source": inputs.snapshot_source,

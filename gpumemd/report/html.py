@@ -28,7 +28,8 @@ from gpumemd.report.view import (
     sections,
     sentence,
     slug,
-    timeline_columns,
+    timeline_intro,
+    timeline_table,
     total_axis_label,
     total_words,
     verdict_lines,
@@ -150,11 +151,9 @@ def _timeline(report: dict[str, Any]) -> str:
     chart = timeline_chart(timeline, chart_series(timeline, device), chart_markers(report))
     out = [_h2("Timeline"), chart or "<p>No step was recorded before the OOM.</p>"]
     if timeline:
-        last = timeline[-20:]
-        columns = timeline_columns(last)
-        out.append("<p>The last steps recorded before the OOM:</p>")
-        out.append(_table(["step", "phase", *(label for _, label in columns)],
-                          [[r["step"], r["phase"], *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in last]))
+        headers, rows = timeline_table(timeline)
+        out.append(f"<p>{_e(timeline_intro(timeline))}</p>")
+        out.append(_table(headers, rows))
     return "".join(out)
 
 

@@ -21,7 +21,8 @@ from gpumemd.report.view import (
     sections,
     sentence,
     slug,
-    timeline_columns,
+    timeline_intro,
+    timeline_table,
     total_words,
     verdict_lines,
 )
@@ -125,14 +126,12 @@ def _findings(report: dict[str, Any]) -> list[str]:
 
 
 def _timeline(report: dict[str, Any]) -> list[str]:
-    timeline = (report.get("timeline") or [])[-20:]
+    timeline = report.get("timeline") or []
     out = _heading("Timeline")
     if not timeline:
         return [*out, "No steps."]
-    columns = timeline_columns(timeline)
-    rows = [[r["step"], r["phase"], *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in timeline]
-    return [*out, "The last steps recorded before the OOM:", "",
-            *_table(["step", "phase", *(label for _, label in columns)], rows)]
+    headers, rows = timeline_table(timeline)
+    return [*out, timeline_intro(timeline), "", *_table(headers, rows)]
 
 
 def _snapshot(report: dict[str, Any]) -> list[str]:

@@ -219,6 +219,37 @@ def timeline_columns(timeline: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(k, label) for k, label in TIMELINE_COLUMNS if any(isinstance(r.get(k), int) for r in timeline)]
 
 
+TIMELINE_SHOWN = 20  # rows in the people's tables; report.json has the whole timeline
+
+
+def step_cell(row: dict[str, Any]) -> str:
+    """A timeline row's step: "2387", or "2387 (at the OOM)" for the reading taken in the failing step."""
+    return f"{row.get('step')} (at the OOM)" if row.get("at_oom") is True else str(row.get("step"))
+
+
+def timeline_intro(timeline: list[dict[str, Any]]) -> str:
+    """The sentence over the table: how far apart the recorded steps are, and that the last row is the
+    memory at the OOM (not a step end) when the report has it."""
+    shown = timeline[-TIMELINE_SHOWN:]
+    recorded = [r for r in shown if r.get("at_oom") is not True]
+    text = "The last steps recorded before the OOM"
+    every = recorded[-1].get("steps") if recorded else None
+    if isinstance(every, int) and every > 1:
+        text += (f", one every {every} steps (on fast steps the agent reads memory every few steps, "
+                 "to keep within its overhead budget)")
+    if shown and shown[-1].get("at_oom") is True:
+        text += f"; the last row is the memory at the OOM, in step {shown[-1].get('step')}"
+    return text + ":"
+
+
+def timeline_table(timeline: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The table's headers and the last ``TIMELINE_SHOWN`` rows' cells (bytes formatted)."""
+    shown = timeline[-TIMELINE_SHOWN:]
+    columns = timeline_columns(shown)
+    rows = [[step_cell(r), str(r.get("phase")), *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in shown]
+    return ["step", "phase", *(label for _, label in columns)], rows
+
+
 def chart_series(timeline: list[dict[str, Any]], device: Any) -> list[tuple[str, str]]:
     """What the timeline chart draws: the allocator's series on a GPU, the process RSS on the host,
     and the census totals where there are at least two."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Mapping
+from typing import Any
 
 TEMP_PREFIX = ".gpumemd-tmp-"
 
@@ -54,3 +56,20 @@ def write_report_dir(parent: str, name: str, files: Mapping[str, bytes]) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def render_files(report: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, bytes]:
+    """File name -> content of one report directory."""
+    import json
+
+    from gpumemd.report.html import render_html
+    from gpumemd.report.markdown import render_markdown
+
+    files = {
+        "report.json": json.dumps(report, indent=1, allow_nan=False).encode(),
+        "report.md": render_markdown(report).encode(),
+        "report.html": render_html(report).encode(),
+    }
+    if snapshot is not None:
+        files["snapshot.pickle"] = pickle.dumps(snapshot)  # what torch.cuda.memory._dump_snapshot writes
+    return files

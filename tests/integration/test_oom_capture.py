@@ -88,7 +88,8 @@ def test_guard_writes_the_report_and_reraises_with_the_traceback(out_dir: str) -
     assert report["source"] == "oom_guard" and report["step"] == 3
     assert report["oom"]["kind"] == "cuda" and report["oom"]["requested_bytes"] == 8 * MiB
     assert report["breakdown"]["device"] == "cuda:0"
-    assert len(report["timeline"]) == 3
+    # the three steps recorded, then the memory read at the OOM in the step that failed
+    assert [(r["step"], r["at_oom"]) for r in report["timeline"]] == [(0, False), (1, False), (2, False), (3, True)]
     assert report["environment"]["torch"] == torch.__version__
     assert report["tensors"]["available"], report["tensors"]
     names = {t.get("name") for t in report["tensors"]["top"]}

@@ -70,8 +70,10 @@ def test_a_full_report_is_left_behind(crashed: Any) -> None:
     assert report["breakdown"]["verdict"] == "request_exceeds_device"
     assert report["suggestions"][0]["kind"] == "check_request_size"
     timeline = report["timeline"]
-    # the steps that led there: sampled (every step until the agent knows its cost), none missing
-    assert [r["step"] for r in timeline][:3] == [0, 1, 2] and timeline[-1]["step"] <= 5
+    # the steps that led there: sampled (every step until the agent knows its cost), none missing, and
+    # last the memory read at the OOM, in the failing step
+    assert [r["step"] for r in timeline][:3] == [0, 1, 2] and timeline[-2]["step"] <= 5
+    assert timeline[-1]["step"] == 6 and timeline[-1]["at_oom"] is True
     assert sum(r["steps"] for r in timeline) == timeline[-1]["step"] + 1
     tensors = report["tensors"]
     assert tensors["available"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -122,3 +123,33 @@ def test_subtotal_before_activations_is_printed_and_returned(capsys: pytest.Capt
            "(112.0 GB)" in capsys.readouterr().out
     assert main([*argv, "--gpus", "8", "--zero", "3"]) == 0
     assert "per GPU (sharded / offloaded)" in capsys.readouterr().out
+
+
+def test_explain_says_what_each_row_is_and_why_the_peak_adds_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7e9", "--precision", "bf16-mixed", "--optimizer", "adamw", "--explain"]) == 0
+    out = capsys.readouterr().out
+    rows = {re.split(r" \(|: ", line)[0]: line for line in out.split("\n\n")[-1].splitlines()}
+    assert set(rows) == {"weights", "gradients", "optimizer state", "optimizer intermediates", "activations",
+                         "peak = weights + optimizer state + max(gradients + optimizer intermediates, activations)"}
+    intermediates = rows["optimizer intermediates"]
+    assert intermediates.startswith("optimizer intermediates (4 B/param): the temporaries of one optimizer.step(): ")
+    assert "sqrt(exp_avg_sq)" in intermediates and "the peak adds them to the gradients" in intermediates
+    assert rows["optimizer state"].startswith("optimizer state (12 B/param): ")
+    assert "fp32 master weights (4 B/param)" in rows["optimizer state"]
+    sharded = run_json(capsys, "--params", "7e9", "--precision", "bf16-mixed", "--gpus", "8", "--zero", "1",
+                       "--explain")
+    assert any("Divided over the 8 GPUs (ZeRO stage 1)." in line for line in sharded["explain"])
+
+
+def test_grad_dtype_sets_the_gradients_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    base = run_json(capsys, "--params", "7e9", "--precision", "bf16-mixed")
+    fp32 = run_json(capsys, "--params", "7e9", "--precision", "bf16-mixed", "--grad-dtype", "fp32")
+    assert base["per_gpu_bytes"]["gradients"] == 14_000_000_000 and base["grad_dtype"] is None
+    assert fp32["per_gpu_bytes"]["gradients"] == 28_000_000_000 and fp32["grad_dtype"] == "fp32"
+    assert fp32["peak_bytes"] - base["peak_bytes"] == 14_000_000_000  # gradients + intermediates grew by 2 B/param
+    assert main(["estimate", "--params", "7e9", "--precision", "bf16-mixed", "--grad-dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("7,000,000,000 parameters, bf16-mixed, fp32 gradients, adamw, ")
+    assert "18.0 B/param" in out
+    assert main(["estimate", "--params", "7e9", "--grad-dtype", "fp8"]) == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err

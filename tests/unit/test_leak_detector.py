@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec
+from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.analysis.leak_track import hinge_onset
 from gpumemd.analysis.leak_wording import (
     build_finding,
@@ -17,6 +18,7 @@ from gpumemd.analysis.leak_wording import (
     merge_findings,
     refine_kind,
 )
+from gpumemd.analysis.oom_leak import without_projection
 from gpumemd.records.census import GroupDelta, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit
@@ -179,6 +181,16 @@ def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
     assert "looked up at step" not in build_finding(status, culprits=culprits, culprits_step=status.step).summary
     stale = build_finding(status, culprits=culprits, culprits_step=status.step - 400).summary
     assert stale.endswith(f"(culprit looked up at step {status.step - 400:,})")
+    # An OOM report shows the finding without its projection: that OOM has happened.
+    timed = build_finding(status, culprits=culprits, culprit_steps=100, headroom_bytes=1024 * MIB,
+                          seconds_per_step=0.25)
+    assert ", out of memory in ~" in timed.summary and ", out of memory in ~" in timed.headline
+    past = without_projection(timed)
+    assert "out of memory" not in past.summary and "out of memory" not in past.headline
+    projected = projection_words(timed.steps_to_oom, timed.hours_to_oom)[0]
+    assert projected is not None and past.summary == timed.summary.replace(f", out of memory in {projected}", "")
+    assert past.steps_to_oom == timed.steps_to_oom  # the figures stay in its fields
+    assert without_projection(build_finding(status)) == build_finding(status)  # nothing projected: unchanged
 
 
 def test_culprit_sentence_rates() -> None:
