@@ -280,9 +280,7 @@ class LeakComponent:
         statuses = series.evaluate(step)
         rising = series.rising_names()
         work: list[tuple[_Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
-        if series.host_spec.name in rising and not self._counts_active(series, rising):
-            work.append((None, self._host.look_stepwise(step, self._agent)))
-        for status in statuses:
+        for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)
             active = status.state is not None and status.state.active
             if active and (status.changed or self._retry_culprits(key, step)):
@@ -290,6 +288,8 @@ class LeakComponent:
                 work.append((key, parts.culprits.search(status)))
             elif not active:
                 self._sites.settle(status)  # a decided suspicion no longer needs allocation history
+        if series.host_spec.name in rising and not self._counts_active(series, rising):
+            work.append((None, self._host.look_stepwise(step, self._agent)))  # a baseline: nothing waits on it
         self._pending = PendingEvaluation(step, statuses, rising, work)
 
     def _advance(self, agent: AgentView, parts: _Parts, started: float) -> None:
@@ -444,6 +444,12 @@ def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
     if status.onset_step is not None:
         onset = min(status.onset_step, onset)
     return dataclasses.replace(status, onset_step=onset)
+
+
+def _search_order(status: TrackStatus) -> int:
+    """Searches that sample what this evaluation's scan saw go first: a graph chain's root is replaced
+    every step (an EMA), a count series' sample may be freed; a census diff can wait a step end."""
+    return {"nodes": 0, "tensors": 1}.get(status.spec.unit, 2)
 
 
 def _feed_unfed(series: LeakSeries, unfed: list[tuple[StepRecord, int]]) -> None:
