@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -152,25 +153,21 @@ class CulpritSearch:
         sample = held_sample()
         if sample is None:
             return _SampleHolder(garbage=True)
+        started = time.monotonic()
         cycle = cycle_holder(sample)
-        del sample
         # Cyclic garbage while the collector runs is freed at its next collection (a burst),
         # not leaked; with gc disabled nothing will ever free it: that is the leak.
         garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
-        if cycle is not None:
-            return _SampleHolder(cycle, garbage=garbage)
-        yield
-        sample = held_sample()
-        if sample is None:
-            return _SampleHolder(garbage=True)
-        holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.counts.specs,))
+        # one pause for both look-ups: the path gets what the cycle check left of the budget
+        remaining = max(0.05, HOLDER_BUDGET_S - (time.monotonic() - started))
+        holder = cycle or who_holds(sample, time_budget_s=remaining, ignore=(self._series.counts.specs,))
+        del sample
         if holder is not None:
             return _SampleHolder(holder, garbage=garbage)
         # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it (torch
         # preserves the Python wrapper of saved tensors). Name the root of the largest live graph
         # and its holder. A tensor without grad_fn is said to be kept by a graph only when that
         # graph saves it: else (a look-up the budget cut short) its holder is unknown, not a graph.
-        del sample
         yield
         sample = held_sample()
         if sample is None:
@@ -180,7 +177,7 @@ class CulpritSearch:
         if unsaved:
             return _SampleHolder(garbage=garbage)
         yield
-        root = yield from _growing_graph()
+        root = _growing_graph()
         if root is not None and root.holder is not None:
             return _SampleHolder(f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
                                  f"held by {root.holder}", graph_kept=True, garbage=garbage)
@@ -308,9 +305,10 @@ class CulpritSearch:
         return (yield from self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids()))
 
 
-def _growing_graph() -> Stepwise[host_objects.GraphGrowth | None]:
-    """The root of the largest live autograd graph and who holds it (two heap passes)."""
-    return (yield from host_objects.growing_graph_stepwise(0, min_added=1, holder_budget_s=HOLDER_BUDGET_S))
+def _growing_graph() -> host_objects.GraphGrowth | None:
+    """The root of the largest live autograd graph and who holds it, in one step end: the root is
+    often this step's loss, gone by the next (callers yield before it, so it starts a step end)."""
+    return host_objects.growing_graph(0, min_added=1, holder_budget_s=HOLDER_BUDGET_S)
 
 
 def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Stepwise[Culprit]:
@@ -318,11 +316,12 @@ def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Stepwise[Culprit
     if culprit.category == "graph":
         # Tensors with a grad_fn that nothing in Python holds are kept by an autograd graph:
         # name the tensor at the root of the largest live graph and who holds it.
-        root = yield from _growing_graph()
+        root = _growing_graph()
         if root is not None and root.holder is not None:
             return dataclasses.replace(
                 culprit, holder=f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
                                 f"held by {root.holder}")
+        yield
     top = next((d for d in deltas if _describes(d, culprit)), None)
     holder = holder_of_group(top.key) if top is not None else None
     return dataclasses.replace(culprit, holder=holder) if holder is not None else culprit

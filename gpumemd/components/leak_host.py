@@ -104,8 +104,8 @@ class HostLooks:
                                                                     holder_budget_s=HOLDER_BUDGET_S)
         contained = sum(g.approx_bytes for g in grown)
         yield
-        graph = yield from host_objects.growing_graph_stepwise(graph_nodes, min_added=max(1, int(steps) // 2),
-                                                               holder_budget_s=HOLDER_BUDGET_S)
+        graph = host_objects.growing_graph(graph_nodes, min_added=max(1, int(steps) // 2),
+                                           holder_budget_s=HOLDER_BUDGET_S)
         if graph is not None and contained < 0.5 * growth:
             # Nothing Python-visible grew enough, but one autograd graph gains nodes every step.
             culprit = Culprit(description=f"{graph.description} (graph of {graph.nodes:,} autograd nodes, "

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import itertools
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -176,31 +177,19 @@ def largest_graph_nodes() -> int:
     return n
 
 
-def growing_graph(before_nodes: int, *, min_added: int) -> GraphGrowth | None:
-    """The largest live graph, if it gained at least ``min_added`` nodes since ``before_nodes``."""
-    return run_to_end(growing_graph_stepwise(before_nodes, min_added=min_added, holder_budget_s=0.5))
-
-
-def growing_graph_stepwise(
-    before_nodes: int, *, min_added: int, holder_budget_s: float,
-) -> Stepwise[GraphGrowth | None]:
-    """``growing_graph`` in two passes: the graphs, then (after a ``yield``) who holds the root. The
-    root is held weakly meanwhile: a step's own graph must not outlive its step because of us."""
+def growing_graph(before_nodes: int, *, min_added: int, holder_budget_s: float = 0.5) -> GraphGrowth | None:
+    """The largest live graph, if it gained at least ``min_added`` nodes since ``before_nodes``, and who
+    holds its root, within ``holder_budget_s`` for the two together (at least 50 ms for the holder).
+    One step end: the root is often this step's loss, gone by the next one."""
+    started = time.monotonic()
     n, tensor = _largest_graph()
     if tensor is None or n - before_nodes < min_added:
         return None
     try:
         dtype = str(tensor.dtype).removeprefix("torch.")
         shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
-        root = hold_weakly(tensor)
-    finally:
-        del tensor
-    yield
-    tensor = root()
-    if tensor is None:
-        return None  # freed with its step: it was not kept
-    try:
-        holder = who_holds(tensor, time_budget_s=holder_budget_s)
+        budget = max(0.05, holder_budget_s - (time.monotonic() - started))
+        holder = who_holds(tensor, time_budget_s=budget)
     finally:
         del tensor
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
