@@ -106,6 +106,10 @@ def kept_outputs_run(out_dir: str, caplog: pytest.LogCaptureFixture) -> Iterator
         search = leak._parts.culprits.search
 
         def costly_search(status: Any) -> Stepwise[Any]:
+            # a pass of its own first (as a census diff's census is), then the real search's passes
+            clock.now += pass_cost
+            passes.append(agent.current_step)
+            yield
             inner = search(status)
             while True:
                 clock.now += pass_cost
