@@ -15,6 +15,7 @@ import gc
 import itertools
 import time
 import types
+from collections.abc import Sequence
 from typing import Any
 
 from gpumemd.probes.holder_paths import Root
@@ -52,11 +53,22 @@ class Reach:
         self.depth.clear()
 
 
-def reach_down(roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[int, str],
+def reach_down(tiers: Sequence[list[tuple[Root, Any]]], own: set[int], module_dicts: dict[int, str],
                deadline: float) -> Reach:
-    """Breadth first from ``roots`` (a name and its object), at most ``_OBJECTS_MAX`` objects and
-    ``_DEPTH_MAX`` levels, never past ``deadline``; ``own`` and module namespaces are not followed."""
+    """Breadth first from the roots (a name and its object) of each tier in turn, at most
+    ``_OBJECTS_MAX`` objects and ``_DEPTH_MAX`` levels in all, never past ``deadline``; ``own`` and
+    module namespaces are not followed. The job's own frames and globals are the first tier: a test
+    runner's or a framework's frames reach thousands of objects that would spend the bounds first."""
     reach = Reach()
+    for roots in tiers:
+        if not _spread(reach, roots, own, module_dicts, deadline):
+            break
+    return reach
+
+
+def _spread(reach: Reach, roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[int, str],
+            deadline: float) -> bool:
+    """One tier's breadth-first walk into ``reach``; False when the bounds stopped it."""
     level: list[Any] = []
     for root, obj in roots:
         if id(obj) not in reach.objects:
@@ -67,7 +79,7 @@ def reach_down(roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[
         following: list[Any] = []
         for obj in level:
             if len(reach.objects) >= _OBJECTS_MAX or time.monotonic() > deadline:
-                return reach
+                return False
             if isinstance(obj, type) and depth == 1:
                 children: list[Any] = list(vars(obj).values())  # a class root: its attributes
             elif isinstance(obj, _NOT_FOLLOWED) or id(obj) in module_dicts or is_our_generator(obj):
@@ -83,7 +95,7 @@ def reach_down(roots: list[tuple[Root, Any]], own: set[int], module_dicts: dict[
                 reach.objects[rid], reach.parent[rid], reach.depth[rid] = ref, id(obj), depth
                 following.append(ref)
         level = following
-    return reach
+    return True
 
 
 def _referents(obj: Any) -> list[Any]:

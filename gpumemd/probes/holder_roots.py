@@ -119,6 +119,17 @@ def short_path(path: str) -> str:
     return "/".join(parts[-2:]) if len(parts) > 2 else path
 
 
+def is_user_file(path: str) -> bool:
+    """Is this source file the job's own code: neither the standard library, torch, gpumemd, nor an
+    installed package (True when that cannot be told: no file is then put after another)."""
+    try:
+        internal = not_user_dirs()
+    except Exception:  # noqa: BLE001 - no torch (it names torch's directory)
+        return True
+    path = path.replace("\\", "/")
+    return "-packages/" not in path and not path.startswith(internal) and not path.startswith("<frozen")
+
+
 def user_modules(namespaces: dict[int, str]) -> list[tuple[str, dict[str, Any]]]:
     """(name, namespace) of the loaded modules that are the job's own code: neither the standard
     library, torch, gpumemd, nor an installed package. ``namespaces``: ``module_dicts()``."""

@@ -41,6 +41,7 @@ from gpumemd.probes.holder_roots import (
     drop_locals_snapshot,
     is_our_generator,
     is_ours,
+    is_user_file,
     live_frames,
     module_dicts,
     user_modules,
@@ -159,12 +160,16 @@ class _Climb:
         del referrers
         return roots, following
 
-    def _local_roots(self) -> list[tuple[Root, Any]]:
-        """The locals of the running frames, each with the name a user reads."""
-        assigned: list[tuple[Root, Any]] = []
-        parameters: list[tuple[Root, Any]] = []  # last: the caller's own variable says more than `self`
+    def _local_roots(self) -> list[list[tuple[Root, Any]]]:
+        """The roots to reach down from, in two tiers: the locals of the job's own running frames and
+        its modules' globals, then the locals of library frames (a framework's loop, a test runner),
+        each with the name a user reads."""
+        own_code: list[tuple[Root, Any]] = []
+        own_parameters: list[tuple[Root, Any]] = []  # after: the caller's own variable says more than `self`
+        library: list[tuple[Root, Any]] = []
         for frame, f_locals in self.frames:
             code = frame.f_code
+            users = is_user_file(code.co_filename)
             for name, value in f_locals.items():
                 if name in code.co_freevars or not name.isidentifier():
                     # a closure's view of an outer frame's variable (the outer frame is named
@@ -172,8 +177,11 @@ class _Climb:
                     continue
                 where = where_assigned(code, name, frame.f_lineno)
                 found = (Root(name, "`", f"` in {code.co_name}() {where}"), value)
-                (parameters if where.endswith(_RUNNING_LINE) else assigned).append(found)
-        return assigned + parameters + self._global_roots()
+                if not users:
+                    library.append(found)
+                else:
+                    (own_parameters if where.endswith(_RUNNING_LINE) else own_code).append(found)
+        return [own_code + own_parameters + self._global_roots(), library]
 
     def _global_roots(self) -> list[tuple[Root, Any]]:
         """The globals of the job's own modules (after the locals: a local is the nearer name); a

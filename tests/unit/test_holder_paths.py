@@ -195,3 +195,27 @@ def test_the_nearest_assigned_variable_is_preferred_to_a_parameter() -> None:
 def _looked_up_inside(values: list[torch.Tensor]) -> str | None:
     return _holds(values[0])
 
+
+
+_RUNNER = '''
+def run_tests(test):
+    # a test runner's items: 64 x 64 x 64 tracked objects, three levels down (the search follows the
+    # newest 64 items of a container)
+    collected = [[[[] for _ in range(64)] for _ in range(64)] for _ in range(64)]
+    return test()
+'''
+
+
+def test_the_jobs_own_frames_are_searched_before_a_runners() -> None:
+    # A library frame (a test runner, a framework's loop) below the job's, whose locals reach more
+    # objects than the downward search may visit: the job's own path is still found without climbing.
+    namespace: dict[str, Any] = {"__name__": "runner"}
+    exec(compile(_RUNNER, "/venv/lib/python3.11/site-packages/runner.py", "exec"), namespace)
+
+    def train() -> str | None:
+        trainer = Trainer()
+        trainer.stats.window.append([{"acts": torch.ones(2)}])  # five levels below the local
+        return who_holds(trainer.stats.window[0][0]["acts"], max_depth=1, time_budget_s=60.0)
+
+    holder = namespace["run_tests"](train)
+    assert holder is not None and holder.startswith("`trainer.stats.window` in train()"), holder
