@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.budget import STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
+from gpumemd.probes.gc_pause import collector_paused
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -212,8 +213,9 @@ class CensusComponent(ComponentBase):
         # In a step end the census is one bounded pause; outside one (an OOM, the job's own call) the
         # holders are worth the wait: there is no later chance.
         pause_s = None if outside_step else STEP_END_PAUSE_S
-        return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
-                               previous=previous, holders=holders, pause_s=pause_s)
+        with collector_paused():  # its allocations must not set off a collection of the job's heap
+            return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
+                                   previous=previous, holders=holders, pause_s=pause_s)
 
     def _account(self, agent: AgentView | None, cost: float, *, outside_step: bool) -> None:
         self._last_cost = cost

@@ -38,6 +38,7 @@ from gpumemd.components.leak_pending import PendingEvaluation
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.files import append_line
+from gpumemd.probes.gc_pause import collector_paused
 from gpumemd.probes.graph_chains import GraphChainTracker
 from gpumemd.probes.stepwise import Stepwise
 from gpumemd.probes.survivors import SurvivorTracker
@@ -297,7 +298,9 @@ class LeakComponent:
         findings and say their state changes."""
         pending = self._pending
         assert pending is not None
-        if not pending.advance(self._clock, started):
+        with collector_paused():  # the passes' allocations must not set off a collection of the job's heap
+            done = pending.advance(self._clock, started)
+        if not done:
             agent.sample_within(1)  # the next pass at the next step end
             return
         self._pending = None

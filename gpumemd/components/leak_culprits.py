@@ -29,6 +29,7 @@ from gpumemd.analysis.leak_wording import (
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes import dataloaders, host_objects
+from gpumemd.probes.gc_pause import job_collector_enabled
 from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.records.device import CPU, cuda_index
@@ -157,7 +158,7 @@ class CulpritSearch:
         cycle = cycle_holder(sample)
         # Cyclic garbage while the collector runs is freed at its next collection (a burst),
         # not leaked; with gc disabled nothing will ever free it: that is the leak.
-        garbage = cycle is not None and gc.isenabled() and gc.get_threshold()[0] > 0
+        garbage = cycle is not None and job_collector_enabled() and gc.get_threshold()[0] > 0
         # one pause for both look-ups: the path gets what the cycle check left of the budget
         remaining = max(0.05, HOLDER_BUDGET_S - (time.monotonic() - started))
         holder = cycle or who_holds(sample, time_budget_s=remaining, ignore=(self._series.counts.specs,))
