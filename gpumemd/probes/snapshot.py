@@ -154,12 +154,7 @@ class SnapshotProbe:
                 with contextlib.suppress(Exception):
                     health.failed(exc)
 
-        try:
-            lazy_call(at_init)
-        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
-            health.failed(exc)
-            return False
-        return True
+        return self._queue_at_init(lazy_call, at_init)
 
     def attach_oom_observer_at_init(self, observer: OomObserver, attached: Callable[[bool], None]) -> bool:
         """Have ``observer`` attached when CUDA initialises, through torch's lazy-init queue
@@ -188,10 +183,14 @@ class SnapshotProbe:
             with contextlib.suppress(Exception):  # see above: never into the job's CUDA init
                 attached(ok)
 
+        return self._queue_at_init(lazy_call, at_init)
+
+    def _queue_at_init(self, lazy_call: Callable[[Callable[[], None]], None], at_init: Callable[[], None]) -> bool:
+        """Queue ``at_init`` on torch's lazy-init queue; False when the queue refused it."""
         try:
             lazy_call(at_init)
         except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
-            health.failed(exc)
+            self.health.failed(exc)
             return False
         return True
 

@@ -28,6 +28,7 @@ from gpumemd.records.oom import ObserverCall
 from gpumemd.records.step import Identity
 from gpumemd.report.build import ReportInputs, build_report
 from gpumemd.report.writer import report_dir_name, write_report_dir
+from tests.json_paths import json_paths
 
 _KEPT = "`kept` in main() at train.py:12 → list of 4 items"
 # A leak at the OOM, so that report.json has tensor groups and a breakdown.leak for the edits below.
@@ -146,17 +147,6 @@ _JSON = st.recursive(
 )
 
 
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out.extend(_paths(v, (*prefix, k)))
-    elif isinstance(value, list):
-        for i, v in enumerate(value[:3]):
-            out.extend(_paths(v, (*prefix, i)))
-    return out
-
-
 @functools.cache
 def _valid_report() -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="gpumemd-report-")
@@ -170,7 +160,7 @@ def _valid_report() -> dict[str, Any]:
 @given(data=st.data())
 def test_any_edit_of_report_json_is_read_or_refused_in_one_line(data: st.DataObject) -> None:
     report = json.loads(json.dumps(_valid_report()))
-    path = data.draw(st.sampled_from([p for p in _paths(report) if p]))
+    path = data.draw(st.sampled_from([p for p in json_paths(report) if p]))
     node = report
     for key in path[:-1]:
         node = node[key]

@@ -20,6 +20,7 @@ from oom_snapshot_data import make_snapshot
 from test_cli_report import _valid_report
 
 from gpumemd.cli import main
+from tests.json_paths import json_paths
 
 _SECONDS = 1.0  # per file kind: a bounded budget of mutations, the same sequence every run (seeded)
 _CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
@@ -29,21 +30,10 @@ _NASTY: list[Any] = [
 ]
 
 
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out.extend(_paths(v, (*prefix, k)))
-    elif isinstance(value, list):
-        for i, v in enumerate(value[:3]):
-            out.extend(_paths(v, (*prefix, i)))
-    return out
-
-
 def _mutate(rng: random.Random, doc: Any) -> Any:
     doc = json.loads(json.dumps(doc))
     for _ in range(rng.randint(1, 3)):
-        paths = [p for p in _paths(doc) if p]
+        paths = [p for p in json_paths(doc) if p]
         if not paths:
             break
         path = rng.choice(paths)
