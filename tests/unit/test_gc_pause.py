@@ -4,6 +4,7 @@ setting as they found it."""
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -17,9 +18,11 @@ def eager_collector() -> Iterator[list[int]]:
     """Thresholds at which any walk's allocations set off collections (the older generations' too,
     as far as the interpreter's own rules let them); the generations of the collections that start."""
     started: list[int] = []
+    here = threading.get_ident()
 
     def note(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
+        # this thread's only: another thread's explicit gc.collect() (a test runner's) is not the walk's
+        if phase == "start" and threading.get_ident() == here:
             started.append(info["generation"])
 
     thresholds = gc.get_threshold()

@@ -39,6 +39,10 @@ class Calls:
 @pytest.fixture
 def calls() -> Iterator[Calls]:
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, USR1, USR2)}
+    # a plain Python job's dispositions (a test runner's worker may ignore SIGINT, for one)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, USR1, USR2):
+        signal.signal(signum, signal.SIG_DFL)
     yield Calls()
     for signum, handler in saved.items():
         signal.signal(signum, handler)
