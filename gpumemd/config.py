@@ -12,7 +12,6 @@ import ast
 import dataclasses
 import functools
 import inspect
-import ipaddress
 import itertools
 import math
 import os
@@ -23,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gpumemd.addresses import is_host_port, is_ip
 from gpumemd.config_renamed import RENAMED, current_names, old_name
 from gpumemd.log_once import log_once
 
@@ -223,7 +223,7 @@ class Config:
             self.port,
             "an integer 0-65535 (0 picks a free port)",
         )
-        _require(_is_ip(self.bind), "bind", self.bind, "an IP address such as 127.0.0.1 or 0.0.0.0")
+        _require(is_ip(self.bind), "bind", self.bind, "an IP address such as 127.0.0.1 or 0.0.0.0")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             pair = ("tls_certfile", "tls_keyfile")
             given, missing = pair if self.tls_keyfile is None else pair[::-1]
@@ -253,7 +253,7 @@ class Config:
         )
         _require(1 <= self.step_profile_every_steps <= _MAX_STEPS, "step_profile_every_steps",
                  self.step_profile_every_steps, f"an integer from 1 to {_MAX_STEPS:,}")
-        _require(self.pushgateway is None or _is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
+        _require(self.pushgateway is None or is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
                  "host:port or an http(s):// URL, e.g. pushgateway.monitoring:9091")
         _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
 
@@ -374,46 +374,6 @@ def _tls_problem(certfile: str, keyfile: str) -> tuple[str, str] | None:
     except OSError as exc:
         return "tls_certfile", f"readable PEM files ({exc.strerror or exc})"
     return None
-
-
-def _is_host_port(value: str) -> bool:
-    """``host:port``, or an http(s) URL whose port may be left to the scheme: an address the user plainly
-    named. ``9091`` alone would be read as the host 0.0.35.131, ``-1`` or ``1e999`` looked up in DNS,
-    ``a..b`` or a non-ASCII name fail deep inside the push at exit: each is refused here."""
-    from urllib.parse import urlsplit
-
-    url = "://" in value
-    text = value if url else "http://" + value
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError:
-        return False
-    if parts.scheme not in ("http", "https") or parts.hostname is None or (port is None and not url):
-        return False
-    return (port is None or 0 < port < 65536) and _is_host(parts.hostname) and value.isascii() \
-        and not parts.path.strip("/") and not parts.query and not parts.fragment \
-        and not any(c.isspace() for c in value)
-
-
-def _is_host(name: str) -> bool:
-    """An IP address, or a DNS name: labels of letters, digits and inner hyphens, the last not all
-    digits (a number is not a name: ``1.2.3`` or ``9091`` would be read as an IPv4 address)."""
-    if _is_ip(name):
-        return True
-    labels = name.rstrip(".").split(".")
-    if len(name) > 253 or labels[-1].isdigit():
-        return False
-    return all(0 < len(label) <= 63 and label[0] != "-" and label[-1] != "-"
-               and all(c.isascii() and (c.isalnum() or c == "-") for c in label) for label in labels)
-
-
-def _is_ip(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return False
-    return True
 
 
 def _require(ok: bool, field: str, value: object, accepted: str) -> None:
