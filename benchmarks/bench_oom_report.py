@@ -26,7 +26,7 @@ from gpumemd.api import build_agent
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 
 MiB = 2**20
@@ -104,7 +104,7 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="gpumemd-bench-oom-")
     config = Config(output_dir=out, sample_interval_s=0, nvml=False, census=False, leak_detection=False,
                     oom_cooldown_s=0, oom_max_reports=args.rounds + 1, keep_steps=args.steps)
-    census = CensusComponent(config.options(CensusOptions), census_fn=take_census)
+    census = CensusComponent(config.options(CensusOptions), census_fn=census_steps)
     component = OomComponent(config.options(OomOptions), snapshot_probe=probe, census=census)
     agent = build_agent(config, model=model, optimizer=opt, components=[component]).start()
     try:

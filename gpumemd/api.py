@@ -244,6 +244,6 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
 
 def _census_component(config: Config) -> CensusComponent:
     from gpumemd.components.census import CensusComponent, CensusOptions
-    from gpumemd.probes.census import take_census
+    from gpumemd.probes.census import census_steps
 
-    return CensusComponent(config.options(CensusOptions), census_fn=take_census)
+    return CensusComponent(config.options(CensusOptions), census_fn=census_steps)

@@ -10,6 +10,13 @@ N adapts as the heap (cost) or the step time changes, and the census costs ``sha
 which is what the job notices. ``census_every_steps > 0`` forces N instead. The first census runs at the
 first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
 
+A census runs in slices (``probes.census.census_steps``): at a step end the component runs its slices
+while the step end has paid less than ``CENSUS_SLICE_S``, and the rest at the next sampled step ends
+(it asks the agent to sample them). An ordinary heap's census is one step end, as before; a heap
+whose leak keeps 100k tensors is spread over a few, each pause bounded (``budget.STEP_END_PAUSE_S``).
+A leak finding's culprit search that needs a census now drives the census under way, or begins one
+(``census_now``); a census outside a step (``take_outside_step``) drops the one under way.
+
 The component keeps a few recent censuses (thinned so they span the whole run, not just the last few
 intervals) for the leak detector and the OOM report: ``recent_censuses()``, ``at_or_after(step)``
 and ``take_now()``. It is the one way a census is taken: periodic ones, the leak detector's
@@ -29,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 from gpumemd.budget import STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
 from gpumemd.probes.gc_pause import collector_paused
+from gpumemd.probes.stepwise import Stepwise, run_to_end
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -46,13 +54,28 @@ KEPT_CENSUSES = 8
 MAX_INTERVAL = 100_000
 """Never go longer than this many steps without a census."""
 
+CENSUS_SLICE_S = STEP_END_PAUSE_S * 0.75
+"""A census's next slice starts only while the step end has paid less than this: its slices are a few
+milliseconds (the heap pass, at a census's first step end, and the holder lookups, bounded by
+``STEP_END_PAUSE_S`` themselves, are the long ones)."""
+
 
 class CensusFn(Protocol):
-    """``gpumemd.probes.census.take_census``, as the component calls it (tests give their own)."""
+    """``gpumemd.probes.census.census_steps``, as the component calls it (tests give their own)."""
 
     def __call__(self, *, models: Sequence[object], optimizers: Sequence[object], step: int | None,
                  allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int,
-                 pause_s: float | None) -> Census: ...
+                 pause_s: float | None, slice_started: Callable[[], float] | None) -> Stepwise[Census]: ...
+
+
+@dataclass(eq=False)
+class _Running:
+    """A census under way: its slices run at step ends, or in a culprit search waiting for it."""
+
+    work: Stepwise[Census]
+    cost: float = 0.0
+    result: Census | None = None
+    over: bool = False  # done, failed or dropped
 
 
 @dataclass(frozen=True)
@@ -96,6 +119,12 @@ class CensusComponent(ComponentBase):
         self._next_look = 0  # steps since the last census at which _due() looks again
         self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
         self._last_cost: float | None = None
+        self._running: _Running | None = None  # the census under way (training thread only advances it)
+        self._step_end_began = 0.0  # this component's clock at the start of its latest on_step
+        self.worked_at_step: int | None = None
+        """The step whose step end last ran a slice of a census (the leak detector's evaluation then waits)."""
+        self.step_end_seconds = 0.0
+        """What the census's slices cost in the latest step end (the leak detector's passes count it)."""
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -110,6 +139,7 @@ class CensusComponent(ComponentBase):
     def stop(self) -> None:
         self._agent = None
         with self._lock:
+            self._drop_running()
             self._recent.clear()
 
     # --- cadence -----------------------------------------------------------------------------
@@ -126,11 +156,21 @@ class CensusComponent(ComponentBase):
         return max(1, min(MAX_INTERVAL, steps))
 
     def on_step(self, record: StepRecord) -> None:
-        if not self._periodic:
+        # The census is the first component: a step end's heavy work is bounded from here.
+        self._step_end_began = self._clock()
+        self.step_end_seconds = 0.0
+        running = self._running
+        if not self._periodic and running is None:
             return
         self._steps_since += record.steps
-        if self._steps_since >= self._next_look and self._due():
-            self._take(record.step, record.allocator)
+        if running is None and self._steps_since >= self._next_look and self._due():
+            running = self._begin(record.step, record.allocator)
+        if running is not None:
+            self.worked_at_step = record.step
+            self._advance(running, self._in_step_end)
+            self.step_end_seconds = self._clock() - self._step_end_began
+            if not running.over and self._agent is not None:
+                self._agent.sample_within(1)  # the next slices at the next step end
         if self._every > 0 and self._agent is not None:
             # a forced cadence means those steps: have the agent sample the step the next one is due at
             self._agent.sample_within(max(self._every, self._retry_after) - self._steps_since)
@@ -155,76 +195,145 @@ class CensusComponent(ComponentBase):
         return census_share(self._budget, _other_share(self._agent, seconds_per_step))
 
     def take_now(self) -> Census:
-        """Run a census now (outside the cadence), keep it with the recent ones and publish it."""
-        state = self._agent.state() if self._agent is not None else None
-        census = self._take(state.step if state else None, state.allocator if state else None)
-        if census is None:
-            raise RuntimeError("gpumemd: the census failed; see the gpumemd log for the reason")
-        return census
+        """Run a census now, whole (the one under way, if any, is finished), keep it with the recent
+        ones and publish it."""
+        return run_to_end(self._census_now(in_step_end=False))
+
+    def census_now(self) -> Stepwise[Census]:
+        """A census for a culprit search at a step end: the one under way (whatever step it began at:
+        it is the freshest there will be soon) or a new one, run a step end's share at a time between
+        the search's yields. Raises RuntimeError when the census fails."""
+        return self._census_now(in_step_end=True)
+
+    def _census_now(self, *, in_step_end: bool) -> Stepwise[Census]:
+        running = self._running
+        if running is None:
+            state = self._agent.state() if self._agent is not None else None
+            running = self._begin(state.step if state else None, state.allocator if state else None)
+        while True:
+            self._advance(running, self._in_step_end if in_step_end else _always)
+            if running.result is not None:
+                return running.result
+            if running.over:
+                raise RuntimeError("gpumemd: the census failed or was dropped; see the gpumemd log")
+            yield
 
     def take_outside_step(self) -> Census:
         """A census asked for outside a step end: by the job (``Agent.census()``) or at an OOM, while
-        the failing frames still hold their tensors. Unlike a step's census it compares with the
-        published census (the job's own censuses included), names holders even without one (the
-        largest groups then), counts its time as training-thread time too (no step end clocks it), and
-        raises what the census raised: the caller says why it has none."""
+        the failing frames still hold their tensors. It runs whole (a census under way is dropped: this
+        one is newer). Unlike a step's census it compares with the published census (the job's own
+        censuses included), names holders even without one (the largest groups then), counts its time
+        as training-thread time too (no step end clocks it), and raises what the census raised: the
+        caller says why it has none."""
         agent = self._agent
         state = agent.state() if agent is not None else None
-        census = self._take(state.step if state else None, state.allocator if state else None, outside_step=True)
-        assert census is not None  # outside a step, a failure raises
-        return census
-
-    def _take(self, step: int | None, allocator: Sequence[AllocatorSample] | None, *,
-              outside_step: bool = False) -> Census | None:
-        agent = self._agent
+        step, allocator = (state.step, state.allocator) if state else (None, None)
         with self._lock:
-            previous = self._previous(agent, outside_step=outside_step)
+            self._drop_running()
+            previous = agent.published.census if agent is not None else None
             started = self._clock()
             try:
-                census = self._run(agent, step, allocator, previous, outside_step=outside_step)
-            except Exception as exc:  # the job comes first: back off and carry on
-                self._account(agent, self._clock() - started, outside_step=outside_step)
+                census = run_to_end(self._work(agent, step, allocator, previous, outside_step=True))
+            except Exception:
+                self._account(agent, self._clock() - started, outside_step=True)
+                self._finished(self._clock() - started, failed=True)
                 self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
-                if outside_step:
-                    raise  # the caller reports it (the OOM report's census note, the job's own call)
-                level = logging.WARNING if self._retry_after == 2 else logging.DEBUG  # said once
-                log.log(level, "gpumemd: census failed at step %s (%s: %s); next try in %d steps",
-                        step, type(exc).__name__, exc, self._retry_after)
-                return None
+                raise  # the caller reports it (the OOM report's census note, the job's own call)
+            cost = self._clock() - started
+            self._account(agent, cost, outside_step=True)
+            self._finished(cost)
             self._remember(census)
-            self._account(agent, self._clock() - started, outside_step=outside_step)
-            self._retry_after = 0
-        if agent is not None:
-            agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
+        self._publish(census)
         return census
 
-    def _previous(self, agent: AgentView | None, *, outside_step: bool) -> Census | None:
-        if outside_step:
-            return agent.published.census if agent is not None else None
-        return self._recent[-1] if self._recent else None
+    # --- a census under way ------------------------------------------------------------------
 
-    def _run(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
-             previous: Census | None, *, outside_step: bool) -> Census:
+    def _in_step_end(self) -> bool:
+        return self._clock() - self._step_end_began < CENSUS_SLICE_S
+
+    def _begin(self, step: int | None, allocator: Sequence[AllocatorSample] | None) -> _Running:
+        with self._lock:
+            agent = self._agent
+            previous = self._recent[-1] if self._recent else None
+            running = self._running = _Running(self._work(agent, step, allocator, previous, outside_step=False))
+        return running
+
+    def _advance(self, running: _Running, go_on: Callable[[], bool]) -> None:
+        """Run slices of ``running``: one, then more while ``go_on()``; finish or fail it at its end."""
+        census: Census | None = None
+        first = True
+        while not running.over and (first or go_on()):
+            first = False
+            with self._lock:
+                if running is not self._running:
+                    running.over = True  # dropped by a census outside a step
+                    break
+                started = self._clock()
+                try:
+                    with collector_paused():  # its allocations must not set off a collection of the job's heap
+                        next(running.work)
+                except StopIteration as done:
+                    census = running.result = done.value
+                    running.over = True
+                except Exception as exc:  # noqa: BLE001 - the job comes first: back off and carry on
+                    running.over = True
+                    self._fail(exc)
+                cost = self._clock() - started
+                running.cost += cost
+                self._account(self._agent, cost, outside_step=False)
+                if running.over:
+                    self._running = None
+                    self._finished(running.cost, failed=census is None)
+                    if census is not None:
+                        self._remember(census)
+        if census is not None:
+            self._publish(census)
+
+    def _fail(self, exc: Exception) -> None:
+        self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
+        level = logging.WARNING if self._retry_after == 2 else logging.DEBUG  # said once
+        log.log(level, "gpumemd: census failed (%s: %s); next try in %d steps", type(exc).__name__, exc,
+                self._retry_after)
+
+    def _drop_running(self) -> None:
+        """Under the lock: drop the census under way (its generator releases what it held)."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.over = True
+            running.work.close()
+
+    def _publish(self, census: Census) -> None:
+        agent = self._agent
+        if agent is not None:
+            agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
+
+    def _work(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
+              previous: Census | None, *, outside_step: bool) -> Stepwise[Census]:
         models = list(agent.models) if agent is not None else []
         optimizers = list(agent.optimizers) if agent is not None else []
         # Holders only for what grew since the previous census: a step's first one has nothing to
         # compare. Outside a step (an OOM) the largest groups get theirs: there is no later chance.
         holders = self._holders if previous is not None or outside_step else 0
-        # In a step end the census is one bounded pause; outside one (an OOM, the job's own call) the
-        # holders are worth the wait: there is no later chance.
-        pause_s = None if outside_step else STEP_END_PAUSE_S
-        with collector_paused():  # its allocations must not set off a collection of the job's heap
-            return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
-                                   previous=previous, holders=holders, pause_s=pause_s)
+        # In a step end the lookups are bounded with the step end's other work; outside one (an OOM,
+        # the job's own call) the holders are worth the wait: there is no later chance.
+        in_step = agent is not None and not outside_step
+        return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
+                               previous=previous, holders=holders, pause_s=STEP_END_PAUSE_S if in_step else None,
+                               slice_started=(lambda: self._step_end_began) if in_step else None)
 
     def _account(self, agent: AgentView | None, cost: float, *, outside_step: bool) -> None:
-        self._last_cost = cost
-        self._steps_since = 0
-        self._next_look = 0
         if agent is not None:
             agent.add_census_seconds(cost)
             if outside_step:
                 agent.add_thread_seconds(cost)  # training-thread time that no step end clocked
+
+    def _finished(self, cost: float, *, failed: bool = False) -> None:
+        """A census ended: the next one is due ``interval`` steps from here (a failed one retries sooner)."""
+        self._last_cost = cost
+        self._steps_since = 0
+        self._next_look = 0
+        if not failed:
+            self._retry_after = 0
 
     # --- recent censuses ----------------------------------------------------------------------
 
@@ -254,6 +363,10 @@ class CensusComponent(ComponentBase):
                 if census.step is not None and census.step >= step:
                     return census
         return None
+
+
+def _always() -> bool:
+    return True
 
 
 def _other_share(agent: AgentView | None, seconds_per_step: float) -> float:

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census import CensusComponent
     from gpumemd.probes.allocation_history import AllocationHistory
-    from gpumemd.records.census import Census
     from gpumemd.records.findings import Finding
     from gpumemd.records.step import StepRecord
 
@@ -122,7 +121,6 @@ class LeakComponent:
         self._next_scan_total = SCAN_EVERY  # agent.steps_total at which the next scan runs
         self._scan_cost: float | None = None  # moving average of a scan's seconds
         self._append_failed = False  # the last append to the findings file failed (logged once)
-        self._census_seen: Census | None = None  # the last census this component saw published
         self._deferred = False  # the last due evaluation waited for the step after a census
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
@@ -188,7 +186,8 @@ class LeakComponent:
         if parts is None or agent is None:
             return
         series = parts.series
-        started = self._clock()  # the step end's heavy work (scans, searches) is bounded from here
+        # The step end's heavy work (scans, searches) is bounded from here, with the census's slices in it.
+        started = self._clock() - (self._census.step_end_seconds if self._census is not None else 0.0)
         # The record waits in a short list and is fed to the detector, in one loop, just before the
         # evaluation that reads it (or once _UNFED_MAX wait). A sampled step end runs after a step of
         # compute, with the agent's code and data out of the cache: there each detector call costs
@@ -235,9 +234,7 @@ class LeakComponent:
         took its periodic census in this very step end, the evaluation's own heap scans (culprits,
         holders, host looks) go to the next one, so one pause of the job does not pay for both. Never
         twice in a row, so a census at every step cannot starve the detector."""
-        census = agent.published.census
-        fresh = census is not None and census is not self._census_seen and census.step == record.step
-        self._census_seen = census
+        fresh = self._census is not None and self._census.worked_at_step == record.step
         if fresh and not self._deferred:
             self._deferred = True
             agent.sample_within(1)

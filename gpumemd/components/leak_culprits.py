@@ -268,7 +268,7 @@ class CulpritSearch:
         now = self._agent.state().census
         stale = now is None or now.step is None or status.step - now.step > self._check_every_steps
         if stale and censuses is not None:
-            now = censuses.take_now()
+            now = yield from censuses.census_now()
             yield
         earlier = censuses.at_or_after(int(status.window_start)) if censuses is not None else None
         if earlier is None or earlier is now:

@@ -2,13 +2,17 @@
 
 The census pass makes one ``StorageRecord`` per storage (classified and named, with the graph
 bytes charged to it); everything here reads those records and knows nothing of how they were found.
+A record describes its storage when it is made (device, dtype, shape of the tensor that represents
+it) and holds that tensor only weakly: a census spread over several step ends (``probes.census``)
+must not keep a step's tensors alive into the next one. Grouping is incremental for the same reason:
+``Grouping.add`` takes the records a slice at a time.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gpumemd.records.census import CensusGroup, GroupKey, TensorEntry
 from gpumemd.records.device import Device
@@ -23,50 +27,68 @@ if TYPE_CHECKING:
 # compare in C, the GroupKey and Device dataclasses' __hash__/__eq__ run in Python. Records get the
 # Device once per group.
 _Key: TypeAlias = "tuple[str, str, tuple[int, ...], str, str | None]"
+TensorRef: TypeAlias = "Callable[[], torch.Tensor | None]"
+"""How a record holds its tensor: a weak reference (``probes.stepwise.hold_weakly``)."""
 
 
 class StorageRecord:
     """One storage (or the component storages of one sparse/wrapper tensor) during a census."""
 
-    __slots__ = ("category", "gkey", "graph_bytes", "kept_by", "name", "nbytes", "tensor")
+    __slots__ = ("category", "device", "dtype", "graph_bytes", "kept_by", "name", "nbytes", "ref", "shape")
 
-    def __init__(self, nbytes: int, category: str, name: str | None, tensor: torch.Tensor) -> None:
+    def __init__(self, nbytes: int, category: str, name: str | None, ref: TensorRef,  # noqa: PLR0917 - one per storage, in the hot loop
+                 device: Any, dtype: Any, shape: Any) -> None:
         self.nbytes = nbytes
         self.category = category
         self.name = name
-        self.tensor = tensor  # the representative: its shape/dtype/device describe the storage
+        self.ref = ref  # the representative, held weakly: its shape/dtype/device describe the storage
+        self.device = device  # a torch.device, or None when the representative could not be read
+        self.dtype = dtype  # a torch.dtype, or None
+        self.shape = shape  # a torch.Size (hashes like the tuple it is), or ()
         self.graph_bytes = 0
-        self.gkey: _Key | None = None  # set while grouping
         self.kept_by: StorageRecord | None = None  # the graph-keeping tensor whose autograd graph saves this
+
+    def represent(self, t: torch.Tensor, ref: TensorRef) -> None:
+        """Make ``t`` (held by ``ref``) the representative: a better name or a base for a view."""
+        self.ref = ref
+        self.device, self.dtype, self.shape = describe(t)
+
+
+def describe(t: torch.Tensor) -> tuple[Any, Any, Any]:
+    """(device, dtype, shape) of ``t``, None/() for what cannot be read (nested tensors have no sizes())."""
+    device = dtype = None
+    shape: Any = ()
+    try:
+        device = t.device
+        dtype = t.dtype
+        shape = t.shape
+    except Exception:  # noqa: BLE001 - keep what was read
+        pass
+    return device, dtype, shape
 
 
 class Grouping:
-    """Groups, the largest storages and the invisible bytes of one census's records."""
+    """Groups, the largest storages and the invisible bytes of one census's records, folded in a
+    slice at a time (``add``) and read at the end (``finish``)."""
 
-    def __init__(self, records: list[StorageRecord], storages: Storages) -> None:
-        self.records = records
+    def __init__(self, storages: Storages, largest: int) -> None:
         self.storages = storages
         self.dtypes: dict[torch.dtype, str] = {}
+        self.acc: dict[_Key, _Group] = {}
+        self.visible: dict[str, int] = {}  # device name -> the bytes of its counted storages
+        self.top: list[StorageRecord] = []
+        self.n_largest = largest
 
-    def groups(self) -> tuple[list[CensusGroup], dict[GroupKey, torch.Tensor], dict[GroupKey, torch.Tensor]]:
-        """Groups, largest first; per group a sample tensor and, when an autograd graph saves
-        that sample, the tensor keeping the graph alive (both for holder lookups)."""
-        acc: dict[_Key, _Group] = {}
+    def add(self, records: Sequence[StorageRecord]) -> None:
+        acc, visible = self.acc, self.visible
         devices, dtypes = self.storages.devices, self.dtypes
-        for record in self.records:
-            t = record.tensor
-            try:  # _group_key inlined: this runs once per storage
-                dev, dt = t.device, t.dtype
-                key: _Key = (
-                    (devices.get(dev) or self.storages.device(dev))[0],
-                    dtypes.get(dt) or self._dtype(dt),
-                    t.shape,  # a torch.Size hashes and compares like the tuple it becomes below
-                    record.category,
-                    record.name,
-                )
-            except Exception:  # noqa: BLE001 - nested tensors have no sizes()
-                key = self._group_key(record)
-            record.gkey = key
+        device_name, dtype_name = self._device_name, self._dtype_name
+        for record in records:  # the hot loop: the names come from the caches, inline
+            info = devices.get(record.device)
+            dev = info[0] if info is not None else device_name(record.device)
+            key: _Key = (dev, dtypes.get(record.dtype) or dtype_name(record.dtype), record.shape,
+                         record.category, record.name)
+            visible[dev] = visible.get(dev, 0) + record.nbytes
             size = record.nbytes + record.graph_bytes
             group = acc.get(key)
             if group is None:
@@ -77,66 +99,59 @@ class Grouping:
                 group.graph_bytes += record.graph_bytes
                 if size > group.size:
                     group.largest, group.size = record, size
-        return _finish(acc)
+        if self.n_largest > 0:
+            self.top = heapq.nlargest(self.n_largest, [*self.top, *records], key=_size)
 
-    def largest(self, n: int) -> list[TensorEntry]:
-        top = heapq.nlargest(n, self.records, key=lambda r: r.nbytes + r.graph_bytes)
-        out = []
-        for record in top:
-            device, dtype, shape, category, name = self._group_key(record)
-            out.append(
-                TensorEntry(
-                    nbytes=record.nbytes,
-                    shape=tuple(shape),
-                    dtype=dtype,
-                    device=Device.parse(device),
-                    category=category,
-                    name=name,
-                    graph_bytes=record.graph_bytes,
-                )
-            )
-        return out
+    def finish(self, allocator: Sequence[AllocatorSample]) -> tuple[
+        list[CensusGroup], dict[GroupKey, torch.Tensor], dict[GroupKey, torch.Tensor], list[TensorEntry],
+        dict[Device, int],
+    ]:
+        """(groups largest first, a sample tensor per group and, when an autograd graph saves that
+        sample, the tensor keeping the graph alive (both for holder lookups; groups whose tensors died
+        have none), the largest storages, the invisible bytes per device)."""
+        groups, samples, owners = _finish(self.acc)
+        entries = [self._entry(record) for record in self.top]
+        self.top = []
+        return groups, samples, owners, entries, self._invisible(allocator)
 
-    def invisible(self, allocator: Sequence[AllocatorSample]) -> dict[Device, int]:
+    def _invisible(self, allocator: Sequence[AllocatorSample]) -> dict[Device, int]:
         """CUDA allocated bytes minus the gc-visible storages on that device (graph estimates excluded:
         what autograd saved is part of what the census cannot see)."""
-        if not allocator:
-            return {}
-        visible: dict[str, int] = {}
-        devices = self.storages.devices
-        for record in self.records:
-            try:
-                dev = record.tensor.device
-            except Exception:  # noqa: BLE001
-                continue
-            name = (devices.get(dev) or self.storages.device(dev))[0]
-            visible[name] = visible.get(name, 0) + record.nbytes
         out = {}
         for sample in allocator:
             if sample.allocated_bytes is None:
                 continue
-            out[sample.device] = max(0, sample.allocated_bytes - visible.get(sample.device.name, 0))
+            out[sample.device] = max(0, sample.allocated_bytes - self.visible.get(sample.device.name, 0))
         return out
 
-    def _group_key(self, record: StorageRecord) -> _Key:
-        if record.gkey is not None:
-            return record.gkey
-        t = record.tensor
-        device, dtype = "?", "?"
-        shape: tuple[int, ...] = ()
-        try:
-            dev = t.device
-            device = (self.storages.devices.get(dev) or self.storages.device(dev))[0]
-            dt = t.dtype
-            dtype = self.dtypes.get(dt) or self._dtype(dt)
-            shape = tuple(t.shape)
-        except Exception:  # noqa: BLE001 - nested tensors have no sizes(); keep what was read
-            pass
-        return (device, dtype, shape, record.category, record.name)
+    def _entry(self, record: StorageRecord) -> TensorEntry:
+        return TensorEntry(
+            nbytes=record.nbytes,
+            shape=tuple(record.shape),
+            dtype=self._dtype_name(record.dtype),
+            device=Device.parse(self._device_name(record.device)),
+            category=record.category,
+            name=record.name,
+            graph_bytes=record.graph_bytes,
+        )
 
-    def _dtype(self, dt: torch.dtype) -> str:
-        name = self.dtypes[dt] = str(dt).removeprefix("torch.")
+    def _device_name(self, dev: torch.device | None) -> str:
+        if dev is None:
+            return "?"
+        info = self.storages.devices.get(dev)
+        return (info or self.storages.device(dev))[0]
+
+    def _dtype_name(self, dt: torch.dtype | None) -> str:
+        if dt is None:
+            return "?"
+        name = self.dtypes.get(dt)
+        if name is None:
+            name = self.dtypes[dt] = str(dt).removeprefix("torch.")
         return name
+
+
+def _size(record: StorageRecord) -> int:
+    return record.nbytes + record.graph_bytes
 
 
 class _Group:
@@ -161,9 +176,12 @@ def _finish(
     for key, g in acc.items():
         group_key = GroupKey(Device.parse(key[0]), key[1], tuple(key[2]), key[3], key[4])
         groups.append(CensusGroup(group_key, g.count, g.nbytes, g.graph_bytes))
-        samples[group_key] = g.largest.tensor
-        if g.largest.kept_by is not None:
-            owners[group_key] = g.largest.kept_by.tensor
+        sample = g.largest.ref()
+        if sample is not None:
+            samples[group_key] = sample
+        owner = g.largest.kept_by.ref() if g.largest.kept_by is not None else None
+        if owner is not None:
+            owners[group_key] = owner
     acc.clear()
     groups.sort(key=lambda g: g.nbytes + g.graph_bytes, reverse=True)
     return groups, samples, owners

@@ -25,7 +25,7 @@ from gpumemd.components import oom as oom_module
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.report import writer
 
@@ -144,7 +144,7 @@ def test_a_report_on_request(out_dir: str) -> None:
 
 
 def _census() -> CensusComponent:
-    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census)
+    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census_steps)
 
 
 def _agent(out_dir: str, component: OomComponent, **over: Any) -> Agent:

@@ -17,26 +17,37 @@ from gpumemd.budget import Part, clocked_plan, share
 from gpumemd.components.base import ComponentBase
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
+from gpumemd.probes.stepwise import Stepwise
 from gpumemd.records.census import Census
 
 
 class CostlyCensus:
-    """Stands in for take_census: advances the clock by ``cost`` and records the steps it ran at."""
+    """Stands in for census_steps: advances the clock by ``cost`` (in ``slices`` equal slices) and
+    records the steps it ran at."""
 
-    def __init__(self, clock: ManualClock, cost: float) -> None:
+    def __init__(self, clock: ManualClock, cost: float, slices: int = 1) -> None:
         self.clock = clock
         self.cost = cost
+        self.slices = slices
         self.steps: list[int | None] = []
         self.attempts: list[int | None] = []
         self.holders: list[int] = []
         self.fail = False
+        self.slice_costs: list[float] = []
 
-    def __call__(self, *, step: int | None, holders: int, **kwargs: Any) -> Census:
-        self.clock.now += self.cost
+    def __call__(self, *, step: int | None, holders: int, **kwargs: Any) -> Stepwise[Census]:
         self.attempts.append(step)
-        if self.fail:
-            raise RuntimeError("census broke")
+        return self._slices(step, holders)
+
+    def _slices(self, step: int | None, holders: int) -> Stepwise[Census]:
+        for i in range(self.slices):
+            if i:
+                yield
+            self.clock.now += self.cost / self.slices
+            self.slice_costs.append(self.cost / self.slices)
+            if self.fail:
+                raise RuntimeError("census broke")
         self.steps.append(step)
         self.holders.append(holders)
         return Census(step=step, taken_at=self.clock.now, duration_s=self.cost, groups=())
@@ -209,4 +220,4 @@ def test_census_component_is_registered_first_and_periodic_only_when_enabled(out
 
 def test_the_component_must_keep_two_censuses() -> None:
     with pytest.raises(ValueError, match="keep=1"):
-        CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census, keep=1)
+        CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census_steps, keep=1)

@@ -14,6 +14,7 @@ from gpumemd.api import build_agent
 from gpumemd.components.census import CensusComponent
 from gpumemd.components.leak import LeakComponent
 from gpumemd.config import Config
+from gpumemd.probes.stepwise import Stepwise
 from gpumemd.records.census import Census
 
 
@@ -27,23 +28,24 @@ def _run(out_dir: str, census_every_steps: int, steps: int) -> tuple[list[int], 
     census = next(c for c in agent._components if isinstance(c, CensusComponent))
     evaluated: list[int] = []
     censused: list[int] = []
-    evaluate, take = leak._evaluate, census._take
+    evaluate, begin = leak._evaluate, census._begin
 
     def counting_evaluate(parts: Any, step: int) -> None:
         evaluated.append(step)
         evaluate(parts, step)
 
-    def counting_take(step: int | None, *args: Any, **kwargs: Any) -> Any:
+    def counting_begin(step: int | None, *args: Any, **kwargs: Any) -> Any:
         censused.append(-1 if step is None else step)
-        return take(step, *args, **kwargs)
+        return begin(step, *args, **kwargs)
 
-    def empty_census(*, step: int | None, **kwargs: Any) -> Census:
+    def empty_census(*, step: int | None, **kwargs: Any) -> Stepwise[Census]:
         # What is under test is when the census runs, not what it finds: a heap scan at every step
         # would cost the suite a minute.
         return Census(step=step, taken_at=time.time(), duration_s=0.0, groups=())
+        yield  # a stepwise census of one slice
 
     leak._evaluate = counting_evaluate  # type: ignore[method-assign]
-    census._take = counting_take  # type: ignore[method-assign]
+    census._begin = counting_begin  # type: ignore[method-assign]
     census._census_fn = empty_census
     model = torch.nn.Linear(8, 8)
     agent.register(model)

@@ -17,7 +17,7 @@ import pytest
 from gpumemd.components.base import AgentView
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 
 
@@ -30,7 +30,7 @@ class _CpuProbe(SnapshotProbe):
 
 
 def _census() -> CensusComponent:
-    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census)
+    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census_steps)
 
 
 class _Agent:

@@ -30,7 +30,7 @@ from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.components.oom_capture import CAPTURE_TTL_S, CaptureSlot
 from gpumemd.config import Config
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
@@ -111,7 +111,7 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _census() -> CensusComponent:
-    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=take_census)
+    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census_steps)
 
 
 def _start(out_dir: str, probe: SnapshotProbe, clock: ManualClock | None = None) -> tuple[OomComponent, Agent]:

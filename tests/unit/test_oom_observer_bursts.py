@@ -14,7 +14,7 @@ from fakes import ManualClock as _Clock
 from gpumemd.components.base import AgentView
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
@@ -62,7 +62,7 @@ def setup() -> Iterator[tuple[OomComponent, _Probe, _Agent, _Clock]]:
                                         history_max_entries=0),
                              snapshot_probe=probe, clock=clock, wall_clock=lambda: float(next(wall)),
                              census=CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01),
-                                                    census_fn=take_census))
+                                                    census_fn=census_steps))
     component.start(cast(AgentView, agent))
     try:
         yield component, probe, agent, clock

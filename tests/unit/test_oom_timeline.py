@@ -15,7 +15,7 @@ from gpumemd.api import build_agent
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.components.oom import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import HostSample
@@ -95,7 +95,7 @@ class _Costly:
 def test_a_fast_jobs_report_ends_in_the_failing_step_and_begins_at_attach(out_dir: str) -> None:
     clock = ManualClock(100.0)
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False)
-    census = CensusComponent(config.options(CensusOptions), census_fn=take_census)
+    census = CensusComponent(config.options(CensusOptions), census_fn=census_steps)
     oom = OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(), census=census)
     agent = build_agent(config, components=[_Costly(clock), oom], clock=clock, wall_clock=clock)
     agent.start()

@@ -1,0 +1,119 @@
+"""A census in slices: the real pass holds no tensor across a slice, and the component spreads a
+costly census over step ends, each bounded, and lets a culprit search finish the one under way."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from fakes import ManualClock
+from test_census_component import CostlyCensus, _agent
+
+from gpumemd.components.census import CENSUS_SLICE_S, CensusComponent, CensusOptions
+from gpumemd.probes.census import CHUNK_TENSORS, census_steps, take_census
+from gpumemd.probes.stepwise import run_to_end
+
+SLICED = 3 * CHUNK_TENSORS  # enough anonymous tensors for a census of several slices
+
+
+def _other_bytes(census: Any) -> int:
+    return census.bytes_by_category()["other"]
+
+
+def test_between_its_slices_a_census_holds_no_tensor_of_the_job() -> None:
+    kept = [torch.zeros(25) for _ in range(SLICED)]  # 100 B each, one storage each
+    base = [sys.getrefcount(t) for t in kept]
+    previous = take_census(holders=0)
+    work = census_steps(holders=1, previous=previous)
+    slices = 0
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            census = done.value
+            break
+        slices += 1
+        assert [sys.getrefcount(t) for t in kept] == base, f"a tensor held across slice {slices}"
+    assert slices >= 3
+    assert _other_bytes(census) >= SLICED * 100  # counted all the same
+
+
+def test_tensors_freed_between_slices_are_not_counted_nor_kept_alive() -> None:
+    kept = [torch.zeros(25) for _ in range(SLICED)]
+    alive = [weakref.ref(t) for t in kept]
+    with_them = _other_bytes(take_census(holders=0))
+    work = census_steps(holders=0)
+    next(work)  # the heap pass is done: every tensor was seen
+    kept.clear()  # the job drops them before the census counts them
+    assert all(ref() is None for ref in alive)
+    without = _other_bytes(run_to_end(work))
+    assert with_them - without >= SLICED * 100
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
+
+
+def _component(clock: ManualClock, census: CostlyCensus) -> CensusComponent:
+    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census, clock=clock)
+
+
+def test_a_costly_census_is_spread_over_step_ends_each_a_bounded_pause(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=1.0, slices=50)  # 20 ms slices, 1 s in all
+    component = _component(clock, census)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    paused = []
+    try:
+        for _ in range(12):
+            clock.now += 1.0
+            before = clock.now
+            agent.mark_step()
+            paused.append(clock.now - before)
+    finally:
+        agent.stop()
+    assert census.steps == [0]  # one census, of the step it began at
+    busy = [p for p in paused if p > 0]
+    assert len(busy) >= 6 and max(busy) <= CENSUS_SLICE_S + 0.02 + 1e-9, paused
+    assert abs(sum(busy) - census.cost) < 1e-6  # the slices, and nothing else, took the step ends' time
+    assert agent.state().censuses_total == 1 and agent.state().census is not None
+    assert agent.state().census.step == 0
+
+
+def test_a_culprit_search_finishes_the_census_under_way(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=1.0, slices=50)
+    component = _component(clock, census)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    try:
+        clock.now += 1.0
+        agent.mark_step()  # step 0: the first census begins and runs a step end's share
+        assert census.steps == [] and component._running is not None
+        result = run_to_end(component.census_now())
+        assert census.attempts == [0] and result.step == 0  # that census, not a new one
+        assert agent.state().census is result and component._running is None
+    finally:
+        agent.stop()
+
+
+def test_a_census_outside_a_step_drops_the_one_under_way(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=1.0, slices=50)
+    component = _component(clock, census)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    try:
+        clock.now += 1.0
+        agent.mark_step()
+        census.slices = 1
+        outside = component.take_outside_step()  # the job's Agent.census(), or an OOM
+        for _ in range(5):
+            clock.now += 1.0
+            agent.mark_step()
+        assert census.attempts[:2] == [0, 0] and census.steps == [0]  # the dropped one never finished
+        assert agent.state().census is outside and agent.state().censuses_total == 1
+    finally:
+        agent.stop()
