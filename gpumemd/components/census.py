@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.budget import STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
+from gpumemd.probes.census import GRAPH_SLICE_NODES
 from gpumemd.probes.gc_pause import collector_paused
 from gpumemd.probes.stepwise import Stepwise, run_to_end
 
@@ -65,7 +66,8 @@ class CensusFn(Protocol):
 
     def __call__(self, *, models: Sequence[object], optimizers: Sequence[object], step: int | None,
                  allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int,
-                 pause_s: float | None, slice_started: Callable[[], float] | None) -> Stepwise[Census]: ...
+                 pause_s: float | None, slice_started: Callable[[], float] | None,
+                 graph_slice_nodes: int | None) -> Stepwise[Census]: ...
 
 
 @dataclass(eq=False)
@@ -319,7 +321,8 @@ class CensusComponent(ComponentBase):
         in_step = agent is not None and not outside_step
         return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
                                previous=previous, holders=holders, pause_s=STEP_END_PAUSE_S if in_step else None,
-                               slice_started=(lambda: self._step_end_began) if in_step else None)
+                               slice_started=(lambda: self._step_end_began) if in_step else None,
+                               graph_slice_nodes=GRAPH_SLICE_NODES if in_step else None)
 
     def _account(self, agent: AgentView | None, cost: float, *, outside_step: bool) -> None:
         if agent is not None:

@@ -64,6 +64,10 @@ CHUNK_TENSORS = 2_048
 CHUNK_RECORDS = 8_192
 """Storage records grouped between two yields (~0.4 µs each)."""
 
+GRAPH_SLICE_NODES = 10_000
+"""Autograd nodes walked in one slice of a census in step ends (~7 µs each: ~70 ms); a single graph
+larger than that is walked that far (its bytes a lower bound, ``graph_truncated``)."""
+
 
 def take_census(
     *,
@@ -98,6 +102,7 @@ def census_steps(
     allocator: Sequence[AllocatorSample] | None = None,
     largest: int = LARGEST,
     graph_max_nodes: int = GRAPH_MAX_NODES,
+    graph_slice_nodes: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     wall_clock: Callable[[], float] = time.time,
 ) -> Stepwise[Census]:
@@ -111,7 +116,9 @@ def census_steps(
     ``HOLDERS_TIME_BUDGET_S``. ``pause_s`` (a census in step ends): the lookups stop once the step end
     that runs them has paid that much, from ``slice_started()`` (the step end's start; without it, the
     census's), so the last slice too is one bounded pause (a leak finding that needs a holder looks it
-    up itself). The census's ``duration_s`` is the time spent in its slices, not the steps between.
+    up itself); ``graph_slice_nodes`` (``GRAPH_SLICE_NODES`` there) bounds each slice of the graph walk,
+    None walks up to ``graph_max_nodes`` at once. The census's ``duration_s`` is the time spent in its
+    slices, not the steps between.
     """
     start = clock()
     spent = 0.0
@@ -127,11 +134,12 @@ def census_steps(
             yield
             start = clock()
             census.count(CHUNK_TENSORS)
-        if graph and census.roots:
+        more = graph and bool(census.roots)
+        while more:
             spent += clock() - start
             yield
             start = clock()
-            census.charge()
+            more = census.charge(graph_slice_nodes)
         records = census.records
         for i in range(0, len(records), CHUNK_RECORDS):
             if i:

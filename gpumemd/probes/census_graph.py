@@ -21,61 +21,59 @@ if TYPE_CHECKING:
     from gpumemd.probes.census_groups import StorageRecord
     from gpumemd.probes.storages import StorageKey, Storages
 
-Root = tuple["StorageRecord", "Node"]  # a counted storage and a live grad_fn of a tensor on it
+Root = tuple[int, "StorageRecord", "Node"]  # a root's index, its counted storage and the live grad_fn of a tensor on it
 OnError = Callable[[str, BaseException], None]
 
 
-def charge_graphs(
-    roots: list[Root],
-    counted: dict[StorageKey, StorageRecord],
-    storages: Storages,
-    max_nodes: int,
-    on_error: OnError,
-) -> bool:
-    """Add the bytes each root's graph saved (and nothing counted) to ``graph_bytes`` of the root
-    that owns that graph, set ``kept_by`` of the counted storages a graph saved, and make anonymous
-    ones "graph". Whether the walk stopped at ``max_nodes``."""
-    charge = _Charge(roots, counted, storages, on_error)
-    walk = GraphWalk(max_nodes)
-    try:
-        charge.run(walk)
-    finally:
-        walk.clear()
-        charge.settle()
-    return walk.truncated
+class GraphCharge:
+    """Graph retention for one census, charged over one or more slices (``walk``), then ``settle``.
 
+    Each slice walks its roots with a fresh ``GraphWalk`` (nodes are held only while a slice runs:
+    their Python wrappers, and so their ids, do not outlive it). What carries over from slice to
+    slice needs no node: the storages charged (by storage key), the bytes charged to each root, the
+    roots absorbed into others (by index) and the counted storages a graph saved. A root whose graph
+    an earlier *slice* walked is walked again (its saved storages are charged already, so nothing is
+    counted twice); only its absorption into the outer root is missed.
+    """
 
-class _Charge:
-    def __init__(
-        self, roots: list[Root], counted: dict[StorageKey, StorageRecord], storages: Storages, on_error: OnError,
-    ) -> None:
-        self.roots = roots
+    def __init__(self, records: list[StorageRecord], counted: dict[StorageKey, StorageRecord], storages: Storages,
+                 on_error: OnError) -> None:
+        self.records = records  # the roots' records, by root index
         self.counted = counted
         self.storages = storages
         self.on_error = on_error
-        self.parent = list(range(len(roots)))  # union-find over roots: the owner is the set's root
-        self.root_of_node: dict[int, int] = {}
-        for i, (_, grad_fn) in enumerate(roots):
-            self.root_of_node.setdefault(id(grad_fn), i)
+        self.parent = list(range(len(records)))  # union-find over roots: the owner is the set's root
         self.charged: set[StorageKey] = set()
-        self.charged_bytes = [0] * len(roots)
+        self.charged_bytes = [0] * len(records)
         self.kept: dict[int, tuple[StorageRecord, int]] = {}  # counted saved storage -> the root whose graph saved it
+        self.reached = 0  # nodes reached over all slices
 
-    def run(self, walk: GraphWalk) -> None:
-        for i, (record, root) in enumerate(self.roots):
-            earlier = walk.walked_by(root)
-            if earlier is not None:
-                self._absorb(i, into=earlier)  # an intermediate of an earlier root's graph
-                continue
-            for node in walk.walk(root, i):
-                self._charge_node(walk, node, record, i)
-            for node in walk.met:
-                other = self.root_of_node.get(id(node))
-                if other is not None:
-                    self._absorb(other, into=i)  # that root lives inside this graph
-            walk.met.clear()
-            if walk.truncated:
-                return
+    def walk(self, roots: list[Root], walk: GraphWalk) -> int | None:
+        """Walk ``roots`` (in index order) within ``walk``'s node bound; the index of the root whose
+        walk the bound cut, or None when every root was walked."""
+        root_of_node: dict[int, int] = {}
+        for i, _, grad_fn in roots:
+            root_of_node.setdefault(id(grad_fn), i)
+        try:
+            for i, record, root in roots:
+                earlier = walk.walked_by(root)
+                if earlier is not None:
+                    self._absorb(i, into=earlier)  # an intermediate of an earlier root's graph
+                    continue
+                for node in walk.walk(root, i):
+                    self._charge_node(walk, node, record, i)
+                for node in walk.met:
+                    other = root_of_node.get(id(node))
+                    if other is not None:
+                        self._absorb(other, into=i)  # that root lives inside this graph
+                walk.met.clear()
+                if walk.truncated:
+                    return i
+            return None
+        finally:
+            self.reached += walk.reached
+            walk.clear()
+            root_of_node.clear()
 
     def _charge_node(self, walk: GraphWalk, node: Node, record: StorageRecord, i: int) -> None:
         counted, charged, kept = self.counted, self.charged, self.kept
@@ -95,15 +93,15 @@ class _Charge:
                     kept[id(visible)] = (visible, i)
 
     def settle(self) -> None:
-        """Charge what was walked (all of it, also when the walk stopped early) to the owners."""
-        roots = self.roots
-        for i, (record, _) in enumerate(roots):
-            owner = roots[self._find(i)][0]
+        """Charge what was walked (all of it, also when a walk stopped early) to the owners."""
+        roots = self.records
+        for i, record in enumerate(roots):
+            owner = roots[self._find(i)]
             owner.graph_bytes += self.charged_bytes[i]
             if owner is not record and record.kept_by is None:
                 record.kept_by = owner
         for record, i in self.kept.values():
-            owner = roots[self._find(i)][0]
+            owner = roots[self._find(i)]
             if owner is not record and record.kept_by is None:
                 record.kept_by = owner
             if record.category == "other":

@@ -19,8 +19,8 @@ import logging
 import weakref
 from typing import Any
 
-from gpumemd.probes.autograd_graph import tensors_in
-from gpumemd.probes.census_graph import Root, charge_graphs
+from gpumemd.probes.autograd_graph import GraphWalk, tensors_in
+from gpumemd.probes.census_graph import GraphCharge, Root
 from gpumemd.probes.census_groups import StorageRecord, TensorRef, describe
 from gpumemd.probes.stepwise import hold_weakly
 from gpumemd.probes.storages import StorageKey, Storages
@@ -49,6 +49,8 @@ class CensusPass:
         self.counted: dict[StorageKey, StorageRecord] = {}
         self.records: list[StorageRecord] = []
         self.roots: list[WeakRoot] = []  # tensors whose graphs ``charge`` walks
+        self._charge: GraphCharge | None = None  # the graph walk under way (over ``charge`` calls)
+        self._next_root = 0  # the first root the next ``charge`` call walks
         self.claimed: set[int] = set()
         self.pending: list[TensorRef] = []  # scanned anonymous tensors not counted yet
         self.position = 0  # how many of ``pending`` were counted
@@ -94,18 +96,40 @@ class CensusPass:
         self.position = 0
         return False
 
-    def charge(self) -> None:
-        """Walk the autograd graphs of the counted tensors that still have one (``census_graph``)."""
-        roots = self._live_roots()
-        self.roots.clear()
-        if roots:
-            self.graph_truncated = charge_graphs(roots, self.counted, self.storages, self.graph_max_nodes,
-                                                 self._error)
+    def charge(self, slice_nodes: int | None = None) -> bool:
+        """Walk the autograd graphs of the counted tensors that still have one (``census_graph``),
+        at most ``slice_nodes`` nodes in this call (None: up to the census's bound); whether roots
+        are left for another call. A root whose walk a slice's bound cuts is a lower bound
+        (``graph_truncated``)."""
+        charge = self._charge
+        if charge is None:
+            charge = self._charge = GraphCharge([record for record, _ in self.roots], self.counted, self.storages,
+                                                self._error)
+        bound = self.graph_max_nodes - charge.reached
+        if slice_nodes is not None:
+            bound = min(bound, slice_nodes)
+        roots = self._live_roots(self._next_root)
+        first = roots[0][0] if roots else None
+        cut = charge.walk(roots, GraphWalk(max(0, bound))) if roots and bound > 0 else None
         roots.clear()
+        if cut is not None:
+            if cut == first:
+                self.graph_truncated = True  # one graph larger than a slice: walked that far
+                cut += 1
+            # else the cut graph is walked again, whole, by the next slice (what it charged stays charged once)
+            if charge.reached < self.graph_max_nodes and cut < len(self.roots):
+                self._next_root = cut
+                return True
+            self.graph_truncated = True
+        charge.settle()
+        self._charge = None
+        self.roots.clear()
+        return False
 
-    def _live_roots(self) -> list[Root]:
+    def _live_roots(self, start: int) -> list[Root]:
         roots: list[Root] = []
-        for record, ref in self.roots:
+        for i in range(start, len(self.roots)):
+            record, ref = self.roots[i]
             t = ref()
             if t is None:
                 continue
@@ -115,7 +139,7 @@ class CensusPass:
                 self._error(f"a {type(t).__name__}", exc)
                 continue
             if grad_fn is not None:
-                roots.append((record, grad_fn))
+                roots.append((i, record, grad_fn))
         return roots
 
     def _scan(self) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
@@ -283,6 +307,7 @@ class CensusPass:
         leaves.clear()
 
     def release(self) -> None:
+        self._charge = None
         self.counted.clear()
         self.records.clear()
         self.roots.clear()

@@ -117,3 +117,32 @@ def test_a_census_outside_a_step_drops_the_one_under_way(clock: ManualClock, out
         assert agent.state().census is outside and agent.state().censuses_total == 1
     finally:
         agent.stop()
+
+
+def _graph_census(slice_nodes: int | None, model: torch.nn.Module) -> Any:
+    return run_to_end(census_steps(models=[model], holders=0, graph_slice_nodes=slice_nodes))
+
+
+def test_the_graph_walk_in_slices_charges_what_one_walk_charges() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    losses = [model(torch.randn(4, 16)).pow(2).mean() for _ in range(300)]  # ~6 nodes each: 300 roots
+    whole = _graph_census(None, model)
+    sliced = _graph_census(200, model)  # ~30 graphs a slice
+    assert not whole.graph_truncated and not sliced.graph_truncated
+    assert sliced.bytes_by_category()["graph"] == whole.bytes_by_category()["graph"] > 300 * 4 * 16 * 4
+    del losses
+
+
+def test_a_graph_larger_than_a_slice_is_walked_that_far_and_said_to_be_cut() -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 256))
+    y = torch.zeros(4, dtype=torch.long)
+    total = torch.zeros(())
+    for _ in range(200):  # one chain; each step's log_softmax output (4 KiB) has no Python wrapper
+        total = total + torch.nn.functional.cross_entropy(torch.randn(4, 16) @ w, y)
+    whole = run_to_end(census_steps(holders=0, graph_slice_nodes=None))
+    cut = run_to_end(census_steps(holders=0, graph_slice_nodes=300))
+    assert not whole.graph_truncated and cut.graph_truncated
+    assert 0 < cut.bytes_by_category()["graph"] < whole.bytes_by_category()["graph"]
+    del total
