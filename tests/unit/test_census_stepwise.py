@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from fakes import ManualClock
 from test_census_component import CostlyCensus, _agent
 
+from gpumemd.agent import Agent
 from gpumemd.components.census import CENSUS_SLICE_S, CensusComponent, CensusOptions
 from gpumemd.probes.census import CHUNK_TENSORS, census_steps, take_census
 from gpumemd.probes.stepwise import run_to_end
@@ -84,7 +86,9 @@ def test_a_costly_census_is_spread_over_step_ends_each_a_bounded_pause(clock: Ma
     assert agent.state().census.step == 0
 
 
-def test_a_culprit_search_finishes_the_census_under_way(clock: ManualClock, out_dir: str) -> None:
+@pytest.fixture
+def under_way(clock: ManualClock, out_dir: str) -> Iterator[tuple[CostlyCensus, CensusComponent, Agent]]:
+    """An agent whose first census (1 s in 20 ms slices) began at step 0 and is under way."""
     census = CostlyCensus(clock, cost=1.0, slices=50)
     component = _component(clock, census)
     agent = _agent(out_dir, component, clock)
@@ -93,30 +97,27 @@ def test_a_culprit_search_finishes_the_census_under_way(clock: ManualClock, out_
         clock.now += 1.0
         agent.mark_step()  # step 0: the first census begins and runs a step end's share
         assert census.steps == [] and component._running is not None
-        result = run_to_end(component.census_now())
-        assert census.attempts == [0] and result.step == 0  # that census, not a new one
-        assert agent.state().census is result and component._running is None
+        yield census, component, agent
     finally:
         agent.stop()
 
 
-def test_a_census_outside_a_step_drops_the_one_under_way(clock: ManualClock, out_dir: str) -> None:
-    census = CostlyCensus(clock, cost=1.0, slices=50)
-    component = _component(clock, census)
-    agent = _agent(out_dir, component, clock)
-    agent.start()
-    try:
+def test_a_culprit_search_finishes_the_census_under_way(under_way: Any) -> None:
+    census, component, agent = under_way
+    result = run_to_end(component.census_now())
+    assert census.attempts == [0] and result.step == 0  # that census, not a new one
+    assert agent.state().census is result and component._running is None
+
+
+def test_a_census_outside_a_step_drops_the_one_under_way(under_way: Any, clock: ManualClock) -> None:
+    census, component, agent = under_way
+    census.slices = 1
+    outside = component.take_outside_step()  # the job's Agent.census(), or an OOM
+    for _ in range(5):
         clock.now += 1.0
         agent.mark_step()
-        census.slices = 1
-        outside = component.take_outside_step()  # the job's Agent.census(), or an OOM
-        for _ in range(5):
-            clock.now += 1.0
-            agent.mark_step()
-        assert census.attempts[:2] == [0, 0] and census.steps == [0]  # the dropped one never finished
-        assert agent.state().census is outside and agent.state().censuses_total == 1
-    finally:
-        agent.stop()
+    assert census.attempts[:2] == [0, 0] and census.steps == [0]  # the dropped one never finished
+    assert agent.state().census is outside and agent.state().censuses_total == 1
 
 
 def _graph_census(slice_nodes: int | None, model: torch.nn.Module) -> Any:
