@@ -47,6 +47,7 @@ import torch
 import gpumemd
 from gpumemd.components.leak import LeakComponent
 from gpumemd.records.findings import Finding
+from gpumemd.records.step import Overhead
 
 OUT_FEATURES = 128  # the model's outputs: 4 rows of them are the 2 KiB kept per step
 KEPT_ROWS = 4
@@ -107,13 +108,13 @@ class Steps:
 
 
 WORK = ("census", "evaluation", "survivor scan", "heap look")
-"""What a step's bits say the agent did in it: a census was published, the leak component's evaluate /
-scan / host-look seconds grew."""
+"""What a step's bits say the agent did in it: the census seconds (a census or a slice of one), the
+leak component's evaluate / scan / host-look seconds grew."""
 
 
-def _work_marks(agent: gpumemd.Agent, leak: LeakComponent | None) -> tuple[float, ...]:
+def _work_marks(overhead: Overhead, leak: LeakComponent | None) -> tuple[float, ...]:
     """The counters whose growth in a step says what the agent did (cheap: no state is built)."""
-    censuses = float(agent.published.censuses_total)
+    censuses = overhead.census_seconds_total
     if leak is None:
         return (censuses, 0.0, 0.0, 0.0)
     return (censuses, leak.evaluate_seconds, leak.scan_seconds, leak.host_look_seconds)
@@ -152,7 +153,8 @@ def _train(agent: gpumemd.Agent, step: Callable[[], torch.Tensor], seconds: floa
     number = 0
     try:
         while pc() < deadline:
-            before, marks = overhead(), _work_marks(agent, leak)
+            before = overhead()
+            marks = _work_marks(before, leak)
             t0 = pc()
             out = step()
             if number >= onset:
@@ -162,7 +164,7 @@ def _train(agent: gpumemd.Agent, step: Callable[[], torch.Tensor], seconds: floa
             steps.wall.append(t1 - t0)
             steps.clocked.append(after.training_thread_seconds_total - before.training_thread_seconds_total)
             steps.sampled.append(after.samples > before.samples)
-            grew = zip(marks, _work_marks(agent, leak), strict=True)
+            grew = zip(marks, _work_marks(after, leak), strict=True)
             steps.work.append(sum(1 << bit for bit, (a, b) in enumerate(grew) if b > a))
             number += 1
     except KeyboardInterrupt:

@@ -129,6 +129,7 @@ def census_steps(
     grouping = Grouping(census.storages, largest)
     try:
         census.begin(models, optimizers)
+        del models, optimizers  # not kept alive across the job's steps by a census under way
         while census.left:
             spent += clock() - start
             yield
