@@ -138,17 +138,19 @@ class SignalEndings:
         if inner == signal.SIG_DFL:
             if not installed:
                 if active:  # a later handler chains to its predecessor: that was no action
-                    self._bounded(self._flush_once)
+                    _raise_if_any(self._bounded(self._flush_once))
                 return None
             if active:
+                # What another handler raised meanwhile is dropped: without us the process would have
+                # died before that signal came (a DataLoader's SIGCHLD handler, when the same SIGTERM
+                # reached its workers, raises "worker killed by signal" into the main thread).
                 self._bounded(lambda: self._finish(name))
             _die_by(signum)
             return None
-        if active:
-            self._bounded(self._flush_once)
-        if callable(inner):
-            return inner(signum, frame)
-        return None
+        raised = self._bounded(self._flush_once) if active else None
+        result = inner(signum, frame) if callable(inner) else None
+        _raise_if_any(raised)  # after the job's handler, as it would have come without us
+        return result
 
     def _flush_once(self) -> None:
         """The flush, unless one ran within ``_AGAIN_S``: a re-wrapped handler that chains to our first
@@ -159,27 +161,53 @@ class SignalEndings:
         self._flushed_at = now
         self._flush()
 
-    def _bounded(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on its own thread and wait for it, ``deadline_s`` at most (see the docstring)."""
+    def _bounded(self, work: Callable[[], None]) -> BaseException | None:
+        """Run ``work`` on its own thread and wait for it, ``deadline_s`` at most (see the docstring).
+        What another signal's handler raises into the wait (KeyboardInterrupt, a DataLoader's worker
+        error) does not cut it short: the first such exception is returned for the caller to raise
+        where the job would have met it."""
         self._busy = True  # a second signal while we write goes straight to the job's ending
 
+        # Waited for on events, not Thread.join: a join that an exception interrupts marks the thread
+        # stopped while it still runs (CPython 3.11's _wait_for_tstate_lock), and is never waited for again.
+        began, done = threading.Event(), threading.Event()
+
         def run() -> None:
+            began.set()
             try:
                 work()
             except Exception:
                 log.debug("gpumemd: writing at a signal failed", exc_info=True)
+            finally:
+                done.set()
 
         thread = threading.Thread(target=run, name="gpumemd-signal-flush", daemon=True)
+        raised: BaseException | None = None
+        deadline = time.monotonic() + self._deadline_s
+        starting = True
         try:
-            thread.start()
-            thread.join(self._deadline_s)
-            if thread.is_alive():
+            while True:
+                try:
+                    if starting:
+                        starting = False
+                        thread.start()
+                    done.wait(max(0.0, deadline - time.monotonic()))
+                    break
+                except BaseException as exc:  # noqa: BLE001 - another handler's, raised between our bytecodes
+                    raised = raised or exc
+                    if time.monotonic() >= deadline or not began.wait(1.0):
+                        break  # out of time, or cut off before the thread could start: nothing to wait for
+            if not done.is_set():
                 log.warning("gpumemd: writing what the agent knows took over %.0f s; the job ends without it",
                             self._deadline_s)
-        except KeyboardInterrupt:
-            pass  # a Ctrl-C during the wait: the ending goes on
         finally:
             self._busy = False
+        return raised
+
+
+def _raise_if_any(exc: BaseException | None) -> None:
+    if exc is not None:
+        raise exc
 
 
 def _set(signum: int, handler: Handler) -> bool:

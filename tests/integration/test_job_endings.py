@@ -10,7 +10,10 @@ for the same files beside its last scrape.)
 - a handler of the job's (installed after attach, ending with ``os._exit(7)``: no atexit, no summary)
   still decides the ending, exit status 7, and the agent wrote what it knew before calling it;
 - SIGKILL: nothing can run, but the state file kept as the job ran tells ``gpumemd report`` what the
-  job knew, and that it vanished.
+  job knew, and that it vanished;
+- SIGTERM to the process group of a job with persistent DataLoader workers: the workers die of it
+  while the agent writes, and the job still dies of SIGTERM, without a traceback of the DataLoader's
+  "worker killed by signal" error (torch raises it into the main thread when a worker dies).
 """
 
 from __future__ import annotations
@@ -38,8 +41,15 @@ JOB = textwrap.dedent("""
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept, said = [], False
+    batches = iter(())
+    if sys.argv[1] == "loader":  # persistent DataLoader workers, in the job's process group
+        from torch.utils.data import DataLoader, TensorDataset
+        loader = DataLoader(TensorDataset(torch.randn(10**6, 16)), batch_size=4, num_workers=2,
+                            persistent_workers=True)
+        batches = iter(loader)
     while True:
-        model(torch.randn(4, 16)).sum().backward()
+        x = next(batches, [torch.randn(4, 16)])[0]
+        model(x).sum().backward()
         opt.step()
         opt.zero_grad()
         kept.append(torch.zeros(16 * 1024))  # the leak: 64 KiB a step, never freed
@@ -52,6 +62,7 @@ CASES = {  # name: (how it is run, its argument, the signal)
     "run_sigterm": ("run", "plain", signal.SIGTERM),
     "own_handler": ("attach", "own-handler", signal.SIGTERM),
     "run_sigkill": ("run", "plain", signal.SIGKILL),
+    "loader_group": ("attach", "loader", signal.SIGTERM),  # to the process group, workers too
 }
 
 
@@ -83,7 +94,8 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ended]
             [sys.executable, "-m", "gpumemd", "run", str(script), arg]
         procs[name] = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        env={**env, "GPUMEMD_OUTPUT_DIR": str(out),
-                                            "GPUMEMD_TEXTFILE": str(out / "metrics.prom")})
+                                            "GPUMEMD_TEXTFILE": str(out / "metrics.prom")},
+                                       start_new_session=name == "loader_group")
     results = {}
     try:
         deadline = time.monotonic() + 120
@@ -92,7 +104,10 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ended]
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
             line = proc.stdout.readline() if ready else ""
             assert line.strip() == "found", f"{name}: no finding ({line!r}, rc {proc.poll()})"
-            proc.send_signal(CASES[name][2])
+            if name == "loader_group":
+                os.killpg(proc.pid, CASES[name][2])  # as `timeout`, Slurm or a terminal's Ctrl-C do
+            else:
+                proc.send_signal(CASES[name][2])
         for name, proc in procs.items():
             _, err = proc.communicate(timeout=60)
             results[name] = Ended(root / name, proc.returncode, err)
@@ -134,3 +149,11 @@ def test_a_sigkilled_job_leaves_a_state_file_that_report_reads(ended: dict[str, 
     assert "VANISHED: no clean exit recorded" in report.stdout
     assert "at risk when last seen: " in report.stdout and "finding: " in report.stdout
     assert "tensor leak" in report.stdout and "out of memory in" in report.stdout
+
+
+def test_sigterm_to_a_job_and_its_workers_ends_it_as_without_gpumemd(ended: dict[str, Ended]) -> None:
+    job = ended["loader_group"]
+    assert job.returncode == -signal.SIGTERM, job.stderr
+    assert "Traceback" not in job.stderr, job.stderr
+    assert "gpumemd: ended by SIGTERM · " in job.stderr
+    assert job.state()["ended"] == "SIGTERM"

@@ -146,3 +146,26 @@ def test_a_flush_that_cannot_finish_is_waited_for_at_most_the_deadline(calls: Ca
     for thread in flush:
         thread.join(timeout=5)  # it takes the released lock and ends
     assert not any(t.is_alive() for t in flush)
+
+
+def test_what_another_handler_raises_during_the_flush_comes_after_the_jobs_handler(calls: Calls) -> None:
+    # A DataLoader's SIGCHLD handler raises "worker killed by signal" when the same SIGTERM reached its
+    # workers: raised into our wait, it must neither cut the flush short nor overtake the job's handler.
+    released = threading.Event()
+
+    def other(signum: int, frame: FrameType | None) -> None:
+        raise RuntimeError("worker killed")
+
+    def flush() -> None:
+        os.kill(os.getpid(), USR2)  # handled on the main thread, in the middle of our wait
+        released.wait(0.3)
+        calls.log.append("flush")
+
+    endings = SignalEndings(flush=flush, finish=lambda name: None, active=lambda: True)
+    signal.signal(USR2, other)
+    signal.signal(USR1, calls.handler("job"))  # type: ignore[arg-type]
+    endings.install()
+    with pytest.raises(RuntimeError, match="worker killed"):
+        os.kill(os.getpid(), USR1)
+    assert calls.log == ["flush", "job"]
+    endings.uninstall()
