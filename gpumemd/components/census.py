@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 from gpumemd.budget import STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
 from gpumemd.probes.census import GRAPH_SLICE_NODES
-from gpumemd.probes.gc_pause import collector_paused
+from gpumemd.probes.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
 from gpumemd.probes.stepwise import Stepwise, run_to_end
 
 if TYPE_CHECKING:
@@ -75,9 +75,17 @@ class _Running:
     """A census under way: its slices run at step ends, or in a culprit search waiting for it."""
 
     work: Stepwise[Census]
+    hold: AutomaticHold | None = None  # automatic collections wait while it holds tracked objects
     cost: float = 0.0
     result: Census | None = None
     over: bool = False  # done, failed or dropped
+
+    def end(self) -> None:
+        """Done, failed or dropped: its generator releases what it held, then collections resume."""
+        self.over = True
+        self.work.close()
+        release_automatic(self.hold)
+        self.hold = None
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,8 @@ class CensusComponent(ComponentBase):
         with self._lock:
             agent = self._agent
             previous = self._recent[-1] if self._recent else None
-            running = self._running = _Running(self._work(agent, step, allocator, previous, outside_step=False))
+            running = self._running = _Running(self._work(agent, step, allocator, previous, outside_step=False),
+                                               hold_automatic())
         return running
 
     def _advance(self, running: _Running, go_on: Callable[[], bool]) -> None:
@@ -276,9 +285,9 @@ class CensusComponent(ComponentBase):
                         next(running.work)
                 except StopIteration as done:
                     census = running.result = done.value
-                    running.over = True
+                    running.end()
                 except Exception as exc:  # noqa: BLE001 - the job comes first: back off and carry on
-                    running.over = True
+                    running.end()
                     self._fail(exc)
                 cost = self._clock() - started
                 running.cost += cost
@@ -301,8 +310,7 @@ class CensusComponent(ComponentBase):
         """Under the lock: drop the census under way (its generator releases what it held)."""
         running, self._running = self._running, None
         if running is not None:
-            running.over = True
-            running.work.close()
+            running.end()
 
     def _publish(self, census: Census) -> None:
         agent = self._agent

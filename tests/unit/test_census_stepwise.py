@@ -3,6 +3,7 @@ costly census over step ends, each bounded, and lets a culprit search finish the
 
 from __future__ import annotations
 
+import gc
 import sys
 import weakref
 from collections.abc import Iterator
@@ -104,7 +105,9 @@ def under_way(clock: ManualClock, out_dir: str) -> Iterator[tuple[CostlyCensus, 
 
 def test_a_culprit_search_finishes_the_census_under_way(under_way: Any) -> None:
     census, component, agent = under_way
+    assert gc.get_threshold()[0] == 0  # automatic collections wait while its objects live across steps
     result = run_to_end(component.census_now())
+    assert gc.get_threshold()[0] > 0
     assert census.attempts == [0] and result.step == 0  # that census, not a new one
     assert agent.state().census is result and component._running is None
 
@@ -118,6 +121,7 @@ def test_a_census_outside_a_step_drops_the_one_under_way(under_way: Any, clock: 
         agent.mark_step()
     assert census.attempts[:2] == [0, 0] and census.steps == [0]  # the dropped one never finished
     assert agent.state().census is outside and agent.state().censuses_total == 1
+    assert gc.get_threshold()[0] > 0  # the dropped census let go of its hold
 
 
 def _graph_census(slice_nodes: int | None, model: torch.nn.Module) -> Any:
@@ -147,3 +151,9 @@ def test_a_graph_larger_than_a_slice_is_walked_that_far_and_said_to_be_cut() -> 
     assert not whole.graph_truncated and cut.graph_truncated
     assert 0 < cut.bytes_by_category()["graph"] < whole.bytes_by_category()["graph"]
     del total
+
+
+def test_a_job_that_stops_with_a_census_under_way_gets_its_collector_back(under_way: Any) -> None:
+    _, component, agent = under_way
+    agent.stop()
+    assert component._running is None and gc.get_threshold()[0] > 0

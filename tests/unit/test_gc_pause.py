@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 
-from gpumemd.probes.gc_pause import collector_paused, job_collector_enabled
+from gpumemd.probes.gc_pause import collector_paused, hold_automatic, job_collector_enabled, release_automatic
 
 _WALKS = """
 import gc, json
@@ -46,3 +47,38 @@ def test_a_job_that_disabled_the_collector_keeps_it_disabled() -> None:
     with collector_paused(), collector_paused():
         assert job_collector_enabled()  # nested pauses tell the job's own setting
     assert gc.isenabled()
+
+
+def test_a_hold_stops_automatic_collections_and_gives_the_jobs_thresholds_back() -> None:
+    job = gc.get_threshold()
+    hold = hold_automatic()
+    try:
+        assert hold is not None and gc.get_threshold() == (0, job[1], job[2]) and gc.isenabled()
+        assert hold_automatic() is None  # one hold at a time: a nested one changes nothing
+    finally:
+        release_automatic(hold)
+    assert gc.get_threshold() == job
+
+
+def test_thresholds_the_job_sets_during_a_hold_are_kept() -> None:
+    job = gc.get_threshold()
+    hold = hold_automatic()
+    try:
+        gc.set_threshold(5000, 20, 20)  # the job's own tuning, while a census is under way
+        release_automatic(hold)
+        assert gc.get_threshold() == (5000, 20, 20)
+    finally:
+        gc.set_threshold(*job)
+
+
+def test_a_process_forked_during_a_hold_runs_the_jobs_thresholds() -> None:
+    job = gc.get_threshold()
+    hold = hold_automatic()
+    try:
+        pid = os.fork()  # as a DataLoader forks its workers
+        if pid == 0:
+            os._exit(0 if gc.get_threshold() == job else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release_automatic(hold)
+    assert os.waitstatus_to_exitcode(status) == 0
