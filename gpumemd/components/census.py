@@ -205,8 +205,10 @@ class CensusComponent(ComponentBase):
         return census_share(self._budget, _other_share(self._agent, seconds_per_step))
 
     def take_now(self) -> Census:
-        """Run a census now, whole (the one under way, if any, is finished), keep it with the recent
-        ones and publish it."""
+        """Run a census now, whole (one under way is dropped: this one is newer), keep it with the
+        recent ones and publish it."""
+        with self._lock:
+            self._drop_running()
         return run_to_end(self._census_now(in_step_end=False))
 
     def census_now(self) -> Stepwise[Census]:

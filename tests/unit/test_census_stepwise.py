@@ -157,3 +157,11 @@ def test_a_job_that_stops_with_a_census_under_way_gets_its_collector_back(under_
     _, component, agent = under_way
     agent.stop()
     assert component._running is None and gc.get_threshold()[0] > 0
+
+
+def test_a_census_taken_now_is_a_new_one_not_the_one_under_way(under_way: Any) -> None:
+    census, component, agent = under_way
+    census.slices = 1
+    now = component.take_now()
+    assert census.attempts == [0, 0] and census.steps == [0]  # begun anew; the older one dropped
+    assert agent.state().census is now and component._running is None
