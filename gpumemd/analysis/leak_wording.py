@@ -354,12 +354,15 @@ def rows_rate(rows_per_step: float, row_bytes: int) -> str:
     return f"+{n} row{'' if n == '1' else 's'}/step (~{format_bytes(rows_per_step * row_bytes)}/step)"
 
 
-def chain_sentence(description: str, graph_nodes: int, saved_per_step: float, holder: str | None) -> str:
+def chain_sentence(description: str, graph_nodes: int, saved_per_step: float, holder: str | None, *,
+                   at_least: bool = False) -> str:
     """The culprit sentence of a graph chain: 'every step's graph stays chained to float32[] held by
     `epoch_loss` in train() at train.py:57 (graph of 3,001 nodes now; backward() freed their saved
-    tensors, the nodes stay): accumulate `.item()` or `.detach()`, not the tensor with its graph'."""
+    tensors, the nodes stay): accumulate `.item()` or `.detach()`, not the tensor with its graph'.
+    ``at_least``: the count stopped at ``graph_nodes`` ("20,000+ nodes")."""
+    nodes = f"{graph_nodes:,}{'+' if at_least else ''}"
     text = (f"every step's graph stays chained to {description}"
-            f"{f' held by {holder}' if holder else ' (holder not found)'} (graph of {graph_nodes:,} nodes now; ")
+            f"{f' held by {holder}' if holder else ' (holder not found)'} (graph of {nodes} nodes now; ")
     if saved_per_step >= 1:
         text += f"its saved tensors grow ~{format_bytes(saved_per_step)}/step)"
     else:

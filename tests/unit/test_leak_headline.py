@@ -12,6 +12,8 @@ from gpumemd.analysis.leak_headline import (
     short_path,
 )
 from gpumemd.analysis.leak_track import hinge_onset, knee_between
+from gpumemd.analysis.leak_wording import chain_sentence
+from gpumemd.components.leak_culprits import CHAIN_NODES_MAX
 from gpumemd.records.findings import Culprit, Finding
 
 
@@ -77,3 +79,10 @@ def test_one_cause_of_several_groups_is_named_once_by_the_path_they_share() -> N
     said = mention(finding)
     assert said.startswith("tensor leak held by `errors` in main()") and said.endswith("(confirmed, since step 79)")
     assert "frame step()" in said and "local `act`" not in said and "local `x`" not in said
+
+
+def test_a_chain_counted_to_its_bound_says_so() -> None:
+    exact = chain_sentence("float32[]", 3_001, 0.0, "`epoch_loss` in train() at train.py:57")
+    assert "(graph of 3,001 nodes now; backward() freed their saved tensors" in exact
+    bounded = chain_sentence("float32[]", CHAIN_NODES_MAX, 0.0, None, at_least=True)
+    assert "(holder not found) (graph of 20,000+ nodes now;" in bounded
