@@ -33,11 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from gpumemd.budget import STEP_END_PAUSE_S, census_share
+from gpumemd.budget import HEAP_PASS_START_S, STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
 from gpumemd.probes.census import GRAPH_SLICE_NODES
 from gpumemd.probes.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
-from gpumemd.probes.stepwise import Stepwise, run_to_end
+from gpumemd.probes.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -67,15 +67,16 @@ class CensusFn(Protocol):
     def __call__(self, *, models: Sequence[object], optimizers: Sequence[object], step: int | None,
                  allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int,
                  pause_s: float | None, slice_started: Callable[[], float] | None,
-                 graph_slice_nodes: int | None) -> Stepwise[Census]: ...
+                 graph_slice_nodes: int | None) -> Hinted[Census]: ...
 
 
 @dataclass(eq=False)
 class _Running:
     """A census under way: its slices run at step ends, or in a culprit search waiting for it."""
 
-    work: Stepwise[Census]
+    work: Hinted[Census]
     hold: AutomaticHold | None = None  # automatic collections wait while it holds tracked objects
+    heap_pass_next: bool = False  # its next slice scans the heap (``probes.stepwise.HEAP_PASS``)
     cost: float = 0.0
     result: Census | None = None
     over: bool = False  # done, failed or dropped
@@ -260,8 +261,11 @@ class CensusComponent(ComponentBase):
 
     # --- a census under way ------------------------------------------------------------------
 
-    def _in_step_end(self) -> bool:
-        return self._clock() - self._step_end_began < CENSUS_SLICE_S
+    def _in_step_end(self, heap_pass: bool) -> bool:
+        """Whether the next slice runs in this step end: a slice of a few ms while it has paid less
+        than ``CENSUS_SLICE_S``, a heap pass (the holder lookups) only early in it."""
+        limit = HEAP_PASS_START_S if heap_pass else CENSUS_SLICE_S
+        return self._clock() - self._step_end_began < limit
 
     def _begin(self, step: int | None, allocator: Sequence[AllocatorSample] | None) -> _Running:
         with self._lock:
@@ -271,11 +275,12 @@ class CensusComponent(ComponentBase):
                                                hold_automatic())
         return running
 
-    def _advance(self, running: _Running, go_on: Callable[[], bool]) -> None:
-        """Run slices of ``running``: one, then more while ``go_on()``; finish or fail it at its end."""
+    def _advance(self, running: _Running, go_on: Callable[[bool], bool]) -> None:
+        """Run slices of ``running``: one, then more while ``go_on(next is a heap pass)``; finish or
+        fail it at its end."""
         census: Census | None = None
         first = True
-        while not running.over and (first or go_on()):
+        while not running.over and (first or go_on(running.heap_pass_next)):
             first = False
             with self._lock:
                 if running is not self._running:
@@ -284,7 +289,7 @@ class CensusComponent(ComponentBase):
                 started = self._clock()
                 try:
                     with collector_paused():  # its allocations must not set off a collection of the job's heap
-                        next(running.work)
+                        running.heap_pass_next = next(running.work) is HEAP_PASS
                 except StopIteration as done:
                     census = running.result = done.value
                     running.end()
@@ -320,7 +325,7 @@ class CensusComponent(ComponentBase):
             agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
 
     def _work(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
-              previous: Census | None, *, outside_step: bool) -> Stepwise[Census]:
+              previous: Census | None, *, outside_step: bool) -> Hinted[Census]:
         models = list(agent.models) if agent is not None else []
         optimizers = list(agent.optimizers) if agent is not None else []
         # Holders only for what grew since the previous census: a step's first one has nothing to
@@ -378,7 +383,7 @@ class CensusComponent(ComponentBase):
         return None
 
 
-def _always() -> bool:
+def _always(heap_pass: bool) -> bool:
     return True
 
 

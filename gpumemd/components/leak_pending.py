@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpumemd.budget import STEP_END_PAUSE_S
+from gpumemd.budget import HEAP_PASS_START_S
 from gpumemd.probes.stepwise import Stepwise
 
 if TYPE_CHECKING:
     from gpumemd.analysis.leak_detector import TrackStatus
     from gpumemd.components.leak_evidence import Evidence
 
-SLICE_START_S = STEP_END_PAUSE_S / 4
+SLICE_START_S = HEAP_PASS_START_S
 """A heap pass starts only while the step end has paid less than this; the longest pass (a holder
 search, within ``probes.holders.HOLDER_BUDGET_S``) then ends within ``STEP_END_PAUSE_S`` or about."""
 

@@ -45,7 +45,7 @@ from typing import Any
 from gpumemd.probes.census_groups import Grouping
 from gpumemd.probes.census_pass import CensusPass
 from gpumemd.probes.holders import fill_holders
-from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.stepwise import HEAP_PASS, Hinted, hold_weakly, run_to_end
 from gpumemd.records.census import Census
 from gpumemd.records.samples import AllocatorSample
 
@@ -105,7 +105,7 @@ def census_steps(
     graph_slice_nodes: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     wall_clock: Callable[[], float] = time.time,
-) -> Stepwise[Census]:
+) -> Hinted[Census]:
     """A census that yields between its slices (see the module docstring) and returns the ``Census``.
 
     ``models``/``optimizers`` name parameters, gradients and optimizer state; ``step`` is the
@@ -132,20 +132,20 @@ def census_steps(
         del models, optimizers  # not kept alive across the job's steps by a census under way
         while census.left:
             spent += clock() - start
-            yield
+            yield None
             start = clock()
             census.count(CHUNK_TENSORS)
         more = graph and bool(census.roots)
         while more:
             spent += clock() - start
-            yield
+            yield None
             start = clock()
             more = census.charge(graph_slice_nodes)
         records = census.records
         for i in range(0, len(records), CHUNK_RECORDS):
             if i:
                 spent += clock() - start
-                yield
+                yield None
                 start = clock()
             grouping.add(records[i:i + CHUNK_RECORDS])
         objects, truncated, errors = census.objects_scanned, census.graph_truncated, census.errors
@@ -159,7 +159,7 @@ def census_steps(
         samples.clear()
         owners.clear()
         spent += clock() - start
-        yield  # the lookups scan the heap: a slice of their own
+        yield HEAP_PASS  # the lookups scan the heap: a slice of their own, early in a step end
         start = clock()
         paid_from = slice_started() if slice_started is not None else start
         budget_s = HOLDERS_TIME_BUDGET_S if pause_s is None else min(HOLDERS_TIME_BUDGET_S,

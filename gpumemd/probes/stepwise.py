@@ -21,8 +21,15 @@ T = TypeVar("T")
 Stepwise = Generator[None, None, T]
 """A piece of work that yields between heap passes and returns its result."""
 
+Hinted = Generator["str | None", None, T]
+"""Stepwise work that says what comes next: it yields ``HEAP_PASS`` before a pass that scans the heap
+(whoever runs it starts that early in a step end), None before a short one."""
 
-def run_to_end(work: Stepwise[T]) -> T:
+HEAP_PASS = "heap pass"
+"""Yielded before a pass that scans the whole heap and cannot be cut short once begun."""
+
+
+def run_to_end(work: Generator[Any, None, T]) -> T:
     """Run ``work`` through all its passes now and return what it returns."""
     while True:
         try:

@@ -17,7 +17,8 @@ from test_census_component import CostlyCensus, _agent
 from gpumemd.agent import Agent
 from gpumemd.components.census import CENSUS_SLICE_S, CensusComponent, CensusOptions
 from gpumemd.probes.census import CHUNK_TENSORS, census_steps, take_census
-from gpumemd.probes.stepwise import run_to_end
+from gpumemd.probes.stepwise import HEAP_PASS, Hinted, run_to_end
+from gpumemd.records.census import Census
 
 SLICED = 3 * CHUNK_TENSORS  # enough anonymous tensors for a census of several slices
 
@@ -165,3 +166,27 @@ def test_a_census_taken_now_is_a_new_one_not_the_one_under_way(under_way: Any) -
     now = component.take_now()
     assert census.attempts == [0, 0] and census.steps == [0]  # begun anew; the older one dropped
     assert agent.state().census is now and component._running is None
+
+
+def test_a_heap_pass_waits_for_an_early_moment_in_a_step_end(clock: ManualClock, out_dir: str) -> None:
+    def census(*, step: int | None, **kwargs: Any) -> Hinted[Census]:
+        clock.now += 0.1  # the heap pass and the counting
+        yield HEAP_PASS  # next: holder lookups, a heap scan that cannot be cut short
+        clock.now += 0.15
+        return Census(step=step, taken_at=clock.now, duration_s=0.25, groups=())
+
+    component = CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    paused = []
+    try:
+        for _ in range(3):
+            clock.now += 1.0
+            before = clock.now
+            agent.mark_step()
+            paused.append(round(clock.now - before, 6))
+    finally:
+        agent.stop()
+    assert paused[:2] == [0.1, 0.15]  # not 0.25 in one step end
+    assert agent.state().censuses_total == 1
