@@ -222,7 +222,8 @@ class CensusComponent(ComponentBase):
         running = self._running
         if running is None:
             state = self._agent.state() if self._agent is not None else None
-            running = self._begin(state.step if state else None, state.allocator if state else None)
+            running = self._begin(state.step if state else None, state.allocator if state else None,
+                                  in_step_end=in_step_end)
         while True:
             self._advance(running, self._in_step_end if in_step_end else _always)
             if running.result is not None:
@@ -245,8 +246,10 @@ class CensusComponent(ComponentBase):
             self._drop_running()
             previous = agent.published.census if agent is not None else None
             started = self._clock()
+            self._steps_since = 0
             try:
-                census = run_to_end(self._work(agent, step, allocator, previous, outside_step=True))
+                census = run_to_end(self._work(agent, step, allocator, previous, outside_step=True,
+                                               in_step_end=False))
             except Exception:
                 self._account(agent, self._clock() - started, outside_step=True)
                 self._finished(self._clock() - started, failed=True)
@@ -267,12 +270,16 @@ class CensusComponent(ComponentBase):
         limit = HEAP_PASS_START_S if heap_pass else CENSUS_SLICE_S
         return self._clock() - self._step_end_began < limit
 
-    def _begin(self, step: int | None, allocator: Sequence[AllocatorSample] | None) -> _Running:
+    def _begin(self, step: int | None, allocator: Sequence[AllocatorSample] | None, *,
+               in_step_end: bool = True) -> _Running:
+        """A census under way from here; the next is due ``interval`` steps after this one began."""
         with self._lock:
             agent = self._agent
             previous = self._recent[-1] if self._recent else None
-            running = self._running = _Running(self._work(agent, step, allocator, previous, outside_step=False),
-                                               hold_automatic())
+            work = self._work(agent, step, allocator, previous, outside_step=False, in_step_end=in_step_end)
+            running = self._running = _Running(work, hold_automatic())
+            self._steps_since = 0
+            self._next_look = 0
         return running
 
     def _advance(self, running: _Running, go_on: Callable[[bool], bool]) -> None:
@@ -325,15 +332,15 @@ class CensusComponent(ComponentBase):
             agent.publish(census=census, censuses_total=agent.state().censuses_total + 1)
 
     def _work(self, agent: AgentView | None, step: int | None, allocator: Sequence[AllocatorSample] | None,
-              previous: Census | None, *, outside_step: bool) -> Hinted[Census]:
+              previous: Census | None, *, outside_step: bool, in_step_end: bool) -> Hinted[Census]:
         models = list(agent.models) if agent is not None else []
         optimizers = list(agent.optimizers) if agent is not None else []
         # Holders only for what grew since the previous census: a step's first one has nothing to
         # compare. Outside a step (an OOM) the largest groups get theirs: there is no later chance.
         holders = self._holders if previous is not None or outside_step else 0
-        # In a step end the lookups are bounded with the step end's other work; outside one (an OOM,
-        # the job's own call) the holders are worth the wait: there is no later chance.
-        in_step = agent is not None and not outside_step
+        # In step ends the lookups are bounded with the step end's other work and the graph walk is
+        # sliced; a census run whole (an OOM, the job's own call, take_now) has its full budgets.
+        in_step = agent is not None and in_step_end
         return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
                                previous=previous, holders=holders, pause_s=STEP_END_PAUSE_S if in_step else None,
                                slice_started=(lambda: self._step_end_began) if in_step else None,
@@ -346,9 +353,8 @@ class CensusComponent(ComponentBase):
                 agent.add_thread_seconds(cost)  # training-thread time that no step end clocked
 
     def _finished(self, cost: float, *, failed: bool = False) -> None:
-        """A census ended: the next one is due ``interval`` steps from here (a failed one retries sooner)."""
+        """A census ended: its cost sets the interval (a failed one retries sooner)."""
         self._last_cost = cost
-        self._steps_since = 0
         self._next_look = 0
         if not failed:
             self._retry_after = 0

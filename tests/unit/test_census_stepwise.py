@@ -190,3 +190,18 @@ def test_a_heap_pass_waits_for_an_early_moment_in_a_step_end(clock: ManualClock,
         agent.stop()
     assert paused[:2] == [0.1, 0.15]  # not 0.25 in one step end
     assert agent.state().censuses_total == 1
+
+
+def test_a_forced_cadence_counts_from_where_each_census_began(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=0.45, slices=3)  # one 150 ms slice per step end: 3 step ends each
+    component = CensusComponent(CensusOptions(census_every_steps=5, overhead_budget=0.01), census_fn=census,
+                                clock=clock)
+    agent = _agent(out_dir, component, clock)
+    agent.start()
+    try:
+        for _ in range(17):
+            clock.now += 1.0
+            agent.mark_step()
+    finally:
+        agent.stop()
+    assert census.attempts == [4, 9, 14] and census.steps == [4, 9, 14]
