@@ -62,24 +62,30 @@ def clock() -> ManualClock:
     return ManualClock(1000.0)
 
 
-def _component(clock: ManualClock, census: CostlyCensus) -> CensusComponent:
-    return CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census, clock=clock)
+def _component(clock: ManualClock, census: Any, every: int = 0) -> CensusComponent:
+    return CensusComponent(CensusOptions(census_every_steps=every, overhead_budget=0.01), census_fn=census,
+                           clock=clock)
 
 
-def test_a_costly_census_is_spread_over_step_ends_each_a_bounded_pause(clock: ManualClock, out_dir: str) -> None:
-    census = CostlyCensus(clock, cost=1.0, slices=50)  # 20 ms slices, 1 s in all
-    component = _component(clock, census)
+def _pauses(out_dir: str, component: CensusComponent, clock: ManualClock, steps: int) -> tuple[Agent, list[float]]:
+    """Run ``steps`` steps of 1 s; what each step end cost (the census's slices move the clock)."""
     agent = _agent(out_dir, component, clock)
     agent.start()
     paused = []
     try:
-        for _ in range(12):
+        for _ in range(steps):
             clock.now += 1.0
             before = clock.now
             agent.mark_step()
-            paused.append(clock.now - before)
+            paused.append(round(clock.now - before, 9))
     finally:
         agent.stop()
+    return agent, paused
+
+
+def test_a_costly_census_is_spread_over_step_ends_each_a_bounded_pause(clock: ManualClock, out_dir: str) -> None:
+    census = CostlyCensus(clock, cost=1.0, slices=50)  # 20 ms slices, 1 s in all
+    agent, paused = _pauses(out_dir, _component(clock, census), clock, 12)
     assert census.steps == [0]  # one census, of the step it began at
     busy = [p for p in paused if p > 0]
     assert len(busy) >= 6 and max(busy) <= CENSUS_SLICE_S + 0.02 + 1e-9, paused
@@ -175,33 +181,12 @@ def test_a_heap_pass_waits_for_an_early_moment_in_a_step_end(clock: ManualClock,
         clock.now += 0.15
         return Census(step=step, taken_at=clock.now, duration_s=0.25, groups=())
 
-    component = CensusComponent(CensusOptions(census_every_steps=0, overhead_budget=0.01), census_fn=census,
-                                clock=clock)
-    agent = _agent(out_dir, component, clock)
-    agent.start()
-    paused = []
-    try:
-        for _ in range(3):
-            clock.now += 1.0
-            before = clock.now
-            agent.mark_step()
-            paused.append(round(clock.now - before, 6))
-    finally:
-        agent.stop()
+    agent, paused = _pauses(out_dir, _component(clock, census), clock, 3)
     assert paused[:2] == [0.1, 0.15]  # not 0.25 in one step end
     assert agent.state().censuses_total == 1
 
 
 def test_a_forced_cadence_counts_from_where_each_census_began(clock: ManualClock, out_dir: str) -> None:
     census = CostlyCensus(clock, cost=0.45, slices=3)  # one 150 ms slice per step end: 3 step ends each
-    component = CensusComponent(CensusOptions(census_every_steps=5, overhead_budget=0.01), census_fn=census,
-                                clock=clock)
-    agent = _agent(out_dir, component, clock)
-    agent.start()
-    try:
-        for _ in range(17):
-            clock.now += 1.0
-            agent.mark_step()
-    finally:
-        agent.stop()
+    _pauses(out_dir, _component(clock, census, every=5), clock, 17)
     assert census.attempts == [4, 9, 14] and census.steps == [4, 9, 14]
