@@ -41,14 +41,15 @@ JOB = textwrap.dedent("""
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept, said = [], False
-    batches = iter(())
+    batches, step = iter(()), 0
     if sys.argv[1] == "loader":  # persistent DataLoader workers, in the job's process group
         from torch.utils.data import DataLoader, TensorDataset
-        loader = DataLoader(TensorDataset(torch.randn(10**6, 16)), batch_size=4, num_workers=2,
+        loader = DataLoader(TensorDataset(torch.randn(10**5, 16)), batch_size=4, num_workers=2,
                             persistent_workers=True)
         batches = iter(loader)
     while True:
-        x = next(batches, [torch.randn(4, 16)])[0]
+        step += 1
+        x = next(batches)[0] if step % 50 == 0 and sys.argv[1] == "loader" else torch.randn(4, 16)
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -98,7 +99,7 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ended]
                                        start_new_session=name == "loader_group")
     results = {}
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # four jobs side by side on a loaded 2-core box
         for name, proc in procs.items():
             assert proc.stdout is not None
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
