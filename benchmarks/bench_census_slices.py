@@ -10,9 +10,9 @@ Three heaps, each made fresh in this process and measured on its own:
 
 For each, ``census_steps`` runs once as the census component runs it in step ends (graph walk in
 slices of ``GRAPH_SLICE_NODES``) and once as ``take_census`` runs it (graph walk whole), each slice
-timed. What a step end pays is at most the longest slice plus the slices the component runs after
-it while the step end has paid less than ``components.census.CENSUS_SLICE_S``; the longest slice is
-the part no step end can split. Prints a markdown table.
+timed, as the component runs them (collector held off). What a step end pays is at most the longest
+slice plus the slices the component runs after it while the step end has paid less than
+``components.census.CENSUS_SLICE_S``; the longest slice is the part no step end can split. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -26,20 +26,28 @@ from typing import Any
 import torch
 
 from gpumemd.probes.census import GRAPH_SLICE_NODES, census_steps
+from gpumemd.probes.gc_pause import collector_paused, hold_automatic, release_automatic
 from gpumemd.records.census import Census
 
 
 def _slices(graph_slice_nodes: int | None, models: list[Any]) -> tuple[list[float], Census]:
+    """Each slice timed, run as the census component runs them: the collector held off in a slice and
+    automatic collections waiting while the census is under way."""
     work = census_steps(models=models, holders=0, graph_slice_nodes=graph_slice_nodes)
     times = []
-    while True:
-        started = time.perf_counter()
-        try:
-            next(work)
-        except StopIteration as done:
+    hold = hold_automatic()
+    try:
+        while True:
+            started = time.perf_counter()
+            try:
+                with collector_paused():
+                    next(work)
+            except StopIteration as done:
+                times.append(time.perf_counter() - started)
+                return times, done.value
             times.append(time.perf_counter() - started)
-            return times, done.value
-        times.append(time.perf_counter() - started)
+    finally:
+        release_automatic(hold)
 
 
 def _tensors(n: int) -> Callable[[], list[Any]]:
