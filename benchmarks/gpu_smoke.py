@@ -12,6 +12,7 @@ import urllib.request
 import torch
 
 import gpumemd
+from gpumemd.records.device import Device
 
 
 def check(name: str, ok: bool, detail: str = "") -> bool:
@@ -56,8 +57,9 @@ def leak(out: str) -> bool:
             opt.step()
             opt.zero_grad(set_to_none=True)
             kept.append(torch.empty(256 * 1024, device="cuda"))  # 1 MiB kept per step: the leak
-        findings = [(f.kind, f.series, f.state) for f in agent.findings()]
-    return check("leak_found_on_cuda", any(k == "tensor_leak" and "device=0" in s for k, s, _ in findings),
+        findings = [(f.kind, f.device, f.state) for f in agent.findings()]
+    # One finding per cause: found by what it is (kind, device), never by its series' spelling.
+    return check("leak_found_on_cuda", any(k == "tensor_leak" and d == Device.cuda(0) for k, d, _ in findings),
                  str(findings))
 
 
@@ -68,6 +70,7 @@ def exporter(out: str) -> bool:
         model(torch.randn(8, 256, device="cuda")).sum().backward()
         gpumemd.mark_step()
     agent.tick()
+    assert agent.exporter_url is not None, "attach(port=0) serves metrics"
     with urllib.request.urlopen(agent.exporter_url, timeout=10) as response:
         text = response.read().decode()
     gpumemd.detach()

@@ -18,6 +18,7 @@ so a device named one way here and another way there is still the same device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Union
 
 _CUDA = "cuda"
 _PARSED_MAX = 256
@@ -66,6 +67,21 @@ class Device:
         return device
 
     @staticmethod
+    def of(value: DeviceLike) -> Device:
+        """The device a user names, as torch's own calls take it: a ``Device``, a CUDA ordinal (``0``),
+        torch's string (``"cuda:0"``, ``"cpu"``) or a ``torch.device`` (read by its string, so this
+        layer needs no torch). A bool or a negative ordinal is refused: neither names a device."""
+        if isinstance(value, Device):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise ValueError(f"device {value}: a CUDA ordinal is 0 or more (torch.cuda.device_count() - 1 at most)")
+            return Device.cuda(value)
+        if isinstance(value, str) or type(value).__name__ == "device":
+            return Device.parse(str(value))
+        raise TypeError(f"device {value!r}: expected a CUDA ordinal, a name such as 'cuda:0', or a torch.device")
+
+    @staticmethod
     def parse(name: str) -> Device:
         """torch's device string: ``"cuda:3"``, ``"cpu"``, ``"mps:0"``; ``"cuda"`` is ``cuda:0`` (torch's
         current device at the time is device 0 for gpumemd's purposes: a census sees the tensor's own
@@ -88,6 +104,9 @@ def _parse(name: str) -> Device:
         return Device(name)
     return Device.cuda(int(index)) if kind == _CUDA else Device(kind, int(index))
 
+
+DeviceLike = Union["Device", int, str, Any]
+"""What a lookup by device takes: see ``Device.of`` (``Any``: a ``torch.device``, typed without torch)."""
 
 _CUDA_DEVICES: dict[int, Device] = {}
 CPU = Device("cpu")

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpumemd.records.device import Device
+from gpumemd.records.device import Device, DeviceLike
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 
 if TYPE_CHECKING:
@@ -36,7 +36,9 @@ class StepRecord:
     steps: int = 1  # steps since the previous record (this one included)
     workers: WorkersSample | None = None  # the job's child processes' RSS, on every few records
 
-    def allocator_for(self, device: Device) -> AllocatorSample | None:
+    def allocator_for(self, device: DeviceLike) -> AllocatorSample | None:
+        """The allocator sample of ``device``: an ordinal, ``"cuda:0"``, a ``torch.device`` or a ``Device``."""
+        device = Device.of(device)
         for sample in self.allocator:
             if sample.device == device:
                 return sample

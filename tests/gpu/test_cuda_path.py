@@ -42,9 +42,10 @@ _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALL
                "PYTORCH_NO_CUDA_MEMORY_CACHING")
 
 PRELUDE = textwrap.dedent('''
-    import dataclasses, json, os, sys
+    import json, os, sys
     import torch
     import gpumemd
+    from gpumemd.records.plain import plain
 
     OUT = sys.argv[1]
     ARGS = sys.argv[2:]
@@ -183,7 +184,7 @@ ASYNC_JOB = """
     message = fill_until_oom(1 << 30)
     agent.tick()  # a fresh allocator sample, after the OOM
     emit(backend=backend, message=message, report=only_report(agent), total=torch.cuda.mem_get_info()[1],
-         samples=[dataclasses.asdict(s) for s in agent.state().allocator])
+         samples=[plain(s) for s in agent.state().allocator])
     gpumemd.detach()
 """
 
@@ -318,7 +319,7 @@ NVML_JOB = """
     train(model, opt, 5)
     torch.cuda.synchronize()
     agent.tick()
-    samples = [dataclasses.asdict(s) for s in agent.state().nvml]
+    samples = [plain(s) for s in agent.state().nvml]
     # NVML's own reading of the GPU this process runs on, found by the UUID CUDA gives it
     uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
     pynvml.nvmlInit()

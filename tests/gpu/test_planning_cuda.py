@@ -37,6 +37,7 @@ def test_step_profile_on_cuda_reads_the_allocator(out_dir: str) -> None:
     assert profile is not None and profile.device.kind == "cuda"
     assert profile.forward_start_bytes is not None and profile.forward_peak_bytes is not None
     assert profile.after_backward_bytes is not None and profile.after_step_bytes is not None
+    assert profile.gradient_bytes is not None and profile.parameter_bytes is not None
     # the forward rises by at least what it keeps for backward (less the input, allocated before it)
     assert profile.forward_peak_bytes - profile.forward_start_bytes >= profile.saved_for_backward_bytes - x.nbytes
     # after backward the gradients exist (set_to_none: none at forward start)

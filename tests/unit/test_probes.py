@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
+from cuda_recordings import nested_from_flat, recorded_memory_stats
 from fakes import FakeGpu, FakeNvml, ManualClock
 
-from gpumemd.probes.allocator import DEVICE_RESCAN_S, AllocatorProbe, sample_from_stats
+from gpumemd.probes.allocator import DEVICE_RESCAN_S, AllocatorProbe, sample_from_stats, touched
 from gpumemd.probes.host import HostProbe
 from gpumemd.probes.identity import current_identity, identity_from_env
 from gpumemd.probes.nvml import NvmlProbe, visible_indices
@@ -220,3 +221,31 @@ def test_only_the_jobs_own_devices_are_read_between_rescans() -> None:
     clock.now += 1.0
     probe.read()
     assert asked == [3, 5]
+
+
+def _replayed() -> dict[str, dict[str, int]]:
+    pools = dict(torch_stats(3 * 2**20, 8 * 2**20))
+    pools.update({f"reserved_bytes_by_private_pools.1_0.{p}.{s}": 2**21 for p in ("all", "large_pool", "small_pool")
+                  for s in ("current", "peak", "allocated", "freed")})
+    return {"torch-shaped": dict(torch_stats(1000, 4096)), "torch-shaped:private-pools": dict(sorted(pools.items())),
+            **recorded_memory_stats()}
+
+
+@pytest.mark.parametrize("flat", list(_replayed().values()), ids=list(_replayed()))
+def test_the_nested_read_gives_what_torchs_own_flattening_gives(
+        monkeypatch: pytest.MonkeyPatch, flat: dict[str, int]) -> None:
+    """The probe reads torch's nested dict and picks its keys (no flattening and sorting of ~120 keys
+    per sample). Fed the nested dict of a recording from a real device, torch's own ``memory_stats()``
+    gives the recording back, and the probe's sample is the one the flattened dict gives."""
+    import torch
+
+    nested = nested_from_flat(flat)
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device=None: nested)
+    assert dict(torch.cuda.memory_stats(0)) == flat  # the nested form is the one torch flattens
+    probe = AllocatorProbe(is_initialized=lambda: True, device_count=lambda: 1, backend_fn=lambda: "native",
+                           cap_fn=lambda d: None, current_device=lambda: 0)
+    samples = probe.read()
+    expected = sample_from_stats(0, torch.cuda.memory_stats(0))
+    assert samples == ((expected,) if expected is not None and touched(flat) else ())
+    if flat.get("reserved_bytes_by_private_pools.1_0.all.current"):
+        assert samples[0].private_pool_reserved_bytes == flat["reserved_bytes_by_private_pools.1_0.all.current"]
