@@ -48,3 +48,15 @@ def nested_from_flat(flat: dict[str, Any]) -> dict[Any, Any]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
     return nested
+
+
+def recorded_ooms() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """``"<recording>:<configuration>"`` -> (device facts, that configuration's OOM facts), for every
+    configuration of every recording that caught an OOM message."""
+    out: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for path in recordings():
+        data = load(path)
+        for config, facts in data.get("configs", {}).items():
+            if facts.get("oom_message"):
+                out[f"{path.stem}:{config}"] = (data.get("device", {}), facts)
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_recordings import recorded_ooms
 from oom_snapshot_data import CPU_MESSAGE, NEW_MESSAGE, OLD_MESSAGE
 
 from gpumemd.analysis.oom_message import classify_exception, parse_oom_message, parse_size
@@ -202,3 +203,22 @@ def test_xpu_messages_are_read_on_their_own_device() -> None:
     assert m is not None and (m.kind, m.format, m.device) == ("device", "xpu", Dev("xpu", 0))
     assert (m.requested_bytes, m.total_bytes, m.free_bytes) == (4 * 2**30, 64 * 2**30, None)
     assert m.allocated_bytes == 58 * 2**30 and m.reserved_bytes == 59 * 2**30
+
+
+@pytest.mark.parametrize("key", list(recorded_ooms()))
+def test_recorded_cuda_oom_messages_parse_to_what_the_device_said(key: str) -> None:
+    """Messages a real device printed (tests/data/cuda, see tests/cuda_recordings.py): the request
+    the observer saw and the device's total, within the message's rounding (two decimals of its unit)."""
+    device, facts = recorded_ooms()[key]
+    m = parse_oom_message(facts["oom_message"])
+    assert m is not None, facts["oom_message"]
+    observed_device, requested = facts["oom_observer_args"][0][:2]
+    assert m.device == Device.cuda(observed_device)
+    assert m.requested_bytes is not None and abs(m.requested_bytes - requested) <= 0.005 * GiB
+    if facts.get("backend") != "cudaMallocAsync":  # the async backend's "Device limit" is the cap, not the total
+        # The message's "total capacity" is cudaMemGetInfo's total, below get_device_properties'
+        # total_memory (on the H200: 139.80 GiB against 150,754,820,096 B, 645 MB apart).
+        assert m.total_bytes is not None
+        if "mem_get_info" in facts:
+            assert abs(m.total_bytes - facts["mem_get_info"][1]) <= 0.005 * GiB
+        assert 0.99 * device["total_memory"] <= m.total_bytes <= device["total_memory"]
