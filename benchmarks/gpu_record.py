@@ -98,7 +98,8 @@ def _nvml_facts() -> dict[str, Any]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
         out: dict[str, Any] = {"count": pynvml.nvmlDeviceGetCount(),
-                               "driver": _text(pynvml.nvmlSystemGetDriverVersion()), "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
+                               "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                               "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
                                "memory_v1": {"total": v1.total, "used": v1.used, "free": v1.free}}
         if hasattr(pynvml, "nvmlMemory_v2"):
             v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
