@@ -192,7 +192,7 @@ def build_agent(
     if nvml_probe is None and config.nvml:
         from gpumemd.probes.nvml import NvmlProbe
 
-        nvml_probe = NvmlProbe()
+        nvml_probe = NvmlProbe(defer=True)  # started on the sampler's thread (Sampler.start)
     return Agent(config, allocator_probe=allocator_probe or AllocatorProbe(), host_probe=host_probe or HostProbe(),
                  nvml_probe=nvml_probe, components=components, model=model, optimizer=optimizer,
                  identity=identity, clock=clock, wall_clock=wall_clock, max_stride=max_stride,

@@ -281,7 +281,9 @@ class Config:
 
     @classmethod
     def _build(cls, env_map: Mapping[str, str], env_values: dict[str, Any], overrides: Mapping[str, Any]) -> Config:
-        unknown = sorted(set(overrides) - set(field_docs()) - set(RENAMED))
+        # The fields' names, not field_docs(): that parses this module's source (80-90 ms), which
+        # attach() pays only when it refuses an option.
+        unknown = sorted(set(overrides) - set(field_types()) - set(RENAMED))
         if unknown:
             raise ValueError(
                 f"attach() got unknown option(s) {', '.join(unknown)}; accepted: {', '.join(field_docs())}"

@@ -42,7 +42,9 @@ class Sampler:
         self._local_world_size = _local_world_size()
 
     def start(self, tick: Callable[[], None], interval_s: float) -> None:
-        """Call ``tick`` every ``interval_s`` on a thread of its own (0: no thread)."""
+        """Call ``tick`` every ``interval_s`` on a thread of its own (0: no thread). NVML starts on that
+        thread, then ticks once at once (the NVML reading attach would have taken); without the thread,
+        here."""
         if interval_s > 0:
             self._stop.clear()
             thread = threading.Thread(target=self._loop, args=(tick, interval_s), name="gpumemd-sampler",
@@ -51,8 +53,11 @@ class Sampler:
                 thread.start()
             except RuntimeError as exc:  # "can't start new thread": a process at its thread limit
                 log.info("gpumemd: sampler thread absent (%s); readings are taken at sampled steps only", exc)
+            else:
+                self._thread = thread
                 return
-            self._thread = thread
+        if self._nvml is not None:
+            self._nvml.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -61,6 +66,10 @@ class Sampler:
             self._thread = None
 
     def _loop(self, tick: Callable[[], None], interval_s: float) -> None:
+        if self._nvml is not None:
+            self._nvml.start()
+            if not self._stop.is_set():
+                tick()
         while not self._stop.wait(interval_s):
             tick()
 

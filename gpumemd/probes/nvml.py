@@ -181,11 +181,14 @@ def nvml_gpus(nvml: Any) -> list[_Gpu]:
 class NvmlProbe:
     """Per visible device: total/used/free and this process's own use. Seams: ``nvml`` module;
     ``cuda_uuid`` (ordinal -> CUDA's UUID of that device, or None), called only once CUDA is up;
-    ``wall_clock`` (each sample's ``read_at``)."""
+    ``wall_clock`` (each sample's ``read_at``). ``defer``: NVML is not initialised here but by
+    ``start()``, which the agent's sampler calls on its own thread (``nvmlInit`` loads the driver
+    library and may take tens of milliseconds, seconds without persistence mode: not the training
+    thread's to pay); ``read()`` returns nothing until then."""
 
     def __init__(self, nvml: Any = None, pid: int | None = None, visible: str | None = None,
                  cuda_uuid: Callable[[int], str | None] | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, *, defer: bool = False) -> None:
         self.health = ProbeHealth("nvml")
         self._nvml = nvml
         self._pid = os.getpid() if pid is None else pid
@@ -198,9 +201,15 @@ class NvmlProbe:
         self._pid_note_logged = False
         self._memory_v2: bool | None = None  # None until tried; False: the driver has only v1
         self._process_calls: dict[int, list[str]] = {}  # ordinal -> pynvml names still to use, newest first
-        self._start()
+        self._started = False
+        if not defer:
+            self.start()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Initialise NVML and find the visible devices (once; a second call does nothing)."""
+        if self._started:
+            return
+        self._started = True
         try:
             if self._nvml is None:
                 import pynvml

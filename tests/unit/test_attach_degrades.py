@@ -65,3 +65,36 @@ def test_a_part_that_fails_to_start_leaves_the_job_unwatched_with_one_line(
                             "gpumemd"], warnings
     finally:
         gpumemd.detach()
+
+
+def test_nvml_starts_on_the_sampler_thread_and_reads_at_once(tmp_path: Path) -> None:
+    """nvmlInit loads the driver library (tens of ms; seconds without persistence mode): the sampler's
+    thread pays it, not attach() on the training thread, and reads NVML as soon as it is up. With no
+    sampler thread (``sample_interval_s=0``) it starts in attach, as before."""
+    from fakes import FakeGpu, FakeNvml
+
+    from gpumemd.api import build_agent
+    from gpumemd.config import Config
+    from gpumemd.probes.nvml import NvmlProbe
+
+    inits: list[str] = []
+
+    class Recording(FakeNvml):
+        def nvmlInit(self) -> None:
+            inits.append(threading.current_thread().name)
+
+    for interval, thread in ((5.0, "gpumemd-sampler"), (0.0, threading.current_thread().name)):
+        inits.clear()
+        probe = NvmlProbe(nvml=Recording([FakeGpu()]), pid=1, visible="0", defer=True)
+        assert inits == []  # built, not started
+        agent = build_agent(Config(output_dir=str(tmp_path), sample_interval_s=interval, quiet=True),
+                            nvml_probe=probe).start()
+        try:
+            for _ in range(200):  # the sampler's first tick follows nvmlInit at once
+                if agent.state().nvml:
+                    break
+                threading.Event().wait(0.01)
+            assert inits == [thread]
+            assert [s.device.cuda_index for s in agent.state().nvml] == [0]
+        finally:
+            agent.stop()
