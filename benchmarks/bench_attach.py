@@ -55,10 +55,10 @@ def main(argv: list[str]) -> int:
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first = sorted(r["first_attach_ms"] for r in runs)
     pair = sorted(r["pair_median_ms"] for r in runs)
-    print(f"first attach() of a process: median {statistics.median(first):.1f} ms (range {first[0]:.1f}-{first[-1]:.1f}, "
-          f"{args.fresh} processes)")
-    print(f"attach() + detach() after it: median {statistics.median(pair):.1f} ms (range {pair[0]:.1f}-{pair[-1]:.1f}, "
-          f"median of {args.repeats} pairs per process)")
+    print(f"first attach() of a process: median {statistics.median(first):.1f} ms "
+          f"(range {first[0]:.1f}-{first[-1]:.1f}, {args.fresh} processes)")
+    print(f"attach() + detach() after it: median {statistics.median(pair):.1f} ms "
+          f"(range {pair[0]:.1f}-{pair[-1]:.1f}, median of {args.repeats} pairs per process)")
     return 0
 
 
