@@ -11,7 +11,10 @@ training thread is exposed); ``transformer``, a 4-layer d=1024 encoder with a sy
 prints its mean step time and, when attached, the agent's own figure (``agent.overhead()``: its seconds
 per wall second). Pairs run off/on, then on/off, alternating, so a drift of the machine hits both.
 Prints, per job, the ratio attached/plain of each pair, their median and spread, and the agent's own
-figure beside it: the two should agree within 1.5x (docs/overhead-and-benchmarks.md).
+figure beside it (the two should agree within 1.5x, docs/overhead-and-benchmarks.md), split into the
+training thread's time (censuses included), the censuses' and the sampler thread's, per step.
+``GPUMEMD_BENCH_PROFILE=DIR``: one more attached run per job, not timed, writes a cProfile of the agent's functions per
+step to ``DIR/profile-<job>.txt`` (what to cut next, when the figure is over budget).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -54,7 +58,7 @@ def build(job: str, device: str) -> Any:
     return step
 
 
-def child(job: str, device: str, attached: bool, steps: int, warmup: int) -> dict[str, Any]:
+def child(job: str, device: str, attached: bool, steps: int, warmup: int, *, profile: str = "") -> dict[str, Any]:
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -67,22 +71,52 @@ def child(job: str, device: str, attached: bool, steps: int, warmup: int) -> dic
     for _ in range(warmup):
         step()
     sync()
-    own_before = agent.overhead().seconds_total if agent is not None else 0.0
+    before = agent.overhead() if agent is not None else None
+    profiler = None
+    if agent is not None and profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     sync()
     wall = time.perf_counter() - t0
-    own = (agent.overhead().seconds_total - own_before) if agent is not None else 0.0
-    if agent is not None:
+    result: dict[str, Any] = {"step_s": wall / steps, "own_share": 0.0}
+    if agent is not None and before is not None:
+        after = agent.overhead()
+        thread_s = after.training_thread_seconds_total - before.training_thread_seconds_total
+        result.update(own_share=(after.seconds_total - before.seconds_total) / wall, thread_us=1e6 * thread_s / steps,
+                      census_us=1e6 * (after.census_seconds_total - before.census_seconds_total) / steps,
+                      sampler_us=1e6 * (after.sampler_seconds_total - before.sampler_seconds_total) / steps,
+                      stride=agent.stride)
+        if profiler is not None:
+            profiler.disable()
+            _write_profile(profiler, Path(profile) / f"profile-{job}.txt", steps)
         import gpumemd
 
         gpumemd.detach()
-    return {"step_s": wall / steps, "own_share": own / wall}
+    return result
 
 
-def run_child(job: str, device: str, attached: bool, steps: int, warmup: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", job, device, "1" if attached else "0", str(steps), str(warmup)]
+def _write_profile(profiler: Any, path: Path, steps: int) -> None:
+    """The agent's functions by own time per step (the job's own are left out): what to cut next."""
+    import pstats
+
+    rows = [(tt, nc, f"{f.split('gpumemd/')[-1]}:{ln} {fn}", ct)
+            for (f, ln, fn), (_, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()  # type: ignore[attr-defined]
+            if "/gpumemd/" in f]
+    rows.sort(reverse=True)
+    lines = [f"{1e6 * tt / steps:8.2f} us/step own {1e6 * ct / steps:8.2f} cum  {nc / steps:7.3f} calls/step  {name}"
+             for tt, nc, name, ct in rows[:40]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} steps under cProfile (which inflates Python-heavy code)\n" + "\n".join(lines) + "\n")
+
+
+def run_child(job: str, device: str, attached: bool, steps: int, warmup: int, *, profile: str = "") -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", job, device, "1" if attached else "0", str(steps), str(warmup),
+           profile]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"{job} ({'on' if attached else 'off'}) failed:\n{proc.stderr[-2000:]}")
@@ -92,20 +126,25 @@ def run_child(job: str, device: str, attached: bool, steps: int, warmup: int) ->
 
 def measure(job: str, device: str, pairs: int, steps: int, warmup: int) -> dict[str, Any]:
     ratios, own, plain = [], [], []
+    last_on: dict[str, Any] = {}
     for i in range(pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
         got = {attached: run_child(job, device, attached, steps, warmup) for attached in order}
         ratios.append(got[True]["step_s"] / got[False]["step_s"])
         own.append(got[True]["own_share"])
+        last_on = got[True]
         plain.append(got[False]["step_s"])
+    if os.environ.get("GPUMEMD_BENCH_PROFILE"):  # one more attached run, under cProfile and not timed
+        run_child(job, device, True, steps, warmup, profile=os.environ["GPUMEMD_BENCH_PROFILE"])
     return {"job": job, "plain_ms": 1e3 * statistics.median(plain), "ratio": statistics.median(ratios),
-            "low": min(ratios), "high": max(ratios), "own": statistics.median(own), "pairs": pairs}
+            "low": min(ratios), "high": max(ratios), "own": statistics.median(own), "pairs": pairs,
+            "parts": last_on}
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--child"]:
-        job, device, attached, steps, warmup = argv[1:6]
-        print(json.dumps(child(job, device, attached == "1", int(steps), int(warmup))))
+        job, device, attached, steps, warmup, profile = argv[1:7]
+        print(json.dumps(child(job, device, attached == "1", int(steps), int(warmup), profile=profile)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
@@ -119,12 +158,15 @@ def main(argv: list[str]) -> int:
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"bench_gpu_overhead: torch {torch.__version__} on {where}; {args.pairs} alternating pairs, "
           f"{args.steps} timed steps after {args.warmup} of warm-up, attach(quiet=True) at defaults\n")
-    print("| job | plain ms/step | attached/plain (median) | spread (min-max) | agent's own figure |")
-    print("|---|---|---|---|---|")
+    print("| job | plain ms/step | attached/plain (median) | spread (min-max) | agent's own figure | "
+          "of which, µs/step: training thread, censuses, sampler (stride) |")
+    print("|---|---|---|---|---|---|")
     for job in args.jobs:
         r = measure(job, args.device, args.pairs, args.steps, args.warmup)
+        p = r["parts"]
         print(f"| {job} | {r['plain_ms']:.2f} | {r['ratio']:.4f}x | {r['low']:.4f}-{r['high']:.4f} | "
-              f"{100 * r['own']:.2f}% |", flush=True)
+              f"{100 * r['own']:.2f}% | {p.get('thread_us', 0):.1f}, {p.get('census_us', 0):.1f}, "
+              f"{p.get('sampler_us', 0):.1f} ({p.get('stride')}) |", flush=True)
     return 0
 
 

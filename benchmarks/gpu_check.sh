@@ -61,7 +61,7 @@ for smoke in oom leak exporter; do
     record "smoke: $smoke" "$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)"
 done
 
-timeout 150 "$PY" benchmarks/bench_gpu_overhead.py --pairs 3 --steps 1500 --warmup 400 \
+GPUMEMD_BENCH_PROFILE="$LOGS" timeout 150 "$PY" benchmarks/bench_gpu_overhead.py --pairs 3 --steps 1500 --warmup 400 \
     > "$LOGS/overhead.md" 2>&1
 rc=$?
 cat "$LOGS/overhead.md"
