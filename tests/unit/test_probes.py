@@ -249,3 +249,22 @@ def test_the_nested_read_gives_what_torchs_own_flattening_gives(
     assert samples == ((expected,) if expected is not None and touched(flat) else ())
     if flat.get("reserved_bytes_by_private_pools.1_0.all.current"):
         assert samples[0].private_pool_reserved_bytes == flat["reserved_bytes_by_private_pools.1_0.all.current"]
+
+
+def test_a_step_records_allocator_sample_is_found_however_the_user_names_the_device() -> None:
+    """``allocator_for`` takes what torch's own calls take: an ordinal, a name, a ``torch.device``."""
+    import torch
+
+    from gpumemd.records.step import StepRecord
+
+    samples = tuple(s for d in (0, 1) if (s := sample_from_stats(d, torch_stats(1000 * (d + 1), 4096))) is not None)
+    record = StepRecord(step=1, wall_time=0.0, duration_s=None, allocator=samples)
+    for name in (0, "cuda:0", "cuda", torch.device("cuda", 0), torch.device("cuda"), Device.cuda(0)):
+        found = record.allocator_for(name)
+        assert found is not None and found.allocated_bytes == 1000, name
+    found = record.allocator_for(torch.device("cuda:1"))
+    assert found is not None and found.allocated_bytes == 2000
+    assert record.allocator_for(2) is None and record.allocator_for("cpu") is None
+    for bad in (-1, True, 1.5):
+        with pytest.raises((ValueError, TypeError), match="device"):
+            record.allocator_for(bad)
