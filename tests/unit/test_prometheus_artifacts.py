@@ -110,6 +110,9 @@ def test_file_sd_example_and_podmonitor_are_well_formed() -> None:
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == [f"gpumemd-{r}" for r in range(8)]
     assert all(e["path"] == "/metrics" for e in endpoints)
+    # the pod's gpumemd.io/training-job label becomes the training_job the alerts and the dashboard use
+    assert all({"sourceLabels": ["__meta_kubernetes_pod_label_gpumemd_io_training_job"],
+                "targetLabel": "training_job"} in e["relabelings"] for e in endpoints)
 
 
 def test_file_sd_writer_lists_one_target_per_local_rank() -> None:
