@@ -154,8 +154,9 @@ class ExporterComponent(ComponentBase):
         """A job that ends (cleanly: detach, normal exit, a signal) keeps serving until one scrape has fetched
         its exit marker: without it Prometheus cannot tell this end from a SIGKILL, and ``GpumemdAgentDown``
         (a static target) or ``GpumemdVanishedWhileAtRisk`` (a job at risk) would page for a clean end.
-        Only when a scraper has come twice (its cadence is known), for 1.5 of its intervals at most,
-        and never longer than ``oom_linger_s`` (0: never) or ``ENDING_LINGER_MAX_S``."""
+        Only when a scraper (Prometheus, not curl or a browser) has come twice (its cadence is known), for
+        1.5 of its intervals at most, and never longer than ``oom_linger_s`` (0: never) or
+        ``ENDING_LINGER_MAX_S``."""
         interval = server.scrape_interval_s
         if interval is None or agent.state().ended in (None, "oom"):
             return

@@ -22,8 +22,10 @@ SUSPECTED = Finding(kind="tensor_leak", series="host_rss_bytes", state="suspecte
 WAITING = "until a scrape records how the job ended"
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def scrape(url: str, scraper: bool = True) -> str:
+    """A GET of ``url``, as Prometheus sends it (with its scrape-timeout header), or as curl does."""
+    headers = {"X-Prometheus-Scrape-Timeout-Seconds": "10"} if scraper else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
         return str(response.read().decode())
 
 
@@ -54,12 +56,15 @@ def test_the_last_scrape_carries_the_exit_marker(out_dir: str, at_risk: bool,
     assert not stopping.is_alive()
 
 
-def test_an_agent_never_scraped_twice_stops_at_once(out_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("scrapes", [(True,), (False, False, False)], ids=["once", "curl"])
+def test_an_agent_no_scraper_came_to_twice_stops_at_once(out_dir: str, caplog: pytest.LogCaptureFixture,
+                                                          scrapes: tuple[bool, ...]) -> None:
     caplog.set_level(logging.INFO, logger="gpumemd")
     agent = build_agent(Config(output_dir=out_dir, port=0, nvml=False, quiet=True, leak_detection=False,
                                census=False, sample_interval_s=0)).start()
     url = agent.exporter_url
     assert url is not None
-    scrape(url)  # one scrape: no cadence known, nothing to wait for
+    for scraper in scrapes:  # one scrape, or a person's curls: no scraper's cadence, nothing to wait for
+        scrape(url, scraper)
     agent.stop()
     assert WAITING not in caplog.text
