@@ -39,6 +39,7 @@ FILES: dict[str, tuple[Artifact, ...]] = {
     "prometheus": (
         Artifact("exporters/prometheus/rules/gpumemd.rules.yml", "rules/gpumemd.rules.yml"),
         Artifact("exporters/prometheus/rules/gpumemd.rules.test.yml", "rules/gpumemd.rules.test.yml"),
+        Artifact("exporters/prometheus/rules/gpumemd.rules.runs.test.yml", "rules/gpumemd.rules.runs.test.yml"),
         Artifact("exporters/prometheus/prometheus.yml", "prometheus.yml"),
         Artifact("exporters/prometheus/prometheus-file-sd.yml", "prometheus-file-sd.yml"),
         Artifact("exporters/prometheus/file_sd/gpumemd-example-job.json", "file_sd/gpumemd-example-job.json"),

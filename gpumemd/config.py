@@ -137,7 +137,9 @@ class Config:
     """After an uncaught out-of-memory error, before the process exits: keep serving ``/metrics`` until
     one scrape has fetched the OOM, for at most this many seconds (30 covers a 15 s scrape interval; 0
     exits at once). Only with a metrics port, never in forked workers; the traceback and exit status are
-    unchanged. The textfile and the Pushgateway get the OOM at once, before this wait."""
+    unchanged. The textfile and the Pushgateway get the OOM at once, before this wait. It also bounds the
+    wait at any other end of a job that Prometheus scrapes (at most 1.5 scrape intervals and 20 s) for
+    the scrape that records the end, so that no alert takes it for a kill."""
 
     oom_reports: bool = True
     """Write a post-mortem directory when an out-of-memory error propagates."""

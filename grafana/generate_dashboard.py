@@ -15,8 +15,10 @@ from typing import Any
 OUT = Path(__file__).resolve().parent / "dashboards" / "gpumemd.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
-# Matchers every query carries (dashboard-linter: target-job-rule, target-instance-rule).
-SEL = 'job=~"$job", instance=~"$instance", rank=~"$rank"'
+# Matchers every query carries (dashboard-linter: target-job-rule, target-instance-rule). training_job is
+# a target label (file_sd, the Slurm helper, the PodMonitor); its "All" is ".*", which also takes targets
+# without it.
+SEL = 'job=~"$job", training_job=~"$training_job", instance=~"$instance", rank=~"$rank"'
 SEL_DEV = SEL + ', device=~"$device"'
 
 
@@ -76,12 +78,19 @@ def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
     ]
 
 
+NO_CUDA = "No CUDA device in this job"
+"""What a CUDA-only panel says on a job without one, in place of Grafana's "No data"."""
+
+
 def timeseries(title: str, description: str, unit: str, *queries: tuple[str, str],
-               stack: bool = False, decimals: int | None = None, axis_label: str | None = None) -> dict[str, Any]:
+               stack: bool = False, decimals: int | None = None, axis_label: str | None = None,
+               no_value: str | None = None) -> dict[str, Any]:
     defaults: dict[str, Any] = {
         "unit": unit,
         "custom": {"fillOpacity": 30 if stack else 10, "stacking": {"mode": "normal" if stack else "none"}},
     }
+    if no_value is not None:
+        defaults["noValue"] = no_value
     if axis_label is not None:
         defaults["custom"]["axisLabel"] = axis_label
     if decimals is not None:
@@ -118,7 +127,8 @@ LEAK_MAPPINGS = [{"type": "value", "options": {
 # Firing gpumemd alerts as annotations on every time panel. No rank matcher: GpumemdAgentDown has none.
 ALERT_ANNOTATIONS = {
     "name": "gpumemd alerts", "datasource": DS, "enable": True, "hide": False, "iconColor": "red",
-    "expr": 'ALERTS{alertname=~"Gpumemd.*", alertstate="firing", job=~"$job", instance=~"$instance"}',
+    "expr": 'ALERTS{alertname=~"Gpumemd.*", alertstate="firing", job=~"$job", training_job=~"$training_job", '
+            'instance=~"$instance"}',
     "step": "1m", "titleFormat": "{{alertname}} ({{severity}})",
     "textFormat": "{{instance}} rank {{rank}} {{kind}} {{device}}", "tagKeys": "severity,rank",
     "useValueForTime": False,
@@ -192,23 +202,27 @@ def build() -> dict[str, Any]:
         (sel("gpumemd_leak_slope_bytes_per_step"), "{{instance}} r{{rank}} {{kind}} {{device}} per step"),
         axis_label="per training step"), w=6)
     g.add(timeseries(
-        "Projected steps to OOM", "Steps left before out-of-memory at the current leak slope "
-        "(headroom / slope). Multiply by the step time for a deadline (alert GpumemdOOMProjected).", "short",
-        (sel("gpumemd_leak_steps_to_oom"), "{{instance}} r{{rank}} {{kind}} {{device}}")), w=6)
+        "Projected time to OOM", "Time left before out-of-memory at the current leak slope and the job's "
+        "typical step time (headroom / slope x median step time: gpumemd_leak_seconds_to_oom), for every "
+        "live finding. Alert GpumemdOOMProjected pages under 1 hour at once, under 6 hours once it has held "
+        "5 minutes.", "s",
+        (f"{sel('gpumemd_leak_seconds_to_oom')} and {sel('gpumemd_leak_state')} > 0",
+         "{{instance}} r{{rank}} {{kind}} {{device}}"),
+        no_value="No live leak finding"), w=6)
 
-    g.row("Allocator")
+    g.row("Allocator (CUDA)")
     g.add(timeseries(
         "Allocated, active and reserved", "The CUDA caching allocator: bytes in live tensors (allocated), "
         "in active blocks, and held from the driver (reserved = allocated + cache).", "bytes",
         (sel("gpumemd_allocator_allocated_bytes", device=True), DEV + " allocated"),
         (sel("gpumemd_allocator_active_bytes", device=True), DEV + " active"),
-        (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved")), w=12)
+        (sel("gpumemd_allocator_reserved_bytes", device=True), DEV + " reserved"), no_value=NO_CUDA), w=12)
     g.add(timeseries(
         "Peak allocated vs step end", "Peak allocated bytes (per step when reset_peak_each_step is on) "
         "against the step-end baseline: the gap is activations and temporaries, the OOM risk.", "bytes",
         (sel("gpumemd_allocator_peak_allocated_bytes", device=True), DEV + " peak"),
         (sel("gpumemd_step_end_allocated_bytes", device=True), DEV + " step end"),
-        (sel("gpumemd_allocator_requested_bytes", device=True), DEV + " requested")), w=12)
+        (sel("gpumemd_allocator_requested_bytes", device=True), DEV + " requested"), no_value=NO_CUDA), w=12)
     g.add(timeseries(
         "Allocator retries and OOMs", "cudaMalloc failures answered by flushing the cache and retrying, "
         "and allocator OOMs, per second. Any retries mean the job is at the edge of its memory. Rejections: "
@@ -216,33 +230,35 @@ def build() -> dict[str, Any]:
         (f"rate({sel('gpumemd_allocator_alloc_retries_total', device=True)}[$__rate_interval])", DEV + " retries"),
         (f"rate({sel('gpumemd_allocator_ooms_total', device=True)}[$__rate_interval])", DEV + " OOMs"),
         (f"rate({sel('gpumemd_allocator_oom_rejections_total', device=True)}[$__rate_interval])",
-         DEV + " rejections")), w=12)
+         DEV + " rejections"), no_value=NO_CUDA), w=12)
     g.add(timeseries(
         "cudaMalloc and cudaFree calls", "Calls the allocator makes to the driver per second; a steady "
         "rate after warm-up means the cache thrashes (empty_cache() in the loop, or fragmentation).", "ops",
         (f"rate({sel('gpumemd_allocator_device_allocs_total', device=True)}[$__rate_interval])", DEV + " malloc"),
-        (f"rate({sel('gpumemd_allocator_device_frees_total', device=True)}[$__rate_interval])", DEV + " free")),
-        w=12)
+        (f"rate({sel('gpumemd_allocator_device_frees_total', device=True)}[$__rate_interval])", DEV + " free"),
+        no_value=NO_CUDA), w=12)
 
-    g.row("Fragmentation")
+    g.row("Fragmentation (CUDA)")
     g.add(timeseries(
         "Fragmentation ratio", "Inactive split bytes over reserved bytes: cache that empty_cache() cannot "
         "release (alert GpumemdFragmentationHigh above 30%). No data under expandable_segments:True or "
         "cudaMallocAsync: torch does not maintain inactive split bytes there.", "percentunit",
         (f"{sel('gpumemd_allocator_inactive_split_bytes', device=True)} / "
-         f"({sel('gpumemd_allocator_reserved_bytes', device=True)} > 0)", DEV)), w=8)
+         f"({sel('gpumemd_allocator_reserved_bytes', device=True)} > 0)", DEV),
+        no_value=NO_CUDA + ", or expandable_segments / cudaMallocAsync (no split blocks)"), w=8)
     g.add(timeseries(
         "Cache: free and split", "Reserved minus allocated (the allocator's cache, which NVML-only tools "
         "mistake for use) and the inactive split part of it.", "bytes",
         (f"{sel('gpumemd_allocator_reserved_bytes', device=True)} - "
          f"{sel('gpumemd_allocator_allocated_bytes', device=True)}", DEV + " cached free"),
-        (sel("gpumemd_allocator_inactive_split_bytes", device=True), DEV + " inactive split")), w=8)
+        (sel("gpumemd_allocator_inactive_split_bytes", device=True), DEV + " inactive split"), no_value=NO_CUDA), w=8)
     g.add(timeseries(
         "Memory outside PyTorch", "Device memory NVML attributes to this process minus what PyTorch's "
         "allocator reserved: CUDA context, NCCL, cuBLAS/cuDNN workspaces (alert GpumemdNonPyTorchMemoryGrowing).",
         "bytes",
         (f"{sel('gpumemd_device_process_used_bytes', device=True)} - "
-         f"{sel('gpumemd_allocator_reserved_bytes', device=True)}", DEV)), w=8)
+         f"{sel('gpumemd_allocator_reserved_bytes', device=True)}", DEV),
+        no_value=NO_CUDA + ", or NVML cannot see this process"), w=8)
 
     g.row("Census by category")
     g.add(timeseries(
@@ -260,7 +276,8 @@ def build() -> dict[str, Any]:
         "attach(step_profile=True)): allocated bytes at forward start, forward peak, after backward, after "
         "optimizer.step() and its peak (CUDA only), bytes saved for backward (activations), and the exact "
         "parameter, gradient and optimizer-state bytes. The forward peak is where an OOM usually strikes.",
-        "bytes", (sel("gpumemd_step_profile_bytes"), INST + " {{point}}")), w=24)
+        "bytes", (sel("gpumemd_step_profile_bytes"), INST + " {{point}}"),
+        no_value="Off: attach(step_profile=True) turns it on"), w=24)
 
     g.row("Host")
     g.add(timeseries(
@@ -292,7 +309,7 @@ def build() -> dict[str, Any]:
         "Probe errors and scrape health", "Failed probe reads per second (logged once per kind by the "
         "agent) and whether Prometheus can scrape the target (1 = up).", "short",
         (f"rate({sel('gpumemd_probe_errors_total')}[$__rate_interval])", INST + " {{probe}} errors/s"),
-        ('up{job=~"$job", instance=~"$instance"}', "{{instance}} up")), w=8)
+        ('up{job=~"$job", training_job=~"$training_job", instance=~"$instance"}', "{{instance}} up")), w=8)
     g.add(stat(
         "Training step", "Number of the last completed training step.", "none",
         (sel("gpumemd_step"), INST)), w=6, h=4)
@@ -343,10 +360,16 @@ def templating() -> list[dict[str, Any]]:
         {"name": "datasource", "label": "Data Source", "type": "datasource", "query": "prometheus",
          "current": {}, "options": [], "hide": 0, "refresh": 1, "regex": ""},
         query_var("job", "job", "label_values(gpumemd_info, job)"),
-        query_var("instance", "instance", 'label_values(gpumemd_info{job=~"$job"}, instance)'),
-        query_var("rank", "rank", 'label_values(gpumemd_info{job=~"$job", instance=~"$instance"}, rank)'),
+        # Many jobs share job="gpumemd": the training job is the target label the file_sd writers and the
+        # PodMonitor set. "All" is ".*": targets without the label stay in.
+        {**query_var("training_job", "training job", 'label_values(gpumemd_info{job=~"$job"}, training_job)'),
+         "allValue": ".*"},
+        query_var("instance", "instance",
+                  'label_values(gpumemd_info{job=~"$job", training_job=~"$training_job"}, instance)'),
+        query_var("rank", "rank", 'label_values(gpumemd_info{job=~"$job", training_job=~"$training_job", '
+                  'instance=~"$instance"}, rank)'),
         query_var("device", "device", 'label_values(gpumemd_allocator_reserved_bytes{job=~"$job", '
-                  'instance=~"$instance", rank=~"$rank"}, device)'),
+                  'training_job=~"$training_job", instance=~"$instance", rank=~"$rank"}, device)'),
     ]
 
 

@@ -42,7 +42,8 @@ def add_parser(sub: Any) -> None:
 def _next_steps(kind: str, directory: str) -> str:
     if kind == "prometheus":
         rules = os.path.join(directory, "rules", "gpumemd.rules.yml")
-        tests = os.path.join(directory, "rules", "gpumemd.rules.test.yml")
+        tests = " ".join(os.path.join(directory, "rules", name)
+                         for name in ("gpumemd.rules.test.yml", "gpumemd.rules.runs.test.yml"))
         return (f"next: promtool check rules {rules} && promtool test rules {tests}; then list {rules} under "
                 f"rule_files in your Prometheus configuration ({os.path.join(directory, 'prometheus.yml')} "
                 "is a complete example)")

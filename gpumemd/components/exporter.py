@@ -151,17 +151,14 @@ class ExporterComponent(ComponentBase):
         self._export(agent)
 
     def _linger_for_ending(self, agent: AgentView, server: MetricsServer) -> None:
-        """A job that ends while leaking (or near OOM) keeps serving until one scrape has fetched its exit
-        marker: without it the ``GpumemdVanishedWhileAtRisk`` alert could not tell this end from a SIGKILL.
-        Only when a scraper has come twice (its cadence is known), for 1.5 of its intervals at most,
-        and never longer than ``oom_linger_s`` (0: never) or ``ENDING_LINGER_MAX_S``."""
-        from gpumemd.report.last_state import at_risk, headroom
-
-        state = agent.state()
-        live = [{"state": f.state, "kind": f.kind} for f in state.findings if f.state != "cleared"]
+        """A job that ends (cleanly: detach, normal exit, a signal) keeps serving until one scrape has fetched
+        its exit marker: without it Prometheus cannot tell this end from a SIGKILL, and ``GpumemdAgentDown``
+        (a static target) or ``GpumemdVanishedWhileAtRisk`` (a job at risk) would page for a clean end.
+        Only when a scraper (Prometheus, not curl or a browser) has come twice (its cadence is known), for
+        1.5 of its intervals at most, and never longer than ``oom_linger_s`` (0: never) or
+        ``ENDING_LINGER_MAX_S``."""
         interval = server.scrape_interval_s
-        if interval is None or state.ended in (None, "oom") or not at_risk({"findings": live,
-                                                                             "headroom": headroom(state)}):
+        if interval is None or agent.state().ended in (None, "oom"):
             return
         limit = min(self.config.oom_linger_s, 1.5 * interval + 1.0, ENDING_LINGER_MAX_S)
         if limit <= 0:

@@ -202,7 +202,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     out = _Families({"rank": str(ident.rank), "local_rank": str(ident.local_rank)})
     out.add(
         "gpumemd_info", 1, version=__version__, world_size=str(ident.world_size),
-        hostname=ident.hostname, launcher=ident.source,
+        hostname=ident.hostname, launcher=ident.source, run_id=run_id(state),
     )
     _allocator(out, state, baseline)
     _nvml(out, state)
@@ -210,9 +210,16 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     _steps(out, state, live or LiveFigures(), last_step_at)
     _census(out, state)
     _step_profile(out, state)
-    _findings(out, state.findings)
+    _findings(out, state.findings, live.seconds_per_step if live else None)
     _agent(out, state)
     return out.result()
+
+
+def run_id(state: AgentState) -> str:
+    """This process's run of the job: its pid and attach time in milliseconds. A job started later on
+    the same port (Slurm and torchrun reuse 9400 + LOCAL_RANK) has another, so the alerts that join on
+    it neither clear nor inherit the page of the job before."""
+    return f"{state.identity.pid}-{round(state.attached_at * 1000)}"
 
 
 def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:
@@ -299,7 +306,7 @@ def _step_profile(out: _Families, state: AgentState) -> None:
         out.add("gpumemd_step_profile_bytes", nbytes, point=point)
 
 
-def _findings(out: _Families, findings: Iterable[Finding]) -> None:
+def _findings(out: _Families, findings: Iterable[Finding], seconds_per_step: float | None) -> None:
     findings = tuple(findings)
     # Several findings can share a kind and device (e.g. two series of one device): export the
     # most severe one, so each label set appears once and stays bounded.
@@ -317,6 +324,8 @@ def _findings(out: _Families, findings: Iterable[Finding]) -> None:
         out.add("gpumemd_leak_slope_bytes_per_step", finding.slope_bytes_per_step, kind=kind, device=device)
         out.add("gpumemd_leak_growth_bytes", finding.growth_bytes, kind=kind, device=device)
         out.add("gpumemd_leak_steps_to_oom", finding.steps_to_oom, kind=kind, device=device)
+        if finding.steps_to_oom is not None and seconds_per_step is not None:
+            out.add("gpumemd_leak_seconds_to_oom", finding.steps_to_oom * seconds_per_step, kind=kind, device=device)
     _growth_slopes(out, findings)
 
 
@@ -329,7 +338,7 @@ def _growth_slopes(out: _Families, findings: Iterable[Finding]) -> None:
         for finding in findings:
             if finding.state != "cleared" and finding.series.startswith(prefix):
                 ordinal = cuda_index(finding.device)
-                key = (finding.kind, "" if ordinal is None else str(ordinal))
+                key = (finding.kind, HOST_DEVICE_LABEL if ordinal is None else str(ordinal))
                 fastest[key] = max(fastest.get(key, 0.0), finding.slope_bytes_per_step)
         for (kind, device), slope in sorted(fastest.items()):
             out.add(name, slope, kind=kind, device=device)
@@ -350,7 +359,7 @@ def _agent(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_agent_last_update_timestamp_seconds", state.updated_at)
     out.add("gpumemd_agent_start_timestamp_seconds", state.attached_at)
     if state.ended is not None:
-        out.add("gpumemd_agent_exit_timestamp_seconds", state.ended_at, reason=state.ended)
+        out.add("gpumemd_agent_exit_timestamp_seconds", state.ended_at, reason=state.ended, run_id=run_id(state))
     for probe, errors in sorted(state.probe_errors.items()):
         out.add("gpumemd_probe_errors_total", errors, probe=probe)
     for probe, available in sorted(state.probes_available.items()):

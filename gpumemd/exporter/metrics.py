@@ -38,8 +38,9 @@ HOST_DEVICE_LABEL = "host"
 
 SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
-        "gpumemd_info", "info", ("version", "world_size", "hostname", "launcher"),
-        "Identity of this gpumemd agent; always 1.", "AgentState.identity",
+        "gpumemd_info", "info", ("version", "world_size", "hostname", "launcher", "run_id"),
+        "Identity of this gpumemd agent; always 1. run_id names this run of the job (pid and attach time in "
+        "ms): a job started later on the same port has another.", "AgentState.identity, AgentState.attached_at",
     ),
     # --- CUDA caching allocator (torch.cuda.memory_stats), devices this rank touched ---
     _g("gpumemd_allocator_allocated_bytes", _D, "Bytes handed to live tensors by the CUDA caching allocator.",
@@ -177,6 +178,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_leak_steps_to_oom", ("kind", "device"),
        "Steps until out-of-memory at the current slope (absent when there is no headroom figure).",
        "Finding.steps_to_oom"),
+    _g("gpumemd_leak_seconds_to_oom", ("kind", "device"),
+       "Seconds until out-of-memory at the current slope and the job's typical step time (absent without "
+       "either).", "Finding.steps_to_oom x Agent.seconds_per_step"),
     _g("gpumemd_leak_workers_slope_bytes_per_step", ("kind", "device"),
        "Growth per step of the job's child processes (DataLoader workers) when a leak finding is on them, "
        "all of them together.", "Finding.slope_bytes_per_step of the workers_rss_bytes series"),
@@ -201,11 +205,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_agent_last_update_timestamp_seconds", (), "Unix time of the agent's last published state.",
        "AgentState.updated_at"),
     _g("gpumemd_agent_start_timestamp_seconds", (), "Unix time the agent was attached.", "AgentState.attached_at"),
-    _g("gpumemd_agent_exit_timestamp_seconds", ("reason",),
+    _g("gpumemd_agent_exit_timestamp_seconds", ("reason", "run_id"),
        "Unix time the agent recorded the job's end: reason 'exit' (detach or the process's normal exit), the "
        "signal that ended the job ('SIGTERM', 'SIGINT', 'SIGUSR1', 'SIGUSR2'), or 'oom' (an uncaught out-of-memory "
-       "error ends the process). Absent while the job runs; in the last scrape, push and textfile. A target gone "
-       "without it vanished (SIGKILL, the OOM killer).",
+       "error ends the process). run_id as in gpumemd_info. Absent while the job runs; in the last scrape, push "
+       "and textfile. A target gone without it vanished (SIGKILL, the OOM killer).",
        "AgentState.ended, AgentState.ended_at"),
     _c("gpumemd_probe_errors_total", ("probe",), "Failed reads per probe since attach (logged once per kind).",
        "AgentState.probe_errors"),

@@ -19,7 +19,8 @@ listening socket to forked DataLoader workers. Here:
   (``os.register_at_fork``), so the port is free as soon as the parent stops serving.
 
 It also counts the metrics responses it begins and sends whole, so that after a fatal OOM the
-exporter can wait until one scrape has carried the OOM away (``wait_for_response_after``).
+exporter can wait until one scrape has carried the OOM away (``wait_for_response_after``), and learns
+a scraper's cadence from the scrapes that say they are one (``scrape_interval_s``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class ServeOptions:
     bind: str = "127.0.0.1"
     certfile: str | None = None
     keyfile: str | None = None
+
+
+def _from_a_scraper(environ: dict[str, Any]) -> bool:
+    """Prometheus (and the agents built on its scrape code) send their scrape timeout with every scrape;
+    curl, a browser or a test's urlopen do not."""
+    return "HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS" in environ
 
 
 def _full_exposition(environ: dict[str, Any]) -> bool:
@@ -126,7 +133,7 @@ class _ContainedServer(WSGIServer):
         self.changed = threading.Condition(self._lock)  # notified when a connection starts or ends
         self._live: dict[threading.Thread, _Connection] = {}  # each connection's thread, socket and age
         self.begun = 0  # metrics responses begun (each one's number is its ticket)
-        self.begun_at: tuple[float, ...] = ()  # monotonic times the last two metrics responses began
+        self.begun_at: tuple[float, ...] = ()  # monotonic times the last two scrapes (a scraper's) began
         self.sent_ticket = 0  # the highest ticket of a metrics response sent whole
         self.stopped = False  # set by MetricsServer.stop: a wait for a response ends
         super().__init__(address, _QuietHandler)
@@ -141,7 +148,8 @@ class _ContainedServer(WSGIServer):
             with self.changed:
                 self.begun += 1
                 ticket = self.begun
-                self.begun_at = (*self.begun_at[-1:], time.monotonic())
+                if _from_a_scraper(environ):
+                    self.begun_at = (*self.begun_at[-1:], time.monotonic())
             return _Sent(app(environ, start_response), lambda: self._sent(ticket))
 
         return counted
@@ -306,7 +314,9 @@ class MetricsServer:
 
     @property
     def scrape_interval_s(self) -> float | None:
-        """Seconds between the last two metrics responses: the scraper's cadence (None before two)."""
+        """Seconds between the last two scrapes by a scraper (a request with Prometheus's
+        ``X-Prometheus-Scrape-Timeout-Seconds`` header): its cadence (None before two; curl and browsers
+        do not count)."""
         httpd = self._httpd
         if httpd is None:
             return None

@@ -103,7 +103,7 @@ def panel_queries() -> list[tuple[str, str]]:
         for target in panel.get("targets", []):
             expr = target["expr"]
             for var, value in (("$__rate_interval", "15s"), ("$job", ".+"), ("$instance", ".+"),
-                               ("$rank", ".+"), ("$device", ".+")):
+                               ("$rank", ".+"), ("$device", ".+"), ("$training_job", ".*")):
                 expr = expr.replace(var, value)
             out.append((f"{panel['title']} / {target['refId']}", expr))
     return out

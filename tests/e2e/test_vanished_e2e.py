@@ -12,12 +12,21 @@ metrics on a free port) and one real Prometheus scrapes them every second with t
 - ``terminated`` gets SIGTERM (scancel): it dies of it (-15, as without gpumemd), but first writes
   its exit summary, textfile, findings and state file, records its end and keeps serving until a
   scrape has fetched the exit marker: the alert stays quiet for it.
+
+A second test stalls a leaking job (SIGSTOP, 3 missed scrapes), SIGKILLs it, and starts a healthy job on
+its port: the page survives the stall and the port's reuse, and the new job's clean end pages nothing.
+
+This Prometheus scrapes every second, the shipped one every 15 s: the rules' waits are scaled by the
+same factor (``scaled_rules``), so that they span as many scrapes as shipped: the vanished alert's
+``for: 1m`` (4 scrapes) is 4 s here, ``keep_firing_for: 2m`` (8 scrapes) 8 s. Their exact timing
+is promtool's unit test (``gpumemd.rules.runs.test.yml``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -25,8 +34,10 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from prometheus_server import Prometheus, free_port
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +46,20 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "exporters" / "prometheus" / "rules" / "gpumemd.rules.yml"
 FILE_SD = ROOT / "exporters" / "slurm" / "gpumemd_file_sd.py"
 INTERVAL_S = 1.0  # scrape and evaluation interval of this test's Prometheus
+SCALE = INTERVAL_S / 15.0  # the shipped interval is 15 s
+VANISHED_FOR_S = 60 * SCALE
+
+
+def scaled_rules(tmp_path: Path) -> str:
+    """The shipped rules with their waits (``for:``, ``keep_firing_for:`` in minutes) scaled to this interval."""
+    def scaled(match: re.Match[str]) -> str:
+        return f"{match.group(1)}: {float(match.group(2)) * 60 * SCALE:g}s"
+
+    text = re.sub(r"\b(for|keep_firing_for): (\d+)m\b", scaled, RULES.read_text())
+    assert "for: 4s" in text and "keep_firing_for: 8s" in text, "the shipped waits changed: rescale this test"
+    path = tmp_path / "gpumemd.rules.yml"
+    path.write_text(text)
+    return str(path)
 
 JOB = textwrap.dedent("""
     import torch, gpumemd
@@ -54,8 +79,12 @@ JOB = textwrap.dedent("""
 
 
 def firing(prometheus: Prometheus) -> set[tuple[str, str]]:
-    return {(a["labels"]["job"], a["labels"]["instance"]) for a in prometheus.api("alerts")["alerts"]
-            if a["labels"]["alertname"] == "GpumemdVanishedWhileAtRisk" and a["state"] == "firing"}
+    return {(a["labels"]["job"], a["labels"]["instance"]) for a in alerts(prometheus, "GpumemdVanishedWhileAtRisk")}
+
+
+def alerts(prometheus: Prometheus, name: str) -> list[dict[str, Any]]:
+    return [a for a in prometheus.api("alerts")["alerts"]
+            if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
 
 def leak_seen(prometheus: Prometheus) -> set[tuple[str, str]]:
@@ -95,7 +124,7 @@ def test_a_job_killed_while_leaking_fires_and_a_terminated_one_does_not(promethe
         subprocess.run([sys.executable, str(FILE_SD), "--nodelist", host, "--tasks-per-node", "1", "--port", port,
                         "--job-name", "train", "--output", str(sd_file)], check=True, timeout=30)
         interval = f"{INTERVAL_S:.0f}s"
-        prometheus.start([targets["killed"], targets["terminated"]], [str(RULES)],
+        prometheus.start([targets["killed"], targets["terminated"]], [scaled_rules(tmp_path)],
                          global_config={"scrape_interval": interval, "evaluation_interval": interval,
                                         "scrape_timeout": interval},
                          scrape_configs=[{"job_name": "gpumemd-file-sd",
@@ -146,14 +175,129 @@ def test_a_job_killed_while_leaking_fires_and_a_terminated_one_does_not(promethe
                                     f'{{instance="{targets["terminated"]}"}}[1m])')
         assert marker["metric"]["reason"] == "SIGTERM"
 
-        # within two scrape intervals: the stale series, then the evaluation (0.5 s for our polling)
-        assert kill <= 2 * INTERVAL_S + 0.5, kill
+        # the wait, then within two scrape intervals: the stale series, then the evaluation (0.5 s for our
+        # polling)
+        assert kill <= VANISHED_FOR_S + 2 * INTERVAL_S + 0.5, kill
         # a file_sd change reaches the scrape manager within its 5 s update throttle, then as above
-        assert removal <= 5 + 2 * INTERVAL_S + 0.5, removal
+        assert removal <= 5 + VANISHED_FOR_S + 2 * INTERVAL_S + 0.5, removal
         print(f"fired {kill:.1f} s after SIGKILL, {removal:.1f} s after the file_sd removal; SIGTERM to exit "
               f"{ended_at - removed_at:.1f} s")
     finally:
         for proc in procs.values():
             if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+RUNS_JOB = textwrap.dedent("""
+    import sys, time, torch
+    leak = sys.argv[1] == "leak"
+    if not leak:
+        sys.stdin.readline()  # started ahead (torch imported): attaches when told, on the port just freed
+    import gpumemd
+    agent = gpumemd.attach()  # GPUMEMD_PORT and GPUMEMD_OUTPUT_DIR from the environment
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept, said = [], False
+    while True:
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if leak:
+            kept.append(torch.zeros(16 * 1024))  # the leak: 64 KiB a step
+        else:
+            time.sleep(0.005)  # a healthy job that leaves the machine's cores to the others
+        if not said and (not leak or any(f.state == "confirmed" for f in agent.findings())):
+            print(agent.exporter_url, flush=True)
+            said = True
+""")
+
+
+def rule_expr(alert: str) -> str:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    [expr] = [r["expr"] for g in groups for r in g["rules"] if r.get("alert") == alert]
+    return str(expr)
+
+
+def read_url(proc: subprocess.Popen[str], deadline: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    return proc.stdout.readline().strip() if ready else ""
+
+
+def poll_until(condition: Any, deadline: float, what: str, prometheus: Prometheus) -> None:
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}\n{prometheus.logs()}"
+        time.sleep(0.1)  # polling Prometheus's API until the condition holds (deadline above)
+
+
+def test_a_stall_keeps_the_page_and_a_new_job_on_the_port_neither_clears_nor_takes_it(
+        prometheus: Prometheus, tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(RUNS_JOB)
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}, "GPUMEMD_PORT": str(port)}
+    procs = {name: subprocess.Popen([sys.executable, str(script), name], cwd=tmp_path, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                    env={**env, "GPUMEMD_OUTPUT_DIR": str(tmp_path / name)})
+             for name in ("leak", "healthy")}
+    leaking, healthy = procs["leak"], procs["healthy"]
+    vanished = "GpumemdVanishedWhileAtRisk"
+    try:
+        prometheus.start([target], [scaled_rules(tmp_path)])
+        deadline = time.monotonic() + 90
+        assert read_url(leaking, deadline) == f"http://{target}/metrics", leaking.poll()
+        poll_until(lambda: alerts(prometheus, "GpumemdLeakConfirmed"), deadline, "no LeakConfirmed", prometheus)
+        [confirmed] = alerts(prometheus, "GpumemdLeakConfirmed")
+        [info] = prometheus.query(f'gpumemd_info{{instance="{target}"}}')
+        old_run = info["metric"]["run_id"]
+
+        # A stall of 3 scrapes (the platform check's 6 s at 2 s): the page goes on, nothing vanished.
+        leaking.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while time.monotonic() < stopped_at + 3 * INTERVAL_S:
+            assert not firing(prometheus)
+            assert [a["activeAt"] for a in alerts(prometheus, "GpumemdLeakConfirmed")] == [confirmed["activeAt"]]
+            time.sleep(0.1)  # polling Prometheus's API through the stall (3 intervals)
+        leaking.send_signal(signal.SIGCONT)
+        poll_until(lambda: prometheus.query(f'up{{instance="{target}"}} == 1'), deadline, "not back", prometheus)
+        [missed] = prometheus.query(f'count_over_time((up{{instance="{target}"}} == 0)[30s:1s])')
+        assert float(missed["value"][1]) >= 2, "the stall missed no scrape"
+        assert not firing(prometheus)
+        assert [a["activeAt"] for a in alerts(prometheus, "GpumemdLeakConfirmed")] == [confirmed["activeAt"]]
+
+        # SIGKILL: the run's page fires, and the down expression holds it (no goodbye).
+        leaking.kill()
+        leaking.wait()
+        wait_until_fired(prometheus, ("gpumemd", target), time.monotonic())
+        assert prometheus.query(rule_expr("GpumemdAgentDown"))
+
+        # A healthy job on the same port: another run, which neither clears the page...
+        assert healthy.stdin is not None
+        healthy.stdin.write("go\n")
+        healthy.stdin.flush()
+        assert read_url(healthy, deadline) == f"http://{target}/metrics", healthy.poll()
+        new_info = f'gpumemd_info{{instance="{target}",run_id!="{old_run}"}}'
+        poll_until(lambda: prometheus.query(f"count_over_time({new_info}[1m]) >= 2"), deadline,
+                   "the new run was not scraped twice", prometheus)
+        assert [a["labels"]["run_id"] for a in alerts(prometheus, vanished)] == [old_run]
+        [new] = prometheus.query(new_info)
+        new_run = new["metric"]["run_id"]
+
+        # ... nor takes it when it ends cleanly (SIGTERM): its goodbye is scraped, no page names it.
+        healthy.send_signal(signal.SIGTERM)
+        assert healthy.wait(timeout=30) == -signal.SIGTERM
+        ended_at = time.monotonic()
+        [marker] = prometheus.query(f'last_over_time(gpumemd_agent_exit_timestamp_seconds{{instance="{target}"}}[1m])')
+        assert marker["metric"]["run_id"] == new_run and marker["metric"]["reason"] == "SIGTERM"
+        while time.monotonic() < ended_at + VANISHED_FOR_S + 3 * INTERVAL_S:
+            assert [a["labels"]["run_id"] for a in alerts(prometheus, vanished)] == [old_run]
+            time.sleep(0.1)  # polling Prometheus's API for the vanished alert's wait and 3 intervals
+        assert not prometheus.query(rule_expr("GpumemdAgentDown"))  # a clean end: no down target
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
                 proc.kill()
             proc.wait()

@@ -1,9 +1,11 @@
-"""At its end, an agent at risk (a live leak finding) that a scraper has visited keeps serving until one
-scrape has fetched its exit marker; a healthy one, or one never scraped twice, stops at once."""
+"""At its end, an agent that a scraper has visited twice keeps serving until one scrape has fetched its exit
+marker, at risk (a live leak finding) or healthy: Prometheus then tells a clean end from a SIGKILL, and no
+alert pages for it. One never scraped twice stops at once."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import urllib.request
@@ -20,13 +22,15 @@ SUSPECTED = Finding(kind="tensor_leak", series="host_rss_bytes", state="suspecte
 WAITING = "until a scrape records how the job ended"
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def scrape(url: str, scraper: bool = True) -> str:
+    """A GET of ``url``, as Prometheus sends it (with its scrape-timeout header), or as curl does."""
+    headers = {"X-Prometheus-Scrape-Timeout-Seconds": "10"} if scraper else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
         return str(response.read().decode())
 
 
 @pytest.mark.parametrize("at_risk", [True, False])
-def test_the_last_scrape_carries_the_exit_marker_when_at_risk(out_dir: str, at_risk: bool,
+def test_the_last_scrape_carries_the_exit_marker(out_dir: str, at_risk: bool,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gpumemd")
     agent = build_agent(Config(output_dir=out_dir, port=0, nvml=False, quiet=True, leak_detection=False,
@@ -39,13 +43,28 @@ def test_the_last_scrape_carries_the_exit_marker_when_at_risk(out_dir: str, at_r
     scrape(url)  # the scraper's cadence is known: two scrapes
     stopping = threading.Thread(target=agent.stop)
     stopping.start()
-    if at_risk:
-        deadline = time.monotonic() + 10
-        while WAITING not in caplog.text:
-            assert time.monotonic() < deadline and stopping.is_alive()
-            time.sleep(0.01)  # polling until the exporter waits for its last scrape (deadline above)
-        last = scrape(url)
-        assert 'gpumemd_agent_exit_timestamp_seconds{local_rank="0",rank="0",reason="exit"}' in last
+    deadline = time.monotonic() + 10
+    while WAITING not in caplog.text:
+        assert time.monotonic() < deadline and stopping.is_alive()
+        time.sleep(0.01)  # polling until the exporter waits for its last scrape (deadline above)
+    last = scrape(url)
+    run_id = f"{os.getpid()}-{round(agent.state().attached_at * 1000)}"
+    assert ('gpumemd_agent_exit_timestamp_seconds{local_rank="0",rank="0",reason="exit",'
+            f'run_id="{run_id}"}}') in last
+    assert f'run_id="{run_id}"' in last.split("gpumemd_info{")[1].split("}")[0]  # the same run as it served
     stopping.join(timeout=10)
     assert not stopping.is_alive()
-    assert (WAITING in caplog.text) is at_risk
+
+
+@pytest.mark.parametrize("scrapes", [(True,), (False, False, False)], ids=["once", "curl"])
+def test_an_agent_no_scraper_came_to_twice_stops_at_once(out_dir: str, caplog: pytest.LogCaptureFixture,
+                                                          scrapes: tuple[bool, ...]) -> None:
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    agent = build_agent(Config(output_dir=out_dir, port=0, nvml=False, quiet=True, leak_detection=False,
+                               census=False, sample_interval_s=0)).start()
+    url = agent.exporter_url
+    assert url is not None
+    for scraper in scrapes:  # one scrape, or a person's curls: no scraper's cadence, nothing to wait for
+        scrape(url, scraper)
+    agent.stop()
+    assert WAITING not in caplog.text

@@ -83,6 +83,9 @@ DASHBOARD_CHECKS: list[tuple[str, dict[str, Any]]] = [
     ("test_leak_slope_is_bytes_per_step", {}),
     ("test_time_since_the_last_step_is_on_the_dashboard", {}),
     ("test_firing_gpumemd_alerts_are_annotations", {"tmp_path": None}),
+    ("test_a_training_job_variable_picks_one_job_among_many", {"tmp_path": None}),
+    ("test_cuda_only_panels_say_so_on_a_job_without_cuda", {}),
+    ("test_projected_time_to_oom_is_time", {}),
 ]
 
 

@@ -144,7 +144,7 @@ def test_every_catalogued_metric_is_emitted_from_a_full_state() -> None:
 def test_names_follow_prometheus_conventions() -> None:
     _, samples = scrape(full_state(), live=FULL_LIVE)
     allowed = {*BASE_LABELS, "device", "category", "kind", "probe", "point", "version", "world_size", "hostname",
-               "launcher", "job_phase", "stepping", "limit", "reason"}
+               "launcher", "job_phase", "stepping", "limit", "reason", "run_id"}
     for spec in SPECS:
         assert spec.name.startswith("gpumemd_")
         assert spec.name.endswith("_total") == (spec.type == "counter"), spec.name
@@ -162,6 +162,16 @@ def test_identity_is_one_info_metric() -> None:
     assert info.labels["hostname"] == "node-a" and info.labels["launcher"] == "torchrun"
     assert info.labels["world_size"] == "8"
     assert "pid" not in info.labels
+    # The run: pid and attach time (ms), on the identity and on the exit marker, so an alert joins them.
+    assert info.labels["run_id"] == "4242-900000"
+    [ended] = samples["gpumemd_agent_exit_timestamp_seconds"]
+    assert ended.labels["run_id"] == "4242-900000" and ended.labels["reason"] == "SIGTERM"
+
+
+def test_a_later_run_on_the_same_port_is_another_run() -> None:
+    first, later = full_state(), dataclasses.replace(full_state(), attached_at=900.5)
+    ids = {scrape(state)[1]["gpumemd_info"][0].labels["run_id"] for state in (first, later)}
+    assert len(ids) == 2
 
 
 def test_allocator_figures_come_from_pytorch_shaped_stats_per_device() -> None:
@@ -319,9 +329,23 @@ def test_findings_export_the_most_severe_per_kind_and_device() -> None:
     assert value(samples, "gpumemd_leak_state", kind="tensor_leak", device="0") == 2
     assert value(samples, "gpumemd_leak_slope_bytes_per_step", kind="tensor_leak", device="0") == 1e6
     assert value(samples, "gpumemd_leak_steps_to_oom", kind="tensor_leak", device="0") == 900
-    # A host finding is off CUDA: the label is empty (which Prometheus reads as absent).
-    assert value(samples, "gpumemd_leak_state", kind="host_leak") == 0
+    # A host finding is off CUDA: device="host".
+    assert value(samples, "gpumemd_leak_state", kind="host_leak", device="host") == 0
     assert len(samples["gpumemd_leak_steps_to_oom"]) == 1  # None for host_leak: absent
+    assert "gpumemd_leak_seconds_to_oom" not in samples  # no typical step time yet: no time
+
+
+def test_time_to_oom_is_the_steps_at_the_typical_step_time() -> None:
+    findings = (_finding("tensor_leak", "confirmed", 1e6, Device.cuda(0), steps_to_oom=900.0),
+                _finding("host_leak", "suspected", 2e6, CPU, steps_to_oom=36000.0),
+                _finding("graph_leak", "confirmed", 2e6, CPU))
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, findings=findings)
+
+    _, samples = scrape(state, live=LiveFigures(seconds_per_step=0.2))
+
+    assert value(samples, "gpumemd_leak_seconds_to_oom", kind="tensor_leak", device="0") == pytest.approx(180.0)
+    assert value(samples, "gpumemd_leak_seconds_to_oom", kind="host_leak", device="host") == pytest.approx(7200.0)
+    assert len(samples["gpumemd_leak_seconds_to_oom"]) == 2  # no steps-to-OOM figure for graph_leak: absent
 
 
 def test_oom_reports_overhead_and_probe_errors() -> None:
@@ -473,6 +497,9 @@ def test_workers_memory_and_the_growths_with_figures_of_their_own_are_exported()
         finding("growing_tensor_bytes{device=cpu,group=float32[N, 4]}", "tensor_leak", 9999.0, "cleared"),
     ))
     values = {(s.name, s.labels.get("kind", "")): s.value for m in build_families(state) for s in m.samples}
+    devices = {s.labels["device"] for m in build_families(state) for s in m.samples
+               if s.name == "gpumemd_leak_workers_slope_bytes_per_step"}
+    assert devices == {"host"}  # off CUDA: as on gpumemd_leak_state, so the two join
     assert values[("gpumemd_workers", "")] == 2
     assert values[("gpumemd_workers_rss_bytes", "")] == 4 * GiB
     assert values[("gpumemd_workers_pss_bytes", "")] == 2 * GiB

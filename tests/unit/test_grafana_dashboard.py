@@ -93,8 +93,8 @@ def test_dashboard_is_not_editable_in_the_ui() -> None:  # template-uneditable-r
 
 
 def test_rows_cover_the_story() -> None:
-    assert [r["title"] for r in ROWS] == ["Overview", "Allocator", "Fragmentation", "Census by category",
-                                         "Step profile", "Host", "Agent"]
+    assert [r["title"] for r in ROWS] == ["Overview", "Allocator (CUDA)", "Fragmentation (CUDA)",
+                                         "Census by category", "Step profile", "Host", "Agent"]
 
 
 def test_every_panel_titled_described_and_on_the_datasource_variable() -> None:
@@ -128,6 +128,7 @@ def test_every_selector_filters_job_and_instance() -> None:  # target-job-rule, 
         assert found, (title, expr)
         for name, braces in found:
             assert 'job=~"$job"' in braces and 'instance=~"$instance"' in braces, (title, name, expr)
+            assert 'training_job=~"$training_job"' in braces, (title, name, expr)
             if name != "up":
                 assert 'rank=~"$rank"' in braces, (title, name)
 
@@ -165,7 +166,7 @@ def test_unique_ids_and_panels_inside_the_grid() -> None:
 def substitute(expr: str) -> str:
     """Grafana's variables as a Prometheus would see them with everything selected."""
     return expr.replace("$__rate_interval", "1m").replace("$job", ".+").replace("$instance", ".+") \
-        .replace("$rank", ".+").replace("$device", ".+")
+        .replace("$rank", ".+").replace("$device", ".+").replace("$training_job", ".*")
 
 
 def test_every_query_parses_as_promql(tmp_path: Path) -> None:  # target-promql-rule, template-label-promql
@@ -309,3 +310,44 @@ def test_firing_gpumemd_alerts_are_annotations(tmp_path: Path) -> None:
               'ALERTS{alertname="Other",alertstate="firing",job="gpumemd",instance="n:9400"}': "1x2"}
     evaluate(tmp_path, expr, series, [('ALERTS{alertname="GpumemdAgentDown",alertstate="firing",job="gpumemd",'
                                        'instance="n:9400",severity="warning"}', 1)])
+
+
+def test_a_training_job_variable_picks_one_job_among_many(tmp_path: Path) -> None:
+    var = VARS["training_job"]
+    assert var["type"] == "query" and var["multi"] is True and var["includeAll"] is True
+    assert var["query"]["query"] == 'label_values(gpumemd_info{job=~"$job"}, training_job)'
+    assert var["allValue"] == ".*"  # "All" keeps the targets no file_sd or PodMonitor labelled
+    names = [v["name"] for v in DASHBOARD["templating"]["list"]]
+    assert names.index("training_job") < names.index("instance") < names.index("rank")
+    assert 'training_job=~"$training_job"' in VARS["instance"]["query"]["query"]
+    # one job selected: only its ranks; "All": the unlabelled static target too
+    expr = panel("Host memory available")["targets"][0]["expr"]
+    series = {f'gpumemd_host_available_bytes{{{JOB},training_job="llm-7"}}': "5x2",
+              'gpumemd_host_available_bytes{job="gpumemd",instance="m:9400",rank="0",local_rank="0",'
+              'training_job="llm-8"}': "6x2",
+              'gpumemd_host_available_bytes{job="gpumemd",instance="s:9400",rank="0",local_rank="0"}': "7x2"}
+    evaluate(tmp_path, expr.replace("$training_job", "llm-7"), series,
+             [(f'gpumemd_host_available_bytes{{{JOB},training_job="llm-7"}}', 5)])
+    evaluate(tmp_path, expr, series, [(name, float(v[0])) for name, v in series.items()])
+
+
+def test_cuda_only_panels_say_so_on_a_job_without_cuda() -> None:
+    rows = DASHBOARD["panels"]
+    cuda_rows = {"Allocator (CUDA)", "Fragmentation (CUDA)"}
+    current, seen = "", 0
+    for item in rows:
+        if item["type"] == "row":
+            current = item["title"]
+        elif current in cuda_rows:
+            assert item["fieldConfig"]["defaults"]["noValue"].startswith("No CUDA device in this job"), item["title"]
+            seen += 1
+    assert seen == 7
+
+
+def test_projected_time_to_oom_is_time() -> None:
+    projected = panel("Projected time to OOM")
+    assert projected["fieldConfig"]["defaults"]["unit"] == "s"
+    [target] = projected["targets"]
+    assert target["expr"].startswith("gpumemd_leak_seconds_to_oom{")
+    rules = (ROOT / "exporters" / "prometheus" / "rules" / "gpumemd.rules.yml").read_text()
+    assert '"Projected time to OOM" panel' in rules  # the alert's description names this panel

@@ -6,9 +6,11 @@ promtool comes with Debian's ``prometheus`` package. Without it these tests skip
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -32,8 +34,9 @@ def test_rules_pass_promtool_check() -> None:
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
-def test_rule_unit_tests_pass() -> None:
-    result = run(require_binary("promtool"), "test", "rules", "gpumemd.rules.test.yml", cwd=RULES.parent)
+@pytest.mark.parametrize("tests", ["gpumemd.rules.test.yml", "gpumemd.rules.runs.test.yml"])
+def test_rule_unit_tests_pass(tests: str) -> None:
+    result = run(require_binary("promtool"), "test", "rules", tests, cwd=RULES.parent)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
@@ -41,8 +44,8 @@ def test_a_wrong_expectation_fails_the_rule_unit_tests(tmp_path: Path) -> None:
     # The rule tests can fail: change one expected value and promtool must say so.
     shutil.copy(RULES, tmp_path / RULES.name)
     text = (RULES.parent / "gpumemd.rules.test.yml").read_text()
-    assert "33m 20s" in text
-    (tmp_path / "t.yml").write_text(text.replace("33m 20s", "33m 21s"))
+    assert "2h 0m 0s" in text
+    (tmp_path / "t.yml").write_text(text.replace("2h 0m 0s", "2h 0m 1s"))
     result = run(require_binary("promtool"), "test", "rules", "t.yml", cwd=tmp_path)
     assert result.returncode != 0
 
@@ -68,6 +71,35 @@ def test_every_alert_says_what_to_do() -> None:
         assert f"alertname: {name}" in tested, f"{name} has no promtool unit test"
 
 
+def _alerts() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub and mkdocs give a Markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    docs = ROOT / "docs" / "prometheus-grafana.md"
+    runbook = docs.read_text().split("## Alert runbook", 1)[1].split("\n## ", 1)[0]
+    anchors = {_slug(line[4:]) for line in runbook.splitlines() if line.startswith("### ")}
+    for rule in _alerts():
+        url = rule["annotations"]["runbook_url"]
+        path, _, anchor = url.partition("#")
+        assert (ROOT / path) == docs, (rule["alert"], url)
+        assert anchor == rule["alert"].lower() and anchor in anchors, (rule["alert"], url, sorted(anchors))
+
+
+def test_no_rule_drops_the_targets_labels() -> None:
+    # Aggregations and joins name what they drop (`without`, `ignoring`): a fixed `by`/`on` list would lose
+    # cluster, training_job, namespace or pod, whatever the scrape config adds.
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    for rule in (rule for group in groups for rule in group["rules"]):
+        assert not re.search(r"\b(by|on)\s*\(", rule["expr"]), rule.get("alert", rule.get("record"))
+
+
 def test_file_sd_example_and_podmonitor_are_well_formed() -> None:
     import json
 
@@ -78,6 +110,9 @@ def test_file_sd_example_and_podmonitor_are_well_formed() -> None:
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == [f"gpumemd-{r}" for r in range(8)]
     assert all(e["path"] == "/metrics" for e in endpoints)
+    # the pod's gpumemd.io/training-job label becomes the training_job the alerts and the dashboard use
+    assert all({"sourceLabels": ["__meta_kubernetes_pod_label_gpumemd_io_training_job"],
+                "targetLabel": "training_job"} in e["relabelings"] for e in endpoints)
 
 
 def test_file_sd_writer_lists_one_target_per_local_rank() -> None:
