@@ -57,6 +57,8 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     if state.ended not in (None, "exit"):
         parts[0] = f"gpumemd: ended by {state.ended} · " + parts[0].removeprefix("gpumemd: ")
     parts.append(_findings_text(state.findings))
+    if state.ooms_caught:
+        parts.append(caught_text(state.ooms_caught, state.oom_caught_steps))
     if state.reports:
         parts.append(f"{len(state.reports)} OOM report{'s' if len(state.reports) > 1 else ''}: "
                      + ", ".join(state.reports))
@@ -68,6 +70,14 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     if state.findings or state.reports:
         parts.append(f"output {output_dir}")
     return " · ".join(parts)
+
+
+def caught_text(count: int, steps: Sequence[int]) -> str:
+    """"3 OOMs caught by the job, at steps 12, 40 and 41": the OOMs it went on from, which recur."""
+    where = ", ".join(f"{s:,}" for s in steps[:-1]) + (" and " if len(steps) > 1 else "") + (
+        f"{steps[-1]:,}" if steps else "")
+    at = f", at step{'s' if len(steps) > 1 else ''} {where}" if steps else ""
+    return f"{count} OOM{'s' if count > 1 else ''} caught by the job{at}"
 
 
 def _findings_text(findings: Sequence[Finding]) -> str:

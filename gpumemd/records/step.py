@@ -136,7 +136,9 @@ class AgentState:
     censuses_total: int = 0
     findings: tuple[Finding, ...] = ()
     reports: tuple[str, ...] = ()
-    ooms_total: int = 0
+    ooms_total: int = 0  # every OOM seen: the propagating ones and those the job caught
+    ooms_caught: int = 0  # OOMs the observer saw that the job caught and went on from (CUDA)
+    oom_caught_steps: tuple[int, ...] = ()  # the steps they happened in (the latest few)
     step_profile: StepProfile | None = None
     phase: str = "train"
     overhead: Overhead = field(default_factory=Overhead)

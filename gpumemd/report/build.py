@@ -52,7 +52,7 @@ class ReportInputs:
 
     created_at: float
     identity: Identity
-    source: str  # "excepthook", "thread_excepthook", "oom_guard" or "request"
+    source: str  # "excepthook", "thread_excepthook", "oom_guard", "caught" or "request"
     exception_type: str
     exception_message: str
     traceback_text: str = ""
@@ -78,6 +78,16 @@ class ReportInputs:
     environment: Mapping[str, Any] = field(default_factory=dict)
     memory_summary: str | None = None
     step_profile: StepProfile | None = None  # the last sampled step's profile (attach(step_profile=True))
+
+
+# Whether the job caught the OOM or died of it, by where the report came from.
+OUTCOMES = {
+    "caught": "caught: the job caught this OOM and went on (an OOM it caught recurs: fix it or bound it)",
+    "excepthook": "fatal: nothing caught this OOM and it ended the job",
+    "thread_excepthook": "fatal to its thread: nothing caught this OOM and it ended the thread",
+    "oom_guard": "raised to the job through gpumemd.oom_guard",
+    "request": "report requested by the job (gpumemd.oom_report)",
+}
 
 
 def oom_device(inputs: ReportInputs) -> Device | None:
@@ -300,6 +310,7 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "step": inputs.step,
         "phase": inputs.phase,
         "source": inputs.source,
+        "outcome": OUTCOMES.get(inputs.source, inputs.source),
         "exception": {"type": inputs.exception_type, "message": inputs.exception_message,
                       "traceback": inputs.traceback_text},
         "oom": plain(inputs.message) if inputs.message else None,

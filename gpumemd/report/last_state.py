@@ -19,6 +19,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from gpumemd.announce import caught_text
 from gpumemd.records.device import cuda_index
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 
@@ -53,6 +54,7 @@ def state_document(state: AgentState, *, written_at: float, seconds_per_step: fl
         "seconds_per_step": seconds_per_step, "headroom": headroom(state),
         "findings": [_finding(f) for f in live[:MAX_FINDINGS]], "findings_more": max(0, len(live) - MAX_FINDINGS),
         "ooms_total": state.ooms_total, "reports": list(state.reports[-MAX_REPORTS:]),
+        "ooms_caught": state.ooms_caught, "oom_caught_steps": list(state.oom_caught_steps),
         "ended": state.ended, "ended_at": state.ended_at,
     }
 
@@ -141,6 +143,9 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
         lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl)")
     if not doc.get("findings"):
         lines.append("  no live leak finding")
+    if isinstance(doc.get("ooms_caught"), int) and doc["ooms_caught"] > 0:
+        steps = [s for s in doc.get("oom_caught_steps") or [] if isinstance(s, int)]
+        lines.append(f"  {caught_text(doc['ooms_caught'], steps)}")
     for path in doc.get("reports") or []:
         lines.append(f"  OOM report: {path}")
     return lines

@@ -161,7 +161,8 @@ def _environment(report: dict[str, Any]) -> list[str]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# gpumemd OOM report — rank {report.get('rank')}, step {report.get('step')}", "",
-           headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.", "",
+           headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.",
+           *([f"Outcome: {report['outcome']}."] if report.get("outcome") else []), "",
            *_contents(report)]
     for part in (_verdict, _groups, _suggestions, _breakdown):
         out += part(report)
