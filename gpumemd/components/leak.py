@@ -443,7 +443,7 @@ def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
         return status
     if status.onset_step is not None:
         onset = min(status.onset_step, onset)
-    return dataclasses.replace(status, onset_step=onset)
+    return dataclasses.replace(status, onset_step=max(0, onset))  # a length at its rate may point before step 0
 
 
 def _search_order(status: TrackStatus) -> int:

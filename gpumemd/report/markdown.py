@@ -49,7 +49,7 @@ def headline(report: dict[str, Any]) -> str:
     exc = report.get("exception") or {}
     step = report.get("step")
     return (f"{exc.get('type', 'OOM')} on {b.get('device', '?')} (rank {report.get('rank')}, "
-            f"step {step if step is not None else '-'}, phase {report.get('phase')}): "
+            + (f"step {step}, " if step is not None else "") + f"phase {report.get('phase')}): "
             f"requested {fmt_bytes(b.get('requested_bytes'))} of {fmt_bytes(b.get('total_bytes'))}; "
             f"verdict: {b.get('verdict', 'unknown')}")
 
@@ -93,7 +93,7 @@ def _suggestions(report: dict[str, Any]) -> list[str]:
     out = _heading("Suggestions")
     suggestions = report.get("suggestions") or []
     if not suggestions:
-        return [*out, "No suggestion: the measurements point at no single cause."]
+        return [*out, report.get("suggestions_none") or "No suggestion: the measurements point at no single cause."]
     for n, s in enumerate(suggestions, 1):
         out += [f"{n}. **{s['title']}** — saves about {fmt_bytes(s['saving_bytes'])}. {s['why']}"]
         if s.get("how"):
