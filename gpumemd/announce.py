@@ -69,7 +69,31 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     parts.append(_cost_text(overhead))
     if state.findings or state.reports:
         parts.append(f"output {output_dir}")
-    return " · ".join(parts)
+    nxt = next_text(state, output_dir)
+    return " · ".join(parts) + (f" · {nxt}" if nxt else "")
+
+
+# The fix of each kind of finding in a few words (the findings file's sentence says it in full).
+FIX_WORDS: dict[str, str] = {
+    "graph_leak": "keep loss.item() or .detach(), not the tensor with its graph",
+    "tensor_leak": "keep .detach().cpu() copies, or bound what holds them (a deque(maxlen=N))",
+    "host_leak": "bound or clear the container that grows every step",
+    "fragmentation": "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    "non_pytorch": "look at what allocates outside PyTorch (NCCL, a library, another process)",
+}
+
+
+def next_text(state: AgentState, output_dir: str) -> str | None:
+    """What to do next, last on the exit line: the fix of the worst live finding in a few words, or
+    the OOM to read, and the command that shows it all."""
+    live = sorted((f for f in state.findings if f.state != "cleared"),
+                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
+    see = f"gpumemd report {output_dir}"
+    if live:
+        return f"next: {FIX_WORDS.get(live[0].kind, 'stop what grows')}; then {see}"
+    if state.reports or state.ooms_total:
+        return f"next: {see}"
+    return None
 
 
 def caught_text(count: int, steps: Sequence[int]) -> str:

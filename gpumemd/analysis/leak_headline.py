@@ -111,6 +111,8 @@ def mention(finding: Finding) -> str:
     if holder:
         text += " " + fit_holder(holder, _MENTION_HOLDER_MAX)
     state = finding.state + (f", {since_words(finding.onset_step)}" if finding.onset_step is not None else "")
+    oom = projection_words(finding.steps_to_oom, finding.hours_to_oom)[1] if finding.state != "cleared" else None
+    state += f", out of memory in {oom}" if oom else ""  # the finding's own: as its line and the metric say
     return f"{text} ({state})"
 
 

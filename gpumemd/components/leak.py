@@ -413,7 +413,8 @@ class LeakComponent:
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            line = json.dumps({"time": self._wall(), **_jsonable(plain(finding))}, sort_keys=True)
+            run = self._agent.state().run if self._agent is not None else None  # a file may hold several runs
+            line = json.dumps({"time": self._wall(), "run": run, **_jsonable(plain(finding))}, sort_keys=True)
             append_line(path, line)
             self._append_failed = False
         except OSError as exc:

@@ -148,3 +148,9 @@ class AgentState:
     # that ended the job ("SIGTERM", ...); None while it runs. A reader told apart from a vanished one.
     ended: str | None = None
     ended_at: float | None = None
+
+    @property
+    def run(self) -> str:
+        """This run, as the findings file's lines and the state file name it: one output directory may
+        hold several runs' lines (``rank0-pid4120-1764260000.123``)."""
+        return f"rank{self.identity.rank}-pid{self.identity.pid}-{self.attached_at:.3f}"
