@@ -386,3 +386,20 @@ def test_a_burst_in_one_step_is_one_report_and_find_batch_size_tries_none(out_di
         agent.stop()
     (path,) = agent.reports()
     assert _load(path)["observer"]["requested_bytes"] == 16 * MiB  # the burst's last call
+
+
+def test_an_oom_caught_after_the_last_step_end_is_reported_at_detach(out_dir: str, monkeypatch: Any) -> None:
+    monkeypatch.setattr(oom_module, "_observer_installed", False)
+    probe = _FakeCudaProbe(_snapshot())
+    probe.initialized = True
+    component = OomComponent(Config(output_dir=out_dir).options(OomOptions), snapshot_probe=probe, census=_census())
+    agent = _agent(out_dir, component)
+    model, opt = _model()
+    try:
+        _train(model, opt, 2)
+        with contextlib.suppress(torch.OutOfMemoryError):  # eval code that gives up on a batch, then ends
+            _allocator_fails(probe)
+    finally:
+        agent.stop()
+    (path,) = agent.reports()
+    assert _load(path)["source"] == "caught" and agent.state().ooms_caught == 1
