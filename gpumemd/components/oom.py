@@ -242,7 +242,7 @@ class OomComponent(ComponentBase):
                             total_or_cap_bytes=int(total_or_cap), device_free_bytes=int(free),
                             wall_time=self._wall())
         now = self._clock()
-        last = agent.state().step
+        last = agent.current_step  # the last step ended, sampled or not
         step = 0 if last is None else last + 1  # the step that is running
         earlier = self._captures.observe(call, steps_total=agent.steps_total, step=step, now=now,
                                          may_snapshot=self._may_write(now), snapshot=self._probe.capture,

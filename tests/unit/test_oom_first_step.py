@@ -199,6 +199,10 @@ class _Agent:
     def __init__(self) -> None:
         self.published: dict[str, Any] = {}
 
+    @property
+    def current_step(self) -> int:
+        return self.steps_total - 1
+
     def state(self) -> Any:
         return SimpleNamespace(step=self.steps_total - 1, census=None, reports=())
 
