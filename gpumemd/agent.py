@@ -418,9 +418,11 @@ class Agent(StepCounting):
         if base is None or not self.running:
             return None
         current = self.current_step
-        rss = self._host.rss()
-        host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
-            HostSample(rss_bytes=rss) if rss is not None else None)
+        host = self._host.read()  # limits too: one the job set since the last sample binds at the OOM
+        if host is None or host.available_bytes is None:
+            rss = host.rss_bytes if host is not None else self._host.rss()
+            host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
+                HostSample(rss_bytes=rss) if rss is not None else None)
         return StepRecord(step=0 if current is None else current + 1, wall_time=self._wall(), duration_s=None,
                           allocator=self._allocator.read(), host=host, nvml=base.nvml, phase=self._phase,
                           steps=max(1, self._steps_total + 1 - self._sampled_total))

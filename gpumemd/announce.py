@@ -57,6 +57,8 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     if state.ended not in (None, "exit"):
         parts[0] = f"gpumemd: ended by {state.ended} · " + parts[0].removeprefix("gpumemd: ")
     parts.append(_findings_text(state.findings))
+    if state.ooms_caught:
+        parts.append(caught_text(state.ooms_caught, state.oom_caught_steps))
     if state.reports:
         parts.append(f"{len(state.reports)} OOM report{'s' if len(state.reports) > 1 else ''}: "
                      + ", ".join(state.reports))
@@ -67,7 +69,39 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     parts.append(_cost_text(overhead))
     if state.findings or state.reports:
         parts.append(f"output {output_dir}")
-    return " · ".join(parts)
+    nxt = next_text(state, output_dir)
+    return " · ".join(parts) + (f" · {nxt}" if nxt else "")
+
+
+# The fix of each kind of finding in a few words (the findings file's sentence says it in full).
+FIX_WORDS: dict[str, str] = {
+    "graph_leak": "keep loss.item() or .detach(), not the tensor with its graph",
+    "tensor_leak": "keep .detach().cpu() copies, or bound what holds them (a deque(maxlen=N))",
+    "host_leak": "bound or clear the container that grows every step",
+    "fragmentation": "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    "non_pytorch": "look at what allocates outside PyTorch (NCCL, a library, another process)",
+}
+
+
+def next_text(state: AgentState, output_dir: str) -> str | None:
+    """What to do next, last on the exit line: the fix of the worst live finding in a few words, or
+    the OOM to read, and the command that shows it all."""
+    live = sorted((f for f in state.findings if f.state != "cleared"),
+                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
+    see = f"gpumemd report {output_dir}"
+    if live:
+        return f"next: {FIX_WORDS.get(live[0].kind, 'stop what grows')}; then {see}"
+    if state.reports or state.ooms_total:
+        return f"next: {see}"
+    return None
+
+
+def caught_text(count: int, steps: Sequence[int]) -> str:
+    """"3 OOMs caught by the job, at steps 12, 40 and 41": the OOMs it went on from, which recur."""
+    where = ", ".join(f"{s:,}" for s in steps[:-1]) + (" and " if len(steps) > 1 else "") + (
+        f"{steps[-1]:,}" if steps else "")
+    at = f", at step{'s' if len(steps) > 1 else ''} {where}" if steps else ""
+    return f"{count} OOM{'s' if count > 1 else ''} caught by the job{at}"
 
 
 def _findings_text(findings: Sequence[Finding]) -> str:

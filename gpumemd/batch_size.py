@@ -102,8 +102,11 @@ class _Runner:
         return result
 
     def _call(self, batch_size: int) -> bool:
+        from gpumemd.components.oom_capture import probing  # not at import: ``import gpumemd`` stays light
+
         try:
-            self.step_fn(batch_size)  # the result is dropped at once
+            with probing():  # a try's OOM is gpumemd's own, not one the job caught: no report
+                self.step_fn(batch_size)  # the result is dropped at once
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

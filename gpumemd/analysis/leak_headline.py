@@ -68,7 +68,7 @@ def headline(facts: Facts) -> str:
         return _fit(f"{head}: growth stopped" + (f" ({facts.stopped})" if facts.stopped else ""))
     tail = ""
     if facts.onset_step is not None:
-        tail += f", since step {facts.onset_step:,}"
+        tail += f", {since_words(facts.onset_step)}"
     if facts.out_of_memory:
         tail += f", out of memory in {facts.out_of_memory}"
     front = f"{head}: {facts.rate}"
@@ -110,7 +110,9 @@ def mention(finding: Finding) -> str:
     holder = holder_words(_shared(finding.culprits), finding.sites)
     if holder:
         text += " " + fit_holder(holder, _MENTION_HOLDER_MAX)
-    state = finding.state + (f", since step {finding.onset_step:,}" if finding.onset_step is not None else "")
+    state = finding.state + (f", {since_words(finding.onset_step)}" if finding.onset_step is not None else "")
+    oom = projection_words(finding.steps_to_oom, finding.hours_to_oom)[1] if finding.state != "cleared" else None
+    state += f", out of memory in {oom}" if oom else ""  # the finding's own: as its line and the metric say
     return f"{text} ({state})"
 
 
@@ -168,8 +170,18 @@ def _fit(line: str) -> str:
     return line if len(line) <= width else line[: width - 1].rstrip() + "…"
 
 
+def since_words(onset_step: float) -> str:
+    """"since step 1,200"; a leak present from the start (an onset dated at or before step 0, where a
+    container's length at its rate, or a fit, may put it) "since step 0, the first watched"."""
+    if onset_step <= 0:
+        return "since step 0, the first watched"
+    return f"since step {onset_step:,.0f}"
+
+
 def duration_words(hours: float) -> str:
-    """"12 min", "1.3 h", "3 days": a projected time to out-of-memory."""
+    """"40 s", "12 min", "1.3 h", "3 days": a projected time to out-of-memory."""
+    if hours * 60 < 1:
+        return f"{max(1, round(hours * 3600))} s"
     if hours < 1:
         return f"{hours * 60:.0f} min"
     if hours < 48:

@@ -13,7 +13,15 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, duration_words, headline, holder_words, projection_words
+from gpumemd.analysis.leak_headline import (
+    KIND_WORDS,
+    Facts,
+    duration_words,
+    headline,
+    holder_words,
+    projection_words,
+    since_words,
+)
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import GroupDelta
 from gpumemd.records.device import cuda_index
@@ -263,7 +271,7 @@ def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_
         else:
             parts.append(f"+{format_bytes(slope)}/step ({bounds})")
     if status.onset_step is not None:
-        parts.append(f"since step {status.onset_step}")
+        parts.append(since_words(status.onset_step))
     grown = status.growth_bytes * bytes_per_unit if counts else status.growth_bytes
     if counts and grown < 1:
         parts.append(f"+{status.growth_bytes:,.0f} {noun}s so far")
@@ -337,7 +345,7 @@ def workers_sentence(pids: Sequence[int], per_worker: float, onset_step: int | N
     CachingDataset (train.data) with persistent_workers=True: ...' and what to try."""
     text = f"{workers_noun(pids, bool(loaders))} +{format_bytes(per_worker)}/step each"
     if onset_step is not None:
-        text += f" since step {onset_step:,}"
+        text += f" {since_words(onset_step)}"
     text += " while the training process stays flat"
     if loaders:
         runs = "; ".join(f"{name}{'' if persistent is None else f', persistent_workers={persistent}'}"
@@ -404,7 +412,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     rate = f"+{n} tensor{'' if n == '1' else 's'}/step"
     parts = [head, f"{rate} (~{format_bytes(slope)}/step)"]
     if onset is not None:
-        parts.append(f"since step {onset}")
+        parts.append(since_words(onset))
     parts.append(f"+{format_bytes(sum(m.growth_bytes for m in active))} so far")
     oom = (f"~{duration_words(hours_to_oom)}" if hours_to_oom is not None
            else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt
-from gpumemd.analysis.leak_headline import projection_words
+from gpumemd.analysis.leak_headline import projection_words, since_words
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
@@ -211,7 +211,7 @@ def leak_sentence(leak: LeakCause, total: int | None, device: Device) -> str:
     else:
         text += " grew"
     if leak.onset_step is not None:
-        text += f" since step {leak.onset_step}"
+        text += f" {since_words(leak.onset_step)}"
     whose = "the host's" if device == CPU else f"{device.name}'s"
     of_total = f" of {whose} {fmt(total)}" if total else ""
     held = f"by then at least {fmt(leak.held_bytes)}" if leak.estimated else f"{fmt(leak.held_bytes)}"

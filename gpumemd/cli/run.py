@@ -218,9 +218,18 @@ def _run_script(target: str) -> None:
     sys.modules["__main__"] = main
     try:
         exec(code, main.__dict__)
-    finally:
-        if saved is not None:
-            sys.modules["__main__"] = saved
+    except BaseException:
+        if saved is not None:  # put back once the exception is reported (``_execute``), as python would
+            _main_after_report.append(saved)
+        raise
+    if saved is not None:
+        sys.modules["__main__"] = saved
+
+
+_main_after_report: list[types.ModuleType] = []
+"""The ``__main__`` to put back after the script's uncaught exception is reported: until then the
+script's module stays ``__main__``, as under ``python script.py``, so its globals are the roots an OOM
+report names its tensors by (``module global `__main__.x```), not a library frame's local."""
 
 
 def _is_compiled_or_zip(path: str) -> bool:
@@ -260,6 +269,8 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> int:
         sys.argv = saved_argv
         if saved_path0 is not None:
             _set_path0(saved_path0)
+        while _main_after_report:
+            sys.modules["__main__"] = _main_after_report.pop()
     return 0
 
 

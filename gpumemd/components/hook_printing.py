@@ -1,4 +1,5 @@
-"""What python prints when an excepthook fails, for the job's hook that gpumemd's excepthooks wrap.
+"""How a job's exception reads: in a report, and what python prints when an excepthook fails, for the job's
+hook that gpumemd's excepthooks wrap.
 
 Re-raising from the wrapper would put its own frame in the hook's traceback; these print what python
 (``sys.excepthook``) or ``threading`` (``threading.excepthook``) would print without gpumemd.
@@ -9,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 from types import FrameType, TracebackType
 from typing import Any
+
+_TRACEBACK_CHARS = 20_000  # of an OOM report's traceback: the last ones, where it failed
 
 
 def print_hook_failure(error: BaseException, exc_type: type[BaseException], exc: BaseException,
@@ -56,3 +60,20 @@ def _write_stderr(text: str) -> None:
     except Exception:  # noqa: BLE001 - no sys.stderr (None) or a broken one
         with contextlib.suppress(OSError):
             os.write(2, text.encode("utf-8", "backslashreplace"))
+
+
+def format_traceback(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text if len(text) <= _TRACEBACK_CHARS else "...\n" + text[-_TRACEBACK_CHARS:]
+
+
+def safe_str(exc: BaseException) -> str:
+    """The exception's message as Python's traceback shows it: an exception whose ``__str__`` raises
+    still gets its report (the message reads as the traceback's placeholder)."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - the job's own exception class, whatever it does
+        return "<exception str() failed>"
+

@@ -413,7 +413,8 @@ class LeakComponent:
         path = self.findings_path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            line = json.dumps({"time": self._wall(), **_jsonable(plain(finding))}, sort_keys=True)
+            run = self._agent.state().run if self._agent is not None else None  # a file may hold several runs
+            line = json.dumps({"time": self._wall(), "run": run, **_jsonable(plain(finding))}, sort_keys=True)
             append_line(path, line)
             self._append_failed = False
         except OSError as exc:
@@ -443,7 +444,7 @@ def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
         return status
     if status.onset_step is not None:
         onset = min(status.onset_step, onset)
-    return dataclasses.replace(status, onset_step=onset)
+    return dataclasses.replace(status, onset_step=max(0, onset))  # a length at its rate may point before step 0
 
 
 def _search_order(status: TrackStatus) -> int:

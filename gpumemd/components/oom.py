@@ -7,7 +7,10 @@ Moments, in order, for a CUDA OOM:
    and a burst of calls (cuDNN halving its workspace in a loop) takes one snapshot per step and second;
 2. the ``OutOfMemoryError`` propagates: ``gpumemd.oom_guard`` or an excepthook (uncaught, main or
    other thread) hands it to ``handle``, which writes the report with the pending capture;
-3. a capture no OOM claimed is dropped at the next step end, never attached to another (``oom_capture``).
+3. a capture no OOM claimed is of an OOM the job caught (or torch retried): counted at once, and
+   reported at the next sampled step end (or at stop), never attached to another (``oom_capture``);
+   one report per step, under the same cap and cooldown. ``find_batch_size``'s tries are not OOMs
+   of the job's (``oom_capture.probing``).
 CPU allocation failures skip step 1. The observer goes on torch's lazy-init queue: attached when the
 job initialises CUDA, before its first allocation (a first-forward OOM is caught at the moment), and
 never initialising CUDA itself (not before a DataLoader forks); without a queue, at a step end.
@@ -31,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.components.base import ComponentBase
-from gpumemd.components.hook_printing import print_hook_failure, print_thread_hook_failure
-from gpumemd.components.oom_capture import Capture, CaptureSlot
+from gpumemd.components.hook_printing import format_traceback, print_hook_failure, print_thread_hook_failure, safe_str
+from gpumemd.components.oom_capture import Capture, CaptureSlot, CaughtTally, probing_now
 from gpumemd.probes.environment import collect_environment
 from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import Device, cuda_index
@@ -49,7 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpumemd")
 
-_TRACEBACK_CHARS = 20_000
+_CAUGHT_NOTE = ("the last census before the report: the job caught this OOM, and the failing frames' tensors "
+                "were gone by the time its report was written")
 _MARK = "_gpumemd_oom_handled"  # set on an exception once handled, so guard + excepthook report it once
 
 
@@ -124,7 +128,8 @@ class OomComponent(ComponentBase):
         self._captures = CaptureSlot()
         self._written = 0
         self._last_report: float | None = None
-        self._ooms = 0
+        self._ooms = 0  # OOMs that propagated (a report's exception)
+        self._caught = CaughtTally(max(1, options.oom_max_reports))
         self._cuda_hooked = False
         self._cuda_possible = True
         self._running = False
@@ -158,11 +163,21 @@ class OomComponent(ComponentBase):
         if not self._cuda_hooked and self._cuda_possible:
             self._maybe_hook_cuda()
         agent = self._agent
-        if agent is not None:  # a capture no OOM claimed before this step ended was recovered from
-            self._captures.drop_stale(steps_total=agent.steps_total, now=self._clock())
+        if agent is not None:  # a capture no OOM claimed before this step ended: the job caught it
+            self._settle(self._captures.settle(steps_total=agent.steps_total, now=self._clock()))
+
+    def _settle(self, capture: Capture | None) -> None:
+        """Report the caught OOMs settled so far (one report per step, cap and cooldown apply)."""
+        self._caught.queue(capture)
+        for one in self._caught.drain():
+            try:
+                self._report_caught(one)
+            except Exception as err:  # noqa: BLE001 - the job goes on whatever happens here
+                log.warning("gpumemd: could not write the caught OOM's report (%s: %s)", type(err).__name__, err)
 
     def stop(self) -> None:
         global _observer_target
+        self._settle(self._captures.pop())  # an OOM caught after the last sampled step end
         self._running = False
         self._remove_excepthooks()
         with _observer_lock:
@@ -170,7 +185,6 @@ class OomComponent(ComponentBase):
                 _observer_target = None
         with self._history_lock:  # a queued switch-on that runs after this finds _running False
             self._probe.disable_history()
-        self._captures.clear()
         if self._owns_census:
             self._owns_census = False
             self._census.stop()
@@ -222,14 +236,26 @@ class OomComponent(ComponentBase):
         the third argument is the device total or the per-process cap, not allocated bytes.
         """
         agent = self._agent
-        if not self._running or agent is None or not agent.running:
+        if not self._running or agent is None or not agent.running or probing_now():
             return
         call = ObserverCall(device=Device.cuda(int(device)), requested_bytes=int(alloc),
                             total_or_cap_bytes=int(total_or_cap), device_free_bytes=int(free),
                             wall_time=self._wall())
         now = self._clock()
-        self._captures.observe(call, steps_total=agent.steps_total, now=now, may_snapshot=self._may_write(now),
-                               snapshot=self._probe.capture, summary=self._probe.memory_summary)
+        last = agent.current_step  # the last step ended, sampled or not
+        step = 0 if last is None else last + 1  # the step that is running
+        earlier = self._captures.observe(call, steps_total=agent.steps_total, step=step, now=now,
+                                         may_snapshot=self._may_write(now), snapshot=self._probe.capture,
+                                         summary=self._probe.memory_summary)
+        with self._lock:
+            self._caught.observed(step)  # caught until a propagating OOM's report claims it
+            self._caught.queue(earlier)  # reported at the next step end, not inside the allocator
+            self._publish_counts(agent)
+
+    def _publish_counts(self, agent: AgentView) -> None:
+        """Under ``_lock``: OOMs in all (caught or not) and those the job caught, with their steps."""
+        caught = self._caught.count
+        agent.publish(ooms_total=self._ooms + caught, ooms_caught=caught, oom_caught_steps=self._caught.steps())
 
     # --- excepthooks -------------------------------------------------------------------------
 
@@ -353,19 +379,20 @@ class OomComponent(ComponentBase):
             return None
         now = self._clock()
         with self._lock:
+            capture = None
+            if message is None or message.kind != "cpu":  # a CUDA capture says nothing about host RAM
+                capture = self._captures.take(steps_total=agent.steps_total, now=now,
+                                              device=message.device if message is not None else None)
             if exc is not None and not explicit:
                 self._ooms += 1
-                agent.publish(ooms_total=self._ooms)
+                self._caught.claimed(capture)
+                self._publish_counts(agent)
             allowed = self._written < self.config.oom_max_reports if explicit else self._may_write(now)
             if not allowed:
                 log.info("gpumemd: OOM #%d not reported (%d reports written, cap %d, cooldown %.0f s)",
                          self._ooms, self._written, self.config.oom_max_reports, self.config.oom_cooldown_s)
                 return None
             self._last_report = now
-            capture = None
-            if message is None or message.kind != "cpu":  # a CUDA capture says nothing about host RAM
-                capture = self._captures.take(steps_total=agent.steps_total, now=now,
-                                              device=message.device if message is not None else None)
         path = self._write(agent, exc, message, source, capture)
         with self._lock:
             self._written += 1
@@ -373,8 +400,29 @@ class OomComponent(ComponentBase):
         log.warning("gpumemd: out-of-memory report written to %s", path)
         return path
 
+    def _report_caught(self, capture: Capture) -> None:
+        """The report of an OOM the job caught (one per step), from the observer's capture. The census is
+        the last one taken: by now the failing frames are gone."""
+        agent = self._agent
+        if agent is None:
+            return
+        now = self._clock()
+        with self._lock:
+            if not self._may_write(now):
+                log.info("gpumemd: caught OOM at step %d not reported (%d reports written, cap %d, cooldown %.0f s)",
+                         capture.step, self._written, self.config.oom_max_reports, self.config.oom_cooldown_s)
+                return
+            self._last_report = now
+        message = OomMessage(kind="cuda", format="unparsed", device=capture.call.device)
+        path = self._write(agent, None, message, "caught", capture, taken=(agent.state().census, _CAUGHT_NOTE))
+        with self._lock:
+            self._written += 1
+            agent.publish(reports=(*agent.state().reports, path))
+        log.warning("gpumemd: the job caught an out-of-memory error at step %d (%d in that step); report written "
+                    "to %s", capture.step, capture.calls, path)
+
     def _write(self, agent: AgentView, exc: BaseException | None, message: OomMessage | None, source: str,
-               capture: Capture | None) -> str:
+               capture: Capture | None, *, taken: tuple[Census | None, str | None] | None = None) -> str:
         state = agent.state()
         snapshot = capture.snapshot if capture else None
         snapshot_source = "oom_observer" if snapshot is not None else None
@@ -383,15 +431,15 @@ class OomComponent(ComponentBase):
             snapshot = self._probe.capture()  # no observer yet (OOM in the first step): the state now
             snapshot_source = "report_time" if snapshot is not None else None
         census_before = state.census  # the last census before the OOM's: what grew since
-        census, note = self._census_at_oom(agent)
-        step = 0 if state.step is None else state.step + 1  # the step that was running
+        census, note = taken if taken is not None else self._census_at_oom(agent)
+        step = capture.step if source == "caught" and capture else 0 if state.step is None else state.step + 1
         inputs = ReportInputs(
             created_at=self._wall(),
             identity=state.identity,
             source=source,
             exception_type=type(exc).__name__ if exc is not None else "none",
-            exception_message=_safe_str(exc) if exc is not None else "report requested without an exception",
-            traceback_text=_format_traceback(exc),
+            exception_message=safe_str(exc) if exc is not None else "report requested without an exception",
+            traceback_text=format_traceback(exc),
             message=message,
             step=step,
             phase=agent.current_phase,
@@ -445,20 +493,3 @@ def _read_now(agent: AgentView) -> StepRecord | None:
         return agent.read_now()
     except Exception:  # noqa: BLE001 - a probe failing at the OOM must not cost the report
         return None
-
-
-def _format_traceback(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return text if len(text) <= _TRACEBACK_CHARS else "...\n" + text[-_TRACEBACK_CHARS:]
-
-
-def _safe_str(exc: BaseException) -> str:
-    """The exception's message as Python's traceback shows it: an exception whose ``__str__`` raises
-    still gets its report (the message reads as the traceback's placeholder)."""
-    try:
-        return str(exc)
-    except Exception:  # noqa: BLE001 - the job's own exception class, whatever it does
-        return "<exception str() failed>"
-

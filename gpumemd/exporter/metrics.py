@@ -188,7 +188,7 @@ SPECS: tuple[MetricSpec, ...] = (
        "Growth per step of a tensor replaced each step by a larger one (torch.cat onto a kept tensor), the "
        "fastest when several grow.", "Finding.slope_bytes_per_step of a growing_tensor_bytes series"),
     # --- OOM post-mortems ---
-    _c("gpumemd_ooms_total", (), "Out-of-memory errors the agent saw propagate since attach.",
+    _c("gpumemd_ooms_total", (), "Out-of-memory errors since attach: those that propagated and those the job caught.",
        "AgentState.ooms_total"),
     _c("gpumemd_oom_reports_total", (), "OOM post-mortem directories written since attach.",
        "len(AgentState.reports)"),

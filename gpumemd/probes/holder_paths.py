@@ -137,7 +137,7 @@ def _hop(w: _Writer, chain: Sequence[object], i: int) -> int:
         w.piece("closure cell")
         return 1
     if isinstance(parent, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
-        w.piece(f"a local of generator `{_short_qualname(parent)}`")
+        _suspended_hop(w, parent, child)
         return 1
     if isinstance(parent, type):
         return _class_hop(w, parent, child, after)
@@ -160,6 +160,25 @@ def _frame_hop(w: _Writer, frame: types.FrameType, child: object) -> None:
     w.piece(f"frame {frame.f_code.co_name}()")
     if name is not None:
         w.start("local `", name, "`")
+
+
+_SUSPENDED = ((types.GeneratorType, "generator", "gi_frame"), (types.CoroutineType, "coroutine", "cr_frame"),
+              (types.AsyncGeneratorType, "async generator", "ag_frame"))
+
+
+def _suspended_hop(w: _Writer, parent: object, child: object) -> None:
+    """A suspended generator (or coroutine) holding ``child``: by the local's name when it is one
+    ("local `produced` of generator `batches`"), else as its frame's."""
+    what, frame = next(((word, getattr(parent, attr, None)) for kind, word, attr in _SUSPENDED
+                        if isinstance(parent, kind)), ("generator", None))
+    name = None
+    if isinstance(frame, types.FrameType):
+        f_locals = frame.f_locals
+        name = next((k for k, v in list(f_locals.items()) if v is child), None)
+        drop_locals_snapshot(frame, f_locals)
+        del f_locals
+    where = f"{what} `{_short_qualname(parent)}`"
+    w.piece(f"local `{name}` of {where}" if name is not None else f"a local of {where}")
 
 
 def _partial_hop(w: _Writer, parent: functools.partial[object], child: object, after: object) -> int:

@@ -138,7 +138,9 @@ class AgentState:
     censuses_total: int = 0
     findings: tuple[Finding, ...] = ()
     reports: tuple[str, ...] = ()
-    ooms_total: int = 0
+    ooms_total: int = 0  # every OOM seen: the propagating ones and those the job caught
+    ooms_caught: int = 0  # OOMs the observer saw that the job caught and went on from (CUDA)
+    oom_caught_steps: tuple[int, ...] = ()  # the steps they happened in (the latest few)
     step_profile: StepProfile | None = None
     phase: str = "train"
     overhead: Overhead = field(default_factory=Overhead)
@@ -148,3 +150,9 @@ class AgentState:
     # that ended the job ("SIGTERM", ...); None while it runs. A reader told apart from a vanished one.
     ended: str | None = None
     ended_at: float | None = None
+
+    @property
+    def run(self) -> str:
+        """This run, as the findings file's lines and the state file name it: one output directory may
+        hold several runs' lines (``rank0-pid4120-1764260000.123``)."""
+        return f"rank{self.identity.rank}-pid{self.identity.pid}-{self.attached_at:.3f}"

@@ -15,8 +15,8 @@ from typing import Any
 from gpumemd.analysis.breakdown import cpu_breakdown, cuda_breakdown, fmt
 from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.oom_leak import leak_at_oom, with_leak, without_projection
-from gpumemd.analysis.suggestions import suggest
-from gpumemd.records.census import Census
+from gpumemd.analysis.suggestions import suggest, why_none
+from gpumemd.records.census import Census, GroupKey, TensorEntry
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, ObserverCall, OomMessage, SnapshotSummary
@@ -52,7 +52,7 @@ class ReportInputs:
 
     created_at: float
     identity: Identity
-    source: str  # "excepthook", "thread_excepthook", "oom_guard" or "request"
+    source: str  # "excepthook", "thread_excepthook", "oom_guard", "caught" or "request"
     exception_type: str
     exception_message: str
     traceback_text: str = ""
@@ -78,6 +78,16 @@ class ReportInputs:
     environment: Mapping[str, Any] = field(default_factory=dict)
     memory_summary: str | None = None
     step_profile: StepProfile | None = None  # the last sampled step's profile (attach(step_profile=True))
+
+
+# Whether the job caught the OOM or died of it, by where the report came from.
+OUTCOMES = {
+    "caught": "caught: the job caught this OOM and went on (an OOM it caught recurs: fix it or bound it)",
+    "excepthook": "fatal: nothing caught this OOM and it ended the job",
+    "thread_excepthook": "fatal to its thread: nothing caught this OOM and it ended the thread",
+    "oom_guard": "raised to the job through gpumemd.oom_guard",
+    "request": "report requested by the job (gpumemd.oom_report)",
+}
 
 
 def oom_device(inputs: ReportInputs) -> Device | None:
@@ -184,7 +194,9 @@ def _device_breakdown(inputs: ReportInputs) -> Breakdown:
     shown = breakdown_device(inputs)
     device = shown.device
     if device is None:
-        return cpu_breakdown(message=inputs.message, host=inputs.host, census=inputs.census, workers=inputs.workers)
+        # the host read at the OOM, when it could be: a limit the job set since the last sample binds now
+        host = inputs.at_oom.host if inputs.at_oom is not None and inputs.at_oom.host is not None else inputs.host
+        return cpu_breakdown(message=inputs.message, host=host, census=inputs.census, workers=inputs.workers)
     allocator, nvml = _sample_of(inputs, device)
     breakdown = cuda_breakdown(
         device=device, message=inputs.message, observer=inputs.observer,
@@ -261,13 +273,21 @@ def _tensors(census: Census | None, note: str | None) -> dict[str, Any] | None:
         "total_bytes": census.total_bytes,
         "tensor_count": census.tensor_count,
         "bytes_by_category": census.bytes_by_category(),
-        "top": [plain(e) for e in census.top(TOP_TENSORS)],
+        "top": [plain(e) for e in top_entries(census, TOP_TENSORS)],
         "groups": [
             {**plain(g.key), "count": g.count, "nbytes": g.nbytes,
              "graph_bytes": g.graph_bytes, "holder": g.holder}
             for g in groups
         ],
     }
+
+
+def top_entries(census: Census, n: int) -> list[TensorEntry]:
+    """The ``n`` largest storages, each with its group's holder when it has none of its own: a tensor
+    carries the name the user wrote (``module global `__main__.x```) as its group does."""
+    holders = {g.key: g.holder for g in census.groups if g.holder}
+    return [e if e.holder is not None else dataclasses.replace(
+        e, holder=holders.get(GroupKey(e.device, e.dtype, e.shape, e.category, e.name))) for e in census.top(n)]
 
 
 def _step_profile(profile: StepProfile | None) -> dict[str, Any] | None:
@@ -289,7 +309,8 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
     breakdown = compute_breakdown(inputs)
     device = breakdown_device(inputs).device  # the timeline and the peak follow the device shown
     suggestions = suggest(breakdown, findings=inputs.findings, phase=inputs.phase,
-                          expandable_segments=inputs.expandable_segments)
+                          expandable_segments=inputs.expandable_segments,
+                          largest=top_entries(inputs.census, 20) if inputs.census is not None else ())
     timeline = [_timeline_row(r, n, device, at_oom=r is inputs.at_oom) for r, n in timeline_records(inputs)]
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -300,6 +321,7 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "step": inputs.step,
         "phase": inputs.phase,
         "source": inputs.source,
+        "outcome": OUTCOMES.get(inputs.source, inputs.source),
         "exception": {"type": inputs.exception_type, "message": inputs.exception_message,
                       "traceback": inputs.traceback_text},
         "oom": plain(inputs.message) if inputs.message else None,
@@ -307,6 +329,7 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "breakdown": plain(breakdown),
         "peak_bytes": _peak(timeline, breakdown, device is None),
         "suggestions": [plain(s) for s in suggestions],
+        "suggestions_none": None if suggestions else why_none(breakdown),
         "tensors": _tensors(inputs.census, inputs.census_note),
         # optional (None without attach(step_profile=True)). Named "phases" until the key was renamed: an
         # older reader sees no step profile, as when none was measured, and load.py reads old files.

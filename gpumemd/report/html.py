@@ -103,7 +103,8 @@ def _groups(report: dict[str, Any]) -> str:
 def _suggestions(report: dict[str, Any]) -> str:
     suggestions = report.get("suggestions") or []
     if not suggestions:
-        return _h2("Suggestions") + "<p>No suggestion: the measurements point at no single cause.</p>"
+        why = report.get("suggestions_none") or "No suggestion: the measurements point at no single cause."
+        return _h2("Suggestions") + f"<p>{_prose(why)}</p>"
     return _h2("Suggestions") + "<ol>" + "".join(
         f"<li><b>{_prose(s['title'])}</b> — saves about {_e(fmt_bytes(s['saving_bytes']))}. {_prose(s['why'])}"
         + (f"<br><code>{_e(s['how'])}</code>" if s.get("how") else "") + "</li>"

@@ -19,6 +19,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from gpumemd.analysis.leak_headline import projection_words
+from gpumemd.announce import caught_text
 from gpumemd.records.device import cuda_index
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 
@@ -53,7 +55,8 @@ def state_document(state: AgentState, *, written_at: float, seconds_per_step: fl
         "seconds_per_step": seconds_per_step, "headroom": headroom(state),
         "findings": [_finding(f) for f in live[:MAX_FINDINGS]], "findings_more": max(0, len(live) - MAX_FINDINGS),
         "ooms_total": state.ooms_total, "reports": list(state.reports[-MAX_REPORTS:]),
-        "ended": state.ended, "ended_at": state.ended_at,
+        "ooms_caught": state.ooms_caught, "oom_caught_steps": list(state.oom_caught_steps),
+        "ended": state.ended, "ended_at": state.ended_at, "run": state.run,
     }
 
 
@@ -135,12 +138,19 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
         lines.append(f"  headroom {room['where']}: {fmt_bytes(room.get('free_bytes'))} free of "
                      f"{fmt_bytes(room.get('total_bytes'))}")
     for f in doc.get("findings") or []:
-        to_oom = f" · ~{f['steps_to_oom']:,.0f} steps to OOM" if isinstance(f.get("steps_to_oom"), int | float) else ""
+        steps, hours = f.get("steps_to_oom"), f.get("hours_to_oom")
+        to_oom = projection_words(steps, hours if isinstance(hours, int | float) else None)[0] \
+            if isinstance(steps, int | float) else None  # the words the finding's line and the exit line use
+        to_oom = f" · out of memory in {to_oom}" if to_oom else ""
         lines.append(f"  finding: {f['state']} {f['kind']} on {f['series']}{to_oom}: {f['headline'] or f['summary']}")
     if doc.get("findings_more"):
-        lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl)")
+        run = f", the lines of run {doc['run']}" if isinstance(doc.get("run"), str) else ""
+        lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl{run})")
     if not doc.get("findings"):
         lines.append("  no live leak finding")
+    if isinstance(doc.get("ooms_caught"), int) and doc["ooms_caught"] > 0:
+        steps = [s for s in doc.get("oom_caught_steps") or [] if isinstance(s, int)]
+        lines.append(f"  {caught_text(doc['ooms_caught'], steps)}")
     for path in doc.get("reports") or []:
         lines.append(f"  OOM report: {path}")
     return lines

@@ -49,7 +49,7 @@ def headline(report: dict[str, Any]) -> str:
     exc = report.get("exception") or {}
     step = report.get("step")
     return (f"{exc.get('type', 'OOM')} on {b.get('device', '?')} (rank {report.get('rank')}, "
-            f"step {step if step is not None else '-'}, phase {report.get('phase')}): "
+            + (f"step {step}, " if step is not None else "") + f"phase {report.get('phase')}): "
             f"requested {fmt_bytes(b.get('requested_bytes'))} of {fmt_bytes(b.get('total_bytes'))}; "
             f"verdict: {b.get('verdict', 'unknown')}")
 
@@ -93,7 +93,7 @@ def _suggestions(report: dict[str, Any]) -> list[str]:
     out = _heading("Suggestions")
     suggestions = report.get("suggestions") or []
     if not suggestions:
-        return [*out, "No suggestion: the measurements point at no single cause."]
+        return [*out, report.get("suggestions_none") or "No suggestion: the measurements point at no single cause."]
     for n, s in enumerate(suggestions, 1):
         out += [f"{n}. **{s['title']}** — saves about {fmt_bytes(s['saving_bytes'])}. {s['why']}"]
         if s.get("how"):
@@ -161,7 +161,8 @@ def _environment(report: dict[str, Any]) -> list[str]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# gpumemd OOM report — rank {report.get('rank')}, step {report.get('step')}", "",
-           headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.", "",
+           headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.",
+           *([f"Outcome: {report['outcome']}."] if report.get("outcome") else []), "",
            *_contents(report)]
     for part in (_verdict, _groups, _suggestions, _breakdown):
         out += part(report)

@@ -25,6 +25,8 @@ _LEAK: _Spec = {"holder": "str?", "held_bytes": "int?", "summary": "str?", "hold
 REPORT_SCHEMA: _Spec = {
     "created_at": "time?",
     "source": "str?",
+    "outcome": "str?",
+    "suggestions_none": "str?",
     "peak_bytes": "int?",
     "rank": "int?",
     "step": "int?",

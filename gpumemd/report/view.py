@@ -149,7 +149,9 @@ def census_summary(tensors: dict[str, Any], rows: list[GroupRow]) -> str:
 def groups_note(tensors: dict[str, Any], rows: list[GroupRow], shown: int) -> str:
     """"787 tensors in 18 groups, 1.50 GiB (census at the OOM, after step 799); 8 smaller groups (116 B)
     are in report.json"."""
-    text = f"{census_summary(tensors, rows)} (census at the OOM, after step {tensors.get('step')})"
+    step = tensors.get("step")
+    when = f"after step {step}" if isinstance(step, int) and step >= 0 else "before the first step ended"
+    text = f"{census_summary(tensors, rows)} (census at the OOM, {when})"
     if len(rows) > shown:
         rest = sum(r.total for r in rows[shown:])
         text += f"; {plural(len(rows) - shown, 'smaller group')} ({fmt_bytes(rest)}) in report.json"

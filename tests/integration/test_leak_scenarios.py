@@ -144,3 +144,21 @@ def test_healthy_job_raises_nothing(scenario: Scenario, seed: int, runs: Runs) -
     assert outcome.events == [], [e["summary"] for e in outcome.events]
     assert outcome.findings == []
     assert not os.path.exists(os.path.join(out_dir, "leak-findings-rank0.jsonl"))  # created on first write
+
+
+ARTEFACTS = ("step -", "None", "~0 min")  # a negative or missing step, a time to OOM rounded to nothing
+
+
+@pytest.mark.parametrize("scenario", LEAKS, ids=[s.name for s in LEAKS])
+def test_no_sentence_says_a_negative_or_missing_step_or_zero_minutes(
+        scenario: Scenario, runs: Runs, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every finding's sentences, the run's log (the exit summary in it) and ``gpumemd report``'s text."""
+    from gpumemd.cli import main
+
+    outcome, out_dir = runs[(scenario.name, 0)][0].result(), runs[(scenario.name, 0)][1]
+    capsys.readouterr()
+    assert main(["report", out_dir]) == 0
+    texts = [*(e[k] for e in outcome.events for k in ("summary", "headline")), *outcome.log,
+             *capsys.readouterr().out.splitlines()]
+    for text in texts:
+        assert not any(bad in text for bad in ARTEFACTS), text

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import logging
 import os
 import pickle
 import sys
@@ -304,3 +306,100 @@ def test_disk_failure_halfway_keeps_the_users_exception_and_no_directory(out_dir
     assert info.value is original
     assert agent.reports() == [] and agent.state().ooms_total == 1
     assert os.listdir(out_dir) == []
+
+
+def _allocator_fails(probe: _FakeCudaProbe, requested: int = 8 * MiB) -> None:
+    """What the caching allocator does when cudaMalloc fails: the observers, then the raise."""
+    for observer in probe.observers:
+        observer(0, requested, 40 * MiB, 3 * MiB)  # (device, alloc_size, total or cap, device_free)
+    raise torch.cuda.OutOfMemoryError(NEW_MESSAGE)
+
+
+def _ooms_metric(agent: Agent) -> float:
+    from gpumemd.exporter.collector import StateCollector
+
+    samples = [s for m in StateCollector(agent.state).collect() for s in m.samples if s.name == "gpumemd_ooms_total"]
+    assert len(samples) == 1
+    return float(samples[0].value)
+
+
+def test_an_oom_the_job_catches_is_counted_and_reported(out_dir: str, monkeypatch: Any,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gpumemd.status")  # the exit line
+    monkeypatch.setattr(oom_module, "_observer_installed", False)
+    probe = _FakeCudaProbe(_snapshot())
+    probe.initialized = True  # the job made its CUDA context: the observer is attached at start
+    component = OomComponent(Config(output_dir=out_dir).options(OomOptions), snapshot_probe=probe, census=_census())
+    agent = _agent(out_dir, component)
+    model, opt = _model()
+    skipped = []
+    try:
+        for step in range(8):  # a skip-the-batch loop, as in accelerate and the HF Trainer
+            try:
+                if step in (3, 5):
+                    _allocator_fails(probe)  # step 5: the cooldown holds its report back
+                _train(model, opt, 1)
+            except torch.OutOfMemoryError:
+                skipped.append(step)
+        assert skipped == [3, 5]
+        assert agent.state().ooms_caught == 2 and _ooms_metric(agent) == 2
+    finally:
+        agent.stop()
+    assert "2 OOMs caught by the job, at steps 3 and 4" in caplog.text
+    (path,) = agent.reports()
+    report = _load(path)
+    assert report["source"] == "caught" and report["outcome"].startswith("caught: the job caught this OOM")
+    assert report["step"] == 3 and report["observer"]["requested_bytes"] == 8 * MiB
+    assert report["snapshot"]["source"] == "oom_observer"
+    with open(os.path.join(path, "report.md"), encoding="utf-8") as f:
+        assert "Outcome: caught: the job caught this OOM" in f.read()
+    from gpumemd.report.last_state import state_document
+
+    state = state_document(agent.state(), written_at=0.0, seconds_per_step=None)  # the state file's content
+    assert state["ooms_caught"] == 2 and state["oom_caught_steps"] == [3, 4] and state["ooms_total"] == 2
+
+
+def test_a_burst_in_one_step_is_one_report_and_find_batch_size_tries_none(out_dir: str, monkeypatch: Any) -> None:
+    monkeypatch.setattr(oom_module, "_observer_installed", False)
+    probe = _FakeCudaProbe(_snapshot())
+    probe.initialized = True
+    component = OomComponent(Config(output_dir=out_dir, oom_cooldown_s=0).options(OomOptions),
+                             snapshot_probe=probe, census=_census())
+    agent = _agent(out_dir, component)
+    model, opt = _model()
+    try:
+        for requested in (64 * MiB, 32 * MiB, 16 * MiB):  # a job's own "retry smaller", in one step
+            with contextlib.suppress(torch.OutOfMemoryError):
+                _allocator_fails(probe, requested)
+        _train(model, opt, 1)
+
+        def try_batch(batch: int) -> None:
+            if batch > 4:
+                _allocator_fails(probe, batch * MiB)
+            model(torch.randn(batch, 16)).sum().backward()
+
+        assert gpumemd.find_batch_size(try_batch, start=16, max=16, device="cpu", budget_bytes=2**30,
+                                       reset_fn=lambda: opt.zero_grad(set_to_none=True))[0] <= 4
+        _train(model, opt, 2)
+        assert agent.state().ooms_caught == 3 and agent.state().oom_caught_steps == (0,)
+    finally:
+        agent.stop()
+    (path,) = agent.reports()
+    assert _load(path)["observer"]["requested_bytes"] == 16 * MiB  # the burst's last call
+
+
+def test_an_oom_caught_after_the_last_step_end_is_reported_at_detach(out_dir: str, monkeypatch: Any) -> None:
+    monkeypatch.setattr(oom_module, "_observer_installed", False)
+    probe = _FakeCudaProbe(_snapshot())
+    probe.initialized = True
+    component = OomComponent(Config(output_dir=out_dir).options(OomOptions), snapshot_probe=probe, census=_census())
+    agent = _agent(out_dir, component)
+    model, opt = _model()
+    try:
+        _train(model, opt, 2)
+        with contextlib.suppress(torch.OutOfMemoryError):  # eval code that gives up on a batch, then ends
+            _allocator_fails(probe)
+    finally:
+        agent.stop()
+    (path,) = agent.reports()
+    assert _load(path)["source"] == "caught" and agent.state().ooms_caught == 1

@@ -69,8 +69,11 @@ def test_exit_summary_names_each_live_finding_once_worst_first_and_the_reports()
     # the exit summary names them; it does not say their state-change lines again, nor stale sizes
     assert all(f.headline not in line and f.summary not in line for f in findings)
     assert "12 items" not in line
-    assert line.endswith(" · output /out")
+    # what to do next comes last: the worst live finding's fix in a few words, and where to read it all
+    assert line.endswith(" · output /out · next: keep .detach().cpu() copies, or bound what holds them "
+                         "(a deque(maxlen=N)); then gpumemd report /out")
     assert "2 OOMs, no report written" in exit_summary(_state(ooms_total=2), "/out")
+    assert exit_summary(_state(ooms_total=2), "/out").endswith(" · next: gpumemd report /out")
     assert "1 growth cleared" in exit_summary(_state(findings=findings[:1]), "/out")
 
 

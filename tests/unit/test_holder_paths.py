@@ -219,3 +219,22 @@ def test_the_jobs_own_frames_are_searched_before_a_runners() -> None:
 
     holder = namespace["run_tests"](train)
     assert holder is not None and holder.startswith("`trainer.stats.window` in train()"), holder
+
+
+def batches() -> Any:
+    produced: list[Any] = []
+    while True:
+        produced.append(torch.zeros(1))
+        yield len(produced)
+
+
+def test_a_suspended_generators_local_is_named() -> None:
+    stream = batches()
+    next(stream)
+    next(stream)
+    kept = stream.gi_frame.f_locals["produced"]
+    t = kept[0]
+    del kept
+    line = render(LOCAL, [stream, stream.gi_frame.f_locals["produced"], t])
+
+    assert line == "`kept` in train() at train.py:7 → local `produced` of generator `batches` → list of 2 items"

@@ -116,7 +116,7 @@ def test_report_on_an_output_dir_says_the_job_vanished_and_what_it_knew(tmp_path
     assert main(["report", str(tmp_path / "out")]) == 0
     text = capsys.readouterr().out
     assert "VANISHED: no clean exit recorded" in text
-    assert "at step 4100" in text and "~120 steps to OOM" in text and "held by `kept`" in text
+    assert "at step 4100" in text and "out of memory in ~36 s (~120 steps)" in text and "held by `kept`" in text
     assert "at risk when last seen: confirmed tensor_leak" in text
     assert main(["report", "--json", str(tmp_path / "out")]) == 0
     [view] = json.loads(capsys.readouterr().out)["last_state"]

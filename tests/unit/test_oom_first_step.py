@@ -196,6 +196,19 @@ class _Agent:
     running = True
     steps_total = 7
 
+    def __init__(self) -> None:
+        self.published: dict[str, Any] = {}
+
+    @property
+    def current_step(self) -> int:
+        return self.steps_total - 1
+
+    def state(self) -> Any:
+        return SimpleNamespace(step=self.steps_total - 1, census=None, reports=())
+
+    def publish(self, **changes: Any) -> None:
+        self.published.update(changes)
+
 
 def _component(clock: ManualClock, probe: SnapshotProbe) -> tuple[OomComponent, _Agent]:
     component = OomComponent(OomOptions(oom_max_reports=5, oom_cooldown_s=0.0, record_history=False,
@@ -206,18 +219,20 @@ def _component(clock: ManualClock, probe: SnapshotProbe) -> tuple[OomComponent, 
     return component, agent
 
 
-def test_the_next_step_end_drops_an_unused_capture(fresh_process: None) -> None:
+def test_the_next_step_end_settles_an_unclaimed_capture_as_caught(fresh_process: None) -> None:
     cuda = _FakeCuda()
     cuda.allocate(1)
     clock = ManualClock(100.0)
     component, agent = _component(clock, SnapshotProbe(torch_module=_fake_torch(cuda)))
     try:
-        component.observe(0, 64 * MiB, 40 * MiB, 3 * MiB)  # cuDNN's retry: no exception follows
+        component.observe(0, 64 * MiB, 40 * MiB, 3 * MiB)  # the job catches it: no exception reaches us
+        assert agent.published["ooms_caught"] == 1 and agent.published["oom_caught_steps"] == (7,)
         component.on_step(cast(Any, None))  # the same step: it may still propagate
         assert component._pending is not None
         agent.steps_total += 1
         component.on_step(cast(Any, None))
-        assert component._pending is None  # the snapshot's memory is given back
+        assert component._pending is None  # settled as caught; the snapshot's memory is given back
+        assert agent.published["ooms_total"] == 1
     finally:
         component.stop()
 
@@ -227,7 +242,7 @@ def test_a_capture_belongs_only_to_its_own_step_moment_and_device() -> None:
     call = ObserverCall(Device.cuda(1), 64 * MiB, 40 * MiB, 3 * MiB, 0.0)
 
     def observe(now: float) -> None:
-        slot.observe(call, steps_total=7, now=now, may_snapshot=True, snapshot=lambda: {"segments": []},
+        slot.observe(call, steps_total=7, step=7, now=now, may_snapshot=True, snapshot=lambda: {"segments": []},
                      summary=lambda d: None)
 
     observe(100.0)
@@ -250,7 +265,7 @@ def test_the_slot_is_written_under_its_lock() -> None:
         held.append(slot._lock._is_owned())  # type: ignore[attr-defined]
         return {}
 
-    slot.observe(ObserverCall(Device.cuda(0), 1, 2, 3, 0.0), steps_total=0, now=0.0, may_snapshot=True,
+    slot.observe(ObserverCall(Device.cuda(0), 1, 2, 3, 0.0), steps_total=0, step=0, now=0.0, may_snapshot=True,
                  snapshot=snapshot, summary=lambda d: None)
     assert held == [True]
 

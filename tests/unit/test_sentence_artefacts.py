@@ -1,0 +1,26 @@
+"""Sentences without artefacts: no negative or None step, no "~0 min", a suspended frame's local by name."""
+
+from __future__ import annotations
+
+from gpumemd.analysis.leak_headline import duration_words, projection_words, since_words
+from gpumemd.report.view import groups_note
+
+
+def test_under_a_minute_is_said_in_seconds() -> None:
+    assert duration_words(40 / 3600) == "40 s"
+    assert duration_words(0.1 / 3600) == "1 s"  # never "0 s" for an OOM still ahead
+    assert duration_words(12 / 60) == "12 min"
+    assert projection_words(150, 30 / 3600) == ("~30 s (~150 steps)", "~30 s")
+
+
+def test_a_leak_present_from_the_start_says_so_with_the_first_watched_step() -> None:
+    assert since_words(-2) == "since step 0, the first watched"
+    assert since_words(0) == "since step 0, the first watched"
+    assert since_words(1200) == "since step 1,200"
+
+
+def test_a_census_before_the_first_step_ended_says_so() -> None:
+    tensors = {"tensor_count": 2, "total_bytes": 4096, "step": None}
+    note = groups_note(tensors, [], 10)
+    assert "before the first step ended" in note and "None" not in note
+    assert "after step 7" in groups_note({**tensors, "step": 7}, [], 10)
