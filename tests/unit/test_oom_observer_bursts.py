@@ -52,6 +52,14 @@ class _Agent:
 
     def __init__(self) -> None:
         self.steps_total = 41
+        self.published: dict[str, object] = {}
+
+    @property
+    def current_step(self) -> int:
+        return self.steps_total - 1  # the last step that ended: steps are numbered from 0
+
+    def publish(self, **fields: object) -> None:
+        self.published.update(fields)
 
 
 @pytest.fixture
