@@ -35,6 +35,7 @@ class Sampler:
         self._local_world_size = 1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.absent_reason: str | None = None  # why the thread could not start
         self.seconds = 0.0
 
     def attached(self) -> None:
@@ -43,6 +44,7 @@ class Sampler:
 
     def start(self, tick: Callable[[], None], interval_s: float) -> None:
         """Call ``tick`` every ``interval_s`` on a thread of its own (0: no thread)."""
+        self.absent_reason = None
         if interval_s > 0:
             self._stop.clear()
             thread = threading.Thread(target=self._loop, args=(tick, interval_s), name="gpumemd-sampler",
@@ -51,6 +53,7 @@ class Sampler:
                 thread.start()
             except RuntimeError as exc:  # "can't start new thread": a process at its thread limit
                 log.info("gpumemd: sampler thread absent (%s); readings are taken at sampled steps only", exc)
+                self.absent_reason = str(exc)  # said in the start line
                 return
             self._thread = thread
 
