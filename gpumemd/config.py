@@ -448,7 +448,7 @@ def _parse_int(text: str) -> int | None:
     """ASCII digits, or digits times a power of ten (``1e6``): an integer as typed. Not ``1e-5`` (0),
     ``0.5e1`` (5), ``1e999``, nor other scripts' digits (``int("٣")`` is 3)."""
     if _INT_TEXT.fullmatch(text):
-        return int(text)
+        return int(text) if len(text) <= 1000 else None  # int() refuses over 4,300 digits: no setting is that large
     match = _EXPONENT_TEXT.fullmatch(text)
     if match:
         return int(match.group(1)) * 10 ** int(match.group(2))
