@@ -1,6 +1,6 @@
 """What tracking an active leak costs a job: the same leaking job with and without the agent.
 
-Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 3000] [--no-leak]
+Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 6000] [--no-leak]
        python benchmarks/bench_leak_tracking.py --child on --hidden 8 --steps 3000   # one run (to profile)
 
 The job: a linear classifier (SGD, batch 8; an MLP with AdamW when its step is 1 ms or more) whose width
@@ -11,14 +11,15 @@ same job without the leak: the agent's cost on a healthy job, for comparison.
 
 Each run is a fresh process, ``on`` (``attach()`` at its defaults) and ``off`` alternating, in pairs
 whose order is random. A run times each step after a warm-up of ``--warmup`` steps (the first census,
-the leak's onset and its suspicion) and reports its mean step (each step capped at three times its
-median, so a preemption by another process does not count; the agent's own long step ends, a census,
-are rare here and within the cap) and, when on, the agent's own figure and the leak component's clocked
-time (scans and evaluations) per step. Printed per step time: the on/off ratio (median over pairs, and
-its range), the difference in µs per step, the difference in process CPU time per step (all threads; a
-preemption by another process costs none, so it is the steadier figure on a loaded machine), and the
-agent's own figures over the measured steps. ``PYTHONPATH=DIR`` (run from outside the checkout) measures
-the gpumemd in DIR, e.g. an export of an earlier commit; the header says which one ran.
+the leak's onset, its suspicion and confirmation, and their one-off culprit searches) and reports its
+mean step (each step capped at three times its median, so a preemption by another process does not
+count; the agent's own long step ends, a census, are rare here and within the cap) and, when on, the
+agent's own figure and the leak component's clocked time (scans and evaluations) per step. Printed per
+step time: the on/off ratio (median over pairs, and its range), the difference in µs per step, the
+difference in process CPU time per step (all threads; a preemption by another process costs none, so it
+is the steadier figure on a loaded machine), and the agent's own figures over the measured steps.
+``PYTHONPATH=DIR`` (run from outside the checkout) measures the gpumemd in DIR, e.g. an export of an
+earlier commit; the header says which one ran.
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.25, 2.0])
     parser.add_argument("--pairs", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--warmup", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--no-leak", action="store_true")
     parser.add_argument("--child", choices=["on", "off"])
     parser.add_argument("--hidden", type=int, default=8)
