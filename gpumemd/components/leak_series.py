@@ -367,10 +367,11 @@ class LeakSeries:
         """The growth per step a finding states. For a count series, the slope since its onset: the
         window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step").
 
-        Worked out again at a state change, a new onset, and once the steps since the onset have grown
-        by half since the last time (a window at least): a Theil-Sen slope over every floor since the
-        onset costs milliseconds, and a finding that lasts for days is evaluated every 50 steps. The
-        slope of a long episode moves by less than its own error between two of those."""
+        Worked out again at a state change, a new onset, and once the steps since the onset have
+        doubled since the last time (a window at least): a Theil-Sen slope over every floor since the
+        onset costs milliseconds, and a finding that lasts for days is evaluated every 50 steps, so
+        its cost per step falls as the episode lasts. The slope over a long episode moves little
+        between two of those: a stated rate is at most as old as the episode was when it was worked out."""
         slope = status.verdict.slope.slope
         onset = status.onset_step
         if status.spec.unit == "bytes" or onset is None:
@@ -378,7 +379,7 @@ class LeakSeries:
         key = (status.spec.name, status.phase)
         cached = self._rates.get(key)
         if (cached is None or status.changed or cached[0] != onset
-                or status.step - cached[1] >= max(self._options.leak_window_steps, (cached[1] - onset) // 2)):
+                or status.step - cached[1] >= max(self._options.leak_window_steps, cached[1] - onset)):
             cached = self._rates[key] = (onset, status.step,
                                          self.detector.slope_since(status.spec.name, status.phase, onset))
         since = cached[2]
