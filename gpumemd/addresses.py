@@ -7,6 +7,17 @@ non-ASCII name fail deep inside the push at exit; the config refuses each at att
 from __future__ import annotations
 
 import ipaddress
+import re
+
+# The userinfo of a URL (``http://user:pw@host``), or a ``user:pw@`` that begins a value (``user:pw@host:port``).
+_USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^\s/?#'\"]*@(?=[^\s@]*[a-z0-9\]])"
+                       r"|^()[^\s/?#'\":@]+:[^\s/?#'\"]*@(?=[^\s@]*[a-z0-9\]])")
+
+
+def redacted(text: str) -> str:
+    """``text`` with the user and password of every URL in it written as ``***``: a Pushgateway URL
+    with credentials is accepted, and its credentials are never printed (warnings, errors, logs)."""
+    return _USERINFO.sub(lambda m: f"{m.group(1) or ''}***@", text) if "@" in text else text
 
 
 def is_host_port(value: str) -> bool:

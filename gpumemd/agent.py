@@ -37,7 +37,7 @@ from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_i
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord, nvml_paired
 from gpumemd.sampler import Sampler
-from gpumemd.signal_endings import SignalEndings
+from gpumemd.signal_endings import SignalEndings, ending_at_exit
 from gpumemd.state_board import StateBoard
 from gpumemd.step_counting import StepCounting
 from gpumemd.step_history import StepHistory
@@ -123,6 +123,7 @@ class Agent(StepCounting):
         self._identity_checks_left = 0 if identity is not None else _IDENTITY_REFRESH_STEPS
         self._log_filter = RankLogFilter(lambda: self._board.base.identity if self._board.base is not None else None)
         self._running = False
+        self._attached = False  # start ran to its end (its start line said so)
         self._signals = SignalEndings(flush=self.flush, finish=lambda name: self.stop(ending=name),
                                       active=lambda: self.running)
         self._signals_due = 0.0  # clock time of the next look for handlers the job installed since
@@ -155,14 +156,15 @@ class Agent(StepCounting):
         # ~70 MiB of address space, which a reading before them would count as headroom under RLIMIT_AS.
         self._sampler.start(self.tick, self.config.sample_interval_s)
         self.tick()
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit)
         self._signals.install()
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
         facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=settled.words(),
-                            metrics_url=self.exporter_url)
+                            metrics_url=self.exporter_url, sampler_absent=self._sampler.absent_reason)
         say(start_line(facts), rank=state.identity.rank, quiet=self.config.quiet)
         warn_output(settled, rank=state.identity.rank, quiet=self.config.quiet)
+        self._attached = True  # an agent whose start failed before this line says nothing at exit
         return self
 
     def _start_components(self) -> list[Component]:
@@ -184,9 +186,10 @@ class Agent(StepCounting):
     def stop(self, ending: str = "exit") -> None:
         """Remove every hook, thread and handler ``start`` installed. Idempotent.
 
-        ``ending`` is how the job ended: "exit" (detach, the process's normal exit) or the signal that
-        ends it ("SIGTERM", from ``gpumemd.signal_endings``). It is published first, so the last
-        scrape, push, textfile and state file carry it: a reader tells this end from a vanished job."""
+        ``ending`` is how the job ended (``records.step.ending_words``): "exit" (detach), what ``atexit``
+        learns (``signal_endings.ending_at_exit``), or the signal that ends it ("SIGTERM"). It is
+        published first, so the last scrape, push, textfile and state file carry it: a reader tells
+        this end from a vanished job."""
         if not self._running or not self._in_owner_process():
             return
         self._running = False
@@ -194,7 +197,8 @@ class Agent(StepCounting):
         self._sampler.stop()
         if self.published.ended is None:  # a fatal OOM recorded its own end ("oom") already
             self.publish(ended=ending, ended_at=self._wall())
-        summary = exit_line(self.state(), self.output_dir)
+        summary = exit_line(self.state(), self.output_dir) if self._attached else None
+        self._attached = False
         for component in reversed(self._components):
             self._stop_component(component)
         self._remove_step_hook()
@@ -204,9 +208,12 @@ class Agent(StepCounting):
         self._host.close()
         if self._workers is not None:
             self._workers.close()
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
         if summary is not None:
             say(summary, rank=self.state().identity.rank, quiet=self.config.quiet)
+
+    def _stop_at_exit(self) -> None:
+        self.stop(ending_at_exit())  # an uncaught exception, Ctrl-C, or a normal exit
 
     def flush(self) -> None:
         """Write what the agent knows now (textfile, push, state file), without stopping: a signal the

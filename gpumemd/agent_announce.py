@@ -20,10 +20,15 @@ log = logging.getLogger("gpumemd")
 
 
 def start_facts(state: AgentState, probes: Mapping[str, Probe], *, nvml_on: bool, output_dir: str,
-                metrics_url: str | None) -> StartFacts:
-    """The start line's facts: where output goes, the devices watched, and the probes that cannot work here."""
+                metrics_url: str | None, sampler_absent: str | None = None) -> StartFacts:
+    """The start line's facts: where output goes, the devices watched, and the probes, readings and
+    threads that cannot work here (an agent that attached degraded says so where it is seen)."""
     identity = state.identity
     absent = {name: reason for name, probe in probes.items() if (reason := probe.health.absent_reason)}
+    for probe in probes.values():
+        absent.update(probe.health.partial)
+    if sampler_absent is not None:
+        absent["sampler thread"] = f"{sampler_absent}; readings are taken at sampled steps only"
     if not nvml_on:
         absent["nvml"] = "off by configuration"
     devices: tuple[str, ...] = ()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from gpumemd.analysis.leak_headline import mention
 from gpumemd.records.findings import Finding
-from gpumemd.records.step import AgentState, Overhead
+from gpumemd.records.step import AgentState, Overhead, ending_words
 
 status_log = logging.getLogger("gpumemd.status")
 
@@ -55,7 +55,7 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     steps = state.steps_total
     parts = [f"gpumemd: {steps:,} step{'s' if steps != 1 else ''} watched in {_duration(overhead.wall_seconds)}"]
     if state.ended not in (None, "exit"):
-        parts[0] = f"gpumemd: ended by {state.ended} · " + parts[0].removeprefix("gpumemd: ")
+        parts[0] = f"gpumemd: {ending_words(state.ended)} · " + parts[0].removeprefix("gpumemd: ")
     parts.append(_findings_text(state.findings))
     if state.ooms_caught:
         parts.append(caught_text(state.ooms_caught, state.oom_caught_steps))

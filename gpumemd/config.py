@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gpumemd.addresses import is_host_port, is_ip
+from gpumemd.addresses import is_host_port, is_ip, redacted
 from gpumemd.config_renamed import RENAMED, current_names, old_name
 from gpumemd.log_once import log_once
 
@@ -43,13 +43,25 @@ class ConfigError(ValueError):
 
     def render(self, source: str) -> str:
         """``source`` names where the value came from, with ``{value}`` where the value goes."""
-        where = source.replace("{value}", repr(self.value))
+        where = source.replace("{value}", _shown(self.value))
         return f"{where} is not valid: expected {self.accepted}"
 
     def with_source(self, source: str) -> ConfigError:
         err = ConfigError(self.field, self.value, self.accepted)
         err.args = (self.render(source),)
         return err
+
+
+_SHOWN_CHARS = 120
+
+
+def _shown(value: object) -> str:
+    """The value in an error line: its credentials redacted, cut to a readable length (an 8 KB value
+    echoed whole buries the line that says what is wrong)."""
+    text = repr(redacted(value) if isinstance(value, str) else value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS - 20]}... ({len(text):,} characters)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,7 +452,7 @@ def _parse_int(text: str) -> int | None:
     """ASCII digits, or digits times a power of ten (``1e6``): an integer as typed. Not ``1e-5`` (0),
     ``0.5e1`` (5), ``1e999``, nor other scripts' digits (``int("٣")`` is 3)."""
     if _INT_TEXT.fullmatch(text):
-        return int(text)
+        return int(text) if len(text) <= 1000 else None  # int() refuses over 4,300 digits: no setting is that large
     match = _EXPONENT_TEXT.fullmatch(text)
     if match:
         return int(match.group(1)) * 10 ** int(match.group(2))

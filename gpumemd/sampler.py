@@ -35,6 +35,7 @@ class Sampler:
         self._local_world_size = 1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.absent_reason: str | None = None  # why the thread could not start
         self.seconds = 0.0
 
     def attached(self) -> None:
@@ -45,6 +46,7 @@ class Sampler:
         """Call ``tick`` every ``interval_s`` on a thread of its own (0: no thread). NVML starts on that
         thread, then ticks once at once (the NVML reading attach would have taken); without the thread,
         here."""
+        self.absent_reason = None
         if interval_s > 0:
             self._stop.clear()
             thread = threading.Thread(target=self._loop, args=(tick, interval_s), name="gpumemd-sampler",
@@ -53,6 +55,7 @@ class Sampler:
                 thread.start()
             except RuntimeError as exc:  # "can't start new thread": a process at its thread limit
                 log.info("gpumemd: sampler thread absent (%s); readings are taken at sampled steps only", exc)
+                self.absent_reason = str(exc)  # said in the start line
             else:
                 self._thread = thread
                 return

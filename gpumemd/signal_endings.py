@@ -45,11 +45,15 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from gpumemd.analysis.oom_message import classify_exception
+from gpumemd.records.step import exit_ending
 
 log = logging.getLogger("gpumemd")
 
@@ -203,6 +207,30 @@ class SignalEndings:
         finally:
             self._busy = False
         return raised
+
+
+def ending_at_exit() -> str:
+    """How the process is ending, asked from ``atexit``: python keeps the uncaught exception it has just
+    printed (``sys.last_exc``; ``sys.last_value`` before 3.12). None kept is an exit whose status python
+    does not tell an ``atexit`` handler ("exit"; ``gpumemd run`` knows it and records "exit:N"). An
+    interactive session keeps its earlier errors there too: it ends as "exit"."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return "exit"
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return uncaught_ending(exc) if isinstance(exc, BaseException) else "exit"
+
+
+def uncaught_ending(exc: BaseException) -> str:
+    """``AgentState.ended`` for an exception the job did not catch (``records.step.ending_words``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "SIGINT"
+    if isinstance(exc, SystemExit):
+        return exit_ending(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+    if classify_exception(exc) is not None:
+        return "oom"
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"exception:{name[:120]}"
 
 
 def _raise_if_any(exc: BaseException | None) -> None:

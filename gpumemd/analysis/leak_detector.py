@@ -199,7 +199,10 @@ class LeakDetector:
                 return None
             self.rising.add((spec.name, phase))
         verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope)
-        confirmed_long = verdict.passed and self._passes_long_window(track, step, min_slope)
+        # The long window can only confirm: a confirmed track skips its O(n²) test (a finding that
+        # lasts for days would pay it at every re-test).
+        confirmed_long = (verdict.passed and track.state is not LeakState.CONFIRMED
+                          and self._passes_long_window(track, step, min_slope))
         previous = track.state
         self._count_pass_or_fail(track, verdict, active, hx, hy)
         state = track.state = self._next_state(track, verdict, active, confirmed_long, step)

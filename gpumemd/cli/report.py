@@ -243,7 +243,7 @@ def _print_states(states: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
         if n:
             print(file=out)
         for line in state_lines(doc, alive=pid_alive(doc, host)):
-            print(line, file=out)
+            _say(out, line)
 
 
 def _root(given: str) -> str:

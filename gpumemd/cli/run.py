@@ -30,6 +30,8 @@ from gpumemd.cli.errors import CliError
 from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
 from gpumemd.config_renamed import RENAMED
 from gpumemd.log_once import log_once
+from gpumemd.records.step import exit_ending
+from gpumemd.signal_endings import uncaught_ending
 
 # Options of ``gpumemd run`` itself that are not Config fields (names must never collide).
 _OWN_DESTS = frozenset({"target", "module", "func", "command"})
@@ -159,10 +161,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise CliError("nothing to run: give a script (`gpumemd run train.py --lr 3e-4`) or -m module")
 
-    gpumemd.attach(**overrides)  # ValueError from a GPUMEMD_* variable: one line, exit 2 (cli.main)
+    agent = gpumemd.attach(**overrides)  # ValueError from a GPUMEMD_* variable: one line, exit 2 (cli.main)
+    ending = "exit"
     try:
-        return _execute(target, script_args, is_module)
+        code, ending = _execute(target, script_args, is_module)
+        return code
     finally:
+        agent.stop(ending)  # how the script ended, which atexit cannot learn here (records.step.ending_words)
         gpumemd.detach()
 
 
@@ -241,8 +246,9 @@ def _is_compiled_or_zip(path: str) -> bool:
     return head == importlib.util.MAGIC_NUMBER or zipfile.is_zipfile(path)
 
 
-def _execute(target: str, script_args: list[str], is_module: bool) -> int:
-    """Run the target as ``__main__`` and turn its ending into an exit code, as ``python`` does."""
+def _execute(target: str, script_args: list[str], is_module: bool) -> tuple[int, str]:
+    """Run the target as ``__main__`` and turn its ending into an exit code, as ``python`` does, and
+    into the agent's ``ended``."""
     import runpy
 
     saved_argv, saved_path0 = sys.argv, (sys.path[0] if sys.path else None)
@@ -256,22 +262,23 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> int:
             _set_path0(os.path.dirname(os.path.abspath(target)))
             _run_script(target)
     except SystemExit as exc:
-        return _exit_code(exc.code)
+        code = _exit_code(exc.code)
+        return code, exit_ending(code)
     except KeyboardInterrupt:
         _report_uncaught()
         global interrupted
         interrupted = True  # console_main ends the process by SIGINT, as python does
-        return 130
-    except BaseException:  # noqa: BLE001 - the script's own exception: print it as python would
+        return 130, "SIGINT"
+    except BaseException as exc:  # noqa: BLE001 - the script's own exception: print it as python would
         _report_uncaught()
-        return 1
+        return 1, uncaught_ending(exc)
     finally:
         sys.argv = saved_argv
         if saved_path0 is not None:
             _set_path0(saved_path0)
         while _main_after_report:
             sys.modules["__main__"] = _main_after_report.pop()
-    return 0
+    return 0, "exit"
 
 
 interrupted = False

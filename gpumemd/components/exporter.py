@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpumemd.addresses import redacted
 from gpumemd.components.base import ComponentBase
 from gpumemd.exporter.server import MetricsServer, ServeOptions, push_once, write_textfile
 
@@ -184,5 +185,6 @@ class ExporterComponent(ComponentBase):
             try:
                 push_once(config.pushgateway, self.registry, key)
             except (OSError, ValueError) as exc:  # URLError: unreachable, refused, timeout; ValueError: a bad name
-                log.warning("gpumemd: could not push metrics to the Pushgateway %s (%s)", config.pushgateway, exc)
+                log.warning("gpumemd: could not push metrics to the Pushgateway %s (%s)", redacted(config.pushgateway),
+                            redacted(str(exc)))
 

@@ -1,7 +1,8 @@
 """Keep the last known state on disk as the job runs (``gpumemd.report.last_state`` says what and why).
 
 Written on the training thread at a sampled step end when what a reader would want to know changed
-(a finding, an OOM report, the first step) and otherwise at most every ``EVERY_S`` seconds; at
+(a finding came, went or changed state; an OOM report; the first step) and otherwise at most every
+``EVERY_S`` seconds (a live finding's refreshed figures included); at
 ``flush`` (a signal is ending the job) and at ``stop`` (with how the agent ended). One small JSON
 document written to a temp file and renamed over the old one: a reader, or a SIGKILL in the middle,
 sees the previous file or the new one. No fsync: the page cache outlives the process, and a SIGKILL
@@ -27,6 +28,7 @@ from gpumemd.report.last_state import state_document, state_file
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
+    from gpumemd.records.findings import Finding
     from gpumemd.records.step import AgentState, StepRecord
 
 log = logging.getLogger("gpumemd")
@@ -59,8 +61,13 @@ class LastStateComponent(ComponentBase):
         published = agent.published  # what components published: no state is built for the check
         key = self._key
         # The same tuples (identity, not a field-by-field compare): nothing was published since.
-        unchanged = (key is not None and published.findings is key[0] and published.reports is key[1]
-                     and published.ooms_total == key[2])
+        unchanged = (key is not None and published.reports is key[1] and published.ooms_total == key[2])
+        if unchanged and key is not None and published.findings is not key[0]:
+            # Each evaluation of a live finding publishes it again with fresh figures: news for the
+            # file only when a finding came, went or changed state (its figures wait for the interval).
+            unchanged = _states(published.findings) == key[3]
+            if unchanged:
+                self._key = (published.findings, *key[1:])
         if unchanged and self._clock() < self._due:
             return
         self._write(agent.state(), agent)
@@ -76,7 +83,7 @@ class LastStateComponent(ComponentBase):
             self._write(agent.state(), agent)  # with ``ended``: the agent published it before stopping us
 
     def _write(self, state: AgentState, agent: AgentView) -> None:
-        self._key = (state.findings, state.reports, state.ooms_total)
+        self._key = (state.findings, state.reports, state.ooms_total, _states(state.findings))
         self._due = self._clock() + self._every_s
         path = state_file(agent.output_dir, state.identity.rank)
         try:
@@ -89,6 +96,10 @@ class LastStateComponent(ComponentBase):
                 log.warning("gpumemd: could not write the state file %s (%s); a SIGKILL would leave no trace",
                             path, exc)
             self._failed = True
+
+
+def _states(findings: tuple[Finding, ...]) -> tuple[tuple[str, str, str], ...]:
+    return tuple((f.series, f.state, f.kind) for f in findings)
 
 
 def _replace(path: str, data: bytes) -> None:

@@ -309,7 +309,12 @@ class LeakComponent:
         if not statuses:
             return
         held_graphs = self._graphs_reported(series, statuses, rising)
-        changed = [(s.spec.name, s.phase) for s in statuses if self._update(series, s, held_graphs) and s.changed]
+        before = dict(self._findings)
+        changed = [(s.spec.name, s.phase) for s in statuses
+                   if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found) and s.changed]
+        if not changed and before.keys() == self._findings.keys() and all(
+                self._findings[k] is f for k, f in before.items()):
+            return  # every finding stands as published (confirmed leaks between re-tests): nothing to say
         # Groups that grow together under one holder are one cause: one finding, one line per
         # state change of it (the per-series findings above stay the detector's bookkeeping).
         previous, self._causes = self._causes, merge_causes(self._findings, self._causes)
@@ -331,12 +336,19 @@ class LeakComponent:
         return bool(chains & rising) or any(f.series in chains and f.state != "cleared"
                                             for f in self._findings.values())
 
-    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool) -> bool:
-        """Update one status's finding, unless it is not one (False)."""
+    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool, *, fresh: bool) -> bool:
+        """Update one status's finding, unless it is not one (False). ``fresh``: a culprit search for
+        it concluded in this evaluation."""
         key = (status.spec.name, status.phase)
         evidence = self._culprits.get(key, NO_EVIDENCE)
         if self._withheld(status, evidence, held_graphs):
             return False
+        previous = self._findings.get(key)
+        if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
+            # The detector gave its last status again (a confirmed leak between its re-tests, every
+            # 4th check): the finding stands as built then; rebuilding its sentences every check of a
+            # finding that lasts for days was most of the cost of tracking it.
+            return True
         active = status.state is not None and status.state.active
         dated = _dated(status, evidence)
         finding = build_finding(

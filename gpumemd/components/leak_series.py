@@ -133,6 +133,8 @@ class LeakSeries:
         self._last_census: Census | None = None
         self._capped = False  # the tracker hit its cap: the count series are held (see _hold_counts)
         self._long_lived: set[str] = set()  # names of the long-lived bytes series (one per device)
+        # Per (series, phase): the stated rate since onset, with the onset and the step it was worked out at.
+        self._rates: dict[tuple[str, str], tuple[int, int, float | None]] = {}
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -363,11 +365,24 @@ class LeakSeries:
 
     def stated_rate(self, status: TrackStatus) -> float:
         """The growth per step a finding states. For a count series, the slope since its onset: the
-        window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step")."""
+        window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step").
+
+        Worked out again at a state change, a new onset, and once the steps since the onset have
+        doubled since the last time (a window at least): a Theil-Sen slope over every floor since the
+        onset costs milliseconds, and a finding that lasts for days is evaluated every 50 steps, so
+        its cost per step falls as the episode lasts. The slope over a long episode moves little
+        between two of those: a stated rate is at most as old as the episode was when it was worked out."""
         slope = status.verdict.slope.slope
-        if status.spec.unit == "bytes" or status.onset_step is None:
+        onset = status.onset_step
+        if status.spec.unit == "bytes" or onset is None:
             return slope
-        since = self.detector.slope_since(status.spec.name, status.phase, status.onset_step)
+        key = (status.spec.name, status.phase)
+        cached = self._rates.get(key)
+        if (cached is None or status.changed or cached[0] != onset
+                or status.step - cached[1] >= max(self._options.leak_window_steps, cached[1] - onset)):
+            cached = self._rates[key] = (onset, status.step,
+                                         self.detector.slope_since(status.spec.name, status.phase, onset))
+        since = cached[2]
         return since if since is not None and since > 0 else slope
 
     def invisible_rate(self, status: TrackStatus) -> float | None:

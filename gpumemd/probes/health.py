@@ -16,6 +16,7 @@ class ProbeHealth:
         self.errors = 0
         self.available: bool | None = None  # None until the probe has tried once
         self.absent_reason: str | None = None  # why it cannot work here (said in the start line)
+        self.partial: dict[str, str] = {}  # readings it cannot take here, each with why (the start line too)
         self._logged: set[str] = set()
 
     def absent(self, reason: str) -> None:
@@ -24,6 +25,13 @@ class ProbeHealth:
             log.info("gpumemd: %s probe absent: %s", self.name, reason)
         self.available = False
         self.absent_reason = reason
+
+    def partly_absent(self, reading: str, reason: str) -> None:
+        """The probe works here without ``reading`` (host RAM totals without psutil): said once at INFO,
+        and in the start line's "absent:" list."""
+        if reading not in self.partial:
+            log.info("gpumemd: %s absent: %s", reading, reason)
+        self.partial[reading] = reason
 
     def failed(self, exc: BaseException) -> None:
         """The probe worked before, or should work, and a read failed: counted, logged once per kind."""

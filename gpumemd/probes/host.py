@@ -3,7 +3,6 @@ RAM, its cgroup's memory limit, its rlimits), torch's pinned-host bytes."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -79,7 +78,7 @@ class HostProbe:
             if self._fast_rss is None:
                 self.health.absent(psutil_error)
             else:
-                logging.getLogger("gpumemd").info("gpumemd: host RAM totals absent: %s", psutil_error)
+                self.health.partly_absent("host RAM totals", psutil_error)
 
     def rss(self) -> int | None:
         try:

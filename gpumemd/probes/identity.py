@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpumemd.addresses import redacted
 from gpumemd.records.step import Identity
 
 _LAUNCHERS: tuple[tuple[str, str, str, str], ...] = (
@@ -109,7 +110,8 @@ class RankLogFilter(logging.Filter):
     """Puts the rank into the agent's log lines: ``gpumemd: ...`` becomes ``gpumemd[rank 1/2]: ...``.
 
     Every record also gets ``record.gpumemd_rank`` for users' own formatters. ``identity`` is called
-    per record (so a rank refreshed after ``init_process_group`` shows up); it must be cheap.
+    per record (so a rank refreshed after ``init_process_group`` shows up); it must be cheap. A URL's
+    credentials in a message (a Pushgateway given as ``http://user:pw@host``) are written as ``***``.
     """
 
     def __init__(self, identity: Callable[[], Identity | None]) -> None:
@@ -117,6 +119,11 @@ class RankLogFilter(logging.Filter):
         self._identity = identity
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.args or (isinstance(record.msg, str) and "@" in record.msg):  # a URL's credentials: never shown
+            with contextlib.suppress(Exception):  # a message that cannot be formatted is the handler's to say
+                text = record.getMessage()
+                if "@" in text:
+                    record.msg, record.args = redacted(text), None
         ident = self._identity()
         if ident is None:
             return True

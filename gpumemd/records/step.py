@@ -146,8 +146,8 @@ class AgentState:
     overhead: Overhead = field(default_factory=Overhead)
     probe_errors: Mapping[str, int] = field(default_factory=dict)
     probes_available: Mapping[str, bool] = field(default_factory=dict)
-    # How the agent ended, once it has: "exit" (detach, or the process's normal exit) or the signal
-    # that ended the job ("SIGTERM", ...); None while it runs. A reader told apart from a vanished one.
+    # How the agent ended, once it has (``ending_words`` lists the values); None while it runs. A
+    # reader tells it apart from a vanished one.
     ended: str | None = None
     ended_at: float | None = None
 
@@ -156,3 +156,26 @@ class AgentState:
         """This run, as the findings file's lines and the state file name it: one output directory may
         hold several runs' lines (``rank0-pid4120-1764260000.123``)."""
         return f"rank{self.identity.rank}-pid{self.identity.pid}-{self.attached_at:.3f}"
+
+def exit_ending(code: int) -> str:
+    """``AgentState.ended`` for an exit with status ``code``: "exit" for 0, "exit:3" otherwise."""
+    return "exit" if code == 0 else f"exit:{code}"
+
+
+def ending_words(ended: str) -> str:
+    """``AgentState.ended`` in words. Its values: "exit" (detach, or a normal exit), "exit:N" (an exit
+    with status N, as ``gpumemd run`` sees it), the signal that ended the job ("SIGTERM", "SIGINT": Ctrl-C
+    or an uncaught KeyboardInterrupt), "oom" (an uncaught out-of-memory error) and "exception:T" (another
+    uncaught exception, of type T)."""
+    kind, _, detail = ended.partition(":")
+    if ended == "exit":
+        return "exited normally"
+    if kind == "exit":
+        return f"exited with status {detail}"
+    if ended == "SIGINT":
+        return "interrupted (SIGINT: Ctrl-C, or an uncaught KeyboardInterrupt)"
+    if ended == "oom":
+        return "ended by an uncaught out-of-memory error"
+    if kind == "exception":
+        return f"ended by an uncaught {detail}"
+    return f"ended by {ended}"

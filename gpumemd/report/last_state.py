@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.announce import caught_text
 from gpumemd.records.device import cuda_index
+from gpumemd.records.step import ending_words
 from gpumemd.report.fmt import fmt_bytes, fmt_time
+from gpumemd.report.schema import STATE_SCHEMA, schema_errors
 
 if TYPE_CHECKING:
     from gpumemd.records.findings import Finding
@@ -32,6 +34,7 @@ SCHEMA = 1
 MAX_FINDINGS = 8
 MAX_TEXT = 600
 MAX_REPORTS = 5
+MAX_FILE_BYTES = 4 * 2**20  # the writer's files are a few KiB
 NEAR_OOM_SHARE = 0.05
 """Headroom under this share of a device's (or the host's) memory is "near out of memory": the same
 threshold as the ``GpumemdVanishedWhileAtRisk`` alert's."""
@@ -95,27 +98,39 @@ class StateLoadError(ValueError):
 
 
 def load_states(root: str) -> list[dict[str, Any]]:
-    """The state files directly in ``root``, by rank; a foreign or cut file is a ``StateLoadError``."""
-    docs = []
-    for path in sorted(glob.glob(os.path.join(glob.escape(root), "gpumemd-state-rank*.json"))):
-        if not _NAME.search(path):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise StateLoadError(f"{path}: not a readable gpumemd state file ({exc})") from None
-        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-            raise StateLoadError(f"{path}: not a gpumemd state file of schema {SCHEMA}")
-        docs.append({**doc, "_file": path})
+    """The state files directly in ``root``, by rank; a foreign, cut or malformed file is a
+    ``StateLoadError`` naming the file and the field (the file is outside input: a report someone sent)."""
+    docs = [_load_state(path) for path in sorted(glob.glob(os.path.join(glob.escape(root), "gpumemd-state-rank*.json")))
+            if _NAME.search(path)]
     return sorted(docs, key=lambda d: (d.get("rank") or 0))
+
+
+def _load_state(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_FILE_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise StateLoadError(f"{path}: not a readable gpumemd state file ({exc})") from None
+    if len(text) > MAX_FILE_BYTES:
+        raise StateLoadError(f"{path}: larger than {MAX_FILE_BYTES // 2**20} MiB, not a state file gpumemd wrote")
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:  # not JSON, or an integer of more digits than Python converts
+        raise StateLoadError(f"{path}: not a readable gpumemd state file ({exc})") from None
+    except RecursionError:
+        raise StateLoadError(f"{path}: nested too deeply, not a state file gpumemd wrote") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise StateLoadError(f"{path}: not a gpumemd state file of schema {SCHEMA}")
+    error = schema_errors(doc, STATE_SCHEMA)
+    if error is not None:
+        raise StateLoadError(f"{path} is malformed: {error}")
+    return {**doc, "_file": path}
 
 
 def ending(doc: dict[str, Any], *, alive: bool | None) -> str:
     """How the process ended, in words: cleanly (and how), still running, or vanished."""
     if doc.get("ended"):
-        how = "exited normally" if doc["ended"] == "exit" else f"ended by {doc['ended']}"
-        return f"{how} at {fmt_time(doc.get('ended_at'))}"
+        return f"{ending_words(doc['ended'])} at {fmt_time(doc.get('ended_at'))}"
     if alive:
         return "still running (its pid is alive on this host)"
     why = "killed by SIGKILL, the OOM killer, or a crash of the interpreter"
@@ -142,7 +157,8 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
         to_oom = projection_words(steps, hours if isinstance(hours, int | float) else None)[0] \
             if isinstance(steps, int | float) else None  # the words the finding's line and the exit line use
         to_oom = f" · out of memory in {to_oom}" if to_oom else ""
-        lines.append(f"  finding: {f['state']} {f['kind']} on {f['series']}{to_oom}: {f['headline'] or f['summary']}")
+        said = f.get("headline") or f["summary"]
+        lines.append(f"  finding: {f['state']} {f['kind']} on {f['series']}{to_oom}: {said}")
     if doc.get("findings_more"):
         run = f", the lines of run {doc['run']}" if isinstance(doc.get("run"), str) else ""
         lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl{run})")
@@ -166,6 +182,8 @@ def pid_alive(doc: dict[str, Any], hostname: str) -> bool | None:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    except OverflowError:  # no pid of this host is that large
         return False
     except OSError:  # EPERM: it exists, owned by someone else
         return True

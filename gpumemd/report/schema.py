@@ -43,6 +43,18 @@ REPORT_SCHEMA: _Spec = {
     "findings": [_FINDING],
 }
 
+_ROOM: _Spec = {"where": "str", "free_bytes": "int?", "total_bytes": "int?", "rss_bytes": "int?"}
+_STATE_FINDING: _Spec = {"state": "str", "kind": "str", "series": "str", "summary": "str", "headline": "str?",
+                         "device": "int?", "slope_bytes_per_step": "num?", "growth_bytes": "num?",
+                         "steps_to_oom": "num?", "hours_to_oom": "num?", "updated_step": "int?"}
+STATE_SCHEMA: _Spec = {
+    "pid": "int?", "rank": "int?", "world_size": "int?", "hostname": "str?", "attached_at": "time?",
+    "written_at": "time?", "step": "int?", "steps_total": "int?", "phase": "str?", "seconds_per_step": "num?",
+    "headroom": [_ROOM], "findings": [_STATE_FINDING], "findings_more": "int?", "ooms_total": "int?",
+    "reports": ["str"], "ended": "str?", "ended_at": "time?",
+}
+"""``gpumemd-state-rank<R>.json`` (``report.last_state``): what ``gpumemd report`` prints from it."""
+
 _MAX_INT = 2**64  # byte counts and steps beyond this are not from a real job
 _MAX_TIME = 253402300800  # epoch seconds of 10000-01-01: later stamps cannot be printed as dates
 

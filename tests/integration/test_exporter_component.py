@@ -187,10 +187,12 @@ def test_an_unreachable_pushgateway_is_logged(out_dir: str, caplog: pytest.LogCa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    gpumemd.attach(pushgateway=f"127.0.0.1:{port}", output_dir=out_dir, sample_interval_s=0)
+    gpumemd.attach(pushgateway=f"http://user:s3cret@127.0.0.1:{port}", output_dir=out_dir, sample_interval_s=0)
     with caplog.at_level(logging.WARNING, logger="gpumemd"):
         gpumemd.detach()
-    assert any("could not push metrics" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"could not push metrics to the Pushgateway http://***@127.0.0.1:{port}" in m for m in said), said
+    assert not any("s3cret" in m for m in said)  # the credentials are never printed
 
 
 # A self-signed test-only pair for 127.0.0.1, valid for 100 years (made once with

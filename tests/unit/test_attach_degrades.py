@@ -12,6 +12,7 @@ import pytest
 
 import gpumemd
 from gpumemd.components.census import CensusComponent
+from gpumemd.signal_endings import SignalEndings
 
 
 def _lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -30,7 +31,9 @@ def test_psutil_that_cannot_read_the_process_leaves_host_totals_absent(
         record = gpumemd.mark_step()
         assert record is not None and record.host is not None and record.host.rss_bytes > 0  # /proc/self/statm
     said = [line for line in _lines(caplog, logging.INFO) if "psutil cannot read this process" in line]
-    assert len(said) == 1 and said[0].startswith("gpumemd: host RAM totals absent") and "AccessDenied" in said[0]
+    assert len(said) == 2 and said[0].startswith("gpumemd: host RAM totals absent") and "AccessDenied" in said[0]
+    assert said[1].startswith("gpumemd: watching ")  # the start line's "absent:" list says it where it is seen
+    assert "absent: " in said[1] and "host RAM totals: psutil cannot read this process (AccessDenied" in said[1]
 
 
 def test_a_sampler_thread_that_cannot_start_is_absent(
@@ -46,7 +49,10 @@ def test_a_sampler_thread_that_cannot_start_is_absent(
     caplog.set_level(logging.INFO, logger="gpumemd")
     with gpumemd.attached(output_dir=str(tmp_path)) as agent:
         assert agent.running and gpumemd.mark_step() is not None
-    assert len([line for line in _lines(caplog, logging.INFO) if "can't start new thread" in line]) == 1
+    said = [line for line in _lines(caplog, logging.INFO) if "can't start new thread" in line]
+    assert len(said) == 2 and said[0].startswith("gpumemd: sampler thread absent")
+    assert said[1].startswith("gpumemd: watching ")  # the start line's "absent:" list says it where it is seen
+    assert "sampler thread: can't start new thread; readings are taken at sampled steps only" in said[1]
 
 
 def test_a_part_that_fails_to_start_leaves_the_job_unwatched_with_one_line(
@@ -98,3 +104,21 @@ def test_nvml_starts_on_the_sampler_thread_and_reads_at_once(tmp_path: Path) -> 
             assert [s.device.cuda_index for s in agent.state().nvml] == [0]
         finally:
             agent.stop()
+
+
+def test_an_agent_whose_start_failed_late_says_no_exit_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(self: SignalEndings) -> None:  # after the components, the sampler and the first reading
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(SignalEndings, "install", broken)
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    agent = gpumemd.attach(output_dir=str(tmp_path))
+    try:
+        assert not agent.running and gpumemd.current() is None
+    finally:
+        gpumemd.detach()
+    said = _lines(caplog, logging.INFO)
+    assert [line for line in said if line.startswith("gpumemd: not attached")] == [
+        "gpumemd: not attached (RuntimeError: can't start new thread); the job runs without gpumemd"]
+    assert not [line for line in said if "watched in" in line or "agent took" in line], said  # no exit summary

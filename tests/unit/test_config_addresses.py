@@ -37,3 +37,25 @@ def test_integer_spellings_that_are_integers_are_read() -> None:
     assert Config.from_sources({"GPUMEMD_PORT": "9400"}).port == 9400
     assert Config.from_sources({"GPUMEMD_PORT": " 0 "}).port == 0
     assert Config.from_sources({"GPUMEMD_HISTORY_MAX_ENTRIES": "1e6"}).history_max_entries == 1_000_000
+
+
+def test_credentials_in_a_bad_value_are_never_printed_and_long_values_are_cut() -> None:
+    with pytest.raises(ValueError) as err:
+        Config.from_sources({"GPUMEMD_PUSHGATEWAY": "http://user:s3cret@gw:99999"})
+    assert "GPUMEMD_PUSHGATEWAY='http://***@gw:99999' is not valid" in str(err.value) and "s3cret" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        Config.from_sources({}, pushgateway="user:s3cret@gw:99999")  # no scheme: still a credential
+    assert "'***@gw:99999'" in str(err.value) and "s3cret" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        Config.from_sources({"GPUMEMD_OUTPUT_DIR": "x", "GPUMEMD_PORT": "9" * 8192})
+    message = str(err.value)
+    assert message.startswith("GPUMEMD_PORT='9999") and "... (8,194 characters)" in message and len(message) < 300
+
+
+def test_redacted_leaves_text_without_credentials_alone() -> None:
+    from gpumemd.addresses import redacted
+
+    assert redacted("push to https://a:b@gw:9091 (refused)") == "push to https://***@gw:9091 (refused)"
+    assert redacted("http://u:p@ss@gw:9091 and http://a:b@c:1") == "http://***@gw:9091 and http://***@c:1"
+    for text in ("mail a@b.com", "http://gw:9091/metrics", "tensor@step 3", "x" * 50):
+        assert redacted(text) == text

@@ -205,3 +205,72 @@ def test_a_snapshot_that_expands_far_past_its_size_is_refused_before_it_is_built
         raise AssertionError("a file of empty sets was built")
     real = pickle.dumps(make_snapshot(history=2_000))  # 8.5x its size: loads under the same limits
     assert loads_with_limits(real, limits)["segments"]
+
+
+# --- the state file a job leaves beside its reports ----------------------------------------------------
+
+_STATE_NAME = "gpumemd-state-rank3.json"
+
+
+def _valid_state() -> dict[str, Any]:
+    return {"schema": 1, "pid": 2**22 + 17, "rank": 3, "world_size": 4, "hostname": "node7", "attached_at": 1e9,
+            "written_at": 1e9 + 600, "step": 4100, "steps_total": 4101, "phase": "train", "seconds_per_step": 0.2,
+            "headroom": [{"where": "cuda:0", "free_bytes": 2**30, "total_bytes": 80 * 2**30},
+                         {"where": "host", "free_bytes": 2**29, "total_bytes": 64 * 2**30, "rss_bytes": 60 * 2**30}],
+            "findings": [{"state": "confirmed", "kind": "tensor_leak", "series": "allocated_bytes{device=0}",
+                          "device": 0, "slope_bytes_per_step": 4e6, "growth_bytes": 2**34, "steps_to_oom": 120.0,
+                          "hours_to_oom": 0.01, "updated_step": 4000, "headline": "tensor leak confirmed: `kept`",
+                          "summary": "..."}] * 2,
+            "findings_more": 3, "ooms_total": 1, "reports": ["/out/oom-1"], "ended": None, "ended_at": None}
+
+
+def _run_state(directory: str, rng: random.Random) -> tuple[str, tuple[int, str, str]]:
+    doc = _mutate(rng, _valid_state())
+    if isinstance(doc, dict) and rng.random() < 0.5:  # the schema kept, so the mutation reaches the fields
+        doc["schema"] = 1
+    text = json.dumps(doc)
+    if rng.random() < 0.05:
+        text = text.replace('"step": ', '"step": ' + rng.choice(["9" * 5000, "1e999", "[" * 5000]) + ', "x": ', 1)
+    with open(os.path.join(directory, _STATE_NAME), "w", encoding="utf-8") as f:
+        f.write(text)
+    args = ["report", "--json", directory] if rng.random() < 0.5 else ["report", directory]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return text[:300], (code, out.getvalue(), err.getvalue())
+
+
+def test_mutated_state_files_are_read_or_refused_in_one_escaped_line() -> None:
+    rng = random.Random(38)
+    directory = tempfile.mkdtemp(prefix="gpumemd-fuzz-")
+    codes: dict[int, int] = {}
+    try:
+        for _ in range(600):
+            what, (code, out, err) = _run_state(directory, rng)
+            assert code in (0, 2), (what, code, err)
+            assert not _CONTROL.search(out + err), (what, out + err)
+            if code == 2:
+                assert err.count("\n") == 1 and os.path.join(directory, _STATE_NAME) in err, (what, err)
+            codes[code] = codes.get(code, 0) + 1
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert codes.get(0, 0) > 50 and codes.get(2, 0) > 50, codes  # both outcomes were reached
+
+
+def test_escapes_in_the_state_file_are_printed_escaped() -> None:
+    directory = tempfile.mkdtemp(prefix="gpumemd-hostile-")
+    evil = "vm\u001b]0;pwned\u0007\u001b[2J"
+    state = _valid_state()
+    state["findings"] = [{**state["findings"][0], "headline": "\u202eevil\nfinding: fake"}]
+    try:
+        with open(os.path.join(directory, _STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump({**state, "hostname": evil, "phase": evil, "ended": evil, "ended_at": 1e9}, f)
+        code, out, _ = _run(directory)
+        assert code == 0 and "on vm\\x1b]0;pwned\\x07\\x1b[2J" in out and "\\u202eevil\\nfinding: fake" in out
+        assert not _CONTROL.search(out)
+        with open(os.path.join(directory, _STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump({**state, "findings": [0]}, f)
+        code, out, err = _run(directory)
+        assert code == 2 and not out and f"{_STATE_NAME} is malformed: findings[0]: expected an object, got 0" in err
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
