@@ -216,10 +216,8 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
 
 
 def run_id(state: AgentState) -> str:
-    """This process's run of the job: its pid and attach time in milliseconds. A job started later on
-    the same port (Slurm and torchrun reuse 9400 + LOCAL_RANK) has another, so the alerts that join on
-    it neither clear nor inherit the page of the job before."""
-    return f"{state.identity.pid}-{round(state.attached_at * 1000)}"
+    """This process's run of the job (``AgentState.run``, as the findings and state files name it)."""
+    return state.run
 
 
 def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:

@@ -154,8 +154,11 @@ class AgentState:
     @property
     def run(self) -> str:
         """This run, as the findings file's lines and the state file name it: one output directory may
-        hold several runs' lines (``rank0-pid4120-1764260000.123``)."""
-        return f"rank{self.identity.rank}-pid{self.identity.pid}-{self.attached_at:.3f}"
+        hold several runs' lines) and the ``run_id`` label of ``gpumemd_info`` and the exit marker: the
+        pid and the attach time in milliseconds (``4120-1764260000123``). A job started later on the same
+        port (Slurm and torchrun reuse 9400 + LOCAL_RANK) has another, so the alerts that join on it
+        neither clear nor inherit the page of the job before."""
+        return f"{self.identity.pid}-{round(self.attached_at * 1000)}"
 
 def exit_ending(code: int) -> str:
     """``AgentState.ended`` for an exit with status ``code``: "exit" for 0, "exit:3" otherwise."""

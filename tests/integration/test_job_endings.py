@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -124,7 +125,9 @@ def test_sigterm_writes_what_the_agent_knew_and_the_job_still_dies_of_it(ended: 
     job = ended["run_sigterm"]
     assert job.returncode == -signal.SIGTERM, job.stderr  # as `python job.py` would: killed by SIGTERM
     assert "gpumemd: ended by SIGTERM · " in job.stderr and "leak finding" in job.stderr  # the exit summary
-    assert 'gpumemd_agent_exit_timestamp_seconds{local_rank="0",rank="0",reason="SIGTERM"}' in job.textfile
+    # the exit marker of this run: its reason, and the run it ends (run_id, as on gpumemd_info)
+    assert re.search(r'gpumemd_agent_exit_timestamp_seconds\{local_rank="0",rank="0",reason="SIGTERM",'
+                     r'run_id="\d+-\d+"\}', job.textfile), job.textfile
     assert "gpumemd_leak_state{" in job.textfile
     assert (job.out / "leak-findings-rank0.jsonl").read_text().count("\n") >= 1
     assert job.state()["ended"] == "SIGTERM"
