@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +18,17 @@ from gpumemd.signal_endings import SignalEndings
 
 def _lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("gpumemd") and r.levelno >= level]
+
+
+def _attach_with_a_failing(owner: type, method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           caplog: pytest.LogCaptureFixture) -> gpumemd.Agent:
+    """attach() while ``owner.method`` raises as a process at its thread limit does."""
+    def broken(*args: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(owner, method, broken)
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    return gpumemd.attach(output_dir=str(tmp_path))
 
 
 def test_psutil_that_cannot_read_the_process_leaves_host_totals_absent(
@@ -57,12 +69,7 @@ def test_a_sampler_thread_that_cannot_start_is_absent(
 
 def test_a_part_that_fails_to_start_leaves_the_job_unwatched_with_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def broken(self: CensusComponent, agent: object) -> None:
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(CensusComponent, "start", broken)
-    caplog.set_level(logging.INFO, logger="gpumemd")
-    agent = gpumemd.attach(output_dir=str(tmp_path))
+    agent = _attach_with_a_failing(CensusComponent, "start", tmp_path, monkeypatch, caplog)
     try:
         assert not agent.running and gpumemd.current() is None
         assert gpumemd.mark_step() is None  # the job's own calls are no-ops
@@ -96,10 +103,9 @@ def test_nvml_starts_on_the_sampler_thread_and_reads_at_once(tmp_path: Path) -> 
         agent = build_agent(Config(output_dir=str(tmp_path), sample_interval_s=interval, quiet=True),
                             nvml_probe=probe).start()
         try:
-            for _ in range(200):  # the sampler's first tick follows nvmlInit at once
-                if agent.state().nvml:
-                    break
-                threading.Event().wait(0.01)
+            deadline = time.monotonic() + 5.0  # the sampler's first tick follows nvmlInit at once
+            while not agent.state().nvml and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the published state, which the sampler's thread writes
             assert inits == [thread]
             assert [s.device.cuda_index for s in agent.state().nvml] == [0]
         finally:
@@ -108,12 +114,8 @@ def test_nvml_starts_on_the_sampler_thread_and_reads_at_once(tmp_path: Path) -> 
 
 def test_an_agent_whose_start_failed_late_says_no_exit_summary(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def broken(self: SignalEndings) -> None:  # after the components, the sampler and the first reading
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(SignalEndings, "install", broken)
-    caplog.set_level(logging.INFO, logger="gpumemd")
-    agent = gpumemd.attach(output_dir=str(tmp_path))
+    # installing the signal handlers comes after the components, the sampler and the first reading
+    agent = _attach_with_a_failing(SignalEndings, "install", tmp_path, monkeypatch, caplog)
     try:
         assert not agent.running and gpumemd.current() is None
     finally:
