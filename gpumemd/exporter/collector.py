@@ -202,7 +202,7 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     out = _Families({"rank": str(ident.rank), "local_rank": str(ident.local_rank)})
     out.add(
         "gpumemd_info", 1, version=__version__, world_size=str(ident.world_size),
-        hostname=ident.hostname, launcher=ident.source, run_id=run_id(state),
+        hostname=ident.hostname, launcher=ident.source, run_id=state.run,
     )
     _allocator(out, state, baseline)
     _nvml(out, state)
@@ -214,10 +214,6 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     _agent(out, state)
     return out.result()
 
-
-def run_id(state: AgentState) -> str:
-    """This process's run of the job (``AgentState.run``, as the findings and state files name it)."""
-    return state.run
 
 
 def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:
@@ -357,7 +353,7 @@ def _agent(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_agent_last_update_timestamp_seconds", state.updated_at)
     out.add("gpumemd_agent_start_timestamp_seconds", state.attached_at)
     if state.ended is not None:
-        out.add("gpumemd_agent_exit_timestamp_seconds", state.ended_at, reason=state.ended, run_id=run_id(state))
+        out.add("gpumemd_agent_exit_timestamp_seconds", state.ended_at, reason=state.ended, run_id=state.run)
     for probe, errors in sorted(state.probe_errors.items()):
         out.add("gpumemd_probe_errors_total", errors, probe=probe)
     for probe, available in sorted(state.probes_available.items()):
