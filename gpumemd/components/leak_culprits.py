@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,7 +29,7 @@ from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes import dataloaders, host_objects
 from gpumemd.probes.gc_pause import job_collector_enabled
-from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, holder_of_group, who_holds
+from gpumemd.probes.holders import HOLDER_BUDGET_S, PATH_CUT, cycle_holder, holder_of_group, who_holds
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.records.device import CPU, cuda_index
 from gpumemd.records.findings import Culprit
@@ -158,15 +157,22 @@ class CulpritSearch:
         sample = held_sample()
         if sample is None:
             return _SampleHolder(garbage=True)
-        started = time.monotonic()
+        # The path first, with the whole budget: a name is the common answer, and the cycle check
+        # costs a heap scan or more (on a slow machine the two did not fit one budget).
+        path = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.counts.specs,))
+        del sample
+        if path is not None and PATH_CUT not in path:
+            return _SampleHolder(path)
+        yield
+        sample = held_sample()
+        if sample is None:
+            return _SampleHolder(garbage=True)
         cycle = cycle_holder(sample)
+        del sample
         # Cyclic garbage while the collector runs is freed at its next collection (a burst),
         # not leaked; with gc disabled nothing will ever free it: that is the leak.
         garbage = cycle is not None and job_collector_enabled() and gc.get_threshold()[0] > 0
-        # one pause for both look-ups: the path gets what the cycle check left of the budget
-        remaining = max(0.05, HOLDER_BUDGET_S - (time.monotonic() - started))
-        holder = cycle or who_holds(sample, time_budget_s=remaining, ignore=(self._series.counts.specs,))
-        del sample
+        holder = cycle or path
         if holder is not None:
             return _SampleHolder(holder, garbage=garbage)
         # Alive with no Python referrer: C++ keeps it, i.e. an autograd graph saved it (torch

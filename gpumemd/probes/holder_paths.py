@@ -23,7 +23,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpumemd.probes.holder_roots import drop_locals_snapshot
+from gpumemd.probes.holder_roots import drop_locals_snapshot, where_assigned
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
 _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})  # nn.Module children: `model.fc`, `model[1]`
@@ -37,6 +37,15 @@ class Root:
     name: str
     before: str = "`"
     after: str = "`"
+    local_of: tuple[types.CodeType, int | None] | None = None
+    """A frame's local: its code and running line, read into `` in f() at file:line`` only when
+    this root names a path (finding the line disassembles the code)."""
+
+    def suffix(self) -> str:
+        if self.local_of is None:
+            return self.after
+        code, running_line = self.local_of
+        return f"` in {code.co_name}() {where_assigned(code, self.name, running_line)}"
 
 
 class _Writer:
@@ -44,7 +53,7 @@ class _Writer:
 
     def __init__(self, root: Root) -> None:
         self.pieces: list[str] = []
-        self.before, self.after = root.before, root.after
+        self.before, self.after = root.before, root.suffix()
         self.expr: str | None = root.name or None
         self.placeholder = False  # expr is only "[i]": an element nobody named yet
 

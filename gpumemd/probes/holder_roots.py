@@ -83,30 +83,35 @@ def module_dicts() -> dict[int, str]:
 RUNNING_LINE = " (the line running when it was looked up)"
 """How ``where_assigned`` ends when no store names the variable: a parameter, most often."""
 
-_ASSIGNED: dict[tuple[Any, str], int | None] = {}
+_STORED_AT: dict[types.CodeType, dict[str, int]] = {}  # code -> name -> the line of its first store
 _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+
+
+def first_stores(code: types.CodeType) -> dict[str, int]:
+    """Each variable ``code`` stores, with the line of its first store: one disassembly per code
+    object (a look-up names every local of every running frame; one pass each was 0.1 s)."""
+    stored = _STORED_AT.get(code)
+    if stored is None:
+        import dis
+
+        stored = {}
+        current = None
+        try:
+            for ins in dis.get_instructions(code):
+                current = ins.starts_line or current  # set on the first instruction of each line
+                if ins.opname in _STORES and isinstance(ins.argval, str) and current is not None:
+                    stored.setdefault(ins.argval, current)
+        except Exception:  # noqa: BLE001 - odd code objects: every name falls back to the running line
+            stored = {}
+        if len(_STORED_AT) < 4096:
+            _STORED_AT[code] = stored
+    return stored
 
 
 def where_assigned(code: types.CodeType, name: str, running_line: int | None) -> str:
     """``at train.py:12`` (the line that first assigns the variable in that function), or, when the
     bytecode does not say, the line running when it was looked up, labelled as such."""
-    key = (code, name)
-    if key not in _ASSIGNED:
-        import dis
-
-        line = current = None
-        try:
-            for ins in dis.get_instructions(code):
-                current = ins.starts_line or current  # set on the first instruction of each line
-                if ins.opname in _STORES and ins.argval == name:
-                    line = current
-                    break
-        except Exception:  # noqa: BLE001 - odd code objects: fall back to the running line
-            line = None
-        if len(_ASSIGNED) < 4096:
-            _ASSIGNED[key] = line
-    else:
-        line = _ASSIGNED[key]
+    line = first_stores(code).get(name)
     path = short_path(code.co_filename)
     if line is not None:
         return f"at {path}:{line}"

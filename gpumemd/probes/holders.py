@@ -35,17 +35,14 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.probes.holder_paths import Root, render, top_name
 from gpumemd.probes.holder_reach import reach_down
 from gpumemd.probes.holder_roots import (
-    RUNNING_LINE as _RUNNING_LINE,
-)
-from gpumemd.probes.holder_roots import (
     drop_locals_snapshot,
+    first_stores,
     is_our_generator,
     is_ours,
     is_user_file,
     live_frames,
     module_dicts,
     user_modules,
-    where_assigned,
 )
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 
@@ -54,6 +51,9 @@ if TYPE_CHECKING:
 
 _FRONTIER_MAX = 32  # get_referrers compares each reference it visits with every frontier object
 _UNTRACKED_CHUNK = 4096
+
+PATH_CUT = " (path cut at depth "
+"""How a path the bounds cut below any name reads, before its depth: not an answer, a lead."""
 
 HOLDER_BUDGET_S = 0.25
 """One holder look-up (heap scans) per state change takes at most this long: no scan starts that
@@ -175,12 +175,11 @@ class _Climb:
                     # a closure's view of an outer frame's variable (the outer frame is named
                     # instead), or a compiler-made slot such as pytest's `@py_assert1`
                     continue
-                where = where_assigned(code, name, frame.f_lineno)
-                found = (Root(name, "`", f"` in {code.co_name}() {where}"), value)
+                found = (Root(name, "`", local_of=(code, frame.f_lineno)), value)
                 if not users:
                     library.append(found)
-                else:
-                    (own_parameters if where.endswith(_RUNNING_LINE) else own_code).append(found)
+                else:  # a variable no line of the function stores is a parameter, most often
+                    (own_code if name in first_stores(code) else own_parameters).append(found)
         return [own_code + own_parameters + self._global_roots(), library]
 
     def _global_roots(self) -> list[tuple[Root, Any]]:
@@ -252,7 +251,7 @@ class _Climb:
         if self.owner is None:
             return None
         chain = self._chain(self.owner)
-        return f"{render(Root(top_name(chain[0]), '', ''), chain)} (path cut at depth {depth})"
+        return f"{render(Root(top_name(chain[0]), '', ''), chain)}{PATH_CUT}{depth})"
 
     def _chain(self, start_id: int) -> list[Any]:
         chain = [self.nodes[start_id]]
