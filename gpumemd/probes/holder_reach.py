@@ -22,6 +22,7 @@ from gpumemd.probes.holder_paths import Root
 from gpumemd.probes.holder_roots import is_our_generator
 
 _OBJECTS_MAX = 20_000
+_OBJECTS_MIN = 5_000  # visited whatever the clock says: a slow CPU still reaches a few levels down
 _DEPTH_MAX = 10
 _NEWEST_ITEMS = 64  # items followed in a container larger than this: the last ones
 _NOT_FOLLOWED = (type, types.ModuleType, types.CodeType, str, bytes)
@@ -56,7 +57,8 @@ class Reach:
 def reach_down(tiers: Sequence[list[tuple[Root, Any]]], own: set[int], module_dicts: dict[int, str],
                deadline: float) -> Reach:
     """Breadth first from the roots (a name and its object) of each tier in turn, at most
-    ``_OBJECTS_MAX`` objects and ``_DEPTH_MAX`` levels in all, never past ``deadline``; ``own`` and
+    ``_OBJECTS_MAX`` objects and ``_DEPTH_MAX`` levels in all, past ``deadline`` only for the first
+    ``_OBJECTS_MIN``; ``own`` and
     module namespaces are not followed. The job's own frames and globals are the first tier: a test
     runner's or a framework's frames reach thousands of objects that would spend the bounds first."""
     reach = Reach()
@@ -78,7 +80,8 @@ def _spread(reach: Reach, roots: list[tuple[Root, Any]], own: set[int], module_d
     for depth in range(1, _DEPTH_MAX + 1):
         following: list[Any] = []
         for obj in level:
-            if len(reach.objects) >= _OBJECTS_MAX or time.monotonic() > deadline:
+            seen = len(reach.objects)
+            if seen >= _OBJECTS_MAX or (seen >= _OBJECTS_MIN and time.monotonic() > deadline):
                 return False
             if isinstance(obj, type) and depth == 1:
                 children: list[Any] = list(vars(obj).values())  # a class root: its attributes

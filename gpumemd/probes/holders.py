@@ -56,9 +56,15 @@ PATH_CUT = " (path cut at depth "
 """How a path the bounds cut below any name reads, before its depth: not an answer, a lead."""
 
 HOLDER_BUDGET_S = 0.25
-"""One holder look-up (heap scans) per state change takes at most this long: no scan starts that
-would overrun it, so the pause it adds to a step stays under 250 ms (measured at 1M gc objects:
-``benchmarks/bench_holder_paths.py``)."""
+"""One holder look-up (heap scans) per state change takes about this long: past ``LEVELS_MIN``
+levels no scan starts that would overrun it, so the pause it adds to a step stays under 250 ms
+(measured at 1M gc objects: ``benchmarks/bench_holder_paths.py``)."""
+
+LEVELS_MIN = 4
+"""Levels a climb always goes up, whatever the clock says. Where one heap scan is slow (a loaded or
+slow CPU: 120 ms for 170k objects on a shared 2-core box) the budget alone stopped at the first
+level, and the finding said "holder not found"; the pause of a state change (a few in a run) then
+grows to what four scans cost instead."""
 
 
 def who_holds(
@@ -110,7 +116,7 @@ class _Climb:
                 line = self._met(frontier_ids)
                 if line is not None:
                     return line
-                if depth >= max_depth or time.monotonic() + self.scan_s > self.deadline:
+                if depth >= max_depth or (depth >= LEVELS_MIN and time.monotonic() + self.scan_s > self.deadline):
                     break
                 roots, following = self._climb(frontier, frontier_ids)
                 depth += 1
