@@ -29,7 +29,14 @@ from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes import dataloaders, host_objects
 from gpumemd.probes.gc_pause import job_collector_enabled
-from gpumemd.probes.holders import HOLDER_BUDGET_S, PATH_CUT, cycle_holder, holder_of_group, who_holds
+from gpumemd.probes.holders import (
+    HOLDER_BUDGET_S,
+    PATH_CUT,
+    cycle_holder,
+    holder_of_group,
+    who_holds,
+    who_holds_stepwise,
+)
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.records.device import CPU, cuda_index
 from gpumemd.records.findings import Culprit
@@ -157,10 +164,11 @@ class CulpritSearch:
         sample = held_sample()
         if sample is None:
             return _SampleHolder(garbage=True)
-        # The path first, with the whole budget: a name is the common answer, and the cycle check
-        # costs a heap scan or more (on a slow machine the two did not fit one budget).
-        path = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.counts.specs,))
-        del sample
+        # The path first, over a few step ends if it must: a name is the common answer, and the cycle
+        # check costs a heap scan or more (on a slow machine the two did not fit one budget).
+        search = who_holds_stepwise(sample, ignore=(self._series.counts.specs,))
+        del sample  # the search holds it weakly across its pauses
+        path = yield from search
         if path is not None and PATH_CUT not in path:
             return _SampleHolder(path)
         yield

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.probes.holder_paths import Root, render, top_name
-from gpumemd.probes.holder_reach import reach_down
+from gpumemd.probes.holder_reach import Reach, reach_down
 from gpumemd.probes.holder_roots import (
     drop_locals_snapshot,
     first_stores,
@@ -44,6 +44,7 @@ from gpumemd.probes.holder_roots import (
     module_dicts,
     user_modules,
 )
+from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 
 if TYPE_CHECKING:
@@ -64,7 +65,12 @@ LEVELS_MIN = 4
 """Levels a climb always goes up, whatever the clock says. Where one heap scan is slow (a loaded or
 slow CPU: 120 ms for 170k objects on a shared 2-core box) the budget alone stopped at the first
 level, and the finding said "holder not found"; the pause of a state change (a few in a run) then
-grows to what four scans cost instead."""
+grows to what four scans cost instead (``who_holds``; ``who_holds_stepwise`` goes on at the next step
+end instead)."""
+
+PAUSES_MAX = 4
+"""Step ends a stepwise look-up may go on into after the first: at four levels a pause or more, a
+path of twenty levels is found."""
 
 
 def who_holds(
@@ -78,10 +84,33 @@ def who_holds(
     recognisable was found in ``max_depth`` levels and ``time_budget_s`` seconds. A path that the
     bounds cut below any name starts at the nearest owner found and says "path cut at depth N".
     Never raises for an odd object."""
+    return run_to_end(who_holds_stepwise(obj, max_depth=max_depth, time_budget_s=time_budget_s, ignore=ignore,
+                                         pauses=0))
+
+
+def who_holds_stepwise(
+    obj: Any,
+    *,
+    max_depth: int = 12,
+    time_budget_s: float = HOLDER_BUDGET_S,
+    ignore: Iterable[Any] = (),
+    pauses: int = PAUSES_MAX,
+) -> Stepwise[str | None]:
+    """``who_holds`` over up to ``pauses`` + 1 step ends, each within ``time_budget_s``: where the
+    budget ends below any name, the climb yields and goes on at the next step end from the level it
+    reached (on a slow CPU or a big heap one pause is a few levels). Across a yield the frames' locals
+    are let go; the containers climbed through are kept (a leak's holders: the job keeps them too),
+    and with them ``obj``, for ``pauses`` step ends at most."""
+    climb = None
     try:
-        return _Climb(obj, ignore, time_budget_s).run(max_depth)
+        climb = _Climb(obj, ignore, time_budget_s)
+        del obj
+        return (yield from climb.steps(max_depth, pauses))
     except Exception:  # noqa: BLE001 - a diagnostic must never fail the caller; None means "unknown"
         return None
+    finally:
+        if climb is not None:
+            climb.release()
 
 
 class _Climb:
@@ -89,48 +118,82 @@ class _Climb:
     local (read before each scan), a module global or a class attribute (found by the scan)."""
 
     def __init__(self, target: Any, ignore: Iterable[Any], time_budget_s: float) -> None:
-        self.deadline = time.monotonic() + time_budget_s
+        self.budget_s = time_budget_s
         self.target_id = id(target)
         # Everything this search creates that references candidates must never be reported.
         self.nodes: dict[int, Any] = {id(target): target}  # id -> object, keeps ids unique while we run
         self.child_of: dict[int, int] = {}  # referrer id -> id of the object it holds on our path
         self.owner: int | None = None  # the nearest named owner (object, function, frame): where a cut path starts
         self.scan_s = 0.0  # the longest heap scan so far: no scan starts that would overrun the deadline
+        self.ignored = {id(x) for x in ignore}
+        self.frames: list[tuple[types.FrameType, dict[str, Any]]] = []
+        self.reach = Reach()
+        self._look()
+
+    def _look(self) -> None:
+        """Read the running frames' locals and what they reach down (within a fifth of the budget):
+        a climb stops where it meets it. Every pause starts with a fresh look."""
+        self.deadline = time.monotonic() + self.budget_s
         self.frames = live_frames()
-        self.own: set[int] = {id(x) for x in ignore}
+        self.own: set[int] = set(self.ignored)
         self.own.update(id(x) for x in (self.nodes, self.child_of, self.frames))
         self.own.update(id(f_locals) for _, f_locals in self.frames)
         self.module_dicts = module_dicts()
-        # what the locals reach downwards, within a fifth of the budget: a climb stops where it meets it
         self.reach = reach_down(self._local_roots(), self.own,
-                                self.module_dicts, min(self.deadline, time.monotonic() + time_budget_s / 5))
+                                self.module_dicts, min(self.deadline, time.monotonic() + self.budget_s / 5))
         self.own.update(id(x) for x in (self.reach.objects, self.reach.parent, self.reach.roots, self.reach.depth))
 
-    def run(self, max_depth: int) -> str | None:
+    def _let_go(self) -> None:
+        for frame, f_locals in self.frames:
+            drop_locals_snapshot(frame, f_locals)
+        self.frames.clear()
+        self.reach.clear()
+
+    def steps(self, max_depth: int, pauses: int) -> Stepwise[str | None]:
         frontier = [self.nodes[self.target_id]]
-        depth = 0
+        depth = climbed = 0  # levels in all, and since the last look
         searched_untracked = False
-        try:
-            while True:
-                frontier_ids = {id(o) for o in frontier}
-                line = self._met(frontier_ids)
-                if line is not None:
-                    return line
-                if depth >= max_depth or (depth >= LEVELS_MIN and time.monotonic() + self.scan_s > self.deadline):
+        while True:
+            frontier_ids = {id(o) for o in frontier}
+            line = self._met(frontier_ids)
+            if line is not None:
+                return line
+            if depth >= max_depth:
+                break
+            if climbed and time.monotonic() + self.scan_s > self.deadline:  # a level a look at least
+                if pauses > 0:
+                    pauses, climbed = pauses - 1, 0
+                    if not (yield from self._pause()):
+                        return None
+                    continue  # the new look may meet the frontier as it is
+                if depth >= LEVELS_MIN:
                     break
-                roots, following = self._climb(frontier, frontier_ids)
-                depth += 1
-                if roots:
-                    return self._render(*min(roots, key=lambda r: r[0])[1:])
-                if not following and not searched_untracked:
-                    # nothing tracked refers to what was reached: an untracked holder, perhaps
-                    following, searched_untracked = self._untracked(set(self.nodes)), True
-                if not following:
-                    break
-                frontier = following
-            return self._cut(depth)
-        finally:
-            self._release()
+            self.own.add(id(frontier))
+            roots, following = self._climb(frontier, frontier_ids)
+            depth, climbed = depth + 1, climbed + 1
+            if roots:
+                return self._render(*min(roots, key=lambda r: r[0])[1:])
+            if not following and not searched_untracked:
+                # nothing tracked refers to what was reached: an untracked holder, perhaps
+                following, searched_untracked = self._untracked(set(self.nodes)), True
+            if not following:
+                break
+            frontier = following
+        return self._cut(depth)
+
+    def _pause(self) -> Stepwise[bool]:
+        """Let the job run a step holding nothing of it but the containers climbed through; False when
+        the target died meanwhile (it was the last of them the job let go)."""
+        held = hold_weakly(self.nodes.pop(self.target_id))
+        self._let_go()
+        yield
+        target = held()
+        if target is None:
+            return False
+        self.nodes[self.target_id] = target
+        del target
+        self._look()
+        return True
 
     def _climb(self, frontier: list[Any], frontier_ids: set[int]) -> tuple[list[tuple[int, Root, int]], list[Any]]:
         """One level up (one heap scan): the roots among the referrers of ``frontier`` as (rank, root,
@@ -139,7 +202,6 @@ class _Climb:
         referrers = gc.get_referrers(*frontier)
         self.scan_s = max(self.scan_s, time.monotonic() - started)
         self.own.add(id(referrers))
-        self.own.add(id(frontier))
         roots: list[tuple[int, Root, int]] = []
         following: list[Any] = []
         for ref in referrers:
@@ -267,12 +329,9 @@ class _Climb:
             chain.append(self.nodes[current])
         return chain
 
-    def _release(self) -> None:
-        for frame, f_locals in self.frames:
-            drop_locals_snapshot(frame, f_locals)
-        self.frames.clear()
+    def release(self) -> None:
+        self._let_go()
         self.nodes.clear()
-        self.reach.clear()
 
 
 # --- helpers ---------------------------------------------------------------------------------------

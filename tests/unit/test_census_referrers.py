@@ -15,7 +15,7 @@ import torch
 import gpumemd
 from gpumemd.probes import census as census_probe
 from gpumemd.probes.census import take_census
-from gpumemd.probes.holders import who_holds
+from gpumemd.probes.holders import who_holds, who_holds_stepwise
 
 CACHE: dict[str, Any] = {}
 
@@ -197,6 +197,21 @@ def test_depth_and_time_bounds_are_respected() -> None:
     assert line is not None
     assert line.startswith("`deep.value` in test_depth_and_time_bounds_are_respected() at ")
     assert line.endswith(" → list of 1 item" * 30)
+
+
+def test_a_stepwise_look_up_goes_on_at_the_next_step_end_from_the_level_it_reached() -> None:
+    deep = _Box(_nest(torch.zeros(1), 30))
+    assert who_holds(_innermost(deep.value), max_depth=40, time_budget_s=0.0) is None  # one pause: too deep
+    # no time at all: a level or so per step end, until it meets what the locals reach
+    search = who_holds_stepwise(_innermost(deep.value), max_depth=40, time_budget_s=0.0, pauses=40)
+    pauses = 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(search)
+            pauses += 1
+    assert pauses >= 2
+    assert done.value.value.startswith("`deep.value` in test_a_stepwise_look_up_goes_on_at_the_next_step_end")
+    assert done.value.value.endswith(" → list of 1 item" * 30)
 
 
 def _nest(value: Any, depth: int) -> Any:
