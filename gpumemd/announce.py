@@ -54,7 +54,7 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
     overhead = state.overhead
     steps = state.steps_total
     parts = [f"gpumemd: {steps:,} step{'s' if steps != 1 else ''} watched in {_duration(overhead.wall_seconds)}"]
-    if state.ended not in (None, "exit"):
+    if state.ended not in (None, "exit", "exit:0"):  # the ordinary endings go without saying
         parts[0] = f"gpumemd: {ending_words(state.ended)} · " + parts[0].removeprefix("gpumemd: ")
     parts.append(_findings_text(state.findings))
     if state.ooms_caught:

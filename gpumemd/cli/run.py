@@ -278,7 +278,7 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> tuple[int,
             _set_path0(saved_path0)
         while _main_after_report:
             sys.modules["__main__"] = _main_after_report.pop()
-    return 0, "exit"
+    return 0, exit_ending(0)
 
 
 interrupted = False

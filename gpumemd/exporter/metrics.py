@@ -206,8 +206,9 @@ SPECS: tuple[MetricSpec, ...] = (
        "AgentState.updated_at"),
     _g("gpumemd_agent_start_timestamp_seconds", (), "Unix time the agent was attached.", "AgentState.attached_at"),
     _g("gpumemd_agent_exit_timestamp_seconds", ("reason", "run_id"),
-       "Unix time the agent recorded the job's end: reason 'exit' (detach or the process's normal exit), "
-       "'exit:N' (exit status N, under gpumemd run), the signal that ended the job ('SIGTERM', 'SIGINT' also for "
+       "Unix time the agent recorded the job's end: reason 'exit:N' (exit status N, under gpumemd run), "
+       "'exit' (detach, or an exit under attach() without an uncaught exception: python does not tell its "
+       "status), the signal that ended the job ('SIGTERM', 'SIGINT' also for "
        "an uncaught KeyboardInterrupt, 'SIGUSR1', 'SIGUSR2'), 'oom' (an uncaught out-of-memory error ends the "
        "process) or 'exception:T' (another uncaught exception, of type T). run_id as in gpumemd_info. Absent "
        "while the job runs; in the last scrape, push and textfile. A target gone without it vanished (SIGKILL, "

@@ -161,18 +161,21 @@ class AgentState:
         return f"{self.identity.pid}-{round(self.attached_at * 1000)}"
 
 def exit_ending(code: int) -> str:
-    """``AgentState.ended`` for an exit with status ``code``: "exit" for 0, "exit:3" otherwise."""
-    return "exit" if code == 0 else f"exit:{code}"
+    """``AgentState.ended`` for an exit whose status ``code`` is known (``gpumemd run``): "exit:0", "exit:3"."""
+    return f"exit:{code}"
 
 
 def ending_words(ended: str) -> str:
-    """``AgentState.ended`` in words. Its values: "exit" (detach, or a normal exit), "exit:N" (an exit
-    with status N, as ``gpumemd run`` sees it), the signal that ended the job ("SIGTERM", "SIGINT": Ctrl-C
-    or an uncaught KeyboardInterrupt), "oom" (an uncaught out-of-memory error) and "exception:T" (another
-    uncaught exception, of type T)."""
+    """``AgentState.ended`` in words. Its values: "exit:N" (an exit with status N, as ``gpumemd run``
+    sees it), "exit" (``detach()``, or an exit whose status python does not tell an ``atexit``
+    handler: ``sys.exit(3)`` under ``attach()`` reads so too), the signal that ended the job
+    ("SIGTERM", "SIGINT": Ctrl-C or an uncaught KeyboardInterrupt), "oom" (an uncaught out-of-memory
+    error) and "exception:T" (another uncaught exception, of type T)."""
     kind, _, detail = ended.partition(":")
     if ended == "exit":
-        return "exited normally"
+        return "exited (no uncaught exception; its status is known under gpumemd run)"
+    if ended == "exit:0":
+        return "exited normally (status 0)"
     if kind == "exit":
         return f"exited with status {detail}"
     if ended == "SIGINT":
