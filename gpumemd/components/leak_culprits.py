@@ -34,7 +34,6 @@ from gpumemd.probes.holders import (
     PATH_CUT,
     cycle_holder,
     holder_of_group,
-    who_holds,
     who_holds_stepwise,
 )
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
@@ -105,11 +104,11 @@ class CulpritSearch:
         if kind == "host_leak":
             return (yield from self._host_culprits(status))
         if status.spec.row_bytes:
-            return self._family_culprits(status)
+            return (yield from self._family_culprits(status))
         if status.spec.unit == "tensors":
             return (yield from self._count_culprits(status))
         if status.spec.unit == "nodes":
-            return self._chain_culprits(status)  # one holder search: one pass
+            return (yield from self._chain_culprits(status))
         if kind in ("tensor_leak", "graph_leak"):
             return (yield from self._census_culprits(status))
         return NO_EVIDENCE
@@ -220,7 +219,7 @@ class CulpritSearch:
 
     # --- a growing tensor: its newest, largest member ------------------------------------------
 
-    def _family_culprits(self, status: TrackStatus) -> Evidence:
+    def _family_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         """Who holds the newest largest tensor of a growing family (alive: the scan that saw it ran
         at this step end), and how many rows it has now."""
         series = self._series
@@ -230,12 +229,9 @@ class CulpritSearch:
         if key is None or families is None or family is None:
             return NO_EVIDENCE
         sample = families.sample(key)
-        holder = None
-        try:
-            if sample is not None:
-                holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(series.grown.specs,))
-        finally:
-            del sample
+        search = who_holds_stepwise(sample, ignore=(series.grown.specs,)) if sample is not None else None
+        del sample
+        holder = (yield from search) if search is not None else None
         row_bytes = status.spec.row_bytes
         rows = series.stated_rate(status) / row_bytes
         desc = family.describe()
@@ -248,7 +244,7 @@ class CulpritSearch:
 
     # --- graph chains: the newest root ---------------------------------------------------------
 
-    def _chain_culprits(self, status: TrackStatus) -> Evidence:
+    def _chain_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         """Who holds the newest tensor of a growing graph chain, how large the graph it reaches is,
         and what its saved tensors cost (zero once backward() freed them: the nodes alone grow)."""
         key = self._series.chain_nodes.key_of(status.spec)
@@ -257,11 +253,12 @@ class CulpritSearch:
         if key is None or chains is None or sample is None:
             return NO_EVIDENCE
         try:
-            holder = who_holds(sample, time_budget_s=HOLDER_BUDGET_S, ignore=(self._series.chain_nodes.specs,))
             nodes = host_objects.graph_size(sample, max_nodes=CHAIN_NODES_MAX)
             saved = host_objects.saved_bytes(sample)
+            search = who_holds_stepwise(sample, ignore=(self._series.chain_nodes.specs,))
         finally:
             del sample
+        holder = yield from search
         per_step = status.verdict.slope.slope
         since = status.onset_step if status.onset_step is not None else status.window_start
         saved_per_step = saved / max(1.0, status.step - since)

@@ -58,9 +58,9 @@ def reach_down(tiers: Sequence[list[tuple[Root, Any]]], own: set[int], module_di
                deadline: float) -> Reach:
     """Breadth first from the roots (a name and its object) of each tier in turn, at most
     ``_OBJECTS_MAX`` objects and ``_DEPTH_MAX`` levels in all, past ``deadline`` only for the first
-    ``_OBJECTS_MIN``; ``own`` and
-    module namespaces are not followed. The job's own frames and globals are the first tier: a test
-    runner's or a framework's frames reach thousands of objects that would spend the bounds first."""
+    ``_OBJECTS_MIN``; ``own`` and module namespaces are not followed. The job's own frames come first,
+    then its globals: a test runner's or a framework's frames reach thousands of objects that would
+    spend the bounds first."""
     reach = Reach()
     for roots in tiers:
         if not _spread(reach, roots, own, module_dicts, deadline):

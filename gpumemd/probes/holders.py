@@ -229,8 +229,8 @@ class _Climb:
         return roots, following
 
     def _local_roots(self) -> list[list[tuple[Root, Any]]]:
-        """The roots to reach down from, in two tiers: the locals of the job's own running frames and
-        its modules' globals, then the locals of library frames (a framework's loop, a test runner),
+        """The roots to reach down from, in three tiers: the locals of the job's own running frames, its
+        modules' globals, then the locals of library frames (a framework's loop, a test runner),
         each with the name a user reads."""
         own_code: list[tuple[Root, Any]] = []
         own_parameters: list[tuple[Root, Any]] = []  # after: the caller's own variable says more than `self`
@@ -248,7 +248,9 @@ class _Climb:
                     library.append(found)
                 else:  # a variable no line of the function stores is a parameter, most often
                     (own_code if name in first_stores(code) else own_parameters).append(found)
-        return [own_code + own_parameters + self._global_roots(), library]
+        # the locals a tier before the globals: a job of many modules (a test suite's, a framework
+        # plugin's) has thousands of globals whose first levels spent the bounds of one tier
+        return [own_code + own_parameters, self._global_roots(), library]
 
     def _global_roots(self) -> list[tuple[Root, Any]]:
         """The globals of the job's own modules (after the locals: a local is the nearer name); a
