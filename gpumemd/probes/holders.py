@@ -57,9 +57,9 @@ PATH_CUT = " (path cut at depth "
 """How a path the bounds cut below any name reads, before its depth: not an answer, a lead."""
 
 HOLDER_BUDGET_S = 0.25
-"""One holder look-up (heap scans) per state change takes about this long: past ``LEVELS_MIN``
-levels no scan starts that would overrun it, so the pause it adds to a step stays under 250 ms
-(measured at 1M gc objects: ``benchmarks/bench_holder_paths.py``)."""
+"""A holder look-up's pause: past ``LEVELS_MIN`` levels no scan starts that would overrun it. At 1M
+gc objects on a slow 2-core box those levels took up to 394 ms (``benchmarks/bench_holder_paths.py``);
+``who_holds_stepwise`` pauses instead, each step end within this and one scan."""
 
 LEVELS_MIN = 4
 """Levels a climb always goes up, whatever the clock says. Where one heap scan is slow (a loaded or
