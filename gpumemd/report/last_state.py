@@ -139,12 +139,16 @@ def ending(doc: dict[str, Any], *, alive: bool | None) -> str:
     return f"VANISHED: no clean exit recorded ({why})"
 
 
+def _at_step(step: Any) -> str:
+    return "before the first step ended" if step is None else f"at step {step}"
+
+
 def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
     """The text ``gpumemd report`` prints for one state file."""
     who = f"rank {doc.get('rank')} (pid {doc.get('pid')}" + (f" on {doc['hostname']}" if doc.get("hostname") else "")
     lines = [f"last known state of {who}): {doc['_file']}",
              f"  {ending(doc, alive=alive)}",
-             f"  last written {fmt_time(doc.get('written_at'))} at step {doc.get('step')} "
+             f"  last written {fmt_time(doc.get('written_at'))} {_at_step(doc.get('step'))} "
              f"({doc.get('steps_total')} steps since attach, phase {doc.get('phase')})"]
     risk = at_risk(doc)
     if risk and not doc.get("ended"):

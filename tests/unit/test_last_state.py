@@ -130,6 +130,14 @@ def test_report_says_how_a_job_ended_cleanly(tmp_path: Path, capsys: pytest.Capt
     assert "ended by SIGTERM at 2001-09-09T01:56:41.000Z" in text and "VANISHED" not in text
 
 
+def test_a_job_that_ended_before_its_first_step_says_so_not_step_none(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    write_state(tmp_path / "out", ended="exit", ended_at=1e9 + 601, step=None, steps_total=0)
+    assert main(["report", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "before the first step ended (0 steps since attach" in text and "None" not in text, text
+
+
 def test_a_foreign_state_file_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "gpumemd-state-rank0.json").write_text("{not json")
     assert main(["report", str(tmp_path)]) == 2
