@@ -29,11 +29,11 @@ from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes import dataloaders, host_objects
 from gpumemd.probes.gc_pause import job_collector_enabled
+from gpumemd.probes.holder_groups import holder_of_group
 from gpumemd.probes.holders import (
     HOLDER_BUDGET_S,
     PATH_CUT,
     cycle_holder,
-    holder_of_group,
     who_holds_stepwise,
 )
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end

@@ -20,7 +20,7 @@ What the pass does, in order (TORCH_MEMORY_API.md §7 has the facts it relies on
 4. Graph retention (``probes.census_graph``): from each live ``grad_fn`` the autograd-graph walk
    reads the saved tensors; saved storages not counted anywhere else are charged to the tensor that
    keeps the graph alive. The walk is bounded in nodes (the bytes are then a lower bound).
-5. Grouping (``probes.census_groups``), then holders (``probes.holders.fill_holders``) for the few
+5. Grouping (``probes.census_groups``), then holders (``probes.holder_groups.fill_holders``) for the few
    anonymous groups that grew, once the pass has dropped every tensor it held.
 
 A census is stepwise (``census_steps``, a ``probes.stepwise`` generator): after the heap pass it
@@ -44,7 +44,7 @@ from typing import Any
 
 from gpumemd.probes.census_groups import Grouping
 from gpumemd.probes.census_pass import CensusPass
-from gpumemd.probes.holders import fill_holders
+from gpumemd.probes.holder_groups import fill_holders
 from gpumemd.probes.stepwise import HEAP_PASS, Hinted, hold_weakly, run_to_end
 from gpumemd.records.census import Census
 from gpumemd.records.samples import AllocatorSample

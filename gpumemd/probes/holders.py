@@ -17,9 +17,9 @@ attribute. Cut by the bounds before any root, the path starts at the nearest own
 says so. ``holder_paths`` writes the line; gpumemd's own frames and the containers the caller passes
 in ``ignore`` are never reported.
 
-Every heap scan for "who holds X" lives here: ``who_holds`` for one object, ``fill_holders`` for the
-few census groups worth naming, ``holder_of_group`` for a census group found again by its key, and
-``cycle_holder`` for garbage that only a reference cycle keeps.
+Every heap scan for "who holds X" lives here: ``who_holds`` (and ``who_holds_stepwise``) for one
+object, and ``cycle_holder`` for garbage that only a reference cycle keeps. Which census groups are
+worth a look-up is ``probes.holder_groups``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpumemd.probes.holder_paths import Root, render, top_name
 from gpumemd.probes.holder_reach import Reach, reach_down
@@ -45,10 +45,6 @@ from gpumemd.probes.holder_roots import (
     user_modules,
 )
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
-from gpumemd.records.census import Census, CensusGroup, GroupKey
-
-if TYPE_CHECKING:
-    import torch
 
 _FRONTIER_MAX = 32  # get_referrers compares each reference it visits with every frontier object
 _UNTRACKED_CHUNK = 4096
@@ -364,34 +360,6 @@ def _key_text(mapping: Any, child: Any) -> str:
     return "?"
 
 
-def holder_of_group(key: GroupKey) -> str | None:
-    """Who holds a live tensor of this census group (the census looks holders up only for groups
-    whose count grew; a retained graph grows behind one tensor)."""
-    import torch  # lazily: `import gpumemd` stays light
-
-    deadline = time.monotonic() + HOLDER_BUDGET_S
-    sample = None
-    for i, obj in enumerate(gc.get_objects()):
-        if i % 4096 == 0 and time.monotonic() > deadline:
-            return None
-        if type(obj) is not torch.Tensor:  # exact type: cheap, and parameters are never culprits here
-            continue
-        try:
-            if (tuple(obj.shape) == key.shape and str(obj.dtype).removeprefix("torch.") ==
-                    key.dtype.removeprefix("torch.") and str(obj.device) == key.device.name
-                    and (key.category != "graph" or obj.grad_fn is not None)):
-                sample = obj
-                break
-        except Exception:  # noqa: BLE001 - an odd tensor subclass must not stop the search
-            continue
-    if sample is None:
-        return None
-    try:
-        return who_holds(sample, time_budget_s=max(0.05, deadline - time.monotonic())) or cycle_holder(sample)
-    finally:
-        del sample
-
-
 def cycle_holder(obj: Any, max_objects: int = 32) -> str | None:
     """``Node.payload, in a reference cycle nothing else refers to`` when ``obj`` is an attribute of
     an object whose referrers close into a small cycle: garbage the collector has not freed (gc
@@ -424,68 +392,3 @@ def cycle_holder(obj: Any, max_objects: int = 32) -> str | None:
             frontier.append(ref)
         found.clear()
     return f"{type(owner).__name__}.{attr}, in a reference cycle nothing else refers to (garbage gc has not freed)"
-
-
-def fill_holders(
-    groups: list[CensusGroup],
-    samples: dict[GroupKey, torch.Tensor],
-    owners: dict[GroupKey, torch.Tensor],
-    *,
-    holders: int,
-    previous: Census | None,
-    budget_s: float,
-) -> list[CensusGroup]:
-    """A census's groups with ``holder`` set for the few that need it: the ``holders`` anonymous
-    groups that grew most since ``previous`` (or the largest ones, without it), looked up through
-    a sample tensor of each (``samples``), all lookups together within ``budget_s``.
-
-    A tensor that only an autograd graph keeps (a saved activation) has no gc referrer: it is
-    described as ``autograd graph of <who holds the tensor that keeps the graph>`` (``owners``)."""
-    chosen = _groups_to_look_up(groups, holders, previous)
-    if not chosen:
-        return groups
-    deadline = time.monotonic() + budget_s
-    found: dict[GroupKey, str] = {}
-    owner_lines: dict[int, str | None] = {}
-    for group in chosen:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        sample = samples.get(group.key)
-        if sample is None:
-            continue
-        holder = who_holds(sample, time_budget_s=remaining, ignore=(samples, owners))
-        del sample
-        owner = owners.get(group.key)
-        if holder is None and owner is not None:
-            if id(owner) not in owner_lines:
-                remaining = max(0.0, deadline - time.monotonic())
-                owner_lines[id(owner)] = who_holds(owner, time_budget_s=remaining, ignore=(samples, owners))
-            line = owner_lines[id(owner)]
-            holder = f"autograd graph of {line}" if line else "an autograd graph"
-        del owner
-        if holder is not None:
-            found[group.key] = holder
-    if not found:
-        return groups
-    return [
-        CensusGroup(g.key, g.count, g.nbytes, g.graph_bytes, found[g.key]) if g.key in found else g
-        for g in groups
-    ]
-
-
-def _groups_to_look_up(groups: list[CensusGroup], holders: int, previous: Census | None) -> list[CensusGroup]:
-    """The anonymous groups that grew most since ``previous`` (in count or bytes), or the largest."""
-    anonymous = [g for g in groups if g.key.name is None]
-    if previous is None:
-        return anonymous[:holders]
-    before = {g.key: g for g in previous.groups}
-
-    def growth(g: CensusGroup) -> int:
-        old = before.get(g.key)
-        return g.nbytes + g.graph_bytes - (old.nbytes + old.graph_bytes if old else 0)
-
-    grown = [(growth(g), g) for g in anonymous if g.count > getattr(before.get(g.key), "count", 0)
-             or growth(g) > 0]
-    grown.sort(key=lambda pair: pair[0], reverse=True)
-    return [g for _, g in grown[:holders]]
