@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "estimate": "gpumemd.cli.estimate",
     "doctor": "gpumemd.cli.doctor",
     "export": "gpumemd.cli.export",
+    "top": "gpumemd.cli.top",
 }
 
 

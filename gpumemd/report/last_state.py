@@ -2,18 +2,21 @@
 
 A process the kernel's OOM killer (or ``kill -9``, or a cgroup limit) ends runs no handler: nothing
 it knew reaches a report unless it was already on disk. The agent keeps ``gpumemd-state-rank<R>.json``
-in the output directory, replaced whole (temp file + rename) as the job runs: step, memory headroom,
-the newest findings, the OOM reports, and ``ended`` once it ended cleanly. ``gpumemd report`` on the
-output directory reads it back: a file with no ``ended`` from a process that is gone says the job
-vanished, and what it was doing then.
+in the output directory, replaced whole (temp file + rename) as the job runs: step, memory (allocator,
+headroom, host RSS, DataLoader workers), the last census's largest groups, the newest findings, the OOM
+reports, and ``ended`` once it ended cleanly. ``gpumemd report`` on the output directory reads it back:
+a file with no ``ended`` from a process that is gone says the job vanished, and what it was doing then;
+``gpumemd top`` reads it live.
 
-Bounded: at most ``MAX_FINDINGS`` findings, each sentence cut at ``MAX_TEXT`` characters, the last
-``MAX_REPORTS`` report paths; a few KiB whatever the job. Pure apart from ``load_states`` (reads files).
+Bounded: at most ``MAX_FINDINGS`` findings and ``MAX_GROUPS`` groups, each sentence cut at ``MAX_TEXT``
+characters, the last ``MAX_REPORTS`` report paths; a few KiB whatever the job. Pure apart from
+``load_states`` (reads files).
 """
 
 from __future__ import annotations
 
 import glob
+import heapq
 import json
 import os
 import re
@@ -22,18 +25,21 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.announce import caught_text
 from gpumemd.records.device import cuda_index
+from gpumemd.records.plain import plain
 from gpumemd.records.step import ending_words
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.schema import STATE_SCHEMA, schema_errors
 
 if TYPE_CHECKING:
     from gpumemd.records.findings import Finding
+    from gpumemd.records.samples import AllocatorSample
     from gpumemd.records.step import AgentState
 
 SCHEMA = 1
 MAX_FINDINGS = 8
 MAX_TEXT = 600
 MAX_REPORTS = 5
+MAX_GROUPS = 3  # the census's largest tensor groups, with their holders (``gpumemd top`` shows them)
 MAX_FILE_BYTES = 4 * 2**20  # the writer's files are a few KiB
 NEAR_OOM_SHARE = 0.05
 """Headroom under this share of a device's (or the host's) memory is "near out of memory": the same
@@ -60,7 +66,37 @@ def state_document(state: AgentState, *, written_at: float, seconds_per_step: fl
         "ooms_total": state.ooms_total, "reports": list(state.reports[-MAX_REPORTS:]),
         "ooms_caught": state.ooms_caught, "oom_caught_steps": list(state.oom_caught_steps),
         "ended": state.ended, "ended_at": state.ended_at, "run": state.run,
+        "allocator": [_allocator(a) for a in state.allocator], "workers": _workers(state),
+        "tensors": _tensors(state),
     }
+
+
+def _allocator(a: AllocatorSample) -> dict[str, Any]:
+    return {"device": cuda_index(a.device), "allocated_bytes": a.allocated_bytes, "reserved_bytes": a.reserved_bytes,
+            "peak_bytes": a.allocated_peak_bytes, "cap_bytes": a.cap_bytes}
+
+
+def _workers(state: AgentState) -> dict[str, Any] | None:
+    w = state.workers
+    return None if w is None else {"count": len(w.workers), "rss_bytes": w.rss_bytes}
+
+
+_last_tensors: list[Any] = [None, None]  # the last census and its part: a census lasts many writes
+
+
+def _tensors(state: AgentState) -> dict[str, Any] | None:
+    """The last census's largest groups with their holders, as report.json's ``tensors.groups`` says them."""
+    census = state.census
+    if census is None:
+        return None
+    if _last_tensors[0] is census:
+        return _last_tensors[1]  # type: ignore[no-any-return]
+    groups = heapq.nlargest(MAX_GROUPS, census.groups, key=lambda g: g.nbytes + g.graph_bytes)
+    part = {"step": census.step, "tensor_count": census.tensor_count, "total_bytes": census.total_bytes,
+            "groups": [{**plain(g.key), "count": g.count, "nbytes": g.nbytes, "graph_bytes": g.graph_bytes,
+                        "holder": (g.holder or "")[:MAX_TEXT] or None} for g in groups]}
+    _last_tensors[:] = [census, part]
+    return part
 
 
 def headroom(state: AgentState) -> list[dict[str, Any]]:
@@ -70,7 +106,7 @@ def headroom(state: AgentState) -> list[dict[str, Any]]:
     host = state.host
     if host is not None and host.available_bytes is not None:
         out.append({"where": "host", "free_bytes": host.available_bytes, "total_bytes": host.total_bytes,
-                    "rss_bytes": host.rss_bytes})
+                    "rss_bytes": host.rss_bytes, "limit": host.limit_words})
     return out
 
 

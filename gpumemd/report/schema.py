@@ -43,7 +43,9 @@ REPORT_SCHEMA: _Spec = {
     "findings": [_FINDING],
 }
 
-_ROOM: _Spec = {"where": "str", "free_bytes": "int?", "total_bytes": "int?", "rss_bytes": "int?"}
+_ROOM: _Spec = {"where": "str", "free_bytes": "int?", "total_bytes": "int?", "rss_bytes": "int?", "limit": "str?"}
+_ALLOCATOR: _Spec = {"device": "int?", "allocated_bytes": "int?", "reserved_bytes": "int?", "peak_bytes": "int?",
+                     "cap_bytes": "int?"}
 _STATE_FINDING: _Spec = {"state": "str", "kind": "str", "series": "str", "summary": "str", "headline": "str?",
                          "device": "int?", "slope_bytes_per_step": "num?", "growth_bytes": "num?",
                          "steps_to_oom": "num?", "hours_to_oom": "num?", "updated_step": "int?"}
@@ -51,9 +53,11 @@ STATE_SCHEMA: _Spec = {
     "pid": "int?", "rank": "int?", "world_size": "int?", "hostname": "str?", "attached_at": "time?",
     "written_at": "time?", "step": "int?", "steps_total": "int?", "phase": "str?", "seconds_per_step": "num?",
     "headroom": [_ROOM], "findings": [_STATE_FINDING], "findings_more": "int?", "ooms_total": "int?",
-    "reports": ["str"], "ended": "str?", "ended_at": "time?",
+    "reports": ["str"], "ended": "str?", "ended_at": "time?", "allocator": [_ALLOCATOR],
+    "workers": {"count": "int?", "rss_bytes": "int?"},
+    "tensors": {"step": "int?", "tensor_count": "int?", "total_bytes": "int?", "groups": [_GROUP]},
 }
-"""``gpumemd-state-rank<R>.json`` (``report.last_state``): what ``gpumemd report`` prints from it."""
+"""``gpumemd-state-rank<R>.json`` (``report.last_state``): what ``gpumemd report`` and ``gpumemd top`` print."""
 
 _MAX_INT = 2**64  # byte counts and steps beyond this are not from a real job
 _MAX_TIME = 253402300800  # epoch seconds of 10000-01-01: later stamps cannot be printed as dates

@@ -60,16 +60,20 @@ def test_written_on_the_first_step_on_changes_and_otherwise_every_interval(tmp_p
     component.start(view)  # type: ignore[arg-type]
     record = StepRecord(step=10, wall_time=1e9, duration_s=0.25)
     component.on_step(record)
+    component.drain()  # the step end hands the file to the component's writer thread
     assert component.writes == 1 and read(out)["step"] == 10 and read(out)["ended"] is None
     clock.now += 5
     view.state_now = dataclasses.replace(view.state_now, step=30)
     component.on_step(record)
+    component.drain()
     assert component.writes == 1  # nothing new, and not yet due
     view.state_now = dataclasses.replace(view.state_now, findings=(finding(0, "suspected"),))
     component.on_step(record)
+    component.drain()
     assert component.writes == 2 and read(out)["findings"][0]["state"] == "suspected"  # a change: at once
     clock.now += 10
     component.on_step(record)
+    component.drain()
     assert component.writes == 3  # due
     view.state_now = dataclasses.replace(view.state_now, ended="SIGTERM", ended_at=1e9 + 60)
     component.stop()
