@@ -90,7 +90,7 @@ def _tensors(state: AgentState) -> dict[str, Any] | None:
     if census is None:
         return None
     if _last_tensors[0] is census:
-        return _last_tensors[1]  # type: ignore[no-any-return]
+        return _last_tensors[1]
     groups = heapq.nlargest(MAX_GROUPS, census.groups, key=lambda g: g.nbytes + g.graph_bytes)
     part = {"step": census.step, "tensor_count": census.tensor_count, "total_bytes": census.total_bytes,
             "groups": [{**plain(g.key), "count": g.count, "nbytes": g.nbytes, "graph_bytes": g.graph_bytes,

@@ -114,11 +114,11 @@ def _worst_first(view: dict[str, Any]) -> tuple[Any, ...]:
     """Vanished ranks first, ended ones last; among the rest a confirmed finding before a suspected one,
     the nearest out-of-memory first, then the least headroom."""
     findings = view["findings"]
-    first = findings[0] if findings else {}
+    first: dict[str, Any] = findings[0] if findings else {}
     steps = first.get("steps_to_oom")
-    shares = [line["limit_bytes"] and (line["limit_bytes"] - (line["used_bytes"] or 0)) / line["limit_bytes"]
-              for line in view["memory"] if isinstance(line.get("limit_bytes"), int)]
-    return (_STATUS_ORDER[view["status"]], _FINDING_ORDER.get(first.get("state"), 2),
+    shares = [(line["limit_bytes"] - (line["used_bytes"] or 0)) / line["limit_bytes"]
+              for line in view["memory"] if isinstance(line.get("limit_bytes"), int) and line["limit_bytes"] > 0]
+    return (_STATUS_ORDER[view["status"]], _FINDING_ORDER.get(str(first.get("state")), 2),
             steps if isinstance(steps, int | float) else math.inf, min(shares, default=1.0), view["rank"] or 0)
 
 
