@@ -107,8 +107,9 @@ def rank_lines(r: dict[str, Any], width: int) -> list[tuple[str, str]]:
               for g in r["tensor_groups"]]
     for f in r["findings"]:
         oom = f" · out of memory in {f['to_oom']}" if f["to_oom"] else ""
-        lines.append((f"  finding {f['state']} {f['kind']} on {f['series']}: {f['rate'] or '?'}{oom}: {f['said']}",
-                      "bad" if f["state"] == "confirmed" else "warn"))
+        tag = "bad" if f["state"] == "confirmed" else "warn"
+        lines += [(f"  finding {f['state']} {f['kind']} on {f['series']}: {f['rate'] or '?'}{oom}", tag),
+                  (f"    {f['said']}", "")]
     if r["findings_more"]:
         lines.append((f"  and {r['findings_more']} more findings", ""))
     if r["last_oom_report"]:
@@ -116,9 +117,10 @@ def rank_lines(r: dict[str, Any], width: int) -> list[tuple[str, str]]:
     return lines
 
 
-def frame_lines(view: dict[str, Any], width: int) -> list[tuple[str, str]]:
+def frame_lines(view: dict[str, Any], width: int, *, live: bool = False) -> list[tuple[str, str]]:
     head = (f"gpumemd top  {len(view['ranks'])} rank(s): {view['running']} running, {view['vanished']} vanished, "
-            f"{view['ended']} ended  {time.strftime('%H:%M:%S', time.localtime(view['at']))}")
+            f"{view['ended']} ended  {time.strftime('%H:%M:%S', time.localtime(view['at']))}"
+            + ("  (q quits)" if live else ""))
     lines = [(head, "head")]
     for r in view["ranks"]:
         lines += [("", ""), *rank_lines(r, width)]
@@ -143,6 +145,8 @@ def _live(dirs: list[str], interval: float) -> int:
         raise CliError("the live view needs Python's curses module, which this Python lacks (on Windows: "
                        "pip install windows-curses); --once and --json work without it") from None
     history = History()
+    for name in ("COLUMNS", "LINES"):  # curses would take a stale size from them over the terminal's, resizes too
+        os.environ.pop(name, None)
 
     def loop(screen: Any) -> int:
         colours = _curses_colours(curses)
@@ -151,7 +155,7 @@ def _live(dirs: list[str], interval: float) -> int:
             view = read_frame(dirs, history)
             height, width = screen.getmaxyx()
             screen.erase()
-            for y, (text, tag) in enumerate(frame_lines(view, width)[:height]):
+            for y, (text, tag) in enumerate(frame_lines(view, width, live=True)[:height]):
                 screen.addnstr(y, 0, escaped(text), max(0, width - 1), colours.get(tag, 0))
             screen.refresh()
             key = screen.getch()
