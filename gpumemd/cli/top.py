@@ -10,6 +10,7 @@ the standard library's curses (``q`` quits, a resize redraws), or once as text o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -81,7 +82,9 @@ def _memory(line: dict[str, Any], width: int) -> str:
     else:
         text = (f"  {line['where']:<7} allocated {fmt_bytes(line['allocated_bytes'])}  reserved "
                 f"{fmt_bytes(line['reserved_bytes'])}  peak {fmt_bytes(line['peak_bytes'])}")
-    text += f" of {fmt_bytes(line['limit_bytes'])} ({line['limit']})  {_bar(line['used_bytes'], line['limit_bytes'])}"
+    limit = line["limit_bytes"]
+    if isinstance(limit, int):  # else unknown: no NVML for the device's total
+        text += f" of {fmt_bytes(limit)} ({line['limit']})  {_bar(line['used_bytes'], limit)}"
     return f"{text}  {sparkline(line['history'], width - len(text) - 3)}".rstrip()
 
 
@@ -156,7 +159,8 @@ def _live(dirs: list[str], interval: float) -> int:
             height, width = screen.getmaxyx()
             screen.erase()
             for y, (text, tag) in enumerate(frame_lines(view, width, live=True)[:height]):
-                screen.addnstr(y, 0, escaped(text), max(0, width - 1), colours.get(tag, 0))
+                with contextlib.suppress(curses.error):  # the window shrank while drawing: the next frame fits
+                    screen.addnstr(y, 0, escaped(text), max(0, width - 1), colours.get(tag, 0))
             screen.refresh()
             key = screen.getch()
             if key in (ord("q"), ord("Q")):
