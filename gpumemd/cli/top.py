@@ -106,12 +106,12 @@ def rank_lines(r: dict[str, Any], width: int) -> list[tuple[str, str]]:
         lines.append(("  workers none (no DataLoader worker processes)", ""))
     if r["tensor_groups"]:
         lines.append((f"  largest tensor groups (census at step {r['census_step']}):", ""))
-    lines += [(f"    {fmt_bytes(g['bytes']):>11}  {g['tensors']}  {g['category']}  held by {g['held_by']}", "")
-              for g in r["tensor_groups"]]
+    lines += [(f"    {fmt_bytes(g['bytes']):>11}  {g['tensors']}  {g['category']}"
+               + (f"  held by {g['held_by']}" if g["held_by"] != "-" else ""), "") for g in r["tensor_groups"]]
     for f in r["findings"]:
         oom = f" · out of memory in {f['to_oom']}" if f["to_oom"] else ""
         tag = "bad" if f["state"] == "confirmed" else "warn"
-        lines += [(f"  finding {f['state']} {f['kind']} on {f['series']}: {f['rate'] or '?'}{oom}", tag),
+        lines += [(f"  finding {f['state']} {f['kind']} {f['rate'] or '?'}{oom}", tag),
                   (f"    {f['said']}", "")]
     if r["findings_more"]:
         lines.append((f"  and {r['findings_more']} more findings", ""))
