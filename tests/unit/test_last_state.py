@@ -16,9 +16,10 @@ from fakes import ManualClock
 
 from gpumemd.cli import main
 from gpumemd.components.last_state import LastStateComponent
+from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Finding
-from gpumemd.records.samples import HostSample, NvmlDeviceSample
+from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkerSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity, StepRecord
 
 GiB = 1024**3
@@ -88,13 +89,26 @@ def test_the_file_stays_small_whatever_the_job_knows(tmp_path: Path) -> None:
         view.state_now, findings=tuple(finding(n) for n in range(100)),
         reports=tuple(f"/out/oom-{n}" for n in range(50)),
         nvml=(NvmlDeviceSample(Device.cuda(0), 80 * GiB, 79 * GiB, GiB),),
-        host=HostSample(rss_bytes=GiB, available_bytes=10 * GiB, total_bytes=100 * GiB))
+        host=HostSample(rss_bytes=GiB, available_bytes=10 * GiB, total_bytes=100 * GiB, limit="cgroup"),
+        allocator=(AllocatorSample(Device.cuda(0), allocated_bytes=70 * GiB, allocated_peak_bytes=75 * GiB,
+                                   reserved_bytes=78 * GiB, cap_bytes=79 * GiB),),
+        workers=WorkersSample((WorkerSample(11, GiB), WorkerSample(12, GiB))),
+        census=Census(step=9, taken_at=1e9, duration_s=0.1, groups=tuple(
+            CensusGroup(GroupKey(Device.cuda(0), "float32", (n,), "other", None), 1, n, holder="x" * 5000)
+            for n in range(1, 2001))))
     component.start(view)  # type: ignore[arg-type]
     component.flush()
     doc = read(out)
     assert len(doc["findings"]) == 8 and doc["findings_more"] == 92 and len(doc["reports"]) == 5
     assert os.path.getsize(Path(out) / "gpumemd-state-rank3.json") < 16 * 1024
     assert doc["headroom"][0] == {"where": "cuda:0", "free_bytes": GiB, "total_bytes": 80 * GiB}
+    assert doc["headroom"][1]["limit"] == "the cgroup memory limit"
+    assert doc["allocator"] == [{"device": 0, "allocated_bytes": 70 * GiB, "reserved_bytes": 78 * GiB,
+                                 "peak_bytes": 75 * GiB, "cap_bytes": 79 * GiB}]
+    assert doc["workers"] == {"count": 2, "rss_bytes": 2 * GiB}
+    groups = doc["tensors"]["groups"]  # the census's three largest of 2,000, as report.json spells them
+    assert [g["nbytes"] for g in groups] == [2000, 1999, 1998] and groups[0]["device"] == "cuda:0"
+    assert doc["tensors"]["step"] == 9 and len(groups[0]["holder"]) == 600
 
 
 def write_state(out: Path, **changes: Any) -> None:
