@@ -106,6 +106,7 @@ class Agent(StepCounting):
             probes["workers"] = workers_probe
         self._workers = workers_probe
         self._workers_read_at: int | None = None  # the step of the last per-step read of the workers
+        self._workers_every = WORKERS_EVERY  # WORKERS_IDLE_EVERY while the job has no child process
         self._probes = probes
         self._board = StateBoard(self, probes, wall_clock)
         self._sampler = Sampler(allocator=allocator_probe, host=host_probe, nvml=nvml_probe, clock=clock,
@@ -311,12 +312,15 @@ class Agent(StepCounting):
                           nvml=nvml, phase=self._phase, steps=steps, workers=self._read_workers(number))
 
     def _read_workers(self, number: int) -> WorkersSample | None:
-        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps (a few preads: ~1 µs each)."""
+        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps, or ``WORKERS_IDLE_EVERY`` while
+        it has none (a few preads, each ~20 µs after a step of compute has taken the cache)."""
         last = self._workers_read_at
-        if self._workers is None or (last is not None and 0 <= number - last < WORKERS_EVERY):
+        if self._workers is None or (last is not None and 0 <= number - last < self._workers_every):
             return None
         self._workers_read_at = number
-        return self._workers.rss()
+        sample = self._workers.rss()
+        self._workers_every = WORKERS_EVERY if sample is None or sample.workers else WORKERS_IDLE_EVERY
+        return sample
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
@@ -469,6 +473,10 @@ class Agent(StepCounting):
 
 WORKERS_EVERY = 10
 """Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
+WORKERS_IDLE_EVERY = 100
+"""The same while the last read found no child process: a job without DataLoader workers (most fast
+loops) pays one read per 100 steps, and new workers are seen within 100 steps (or the sampler's next
+reading, which lists every thread's children)."""
 _IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
 _SIGNAL_RECHECK_S = 5.0  # seconds between looks for signal handlers installed after attach
 _NO_REQUEST = 1 << 62  # the countdown while a sampled step end runs, before anyone asked for a sample
