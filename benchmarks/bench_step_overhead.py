@@ -205,7 +205,7 @@ class _Switch:
         if not self.is_on:
             return
         agent = self.agent
-        agent._remove_step_hook()
+        agent.step_clock.remove_hook()
         if self._injected is not None:
             self._injected.remove()
             self._injected = None
@@ -218,7 +218,7 @@ class _Switch:
         if self.is_on:
             return
         agent = self.agent
-        agent._install_step_hook()
+        agent.step_clock.install_hook()
         self._inject()
         if self.gc_callback is not None and self.gc_callback not in gc.callbacks:
             gc.callbacks.append(self.gc_callback)
