@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumemd.agent_announce import exit_line, say, start_facts, warn_output
 from gpumemd.announce import start_line
-from gpumemd.components.base import Flushes, Serving, TakesCensus
+from gpumemd.component_set import ComponentSet
+from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.output_dir import settle_output_dir
@@ -99,7 +100,7 @@ class Agent:
         self._host = host_probe
         self._nvml = nvml_probe
         self._identity = identity
-        self._components: list[Component] = list(components)
+        self._components = ComponentSet(components)
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
         self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
         probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
@@ -155,7 +156,13 @@ class Agent:
         log.addFilter(self._log_filter)  # "gpumemd[rank 1/2]: ..." in multi-process jobs
         self.step_clock.install_hook()
         self._running = True
-        self._components = self._start_components()
+        try:
+            self._components.start(self)
+        except BaseException:  # those started were stopped: undo this method's hooks too
+            self.step_clock.remove_hook()
+            log.removeFilter(self._log_filter)
+            self._running = False
+            raise
         self.step_clock.eve_callbacks = [c.on_eve for c in self._components]
         # The sampler's thread first, then the first reading: a new thread's stack and malloc arena take
         # ~70 MiB of address space, which a reading before them would count as headroom under RLIMIT_AS.
@@ -171,22 +178,6 @@ class Agent:
         warn_output(settled, rank=state.identity.rank, quiet=self.config.quiet)
         self._attached = True  # an agent whose start failed before this line says nothing at exit
         return self
-
-    def _start_components(self) -> list[Component]:
-        """Start each component in order; if one fails, stop those started and undo ``start``'s hooks."""
-        started: list[Component] = []
-        try:
-            for component in self._components:
-                component.start(self)
-                started.append(component)
-        except BaseException:
-            for component in reversed(started):
-                self._stop_component(component)
-            self.step_clock.remove_hook()
-            log.removeFilter(self._log_filter)
-            self._running = False
-            raise
-        return started
 
     def stop(self, ending: str = "exit") -> None:
         """Remove every hook, thread and handler ``start`` installed. Idempotent.
@@ -204,8 +195,7 @@ class Agent:
             self.publish(ended=ending, ended_at=self._wall())
         summary = exit_line(self.state(), self.output_dir) if self._attached else None
         self._attached = False
-        for component in reversed(self._components):
-            self._stop_component(component)
+        self._components.stop()
         self.step_clock.remove_hook()
         log.removeFilter(self._log_filter)
         if self._nvml is not None:
@@ -223,12 +213,7 @@ class Agent:
     def flush(self) -> None:
         """Write what the agent knows now (textfile, push, state file), without stopping: a signal the
         job handles itself may end the process next, or may not."""
-        for component in self._components:
-            if isinstance(component, Flushes):
-                try:
-                    component.flush()
-                except Exception:
-                    log.debug("gpumemd: %s failed to flush", getattr(component, "name", component), exc_info=True)
+        self._components.flush()
 
     @property
     def running(self) -> bool:
@@ -239,12 +224,6 @@ class Agent:
         # training process: it must record nothing (and it has no sampler thread: fork drops threads).
         # A fork counter, not os.getpid(): a syscall on every sampled step costs ~20 µs here.
         return _fork_generation == self._fork_generation
-
-    def _stop_component(self, component: Component) -> None:
-        try:
-            component.stop()
-        except Exception:
-            log.exception("gpumemd: component %s failed to stop", getattr(component, "name", component))
 
     def register(self, obj: Any) -> None:
         """Tell the agent about a model (nn.Module) or optimizer so tensors get their names."""
@@ -299,7 +278,7 @@ class Agent:
         self._board.pending = (record, clock.steps_total)
         if self._identity_checks_left:
             self._refresh_identity()
-        for component in self._components:
+        for component in self._components.items:
             try:
                 component.on_step(record)
             except Exception as exc:  # noqa: BLE001 - the job comes first
@@ -451,10 +430,7 @@ class Agent:
 
     def component(self, kind: type[ComponentT]) -> ComponentT | None:
         """The running component of type ``kind`` (``agent.component(OomComponent)``), or None."""
-        for component in self._components:
-            if isinstance(component, kind):
-                return component
-        return None
+        return self._components.find(kind)
 
 
 _IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
