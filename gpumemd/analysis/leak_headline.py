@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpumemd.analysis.holder_adds import ADDED
 from gpumemd.records.findings import Culprit, Finding
 
 HEADLINE_MAX = 200
@@ -39,7 +40,10 @@ _SIZES = (
     re.compile(r" \([\d,]+ (autograd )?nodes\)"),
     re.compile(r"(?<=\w) of [\d,]+( items?)?\b"),
 )
-_LOCATION = re.compile(r" at [^\s,()→]+:\d+")  # " at train.py:12"
+# " at train.py:12", where a holder lives; not where it is added to (", appended at train.py:57": every
+# verb of analysis.holder_adds ends in "ed"), which is what the user changes
+_LOCATION = re.compile(r"(?<!ed) at [^\s,()→]+:\d+")
+_ADDED_DIRS = re.compile(r"(?<=ed at )[^\s,()→]*/(?=[^/\s,()→]+:\d+)")  # "appended at job/train.py:57"
 _BARE_CONTAINER = re.compile(r"( → (list|dict|tuple|set|deque|OrderedDict|defaultdict))+$")
 
 
@@ -117,11 +121,23 @@ def mention(finding: Finding) -> str:
 
 
 def fit_holder(holder: str, width: int) -> str:
-    """A holder in ``width`` characters: without its source locations first (the name and the
-    function say where; the summary keeps the line), then cut in its middle."""
+    """A holder in ``width`` characters: without where it lives first (the name and the function say
+    where; the summary keeps the line), then the directories of where it is added to ("appended at
+    train.py:57", the line to change), then cut in its middle (a root that says where it is added to
+    is kept before the hops below it)."""
     if len(holder) <= width:
         return holder
-    return cut_middle(_LOCATION.sub("", holder), width)
+    holder = _LOCATION.sub("", holder)
+    if len(holder) > width:
+        holder = _ADDED_DIRS.sub("", holder)
+    root = holder.partition(" → ")[0]
+    if len(holder) <= width or not ADDED.search(root):
+        return cut_middle(holder, width)
+    # the line to change outlasts the hops below the root: the root whole, else its end kept
+    if len(root) + 4 > width:
+        return cut_middle(root, width)
+    cut = cut_middle(holder, width)
+    return cut if cut.startswith(root + " → ") else root + " → …"
 
 
 def cut_middle(text: str, width: int) -> str:

@@ -8,10 +8,13 @@ variable. gpumemd's own frames are never roots: the agent's locals are no user's
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import tokenize
 import types
 from typing import Any
 
+from gpumemd.analysis.holder_adds import NOTHING, SourceAdds, adding_line, adding_words, scan
 from gpumemd.probes.package_dirs import not_user_dirs
 
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
@@ -116,6 +119,29 @@ def where_assigned(code: types.CodeType, name: str, running_line: int | None) ->
     if line is not None:
         return f"at {path}:{line}"
     return f"at {path}:{running_line}{RUNNING_LINE}"
+
+
+_ADDS: dict[str, SourceAdds] = {}  # source file -> what adds to what in it, read once
+_ADDS_FILES_MAX = 64
+_SOURCE_MAX = 1 << 20  # bytes: a larger file is not read (a generated one, most likely)
+
+
+def where_added(path: str, expr: str, first_line: int | None) -> str:
+    """``, appended at train.py:57``: the first line of the job's file ``path`` that adds to ``expr``
+    (within the function that starts at ``first_line``, or the whole file for None), or "" when
+    none does or the file cannot be read. The file is parsed, never run, once per process."""
+    adds = _ADDS.get(path)
+    if adds is None:
+        adds = NOTHING
+        if is_user_file(path):
+            with contextlib.suppress(OSError, SyntaxError, UnicodeDecodeError, ValueError):
+                if os.path.getsize(path) <= _SOURCE_MAX:
+                    with tokenize.open(path) as f:  # the encoding the file declares
+                        adds = scan(f.read())
+        if len(_ADDS) < _ADDS_FILES_MAX:
+            _ADDS[path] = adds
+    found = adding_line(adds, expr, first_line)
+    return f", {adding_words(found, short_path(path))}" if found is not None else ""
 
 
 def short_path(path: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpumemd.analysis.leak_headline import (
     HEADLINE_MAX,
     Facts,
@@ -33,6 +35,22 @@ def test_a_long_holder_loses_its_location_then_its_middle_never_its_root() -> No
     assert len(line) <= HEADLINE_MAX
     assert root in line and "train.py:1234" not in line and line.endswith(", since step 301, out of memory in ~8 min")
     assert "…" in line and "hop29" in line
+
+
+def test_a_long_holder_keeps_the_line_that_adds_to_it() -> None:
+    holder = ("held by `kept` in epoch() at some/deep/package/path/train.py:1234, appended at path/train.py:1240 → "
+              + " → ".join(f"hop{i}" for i in range(30)))
+    facts = Facts(kind="graph_leak", state="suspected", rate="+1 autograd node/step (~32.1 KiB/step)",
+                  holder=holder, onset_step=301, out_of_memory="~8 min")
+    line = "gpumemd: " + headline(facts)
+    assert len(line) <= HEADLINE_MAX
+    # where it lives goes first (the function says where), then the directories of the line the
+    # user changes, then the middle of the path: that line stays
+    assert "train.py:1234" not in line
+    assert "held by `kept` in epoch(), appended at train.py:1240 → … → hop28 → hop29, since step 301" in line
+    short = headline(dataclasses.replace(facts, holder=holder.replace("`kept`", "`kept_predictions_for_the_epoch`")))
+    # a root too long for the line keeps its end: the line that adds to it
+    assert "held by `kept_predictions_for_the" in short and "…appended at train.py:1240, since step 301" in short
 
 
 def test_sizes_stay_out_of_the_line_and_the_exit_mention() -> None:
