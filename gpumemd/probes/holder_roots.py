@@ -121,6 +121,11 @@ def where_assigned(code: types.CodeType, name: str, running_line: int | None) ->
     return f"at {path}:{running_line}{RUNNING_LINE}"
 
 
+def _user_module_files() -> set[str]:
+    """The files of gpumemd's modules that are user code (the demo's training loop)."""
+    return {str(getattr(sys.modules.get(name), "__file__", None)) for name in _USER_MODULES}
+
+
 _ADDS: dict[str, SourceAdds] = {}  # source file -> what adds to what in it, read once
 _ADDS_FILES_MAX = 64
 _SOURCE_MAX = 1 << 20  # bytes: a larger file is not read (a generated one, most likely)
@@ -133,7 +138,7 @@ def where_added(path: str, expr: str, first_line: int | None) -> str:
     adds = _ADDS.get(path)
     if adds is None:
         adds = NOTHING
-        if is_user_file(path):
+        if is_user_file(path) or path in _user_module_files():
             with contextlib.suppress(OSError, SyntaxError, UnicodeDecodeError, ValueError):
                 if os.path.getsize(path) <= _SOURCE_MAX:
                     with tokenize.open(path) as f:  # the encoding the file declares
