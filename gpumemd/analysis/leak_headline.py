@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpumemd.analysis.holder_adds import ADDED
+from gpumemd.analysis.holder_adds import VERBS
 from gpumemd.records.findings import Culprit, Finding
 
 HEADLINE_MAX = 200
@@ -44,6 +44,8 @@ _SIZES = (
 # verb of analysis.holder_adds ends in "ed"), which is what the user changes
 _LOCATION = re.compile(r"(?<!ed) at [^\s,()→]+:\d+")
 _ADDED_DIRS = re.compile(r"(?<=ed at )[^\s,()→]*/(?=[^/\s,()→]+:\d+)")  # "appended at job/train.py:57"
+_ADDED_FILE = re.compile(r"(?<=ed at )[^/\s,()→]+:(?=\d+)")  # "appended at train.py:57" -> "appended at line 57"
+_ADDED_LINE = re.compile(r", (?:" + "|".join(VERBS) + r") at (line )?[^\s,()→]*\d+")
 _BARE_CONTAINER = re.compile(r"( → (list|dict|tuple|set|deque|OrderedDict|defaultdict))+$")
 
 
@@ -122,20 +124,22 @@ def mention(finding: Finding) -> str:
 
 def fit_holder(holder: str, width: int) -> str:
     """A holder in ``width`` characters: without where it lives first (the name and the function say
-    where; the summary keeps the line), then the directories of where it is added to ("appended at
-    train.py:57", the line to change), then cut in its middle (a root that says where it is added to
-    is kept before the hops below it)."""
+    where; the summary keeps the line), then the directories of the line that adds to it ("appended
+    at train.py:57"), then cut in its middle, keeping a root that says where it is added to before
+    the hops below it. A root too long even so says that line shorter ("appended at line 57": it is
+    in the root's own file), then not at all (the summary keeps it), and never loses its name."""
     if len(holder) <= width:
         return holder
     holder = _LOCATION.sub("", holder)
     if len(holder) > width:
         holder = _ADDED_DIRS.sub("", holder)
+    for shorter, words in ((_ADDED_FILE, "line "), (_ADDED_LINE, "")):
+        root, arrow, _ = holder.partition(" → ")
+        if len(root) + (4 if arrow else 0) > width:  # the root, and " → …" after it
+            holder = shorter.sub(words, holder)
     root = holder.partition(" → ")[0]
-    if len(holder) <= width or not ADDED.search(root):
+    if len(holder) <= width or not _ADDED_LINE.search(root):
         return cut_middle(holder, width)
-    # the line to change outlasts the hops below the root: the root whole, else its end kept
-    if len(root) + 4 > width:
-        return cut_middle(root, width)
     cut = cut_middle(holder, width)
     return cut if cut.startswith(root + " → ") else root + " → …"
 

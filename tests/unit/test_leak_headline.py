@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from gpumemd.analysis.leak_headline import (
     HEADLINE_MAX,
     Facts,
     cut_middle,
+    fit_holder,
     headline,
     holder_words,
     mention,
@@ -48,9 +47,12 @@ def test_a_long_holder_keeps_the_line_that_adds_to_it() -> None:
     # user changes, then the middle of the path: that line stays
     assert "train.py:1234" not in line
     assert "held by `kept` in epoch(), appended at train.py:1240 → … → hop28 → hop29, since step 301" in line
-    short = headline(dataclasses.replace(facts, holder=holder.replace("`kept`", "`kept_predictions_for_the_epoch`")))
-    # a root too long for the line keeps its end: the line that adds to it
-    assert "held by `kept_predictions_for_the" in short and "…appended at train.py:1240, since step 301" in short
+    # a root too long for the width says that line shorter (it is in the root's own file), then not
+    # at all (the summary keeps it): never the name and its function
+    root = "held by `kept` in epoch(), appended at train.py:1240"
+    assert fit_holder(holder, len(root) + 4) == root + " → …"
+    assert fit_holder(holder, len(root)) == "held by `kept` in epoch(), appended at line 1240 → …"
+    assert fit_holder(holder, 36).startswith("held by `kept` in epoch()") and "1240" not in fit_holder(holder, 36)
 
 
 def test_sizes_stay_out_of_the_line_and_the_exit_mention() -> None:
