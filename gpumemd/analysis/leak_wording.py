@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from gpumemd.analysis.holder_adds import added_at
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.analysis.leak_headline import (
     KIND_WORDS,
@@ -210,6 +211,7 @@ def build_finding(
         updated_step=status.step,
         summary=summary,
         headline=headline(facts),
+        added_at=added_at(culprits[0].holder) if culprits else None,
         device=status.spec.device,
         culprits=tuple(culprits),
         phase=status.phase,
@@ -399,7 +401,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     where = _finding_where(lead)
     if not active:
         return dataclasses.replace(
-            lead, state=state, summary=f"{head}, growth stopped", culprits=(), severity=None,
+            lead, state=state, summary=f"{head}, growth stopped", culprits=(), severity=None, added_at=None,
             headline=headline(Facts(kind=lead.kind, state=state, where=where)),
             first_step=min(m.first_step for m in members), updated_step=max(m.updated_step for m in members))
     per_step = sum(m.tensors_per_step or 0.0 for m in active)
@@ -430,6 +432,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
         growth_bytes=sum(m.growth_bytes for m in active), steps_to_oom=steps_to_oom,
         first_step=min(m.first_step for m in members), updated_step=max(m.updated_step for m in members),
         summary=summary, headline=headline(facts), culprits=culprits,
+        added_at=added_at(holder) or (added_at(culprits[0].holder) if culprits else None),
         p_value=max((m.p_value for m in active if m.p_value is not None), default=None),
         sites=tuple(dict.fromkeys(s for m in active for s in m.sites)), tensors_per_step=per_step,
         hours_to_oom=hours_to_oom,

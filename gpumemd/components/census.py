@@ -17,6 +17,9 @@ whose leak keeps 100k tensors is spread over a few, each pause bounded (``budget
 A leak finding's culprit search that needs a census now drives the census under way, or begins one
 (``census_now``); a census outside a step (``take_outside_step``) drops the one under way.
 
+A confirmed leak finding asks for a census at the next step end (``take_soon``): on a fast loop the
+interval can be thousands of steps, and the census's figures then predate the leak the finding states.
+
 The component keeps a few recent censuses (thinned so they span the whole run, not just the last few
 intervals) for the leak detector and the OOM report: ``recent_censuses()``, ``at_or_after(step)``
 and ``take_now()``. It is the one way a census is taken: periodic ones, the leak detector's
@@ -131,6 +134,7 @@ class CensusComponent(ComponentBase):
         self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
         self._last_cost: float | None = None
         self._running: _Running | None = None  # the census under way (training thread only advances it)
+        self._soon = False  # a census is asked for at the next step end (``take_soon``)
         self._step_end_began = 0.0  # this component's clock at the start of its latest on_step
         self.worked_at_step: int | None = None
         """The step whose step end last ran a slice of a census (the leak detector's evaluation then waits)."""
@@ -174,7 +178,9 @@ class CensusComponent(ComponentBase):
         if not self._periodic and running is None:
             return
         self._steps_since += record.steps
-        if running is None and self._steps_since >= self._next_look and self._due():
+        soon = self._soon and self._steps_since >= self._retry_after  # a failing census still backs off
+        if running is None and (soon or (self._steps_since >= self._next_look and self._due())):
+            self._soon = False
             running = self._begin(record.step, record.allocator)
         if running is not None:
             self.worked_at_step = record.step
@@ -204,6 +210,15 @@ class CensusComponent(ComponentBase):
 
     def _share(self, seconds_per_step: float) -> float:
         return census_share(self._budget, _other_share(self._agent, seconds_per_step))
+
+    def take_soon(self) -> None:
+        """Begin a census at the next step end, run in slices as a periodic one (and the next periodic
+        one an interval after it): a confirmed leak finding asks for one, so the census's figures
+        (the state's, the demo's, an OOM report's comparison) show the growth the finding states. One
+        under way already is that census."""
+        if self._running is None and self._periodic and self._agent is not None:
+            self._soon = True
+            self._agent.sample_within(1)
 
     def take_now(self) -> Census:
         """Run a census now, whole (one under way is dropped: this one is newer), keep it with the

@@ -318,9 +318,21 @@ class LeakComponent:
         # Groups that grow together under one holder are one cause: one finding, one line per
         # state change of it (the per-series findings above stay the detector's bookkeeping).
         previous, self._causes = self._causes, merge_causes(self._findings, self._causes)
-        for finding in state_changes(previous, self._causes, changed):
+        reported = state_changes(previous, self._causes, changed)
+        for finding in reported:
             self._report(finding)
         agent.publish(findings=tuple(self._causes.findings.values()))
+        self._census_to_match(agent, reported)
+
+    def _census_to_match(self, agent: AgentView, reported: list[Finding]) -> None:
+        """A census soon after a leak is confirmed (or refreshed while the census predates it), so the
+        tensor figures tell the finding's story: a fast loop's census can be thousands of steps old."""
+        census = agent.published.census
+        taken = census.step if census is not None and census.step is not None else -1
+        confirmed = [f.first_step for f in self._causes.findings.values() if f.state == "confirmed"]
+        if self._census is not None and confirmed and (
+                any(f.state == "confirmed" for f in reported) or taken < max(confirmed)):
+            self._census.take_soon()
 
     def _graphs_reported(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> bool:
         """Is a retained graph reported by another finding, so tensors only a graph keeps are not?"""
