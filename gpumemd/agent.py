@@ -36,7 +36,7 @@ from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.output_dir import settle_output_dir
-from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
+from gpumemd.probes.identity import RankLogFilter, current_identity
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.signal_endings import SignalEndings, ending_at_exit
@@ -103,11 +103,9 @@ class Agent:
         self._components = ComponentSet(components)
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
         self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
-        probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
-        if nvml_probe is not None:
-            probes["nvml"] = nvml_probe
-        if workers_probe is not None:
-            probes["workers"] = workers_probe
+        named: dict[str, Probe | None] = {"allocator": allocator_probe, "host": host_probe, "nvml": nvml_probe,
+                                          "workers": workers_probe}
+        probes: dict[str, Probe] = {name: probe for name, probe in named.items() if probe is not None}
         self._workers = workers_probe
         self._probes = probes
         self._board = StateBoard(self, probes, wall_clock)
@@ -198,11 +196,9 @@ class Agent:
         self._components.stop()
         self.step_clock.remove_hook()
         log.removeFilter(self._log_filter)
-        if self._nvml is not None:
-            self._nvml.close()
-        self._host.close()
-        if self._workers is not None:
-            self._workers.close()
+        for probe in (self._nvml, self._host, self._workers):
+            if probe is not None:
+                probe.close()
         atexit.unregister(self._stop_at_exit)
         if summary is not None:
             say(summary, rank=self.state().identity.rank, quiet=self.config.quiet)
@@ -276,8 +272,8 @@ class Agent:
         # One reference assignment makes the step visible to state() readers (components below,
         # scrapes on other threads); the state object itself is built only when someone reads it.
         self._board.pending = (record, clock.steps_total)
-        if self._identity_checks_left:
-            self._refresh_identity()
+        if self._identity_checks_left:  # a late init_process_group, seen on the first steps
+            self._identity_checks_left = 0 if self._board.refresh_identity() else self._identity_checks_left - 1
         for component in self._components.items:
             try:
                 component.on_step(record)
@@ -310,16 +306,6 @@ class Agent:
         """Steps per sample now: 1 when every step is sampled."""
         return self._planner.stride
 
-    def _refresh_identity(self) -> None:
-        self._identity_checks_left -= 1
-        base = self._board.base
-        assert base is not None
-        identity = refreshed_identity(base.identity)
-        if identity is not None:
-            self._identity_checks_left = 0
-            self.publish(identity=identity)
-            log.debug("gpumemd: rank %d of %d from torch.distributed", identity.rank, identity.world_size)
-
     def add_census_seconds(self, seconds: float) -> None:
         """Components that run censuses report their time here (it is also training-thread time)."""
         self._census_seconds += seconds
@@ -330,12 +316,9 @@ class Agent:
         """One background sample of allocator, NVML and host. The sampler thread calls it; tests too."""
         if not self.running:
             return
-        state = self._board.base
-        assert state is not None
-        allocator, nvml, host = self._sampler.read(state.identity.local_rank)
+        allocator, nvml, host = self._sampler.read(self.published.identity.local_rank)
         workers = self._sampler.read_workers()
-        state = self._board.base
-        assert state is not None
+        state = self.published  # read again: a component may have published meanwhile
         self.publish(allocator=allocator or state.allocator, nvml=nvml, host=host or state.host,
                      workers=workers or state.workers)
 
