@@ -213,6 +213,7 @@ class _ContainedServer(WSGIServer):
         """The accept loop, until ``stop_serving``: accepts, reads requests, hands them to threads."""
         with selectors.DefaultSelector() as selector:
             selector.register(self.socket, selectors.EVENT_READ)
+            next_expiry = 0.0
             while not self._stop.is_set():
                 events = selector.select(_POLL_S)
                 # what came on held connections before new ones: a request that came whole is read
@@ -223,7 +224,9 @@ class _ContainedServer(WSGIServer):
                 if any(key.fileobj is self.socket for key, _ in events):
                     self._accept(selector)
                 self._dispatch()
-                self._expire(selector)
+                if time.monotonic() >= next_expiry:  # not at every event: a flood makes many
+                    self._expire(selector)
+                    next_expiry = time.monotonic() + _POLL_S
                 with self.changed:
                     self.changed.notify_all()
             for conn in [*self._waiting.values(), *self._ready]:
@@ -240,11 +243,15 @@ class _ContainedServer(WSGIServer):
                 sock, address = self.socket.accept()
             except OSError:
                 return  # none left (or out of descriptors: the deadlines free some)
-            sock.setblocking(False)
-            if self._tls is not None:  # its handshake runs here, a step at a time, as bytes come
-                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            try:
+                sock.setblocking(False)
+                if self._tls is not None:  # its handshake runs here, a step at a time, as bytes come
+                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except OSError:
+                sock.close()  # gone already
+                continue
             if len(self._waiting) >= self._max_waiting:  # the oldest still sending is the slowest client
-                self._drop(selector, min(self._waiting.values(), key=lambda c: c.opened))
+                self._drop(selector, next(iter(self._waiting.values())))  # (the first in, as accepted)
             conn = _Connection(sock, address, time.monotonic(), handshaken=self._tls is None)
             self._waiting[sock.fileno()] = conn
             selector.register(sock, selectors.EVENT_READ)
@@ -290,7 +297,14 @@ class _ContainedServer(WSGIServer):
                                       daemon=True)
             with self._lock:
                 self._live[thread] = conn
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had (a process limit): this client loses its turn
+                with self._lock:
+                    self._live.pop(thread)
+                self._slots.release()
+                self._drop(None, conn)
+                return
 
     def _expire(self, selector: selectors.BaseSelector) -> None:
         """Close every connection past its whole-request deadline, wherever it is."""
