@@ -167,7 +167,8 @@ def bench_storm(clients: int, mode: str, *, scrapes: int, interval_s: float, tim
     from prometheus_client import CollectorRegistry
 
     from gpumemd.exporter.collector import CounterBaseline, StateCollector
-    from gpumemd.exporter.server import THREAD_NAME, MetricsServer, ServeOptions
+    from gpumemd.exporter.connections import THREAD_NAME
+    from gpumemd.exporter.server import MetricsServer, ServeOptions
 
     state = big_state(groups)
     registry = CollectorRegistry(auto_describe=False)

@@ -14,7 +14,8 @@ from pathlib import Path
 from exporter_storm import scrape_series, start_storm, stop_storm
 from prometheus_client import CollectorRegistry, Gauge
 
-from gpumemd.exporter.server import THREAD_NAME, MetricsServer, ServeOptions, _url_host, write_textfile
+from gpumemd.exporter.connections import THREAD_NAME
+from gpumemd.exporter.server import MetricsServer, ServeOptions, _url_host, write_textfile
 
 
 def test_url_host_is_reachable_for_wildcard_and_ipv6_binds() -> None:
