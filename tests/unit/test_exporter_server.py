@@ -11,10 +11,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from exporter_storm import scrape_series, start_storm, stop_storm
 from prometheus_client import CollectorRegistry, Gauge
 
-from gpumemd.exporter.connections import THREAD_NAME
+from gpumemd.exporter.connections import MAX_WAITING, THREAD_NAME
 from gpumemd.exporter.server import MetricsServer, ServeOptions, _url_host, write_textfile
 
 
@@ -268,24 +269,29 @@ def test_a_scrape_gets_through_sixteen_clients_trickling_their_requests() -> Non
         server.stop()
 
 
-def test_scrapes_get_through_64_clients_that_reconnect_the_moment_they_are_dropped() -> None:
-    # At the defaults: 64 clients in another process send part of a request or nothing, and connect
-    # again at once when dropped. With a thread per connection and a backlog of 16, 9-14 of 30 such
-    # scrapes got through (their connects timed out); the accept loop now holds them, threadless.
+@pytest.mark.parametrize("clients", [64, 2 * MAX_WAITING])
+def test_scrapes_get_through_clients_that_reconnect_the_moment_they_are_dropped(clients: int) -> None:
+    # At the defaults: clients in another process send part of a request or nothing, and connect again
+    # at once when dropped. With a thread per connection and a backlog of 16, 9-14 of 30 scrapes got
+    # through 64 of them (their connects timed out). Now 64 are held, threadless, till their deadline;
+    # past MAX_WAITING the oldest is dropped for each newcomer, and they come back as fast as it goes.
     server = MetricsServer(_registry(), ServeOptions(port=0))
     server.start()
     assert server.port is not None
-    storm = start_storm(server.port, clients=64, mode="mixed")
+    storm = start_storm(server.port, clients=clients, mode="mixed")
+    made = 0
     try:
-        assert server.wait_for_connections(lambda n: n >= 64, timeout=10)  # all 64 are in
+        assert server.wait_for_connections(lambda n: n >= min(clients, MAX_WAITING), timeout=10)  # all in
         assert _exporter_threads() == [THREAD_NAME]
         # as Prometheus scrapes (its headers, its default 10 s timeout for the whole scrape), faster
         seen = scrape_series(server.port, 30, interval_s=0.2, timeout_s=10.0, expect=b"gpumemd_test_value 3.0",
                              give_up_after=2)
         assert len(seen.ok) >= 29, seen.failed
     finally:
-        stop_storm(storm)
+        made = stop_storm(storm)
         server.stop()
+    if clients > MAX_WAITING:
+        assert made > 2 * clients  # they were dropped and came back, again and again
 
 
 def test_a_client_trickling_bytes_is_dropped_at_the_whole_request_deadline() -> None:
