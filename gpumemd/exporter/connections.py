@@ -196,15 +196,17 @@ class ContainedServer(WSGIServer):
                 conn.handshaken = True
             while True:  # until no more (a TLS socket may hold decrypted bytes the selector cannot see)
                 chunk = sock.recv(_HEAD_MAX + 1 - len(conn.head))
-                if not chunk or len(conn.head) + len(chunk) > _HEAD_MAX:
-                    break  # it went away, or its headers are longer than any scrape's
+                if not chunk:
+                    break  # it went away
                 before = len(conn.head)
-                conn.head += chunk
+                conn.head += chunk  # (with the start of a body, if one came along)
                 if conn.request_complete(before):
                     del self._waiting[sock.fileno()]
                     selector.unregister(sock)
                     self._ready.append(conn)
                     return
+                if len(conn.head) > _HEAD_MAX:
+                    break  # headers longer than any scrape's
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
             return  # more to come (a server's handshake writes fit in a fresh socket's buffer)
         except (OSError, ValueError):
