@@ -14,8 +14,8 @@ timeout. ``ContainedServer`` instead:
   byte, enforced by the accept loop) and the same socket timeout on each read and write once it is
   answered: a client that sends nothing, trickles a byte at a time, stalls a TLS handshake (run by
   the accept loop a step at a time, as bytes come) or reads the answer slowly is dropped;
-- ``MetricsServer.stop()`` closes the open connections and joins their threads; the accept loop polls every 50 ms,
-  so a detach does not wait half a second;
+- ``MetricsServer.stop()`` closes the open connections and joins their threads; it wakes the accept loop,
+  so a detach does not wait for its next poll;
 - a forked child closes its copy of the listening socket and connections at once
   (``os.register_at_fork``), so the port is free as soon as the parent stops serving.
 """
@@ -51,7 +51,10 @@ answered in milliseconds; a connection open this long is closed, whatever its cl
 
 _HEAD_MAX = 16 * 1024  # a request line and headers longer than this are no scrape's: closed
 
-_POLL_S = 0.05  # how often the accept loop looks for stop(): the bound on a detach's wait
+_POLL_S = 0.5
+"""How often the idle accept loop wakes to close connections past their deadline. A stop, and a thread
+that frees a slot for a waiting request, wake it at once (``_wake``): an idle exporter takes the job's
+GIL twice a second, not twenty times."""
 
 
 class _Replay(io.RawIOBase):
@@ -125,8 +128,15 @@ class ContainedServer(WSGIServer):
         self._ready: deque[_Connection] = deque()  # sent it whole, waiting for a free thread
         self._live: dict[threading.Thread, _Connection] = {}  # being answered, each by its thread
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()  # a byte here wakes the accept loop
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         super().__init__(address, _QuietHandler)
         self.socket.setblocking(False)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed (stopped)
+            self._wake_w.send(b"x")
 
     def watch_forks(self) -> None:
         """Close this server's sockets in a forked child (a DataLoader worker) at once."""
@@ -143,13 +153,17 @@ class ContainedServer(WSGIServer):
         """The accept loop, until ``stop_serving``: accepts, reads requests, hands them to threads."""
         with selectors.DefaultSelector() as selector:
             selector.register(self.socket, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
             next_expiry = 0.0
             while not self._stop.is_set():
                 events = selector.select(_POLL_S)
                 # what came on held connections before new ones: a request that came whole is read
                 # before any newer connection can shed it (and no key outlives its socket)
                 for key, _ in events:
-                    if key.fileobj is not self.socket:
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    elif key.fileobj is not self.socket:
                         self._read(selector, self._waiting[key.fd])
                 if any(key.fileobj is self.socket for key, _ in events):
                     self._accept(selector)
@@ -164,6 +178,7 @@ class ContainedServer(WSGIServer):
 
     def stop_serving(self) -> None:
         self._stop.set()
+        self._wake()
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         # a quarter of the room a turn, then the reads: a connection is read at least 4 times before
@@ -266,6 +281,8 @@ class ContainedServer(WSGIServer):
             with self.changed:
                 self._live.pop(threading.current_thread(), None)
                 self.changed.notify_all()
+            if self._ready:
+                self._wake()  # a request waits for the slot just freed
 
     def close_connections(self, timeout: float) -> None:
         with self._lock:
@@ -283,8 +300,15 @@ class ContainedServer(WSGIServer):
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.sock.close()
-        with contextlib.suppress(OSError):
-            self.socket.close()
+        for sock in (self.socket, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for sock in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 _servers: weakref.WeakSet[ContainedServer] = weakref.WeakSet()

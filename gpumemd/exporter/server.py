@@ -150,7 +150,7 @@ class MetricsServer:
 
     def wait_for_connections(self, predicate: Callable[[int], bool], timeout: float) -> bool:
         """Block until ``predicate(connections open: waiting or answered)`` holds, or ``timeout``; its
-        last value. (The accept loop changes the count and notifies at least every 50 ms.)"""
+        last value. (The accept loop notifies after each round of events, and at least every ``_POLL_S``.)"""
         httpd = self._httpd
         if httpd is None:
             return predicate(0)
@@ -198,7 +198,7 @@ class MetricsServer:
         with httpd.changed:
             httpd.stopped = True
             httpd.changed.notify_all()
-        httpd.stop_serving()  # the accept loop ends within 50 ms, closing the connections it holds
+        httpd.stop_serving()  # wakes the accept loop, which ends, closing the connections it holds
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
