@@ -96,19 +96,15 @@ class Agent:
         self.output_dir = os.path.abspath(config.output_dir)
         self._clock = clock
         self._wall = wall_clock
-        self._allocator = allocator_probe
-        self._host = host_probe
-        self._nvml = nvml_probe
+        self._closed_at_stop = (nvml_probe, host_probe, workers_probe)  # what holds files or a library open
         self._identity = identity
         self._components = ComponentSet(components)
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
         self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
         named: dict[str, Probe | None] = {"allocator": allocator_probe, "host": host_probe, "nvml": nvml_probe,
                                           "workers": workers_probe}
-        probes: dict[str, Probe] = {name: probe for name, probe in named.items() if probe is not None}
-        self._workers = workers_probe
-        self._probes = probes
-        self._board = StateBoard(self, probes, wall_clock)
+        self._probes: dict[str, Probe] = {name: probe for name, probe in named.items() if probe is not None}
+        self._board = StateBoard(self, self._probes, wall_clock)
         self._reader = StepReader(allocator=allocator_probe, host=host_probe, workers=workers_probe,
                                   published=lambda: self._board.base, wall_clock=wall_clock,
                                   reset_peaks=config.reset_peak_each_step)
@@ -170,7 +166,7 @@ class Agent:
         self._signals.install()
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
-        facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=settled.words(),
+        facts = start_facts(state, self._probes, nvml_on="nvml" in self._probes, output_dir=settled.words(),
                             metrics_url=self.exporter_url, sampler_absent=self._sampler.absent_reason)
         say(start_line(facts), rank=state.identity.rank, quiet=self.config.quiet)
         warn_output(settled, rank=state.identity.rank, quiet=self.config.quiet)
@@ -196,7 +192,7 @@ class Agent:
         self._components.stop()
         self.step_clock.remove_hook()
         log.removeFilter(self._log_filter)
-        for probe in (self._nvml, self._host, self._workers):
+        for probe in self._closed_at_stop:
             if probe is not None:
                 probe.close()
         atexit.unregister(self._stop_at_exit)
