@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -240,30 +238,3 @@ def test_a_second_attach_with_other_options_says_they_were_not_applied(
         assert first.config.keep_steps == 100
     finally:
         gpumemd.detach()
-
-
-def test_workers_are_read_every_100_steps_while_the_job_has_none_and_every_10_once_it_has(out_dir: str) -> None:
-    model, opt = make_job()
-    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, census=False), components=[],
-                        max_stride=1).start()  # a mechanism test: every step sampled
-    try:
-        _workers_cadence(agent, model, opt)
-    finally:
-        agent.stop()
-
-
-def _workers_cadence(agent: Agent, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    from gpumemd.agent import WORKERS_EVERY, WORKERS_IDLE_EVERY
-
-    train(model, opt, 250)
-    read_at = [r.step for r in agent.steps() if r.workers is not None]
-    assert read_at == list(range(0, 250, WORKERS_IDLE_EVERY))  # no child: one read per 100 steps
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        train(model, opt, 150)  # seen at the next idle read (step 300), then every 10 steps
-        with_child = [r for r in agent.steps() if r.workers is not None and child.pid in r.workers.pids]
-        assert with_child and with_child[0].step == 300
-        assert [r.step for r in with_child] == list(range(300, 400, WORKERS_EVERY))
-    finally:
-        child.kill()
-        child.wait()
