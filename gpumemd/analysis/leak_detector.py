@@ -63,9 +63,9 @@ class LeakDetector:
         self.rising: set[tuple[str, str]] = set()
         self._held: dict[str, str] = {}  # series name -> why it is no longer judged
         # At the evaluation under way: the thresholds, and the count series lent a bytes series' pass
-        # ((series, phase) -> (the lender's window start, its p-value); see ``_lend``).
+        # ((series, phase) -> the lender's window start, p-value and passes in a row; see ``_lend``).
         self._min_slopes: Mapping[str, float] = {}
-        self._lent: dict[tuple[str, str], tuple[float, float]] = {}
+        self._lent: dict[tuple[str, str], tuple[float, float, int]] = {}
         long_points = math.ceil(config.long_window_steps / config.block) + 2 * config.min_points
         self._max_floors = max(64, min(4096, long_points))
 
@@ -211,7 +211,8 @@ class LeakDetector:
             # span), on the window and on its half: flat series, the common case, skip the O(n²)
             # tests (and the thinning: ``may_rise`` is this test on the thinned window).
             if not (track.may_rise(step, steps, c.min_points, min_slope)
-                    or track.may_rise(step, steps / 2, c.min_points, min_slope)):
+                    or track.may_rise(step, steps / 2, c.min_points, min_slope)
+                    or track.rose_above(step, steps, c.min_points, min_slope * c.window_steps)):
                 return None
             self.rising.add((spec.name, phase))
         verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope,
@@ -221,7 +222,8 @@ class LeakDetector:
         confirmed_long = (verdict.passed and track.state is not LeakState.CONFIRMED
                           and self._passes_long_window(track, step, min_slope))
         previous = track.state
-        self._count_pass_or_fail(track, verdict, active, hx, hy)
+        lender = self._lent.get((spec.name, phase))
+        self._count_pass_or_fail(track, verdict, active, hx, hy, lent_streak=lender[2] if lender is not None else 0)
         state = track.state = self._next_state(track, verdict, active, confirmed_long, step)
         if state is None:
             return None
@@ -269,23 +271,30 @@ class LeakDetector:
             half_verdict = self._assess(hx, hy, min_slope, p_max=c.p_max / 1000)
             if half_verdict.passed:
                 verdict, xs, ys = half_verdict, hx, hy
-        if not verdict.passed and not track.resets:
+        knee_passed = False
+        if not verdict.passed:
             knee_verdict, knee = self._knee_verdict(xs, ys, min_slope)
             if knee_verdict.passed:
-                verdict, xs, ys = knee_verdict, xs[knee:], ys[knee:]
+                verdict, xs, ys, knee_passed = knee_verdict, xs[knee:], ys[knee:], True
         spec = track.spec
         lent = self._lent.get((spec.name, phase))
         if not verdict.passed and lent is not None:
-            verdict, xs = self._lent_verdict(track, *lent), [lent[0]]
-        if verdict.passed and spec.explained_by and self._explained(spec, phase, xs[0], verdict):
-            verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
+            verdict, xs = self._lent_verdict(track, lent[0], lent[1]), [lent[0]]
+        if verdict.passed and spec.explained_by:
+            if self._explained(spec, phase, xs[0], verdict, track.streak + 1):
+                verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
+            elif knee_passed and track.streak == 0:
+                # The series that may explain it are seen a scan later (a tensor is counted at the
+                # first scan it outlives): a ramp this young is held once, neither a pass nor a fail.
+                verdict = _with_reason(verdict, "held until what may explain it is seen")
         return verdict, xs[0], hx, hy
 
     def _knee_verdict(self, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:
         """A ramp that began after a flat start at least as long as itself and at least half a window
-        (0.45 of it, as the history guard's 0.9), on a track that never reset, judged from its knee once
-        it grew as much as a leak just worth reporting grows in a whole window. A sawtooth shorter than
-        the window that runs from the start has reset by then; one that starts later is the known limit."""
+        (0.45 of it, as the history guard's 0.9), judged from its knee once it grew as much as a leak
+        just worth reporting grows in a whole window, above every floor before it. A sawtooth seen in
+        the window (the window spans 2.5 of its periods) never rises above its own peaks by that much;
+        one that starts after a flat half window is the known limit."""
         c = self.config
         knee = hinge_onset(xs, ys)
         if knee < len(xs) // 2 or knee == 0 or xs[knee] - xs[0] < 0.45 * c.window_steps - c.block:
@@ -302,9 +311,12 @@ class LeakDetector:
         return self._assess(lx, ly, min_slope).passed
 
     def _count_pass_or_fail(self, track: Track, verdict: Verdict, active: bool,
-                            hx: Sequence[float], hy: Sequence[float]) -> None:
+                            hx: Sequence[float], hy: Sequence[float], *, lent_streak: int) -> None:
+        # passes in a row, explained or held ones included (lent with a verdict: see ``_lend``)
+        track.streak = track.streak + 1 if verdict.passed or verdict.reason.startswith(("explained", "held")) else 0
         if verdict.passed:
-            track.consecutive_pass += 1
+            # a lent pass carries the lender's passes in a row: the same growth, seen that long
+            track.consecutive_pass = max(track.consecutive_pass + 1, lent_streak)
             track.consecutive_fail = 0
             track.episode_slope = verdict.slope.slope
         elif active and not verdict.reason.startswith("explained") and self._still_growing(track, hx, hy):
@@ -348,10 +360,11 @@ class LeakDetector:
             return None
         return theil_sen([p[0] for p in pts], [p[1] for p in pts], max_pairs=2000).slope
 
-    def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict) -> bool:
+    def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
         # Families of series (the count series of one device) first, each of them: any of them
         # reporting, or rising with this growth (then lent this verdict).
-        families = [self._lend(other[:-1], phase, since, verdict) for other in spec.explained_by if other.endswith("*")]
+        families = [self._lend(other[:-1], phase, since, verdict, streak)
+                    for other in spec.explained_by if other.endswith("*")]
         if any(families):
             return True
         for other in spec.explained_by:
@@ -368,11 +381,12 @@ class LeakDetector:
         return False
 
 
-    def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict) -> bool:
+    def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
         """Is a series of the family ``prefix`` reporting, or rising since ``since``? Those rising
         (their newest value above their level at ``since`` by their material slope) are lent this
-        passing verdict for this evaluation: sparse (a point per scan, placed one scan late), they
-        would be decided a few hundred steps after the bytes they account for."""
+        passing verdict for this evaluation, with the lender's passes in a row (``streak``): sparse (a
+        point per scan, placed one scan late), they would be decided a few hundred steps after the
+        bytes they account for."""
         explained = False
         for key, track in self._tracks.items():
             if not key[0].startswith(prefix) or key[1] != phase:
@@ -381,7 +395,7 @@ class LeakDetector:
             before = [y for x, y in track.floors if x <= since][-3:]
             if (newest is not None and before
                     and newest[1] - min(before) >= self._min_slope(track.spec) * (newest[0] - since)):
-                self._lent[key] = (since, verdict.p_increasing)
+                self._lent[key] = (since, verdict.p_increasing, streak)
                 explained = True
             explained = explained or (track.state is not None and track.state.active)
         return explained
