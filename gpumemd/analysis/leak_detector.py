@@ -195,11 +195,9 @@ class LeakDetector:
         if resting is not None:
             return resting
         # Until the history covers one short window, a rise cannot be told from the first half of a
-        # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp after a flat
-        # start (``_knee_verdict``) or a lent verdict can be judged before.
+        # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp above every floor
+        # of a flat start (``_knee_verdict``) or a lent verdict is judged before.
         covered = track.floors[-1][0] - track.floors[0][0] >= 0.9 * c.window_steps - c.block
-        if track.state is None and not covered and track.resets and not lent:
-            return None
         # The window, and its newer half: a leak that began inside the window fails the ramp test on
         # the whole window (its first half is flat) but passes on the half, so strong leaks are
         # found in about half the window. Sawtooths are safe: once one reset was seen the window
