@@ -366,11 +366,12 @@ def test_a_count_series_is_lent_the_verdict_of_the_bytes_it_explains(onset: int)
     # growth is the tensors': it is their series' finding, decided when the bytes are, and host RSS
     # (explained) and the flat group say nothing.
     changes = _host_and_counts(onset, count_grows=True)
-    assert [(name, state) for _, name, state in changes][:2] == [
-        ("tensors{device=cpu,group=float32[262144]}", "suspected"), ("tensors{device=cpu,group=float32[262144]}", "confirmed")]
-    assert {name for _, name, _ in changes} == {"tensors{device=cpu,group=float32[262144]}"}
+    grows = "tensors{device=cpu,group=float32[262144]}"
+    assert [(name, state) for _, name, state in changes][:2] == [(grows, "suspected"), (grows, "confirmed")]
+    assert {name for _, name, _ in changes} == {grows}
     alone = _host_and_counts(onset, count_grows=True, explained=False)
-    assert changes[1][0] <= next(step for step, name, state in alone if name == "host_rss_bytes" and state == "confirmed")
+    host_confirmed = next(step for step, name, state in alone if name == "host_rss_bytes" and state == "confirmed")
+    assert changes[1][0] <= host_confirmed
 
 
 def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding() -> None:
