@@ -28,9 +28,10 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
    A family of count series that explains it *lends* its verdict: a count series rising since the
    window's start passes with it (the same growth, named by what grows), so a count series seen only
    every 10 to 50 steps is decided as soon as the bytes it accounts for, seen every step, are.
-8. A ramp that began inside the window is also judged from its knee (``assess_knee``) on a track
-   that has never shown a sawtooth reset, once it has grown as much as a material leak grows in a
-   whole window: a strong leak is suspected within a few floors, not half a window.
+8. A ramp that began inside the window after a flat start is also judged from its knee
+   (``assess_knee``), before the history covers a window too, once it has risen above every earlier
+   floor by as much as a material leak grows in a whole window: a strong leak is suspected within a
+   few floors, not half a window. A sawtooth seen in the window never rises that far above its peaks.
 """
 
 from __future__ import annotations
@@ -206,8 +207,9 @@ class LeakDetector:
         active = track.state is not None and track.state.active
         if not active and not lent:
             # Cheap necessary condition of ``assess`` (slope >= min and floor growth >= 0.4 slope
-            # span), on the window and on its half: flat series, the common case, skip the O(n²)
-            # tests (and the thinning: ``may_rise`` is this test on the thinned window).
+            # span), on the window and on its half, or of ``assess_knee`` (``rose_above``): flat
+            # series, the common case, skip the O(n²) tests (and the thinning: ``may_rise`` is this
+            # test on the thinned window).
             if not (track.may_rise(step, steps, c.min_points, min_slope)
                     or track.may_rise(step, steps / 2, c.min_points, min_slope)
                     or track.rose_above(step, steps, c.min_points, min_slope * c.window_steps)):
@@ -271,13 +273,13 @@ class LeakDetector:
                 verdict, xs, ys = half_verdict, hx, hy
         knee_passed = False
         if not verdict.passed:
-            knee_verdict, knee = self._knee_verdict(xs, ys, min_slope)
+            knee_verdict, knee = _knee_verdict(c, xs, ys, min_slope)
             if knee_verdict.passed:
                 verdict, xs, ys, knee_passed = knee_verdict, xs[knee:], ys[knee:], True
         spec = track.spec
         lent = self._lent.get((spec.name, phase))
         if not verdict.passed and lent is not None:
-            verdict, xs = self._lent_verdict(track, lent[0], lent[1]), [lent[0]]
+            verdict, xs = _lent_verdict(track, lent[0], lent[1], c.max_pairs), [lent[0]]
         if verdict.passed and spec.explained_by:
             if self._explained(spec, phase, xs[0], verdict, track.streak + 1):
                 verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
@@ -286,19 +288,6 @@ class LeakDetector:
                 # first scan it outlives): a ramp this young is held once, neither a pass nor a fail.
                 verdict = _with_reason(verdict, "held until what may explain it is seen")
         return verdict, xs[0], hx, hy
-
-    def _knee_verdict(self, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:
-        """A ramp that began after a flat start at least as long as itself and at least half a window
-        (0.45 of it, as the history guard's 0.9), judged from its knee once it grew as much as a leak
-        just worth reporting grows in a whole window, above every floor before it. A sawtooth seen in
-        the window (the window spans 2.5 of its periods) never rises above its own peaks by that much;
-        one that starts after a flat half window is the known limit."""
-        c = self.config
-        knee = hinge_onset(xs, ys)
-        if knee < len(xs) // 2 or knee == 0 or xs[knee] - xs[0] < 0.45 * c.window_steps - c.block:
-            return _UNCOVERED, knee
-        return assess_knee(xs, ys, knee, min_slope=min_slope, min_growth=min_slope * c.window_steps,
-                           p_max=c.p_max, min_points=c.min_points, max_pairs=c.max_pairs), knee
 
     def _passes_long_window(self, track: Track, step: int, min_slope: float) -> bool:
         """Does the long window, once the history covers it, pass too (which confirms at once)?"""
@@ -378,7 +367,6 @@ class LeakDetector:
                 return True
         return False
 
-
     def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
         """Is a series of the family ``prefix`` reporting, or rising since ``since``? Those rising
         (their newest value above their level at ``since`` by their material slope) are lent this
@@ -398,20 +386,34 @@ class LeakDetector:
             explained = explained or (track.state is not None and track.state.active)
         return explained
 
-    def _lent_verdict(self, track: Track, since: float, p_value: float) -> Verdict:
-        """A lent pass: the count series' own slope since ``since`` (from its last floor before it
-        to its newest observation), with the lender's p-value."""
-        pts = [p for p in track.floors if p[0] < since][-1:] + [p for p in track.floors if p[0] >= since]
-        if track.pending is not None:
-            pts.append((float(track.pending[0]), track.pending[1]))
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        slope = theil_sen(xs, ys, max_pairs=self.config.max_pairs) if len(pts) >= 2 else Slope(0.0, 0.0, 0.0, 0)
-        reason = "leak" if slope.slope > 0 else "not significant"
-        return Verdict(reason == "leak", reason, len(pts), slope, p_value, ys[-1] - ys[0] if ys else 0.0, 0)
-
 
 _UNCOVERED = Verdict(False, "history shorter than a window", 0, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, 0)
 
 
 def _with_reason(v: Verdict, reason: str) -> Verdict:
     return Verdict(False, reason, v.n, v.slope, v.p_increasing, v.growth, v.onset_index)
+
+
+def _lent_verdict(track: Track, since: float, p_value: float, max_pairs: int) -> Verdict:
+    """A lent pass: the count series' own slope since ``since`` (from its last floor before it to its
+    newest observation), with the lender's p-value."""
+    pts = [p for p in track.floors if p[0] < since][-1:] + [p for p in track.floors if p[0] >= since]
+    if track.pending is not None:
+        pts.append((float(track.pending[0]), track.pending[1]))
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope = theil_sen(xs, ys, max_pairs=max_pairs) if len(pts) >= 2 else Slope(0.0, 0.0, 0.0, 0)
+    reason = "leak" if slope.slope > 0 else "not significant"
+    return Verdict(reason == "leak", reason, len(pts), slope, p_value, ys[-1] - ys[0] if ys else 0.0, 0)
+
+
+def _knee_verdict(c: DetectorConfig, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:
+    """A ramp that began after a flat start at least as long as itself and at least half a window
+    (0.45 of it, as the history guard's 0.9), judged from its knee once it grew as much as a leak just
+    worth reporting grows in a whole window, above every floor before it. A sawtooth seen in the window
+    (which spans 2.5 of its periods) never rises above its own peaks by that much; one that starts
+    after a flat half window is the known limit."""
+    knee = hinge_onset(xs, ys)
+    if knee < len(xs) // 2 or knee == 0 or xs[knee] - xs[0] < 0.45 * c.window_steps - c.block:
+        return _UNCOVERED, knee
+    return assess_knee(xs, ys, knee, min_slope=min_slope, min_growth=min_slope * c.window_steps,
+                       p_max=c.p_max, min_points=c.min_points, max_pairs=c.max_pairs), knee
