@@ -368,22 +368,26 @@ class LeakDetector:
         return False
 
     def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
-        """Is a series of the family ``prefix`` reporting, or rising since ``since``? Those rising
-        (their newest value above their level at ``since`` by their material slope) are lent this
-        passing verdict for this evaluation, with the lender's passes in a row (``streak``): sparse (a
-        point per scan, placed one scan late), they would be decided a few hundred steps after the
-        bytes they account for."""
+        """Is a series of the family ``prefix`` reporting, or rising since ``since`` at its material
+        slope and (when its bytes per unit are known) at a quarter of the bytes' slope or more? Those
+        rising are lent this passing verdict for this evaluation, with the lender's passes in a row
+        (``streak``): sparse (a point per scan, placed one scan late), they would be decided a few
+        hundred steps after the bytes they account for."""
         explained = False
         for key, track in self._tracks.items():
             if not key[0].startswith(prefix) or key[1] != phase:
                 continue
+            explained = explained or (track.state is not None and track.state.active)
             newest = track.pending or (track.floors[-1] if track.floors else None)
             before = [y for x, y in track.floors if x <= since][-3:]
-            if (newest is not None and before
-                    and newest[1] - min(before) >= self._min_slope(track.spec) * (newest[0] - since)):
+            if newest is None or not before or newest[0] <= since:
+                continue
+            rate = (newest[1] - min(before)) / (newest[0] - since)
+            spec = track.spec
+            per_unit = 1.0 if spec.unit == "bytes" else spec.unit_bytes
+            if rate >= self._min_slope(spec) and (not per_unit or rate * per_unit >= 0.25 * verdict.slope.slope):
                 self._lent[key] = (since, verdict.p_increasing, streak)
                 explained = True
-            explained = explained or (track.state is not None and track.state.active)
         return explained
 
 

@@ -459,7 +459,7 @@ def _tensor_spec(group: SurvivorGroup) -> SeriesSpec:
     described = group.describe()
     return SeriesSpec(series_name("tensors", group.device, described),
                       "graph_leak" if group.graph else "tensor_leak", group.device, sparse=True,
-                      unit="tensors", group=described)
+                      unit="tensors", group=described, unit_bytes=group.nbytes / max(1, group.count))
 
 
 def _chain_spec(group: ChainGroup) -> SeriesSpec:

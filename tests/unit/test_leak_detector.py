@@ -336,14 +336,17 @@ def test_a_sawtooth_shorter_than_the_window_is_not_reported_from_its_knee(period
     assert run(y) == []
 
 
-def _host_and_counts(onset: int, *, count_grows: bool, explained: bool = True) -> list[tuple[int, str, str | None]]:
+def _host_and_counts(onset: int, *, count_grows: bool, explained: bool = True, unit_bytes: float = MIB,
+                     ) -> list[tuple[int, str, str | None]]:
     """Host RSS (every step) growing 1 MiB/step from ``onset``, with a group's count (a scan every 50
-    steps, each count placed at the scan before, as the component does) growing 1 tensor/step with
-    it or staying flat; a flat group beside. Returns the (step, series, state) changes."""
+    steps, each count placed at the scan before, as the component does) growing 1 tensor/step of
+    ``unit_bytes`` with it or staying flat; a flat group beside. Returns the (step, series, state)
+    changes."""
     detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))  # defaults: window 500, checks every 50
     family = ("tensors{device=cpu,*",) if explained else ()
     host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=family)
-    grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors")
+    grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
+                       unit_bytes=unit_bytes)
     flat = SeriesSpec("tensors{device=cpu,group=float32[8]}", "tensor_leak", CPU, sparse=True, unit="tensors")
     for spec in (host, grows, flat):
         detector.add_series(spec)
@@ -374,10 +377,12 @@ def test_a_count_series_is_lent_the_verdict_of_the_bytes_it_explains(onset: int)
     assert changes[1][0] <= host_confirmed
 
 
-def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding() -> None:
-    # Nothing counted grows with host RSS: its young ramp is held one check (counts are seen a scan
+@pytest.mark.parametrize("unit_bytes", [MIB, 64])
+def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding(unit_bytes: float) -> None:
+    # Nothing counted grows with host RSS (the group stays flat, or grows by tensors of 64 bytes:
+    # far less than a quarter of the bytes): its young ramp is held one check (counts are seen a scan
     # later), then it is host RSS's finding; the flat group is lent nothing.
-    held = _host_and_counts(1000, count_grows=False)
+    held = _host_and_counts(1000, count_grows=unit_bytes != MIB, unit_bytes=unit_bytes)
     alone = _host_and_counts(1000, count_grows=False, explained=False)
-    assert {name for _, name, _ in held} == {"host_rss_bytes"}
-    assert held[0][2] == "suspected" and held[0][0] == alone[0][0] + DetectorConfig().check_every_steps
+    assert held[0] == (alone[0][0] + DetectorConfig().check_every_steps, "host_rss_bytes", "suspected"), held
+    assert "tensors{device=cpu,group=float32[8]}" not in {name for _, name, _ in held}
