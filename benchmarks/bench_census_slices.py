@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gpumemd.probes.census import GRAPH_SLICE_NODES, census_steps
+from gpumemd.probes.census import GRAPH_SLICE_NODES, CensusRequest, census_steps
 from gpumemd.probes.gc_pause import collector_paused, hold_automatic, release_automatic
 from gpumemd.records.census import Census
 
@@ -33,7 +33,7 @@ from gpumemd.records.census import Census
 def _slices(graph_slice_nodes: int | None, models: list[Any]) -> tuple[list[float], Census]:
     """Each slice timed, run as the census component runs them: the collector held off in a slice and
     automatic collections waiting while the census is under way."""
-    work = census_steps(models=models, holders=0, graph_slice_nodes=graph_slice_nodes)
+    work = census_steps(CensusRequest(holders=0, graph_slice_nodes=graph_slice_nodes), models=models)
     times = []
     hold = hold_automatic()
     try:

@@ -69,8 +69,11 @@ CAP = 2.0
 """A step's time beyond the agent's clocked time is capped at ``CAP`` x the median step (agent off)."""
 
 
-def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False):  # type: ignore[no-untyped-def]
-    """The MLP's training step (``linear``: a linear classifier, the shortest real training step)."""
+def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False,  # type: ignore[no-untyped-def]
+             py_objects: int = 0):
+    """The MLP's training step (``linear``: a linear classifier, the shortest real training step).
+    ``py_objects``: the step also builds that many small Python containers (a data pipeline's or a
+    framework's bookkeeping), so the collector runs every ~700 / ``py_objects`` steps."""
     import torch
 
     torch.manual_seed(0)
@@ -83,10 +86,12 @@ def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False
     y = torch.randint(0, 10, (batch,))
 
     def step() -> None:
+        batch_info = [{"i": i} for i in range(py_objects)]
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        batch_info.clear()
 
     return step
 
@@ -205,7 +210,7 @@ class _Switch:
         if not self.is_on:
             return
         agent = self.agent
-        agent._remove_step_hook()
+        agent.step_clock.remove_hook()
         if self._injected is not None:
             self._injected.remove()
             self._injected = None
@@ -218,7 +223,7 @@ class _Switch:
         if self.is_on:
             return
         agent = self.agent
-        agent._install_step_hook()
+        agent.step_clock.install_hook()
         self._inject()
         if self.gc_callback is not None and self.gc_callback not in gc.callbacks:
             gc.callbacks.append(self.gc_callback)
@@ -295,7 +300,7 @@ def _round_differences(blocks: list[tuple[int, list[tuple[float, float]], float]
 
 
 def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: int = 20,
-            seed: int = 0, inject_s: float = 0.0) -> OverheadResult:
+            seed: int = 0, inject_s: float = 0.0, py_objects: int = 0) -> OverheadResult:
     """Run the job at about ``target_s`` per step with the agent attached at its defaults and measure
     its cost for ``seconds`` of interleaved rounds (see the module docstring). ``inject_s``: a busy
     wait added to every step while the agent is on, so the result should rise by exactly that much."""
@@ -311,7 +316,7 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
     if sgd:
         batch = 8
     hidden = 8 if linear else calibrate(target_s, batch, sgd=sgd)
-    job = make_job(hidden, batch, sgd=sgd, linear=linear)
+    job = make_job(hidden, batch, sgd=sgd, linear=linear, py_objects=py_objects)
     time_steps(job, 20)
     # The warm-up covers the leak detector's first windows (50 + 500 steps, evaluated every 50): a job's
     # host RSS rises there as heaps warm up, and the first heap look for a host leak's culprit, a
@@ -426,6 +431,9 @@ def main() -> None:
                     help="the MLP's batch (default 64); a larger batch calibrates to a narrower MLP whose "
                          "working set stays in cache, so its step time varies less and the estimate is tighter")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--python-objects", type=int, default=0,
+                    help="small Python containers each step builds besides its tensors (default 0): a Python-heavy "
+                         "job, where the collector runs often and the agent's gc callback with it")
     ap.add_argument("--inject-us", type=float, default=0.0,
                     help="calibration: a busy wait of this many µs on every step while the agent is on")
     args = ap.parse_args()
@@ -434,12 +442,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 intra-op thread, attach() defaults, {args.seconds:g} s of rounds per "
           f"step time (blocks of {args.block} steps: agent on, off, off, in random order)"
           + (f"; calibration: +{args.inject_us:g} µs injected on every agent-on step" if args.inject_us else "")
+          + (f"; each step also builds {args.python_objects:,} Python objects" if args.python_objects else "")
           + "\n")
     print(TABLE_HEADER)
     targets = {0.2: "≤ 30 µs", 1.0: "≤ 3% (≤ 30 µs)", 10.0: "≤ 1%"}
     for ms in args.steps_ms:
         result = measure(ms / 1e3, args.seconds, batch=args.batch, block=args.block, seed=args.seed,
-                         inject_s=args.inject_us / 1e6)
+                         inject_s=args.inject_us / 1e6, py_objects=args.python_objects)
         print(table_row(result, targets.get(ms, "-")), flush=True)
         for finding in result.findings:  # a healthy job: the agent should have found nothing
             print(f"<!-- finding at {ms:g} ms: {finding} -->", flush=True)

@@ -13,7 +13,8 @@ stands for ``record.steps`` steps and its ``duration_s`` is their mean. Why: on 
 here), while the leak detector, which works on floors of 10-step blocks, loses nothing. Phase changes
 and ``sample_within()`` (a component that measured a step) override the stride.
 
-What one "step" is, and how steps are counted: ``gpumemd.step_counting``.
+What one "step" is, and how steps are counted: ``gpumemd.step_clock``. What a sampled step end reads:
+``gpumemd.step_reading``.
 """
 
 from __future__ import annotations
@@ -25,22 +26,24 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumemd.agent_announce import exit_line, say, start_facts, warn_output
 from gpumemd.announce import start_line
-from gpumemd.components.base import Flushes, Serving, TakesCensus
+from gpumemd.component_set import ComponentSet
+from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.log_once import log_once
 from gpumemd.output_dir import settle_output_dir
-from gpumemd.probes.identity import RankLogFilter, current_identity, refreshed_identity
-from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
-from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord, nvml_paired
+from gpumemd.probes.identity import RankLogFilter, current_identity
+from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.signal_endings import SignalEndings, ending_at_exit
 from gpumemd.state_board import StateBoard
-from gpumemd.step_counting import StepCounting
+from gpumemd.step_clock import StepClock
 from gpumemd.step_history import StepHistory
+from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, StepReader
 from gpumemd.stride import MAX_STRIDE, StridePlanner
 
 if TYPE_CHECKING:
@@ -55,20 +58,21 @@ if TYPE_CHECKING:
     from gpumemd.records.findings import Finding
     from gpumemd.state_board import Probe
 
-__all__ = ["MAX_STRIDE", "Agent"]
+__all__ = ["MAX_STRIDE", "WORKERS_EVERY", "WORKERS_IDLE_EVERY", "Agent"]
 
 log = logging.getLogger("gpumemd")
 
 ComponentT = TypeVar("ComponentT")
 
 
-class Agent(StepCounting):
+class Agent:
     """Samples memory every step into a bounded ring of step records and publishes an immutable state.
 
-    The agent owns the hooks and the step counting; what it samples with (probes) and what it drives
-    (components) are given to it: ``gpumemd.api.build_agent`` builds both from the configuration. Its
-    parts: the stride (``gpumemd.stride``), the sampler thread (``gpumemd.sampler``), the published
-    state (``gpumemd.state_board``) and what it says at start and exit (``gpumemd.agent_announce``).
+    The agent owns the hooks; what it samples with (probes) and what it drives (components) are given
+    to it: ``gpumemd.api.build_agent`` builds both from the configuration. Its parts: the step clock
+    (``gpumemd.step_clock``), the reads of a sampled step end (``gpumemd.step_reading``), the stride
+    (``gpumemd.stride``), the sampler thread (``gpumemd.sampler``), the published state
+    (``gpumemd.state_board``) and what it says at start and exit (``gpumemd.agent_announce``).
     The agent imports no component and looks components up by type (``component``).
     """
 
@@ -92,27 +96,24 @@ class Agent(StepCounting):
         self.output_dir = os.path.abspath(config.output_dir)
         self._clock = clock
         self._wall = wall_clock
-        self._allocator = allocator_probe
-        self._host = host_probe
-        self._nvml = nvml_probe
+        self._closed_at_stop = (nvml_probe, host_probe, workers_probe)  # what holds files or a library open
         self._identity = identity
-        self._components: list[Component] = list(components)
+        self._components = ComponentSet(components)
         self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
         self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
-        probes: dict[str, Probe] = {"allocator": allocator_probe, "host": host_probe}
-        if nvml_probe is not None:
-            probes["nvml"] = nvml_probe
-        if workers_probe is not None:
-            probes["workers"] = workers_probe
-        self._workers = workers_probe
-        self._workers_read_at: int | None = None  # the step of the last per-step read of the workers
-        self._probes = probes
-        self._board = StateBoard(self, probes, wall_clock)
+        named: dict[str, Probe | None] = {"allocator": allocator_probe, "host": host_probe, "nvml": nvml_probe,
+                                          "workers": workers_probe}
+        self._probes: dict[str, Probe] = {name: probe for name, probe in named.items() if probe is not None}
+        self._board = StateBoard(self, self._probes, wall_clock)
+        self._reader = StepReader(allocator=allocator_probe, host=host_probe, workers=workers_probe,
+                                  published=lambda: self._board.base, wall_clock=wall_clock,
+                                  reset_peaks=config.reset_peak_each_step)
         self._sampler = Sampler(allocator=allocator_probe, host=host_probe, nvml=nvml_probe, clock=clock,
                                 workers=workers_probe)
         # tests: max_stride=1 samples every step
         self._planner = StridePlanner(config.overhead_budget, MAX_STRIDE if max_stride is None else max_stride)
-        self._reset_step_counts()
+        self.step_clock = StepClock(self._end_step, lambda: self.running)
+        self.optimizers = self.step_clock.optimizers  # the job's, weakly: for naming
         self._samples = 0
         self._fork_generation = _fork_generation
         self._last_step_clock: float | None = None
@@ -129,7 +130,6 @@ class Agent(StepCounting):
         self._signals_due = 0.0  # clock time of the next look for handlers the job installed since
         # Objects the user told us about (for naming); weak so we never keep a model alive.
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         if model is not None:
             self.register(model)
         if optimizer is not None:
@@ -148,10 +148,16 @@ class Agent(StepCounting):
         now = self._wall()
         self._board.base = AgentState(identity=identity, attached_at=now, updated_at=now)
         log.addFilter(self._log_filter)  # "gpumemd[rank 1/2]: ..." in multi-process jobs
-        self._install_step_hook()
+        self.step_clock.install_hook()
         self._running = True
-        self._components = self._start_components()
-        self._eve_callbacks = [c.on_eve for c in self._components]
+        try:
+            self._components.start(self)
+        except BaseException:  # those started were stopped: undo this method's hooks too
+            self.step_clock.remove_hook()
+            log.removeFilter(self._log_filter)
+            self._running = False
+            raise
+        self.step_clock.eve_callbacks = [c.on_eve for c in self._components]
         # The sampler's thread first, then the first reading: a new thread's stack and malloc arena take
         # ~70 MiB of address space, which a reading before them would count as headroom under RLIMIT_AS.
         self._sampler.start(self.tick, self.config.sample_interval_s)
@@ -160,28 +166,12 @@ class Agent(StepCounting):
         self._signals.install()
         log.debug("gpumemd: attached (rank %d, output %s)", identity.rank, self.output_dir)
         state = self.state()
-        facts = start_facts(state, self._probes, nvml_on=self._nvml is not None, output_dir=settled.words(),
+        facts = start_facts(state, self._probes, nvml_on="nvml" in self._probes, output_dir=settled.words(),
                             metrics_url=self.exporter_url, sampler_absent=self._sampler.absent_reason)
         say(start_line(facts), rank=state.identity.rank, quiet=self.config.quiet)
         warn_output(settled, rank=state.identity.rank, quiet=self.config.quiet)
         self._attached = True  # an agent whose start failed before this line says nothing at exit
         return self
-
-    def _start_components(self) -> list[Component]:
-        """Start each component in order; if one fails, stop those started and undo ``start``'s hooks."""
-        started: list[Component] = []
-        try:
-            for component in self._components:
-                component.start(self)
-                started.append(component)
-        except BaseException:
-            for component in reversed(started):
-                self._stop_component(component)
-            self._remove_step_hook()
-            log.removeFilter(self._log_filter)
-            self._running = False
-            raise
-        return started
 
     def stop(self, ending: str = "exit") -> None:
         """Remove every hook, thread and handler ``start`` installed. Idempotent.
@@ -199,15 +189,12 @@ class Agent(StepCounting):
             self.publish(ended=ending, ended_at=self._wall())
         summary = exit_line(self.state(), self.output_dir) if self._attached else None
         self._attached = False
-        for component in reversed(self._components):
-            self._stop_component(component)
-        self._remove_step_hook()
+        self._components.stop()
+        self.step_clock.remove_hook()
         log.removeFilter(self._log_filter)
-        if self._nvml is not None:
-            self._nvml.close()
-        self._host.close()
-        if self._workers is not None:
-            self._workers.close()
+        for probe in self._closed_at_stop:
+            if probe is not None:
+                probe.close()
         atexit.unregister(self._stop_at_exit)
         if summary is not None:
             say(summary, rank=self.state().identity.rank, quiet=self.config.quiet)
@@ -218,12 +205,7 @@ class Agent(StepCounting):
     def flush(self) -> None:
         """Write what the agent knows now (textfile, push, state file), without stopping: a signal the
         job handles itself may end the process next, or may not."""
-        for component in self._components:
-            if isinstance(component, Flushes):
-                try:
-                    component.flush()
-                except Exception:
-                    log.debug("gpumemd: %s failed to flush", getattr(component, "name", component), exc_info=True)
+        self._components.flush()
 
     @property
     def running(self) -> bool:
@@ -234,12 +216,6 @@ class Agent(StepCounting):
         # training process: it must record nothing (and it has no sampler thread: fork drops threads).
         # A fork counter, not os.getpid(): a syscall on every sampled step costs ~20 µs here.
         return _fork_generation == self._fork_generation
-
-    def _stop_component(self, component: Component) -> None:
-        try:
-            component.stop()
-        except Exception:
-            log.exception("gpumemd: component %s failed to stop", getattr(component, "name", component))
 
     def register(self, obj: Any) -> None:
         """Tell the agent about a model (nn.Module) or optimizer so tensors get their names."""
@@ -252,6 +228,29 @@ class Agent(StepCounting):
                 f"gpumemd: register() takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}"
             )
 
+    # --- steps: the step clock's, for the job and the components ---------------------------------
+
+    def mark_step(self, step: int | None = None) -> StepRecord | None:
+        """End a step by hand (``gpumemd.mark_step``); the record when the step was sampled."""
+        return self.step_clock.mark_step(step)
+
+    def use_manual_steps(self) -> None:
+        self.step_clock.use_manual_steps()
+
+    def sample_within(self, steps: int = 1) -> None:
+        self.step_clock.sample_within(steps)
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return self.step_clock.phase(name)
+
+    @property
+    def current_step(self) -> int | None:
+        return self.step_clock.current_step
+
+    @property
+    def current_phase(self) -> str:
+        return self.step_clock.current_phase
+
     # --- the per-step path (training thread) -------------------------------------------------
 
     def _end_step(self, step: int | None) -> StepRecord | None:
@@ -259,22 +258,19 @@ class Agent(StepCounting):
         start = self._clock()
         if not self._running or _fork_generation != self._fork_generation:  # self.running, inlined
             return None
-        self._until_sample = _NO_REQUEST  # consumed: components may ask for a sample (sample_within)
-        steps = max(1, self._steps_total - self._sampled_total)
-        self._sampled_total = self._steps_total
-        number = step if step is not None else self._step_base + (self._steps_total - self._step_base_total)
-        self._step_base, self._step_base_total = number, self._steps_total
+        clock = self.step_clock
+        number, steps = clock.begin_sample(step)  # components may ask for a sample now (sample_within)
         duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
-        record = self._record(number, duration, steps)
+        record = self._reader.record(number, duration, steps, clock.current_phase)
         self._recent_steps.append(record)
         self._long_steps.add(record)
         self._samples += 1
         # One reference assignment makes the step visible to state() readers (components below,
         # scrapes on other threads); the state object itself is built only when someone reads it.
-        self._board.pending = (record, self._steps_total)
-        if self._identity_checks_left:
-            self._refresh_identity()
-        for component in self._components:
+        self._board.pending = (record, clock.steps_total)
+        if self._identity_checks_left:  # a late init_process_group, seen on the first steps
+            self._identity_checks_left = 0 if self._board.refresh_identity() else self._identity_checks_left - 1
+        for component in self._components.items:
             try:
                 component.on_step(record)
             except Exception as exc:  # noqa: BLE001 - the job comes first
@@ -292,38 +288,9 @@ class Agent(StepCounting):
         self._last_step_clock = end
         return record
 
-    def _record(self, number: int, duration: float | None, steps: int) -> StepRecord:
-        """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled
-        where that reading pairs with this allocator reading (``nvml_paired``)."""
-        allocator = self._allocator.read()
-        if self.config.reset_peak_each_step and allocator:
-            _reset_peaks(allocator)
-        rss = self._host.rss()
-        previous = self._board.base
-        assert previous is not None
-        host = None
-        if rss is not None:
-            base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
-            host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
-        wall = self._wall()
-        nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
-        return StepRecord(step=number, wall_time=wall, duration_s=duration, allocator=allocator, host=host,
-                          nvml=nvml, phase=self._phase, steps=steps, workers=self._read_workers(number))
-
-    def _read_workers(self, number: int) -> WorkersSample | None:
-        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps (a few preads: ~1 µs each)."""
-        last = self._workers_read_at
-        if self._workers is None or (last is not None and 0 <= number - last < WORKERS_EVERY):
-            return None
-        self._workers_read_at = number
-        return self._workers.rss()
-
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
-        stride = self._planner.plan(cost, seconds_per_step)
-        self._until_sample = min(self._until_sample, stride)  # a component's sample_within() may be sooner
-        if self._until_sample == 1 and self._eve_callbacks:
-            self._eve()  # this step end is the eve of the next sampled one
+        self.step_clock.planned(self._planner.plan(cost, seconds_per_step))
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -335,16 +302,6 @@ class Agent(StepCounting):
         """Steps per sample now: 1 when every step is sampled."""
         return self._planner.stride
 
-    def _refresh_identity(self) -> None:
-        self._identity_checks_left -= 1
-        base = self._board.base
-        assert base is not None
-        identity = refreshed_identity(base.identity)
-        if identity is not None:
-            self._identity_checks_left = 0
-            self.publish(identity=identity)
-            log.debug("gpumemd: rank %d of %d from torch.distributed", identity.rank, identity.world_size)
-
     def add_census_seconds(self, seconds: float) -> None:
         """Components that run censuses report their time here (it is also training-thread time)."""
         self._census_seconds += seconds
@@ -355,12 +312,9 @@ class Agent(StepCounting):
         """One background sample of allocator, NVML and host. The sampler thread calls it; tests too."""
         if not self.running:
             return
-        state = self._board.base
-        assert state is not None
-        allocator, nvml, host = self._sampler.read(state.identity.local_rank)
+        allocator, nvml, host = self._sampler.read(self.published.identity.local_rank)
         workers = self._sampler.read_workers()
-        state = self._board.base
-        assert state is not None
+        state = self.published  # read again: a component may have published meanwhile
         self.publish(allocator=allocator or state.allocator, nvml=nvml, host=host or state.host,
                      workers=workers or state.workers)
 
@@ -382,7 +336,7 @@ class Agent(StepCounting):
             census_seconds_total=self._census_seconds,
             sampler_seconds_total=self._sampler.seconds,
             wall_seconds=self._clock() - self._attached_clock,
-            steps=self._steps_total,
+            steps=self.step_clock.steps_total,
             samples=self._samples,
         )
 
@@ -398,7 +352,7 @@ class Agent(StepCounting):
     @property
     def steps_total(self) -> int:
         """Steps ended since attach, sampled or not (cheap: no state is built)."""
-        return self._steps_total
+        return self.step_clock.steps_total
 
     @property
     def samples_total(self) -> int:
@@ -421,18 +375,12 @@ class Agent(StepCounting):
         """The probes read now, as a record of the step that is running (one past the last that
         ended): kept nowhere, seen by no component. An OOM report ends its timeline with it, so the
         failing step is there even when the stride skipped the last step ends before it."""
-        base = self._board.base
-        if base is None or not self.running:
+        if not self.running:
             return None
-        current = self.current_step
-        host = self._host.read()  # limits too: one the job set since the last sample binds at the OOM
-        if host is None or host.available_bytes is None:
-            rss = host.rss_bytes if host is not None else self._host.rss()
-            host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
-                HostSample(rss_bytes=rss) if rss is not None else None)
-        return StepRecord(step=0 if current is None else current + 1, wall_time=self._wall(), duration_s=None,
-                          allocator=self._allocator.read(), host=host, nvml=base.nvml, phase=self._phase,
-                          steps=max(1, self._steps_total + 1 - self._sampled_total))
+        clock = self.step_clock
+        current = clock.current_step
+        return self._reader.now(0 if current is None else current + 1,
+                                max(1, clock.steps_total + 1 - clock.sampled_total), clock.current_phase)
 
     def findings(self) -> list[Finding]:
         """Leak findings so far (empty when the leak detector is off or found nothing)."""
@@ -461,17 +409,11 @@ class Agent(StepCounting):
 
     def component(self, kind: type[ComponentT]) -> ComponentT | None:
         """The running component of type ``kind`` (``agent.component(OomComponent)``), or None."""
-        for component in self._components:
-            if isinstance(component, kind):
-                return component
-        return None
+        return self._components.find(kind)
 
 
-WORKERS_EVERY = 10
-"""Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
 _IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
 _SIGNAL_RECHECK_S = 5.0  # seconds between looks for signal handlers installed after attach
-_NO_REQUEST = 1 << 62  # the countdown while a sampled step end runs, before anyone asked for a sample
 
 _fork_generation = 0
 
@@ -483,13 +425,3 @@ def _forked() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
-
-
-def _reset_peaks(samples: tuple[AllocatorSample, ...]) -> None:
-    import torch
-
-    for sample in samples:
-        try:
-            torch.cuda.reset_peak_memory_stats(sample.device.name)
-        except (RuntimeError, AttributeError) as exc:
-            log_once("reset_peak", "gpumemd: could not reset peak stats (%s)", exc)

@@ -18,7 +18,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -192,52 +192,9 @@ class Config:
     def __post_init__(self) -> None:
         # Every number is bounded above too: a value that passes here must not fail later
         # inside the job (``deque(maxlen=2**63)``, a sampler thread that waits ``inf`` or spins).
-        _require(1 <= self.keep_steps <= 10_000_000, "keep_steps", self.keep_steps,
-                 "an integer from 1 to 10,000,000")
-        _require(
-            self.sample_interval_s == 0 or 0.01 <= self.sample_interval_s <= 3600,
-            "sample_interval_s", self.sample_interval_s,
-            "0 (no sampler thread) or a number of seconds from 0.01 to 3600",
-        )
-        _require(
-            0 < self.overhead_budget <= 0.5,
-            "overhead_budget",
-            self.overhead_budget,
-            "a fraction in (0, 0.5], e.g. 0.01 for 1%",
-        )
-        _require(0 <= self.census_every_steps <= _MAX_STEPS, "census_every_steps", self.census_every_steps,
-                 f"an integer from 0 to {_MAX_STEPS:,}")
-        _require(
-            self.leak_min_bytes_per_step is None or 1 <= self.leak_min_bytes_per_step <= _MAX_BYTES,
-            "leak_min_bytes_per_step",
-            self.leak_min_bytes_per_step,
-            "a number of bytes per step from 1 to 2**50, or unset",
-        )
-        _require(
-            0 < self.leak_horizon_hours <= 24 * 366 and math.isfinite(self.leak_horizon_hours),
-            "leak_horizon_hours",
-            self.leak_horizon_hours,
-            "a number of hours in (0, 8784], e.g. 168 for a week",
-        )
-        _require(0 <= self.leak_warmup_steps <= _MAX_STEPS, "leak_warmup_steps", self.leak_warmup_steps,
-                 f"an integer from 0 to {_MAX_STEPS:,}")
-        _require(
-            self.leak_host_min_bytes_per_step is None or 1 <= self.leak_host_min_bytes_per_step <= _MAX_BYTES,
-            "leak_host_min_bytes_per_step",
-            self.leak_host_min_bytes_per_step,
-            "a number of bytes per step from 1 to 2**50, or unset",
-        )
-        _require(20 <= self.leak_window_steps <= _MAX_STEPS, "leak_window_steps", self.leak_window_steps,
-                 f"an integer from 20 to {_MAX_STEPS:,}")
-        _require(1 <= self.leak_check_every_steps <= _MAX_STEPS, "leak_check_every_steps",
-                 self.leak_check_every_steps, f"an integer from 1 to {_MAX_STEPS:,}")
-        _require(
-            self.port is None or 0 <= self.port <= 65535,
-            "port",
-            self.port,
-            "an integer 0-65535 (0 picks a free port)",
-        )
-        _require(is_ip(self.bind), "bind", self.bind, "an IP address such as 127.0.0.1 or 0.0.0.0")
+        for field, ok, accepted in _CHECKS:
+            value = getattr(self, field)
+            _require(ok(value), field, value, accepted)
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             pair = ("tls_certfile", "tls_keyfile")
             given, missing = pair if self.tls_keyfile is None else pair[::-1]
@@ -247,29 +204,6 @@ class Config:
             if problem is not None:
                 field, accepted = problem
                 raise ConfigError(field, getattr(self, field), accepted)
-        _require(
-            self.textfile is None or self.textfile.endswith(".prom"),
-            "textfile",
-            self.textfile,
-            "a path ending in .prom (node_exporter's textfile collector reads only *.prom)",
-        )
-        _require(0 <= self.oom_max_reports <= 10_000, "oom_max_reports", self.oom_max_reports,
-                 "an integer from 0 to 10,000")
-        _require(0 <= self.oom_cooldown_s <= 86_400 and math.isfinite(self.oom_cooldown_s), "oom_cooldown_s",
-                 self.oom_cooldown_s, "a number of seconds from 0 to 86400")
-        _require(0 <= self.oom_linger_s <= 600 and math.isfinite(self.oom_linger_s), "oom_linger_s",
-                 self.oom_linger_s, "a number of seconds from 0 (exit at once) to 600")
-        _require(
-            1 <= self.history_max_entries <= 10_000_000,
-            "history_max_entries",
-            self.history_max_entries,
-            "an integer from 1 to 10,000,000 (it bounds the CUDA allocation history)",
-        )
-        _require(1 <= self.step_profile_every_steps <= _MAX_STEPS, "step_profile_every_steps",
-                 self.step_profile_every_steps, f"an integer from 1 to {_MAX_STEPS:,}")
-        _require(self.pushgateway is None or is_host_port(self.pushgateway), "pushgateway", self.pushgateway,
-                 "host:port or an http(s):// URL, e.g. pushgateway.monitoring:9091")
-        _require(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty directory path")
 
     def options(self, kind: type[OptionsT]) -> OptionsT:
         """The options of one component: ``kind`` is a dataclass whose fields are named as this
@@ -339,6 +273,40 @@ class Config:
 
 _MAX_STEPS = 100_000_000  # step counts and intervals: more than any job runs
 _MAX_BYTES = 2**50  # a byte rate per step: a PiB
+
+
+_STEPS = f"an integer from 0 to {_MAX_STEPS:,}"
+_BYTES_PER_STEP = "a number of bytes per step from 1 to 2**50, or unset"
+
+_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("keep_steps", lambda v: 1 <= v <= 10_000_000, "an integer from 1 to 10,000,000"),
+    ("sample_interval_s", lambda v: v == 0 or 0.01 <= v <= 3600,
+     "0 (no sampler thread) or a number of seconds from 0.01 to 3600"),
+    ("overhead_budget", lambda v: 0 < v <= 0.5, "a fraction in (0, 0.5], e.g. 0.01 for 1%"),
+    ("census_every_steps", lambda v: 0 <= v <= _MAX_STEPS, _STEPS),
+    ("leak_min_bytes_per_step", lambda v: v is None or 1 <= v <= _MAX_BYTES, _BYTES_PER_STEP),
+    ("leak_horizon_hours", lambda v: 0 < v <= 24 * 366 and math.isfinite(v),
+     "a number of hours in (0, 8784], e.g. 168 for a week"),
+    ("leak_warmup_steps", lambda v: 0 <= v <= _MAX_STEPS, _STEPS),
+    ("leak_host_min_bytes_per_step", lambda v: v is None or 1 <= v <= _MAX_BYTES, _BYTES_PER_STEP),
+    ("leak_window_steps", lambda v: 20 <= v <= _MAX_STEPS, f"an integer from 20 to {_MAX_STEPS:,}"),
+    ("leak_check_every_steps", lambda v: 1 <= v <= _MAX_STEPS, f"an integer from 1 to {_MAX_STEPS:,}"),
+    ("port", lambda v: v is None or 0 <= v <= 65535, "an integer 0-65535 (0 picks a free port)"),
+    ("bind", is_ip, "an IP address such as 127.0.0.1 or 0.0.0.0"),
+    ("textfile", lambda v: v is None or v.endswith(".prom"),
+     "a path ending in .prom (node_exporter's textfile collector reads only *.prom)"),
+    ("oom_max_reports", lambda v: 0 <= v <= 10_000, "an integer from 0 to 10,000"),
+    ("oom_cooldown_s", lambda v: 0 <= v <= 86_400 and math.isfinite(v), "a number of seconds from 0 to 86400"),
+    ("oom_linger_s", lambda v: 0 <= v <= 600 and math.isfinite(v), "a number of seconds from 0 (exit at once) to 600"),
+    ("history_max_entries", lambda v: 1 <= v <= 10_000_000,
+     "an integer from 1 to 10,000,000 (it bounds the CUDA allocation history)"),
+    ("step_profile_every_steps", lambda v: 1 <= v <= _MAX_STEPS, f"an integer from 1 to {_MAX_STEPS:,}"),
+    ("pushgateway", lambda v: v is None or is_host_port(v),
+     "host:port or an http(s):// URL, e.g. pushgateway.monitoring:9091"),
+    ("output_dir", bool, "a non-empty directory path"),
+)
+"""Each field's bounds, checked in this order at construction (``Config.__post_init__``): (field, test of
+its value, what is accepted, as the error says it)."""
 
 
 _TEST_SWITCHES = ENV_PREFIX + "REQUIRE_"  # the test suite's own switches (GPUMEMD_REQUIRE_PROMETHEUS, ...)

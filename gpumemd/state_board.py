@@ -9,13 +9,19 @@ publish, so a step costs no state construction and a reader never waits on the t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from gpumemd.probes.identity import refreshed_identity
+
 if TYPE_CHECKING:
     from gpumemd.probes.health import ProbeHealth
     from gpumemd.records.step import AgentState, Overhead, StepRecord
+
+
+log = logging.getLogger("gpumemd")
 
 
 class Probe(Protocol):
@@ -76,6 +82,18 @@ class StateBoard:
                 phase=self._counts.current_phase,
                 **changes,  # type: ignore[arg-type]
             )
+
+    def refresh_identity(self) -> bool:
+        """Publish the rank torch.distributed gives now, if it differs from the one published (jobs
+        often call ``init_process_group`` after attach); True once it was found."""
+        base = self.base
+        assert base is not None
+        identity = refreshed_identity(base.identity)
+        if identity is None:
+            return False
+        self.publish({"identity": identity})
+        log.debug("gpumemd: rank %d of %d from torch.distributed", identity.rank, identity.world_size)
+        return True
 
     def _probe_health(self) -> tuple[dict[str, int], dict[str, bool]]:
         """Errors and availability per probe; the same dicts are reused while nothing changes, so

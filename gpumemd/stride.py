@@ -20,6 +20,9 @@ the host-buffer leak at 128 KiB/step was suspected 600 steps after onset instead
 500 the leak detector is held to: half the floors make the rank test slower to convince.)"""
 
 _COST_WINDOW = 9  # sampled step ends whose median cost sets the stride
+_REPLAN_EVERY = 4
+"""Sampled step ends between two looks at the medians: a look is two sorts, ~10 µs after a step of
+compute has taken the cache, and the medians of 9 move little from one sample to the next."""
 
 
 class StridePlanner:
@@ -34,6 +37,7 @@ class StridePlanner:
         """The job's typical step time: the median over recent sampled steps (None before two)."""
         self.stride = 1
         """Steps per sample now: 1 when every step is sampled."""
+        self._unplanned = 0  # samples taken in since the medians were last looked at
 
     def plan(self, cost: float, seconds_per_step: float | None) -> int:
         """Take in one sampled step end (what it cost, and the mean time of the steps it stands for)
@@ -42,6 +46,11 @@ class StridePlanner:
         costs.append(cost)
         if seconds_per_step:
             durations.append(seconds_per_step)
+        self._unplanned += 1
+        if self._unplanned < _REPLAN_EVERY and self.seconds_per_step is not None and len(costs) >= _COST_WINDOW:
+            return self.stride
+        self._unplanned = 0
+        if durations:
             self.seconds_per_step = sorted(durations)[len(durations) // 2]
         stride = 1
         typical_step = self.seconds_per_step

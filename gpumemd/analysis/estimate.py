@@ -340,25 +340,12 @@ def estimate(
         state_width = 4 if precision == "fp32" or precision.endswith("-mixed") else 2
         state += state_width * adafactor_state_elements(transformer_matrix_shapes(shape))
 
-    if zero_stage >= 1:
-        state, inter = state / gpus, inter / gpus
-    if zero_stage >= 2:
-        grads = grads / gpus
-    if zero_stage == 3:
-        weights = weights / gpus
-
+    weights, grads, state, inter, host = _partitioned(weights, grads, state, inter, zero_stage=zero_stage,
+                                                      gpus=gpus, offload=offload)
     gather = 0
     if zero_stage == 3 and gpus > 1 and shape is not None:
         h = shape.hidden
         gather = int(2 * (12 * h * h + 13 * h) * per.weights)  # this layer + the prefetched one
-
-    host = 0
-    if offload in ("optimizer", "params"):
-        host += int(state + inter)
-        state = inter = 0
-    if offload == "params":
-        host += int(weights + grads)
-        weights = grads = 0
 
     acts = transformer_activation_bytes(shape, precision) if shape is not None else None
     w_i, g_i, s_i, i_i = int(weights), int(grads), int(state), int(inter)
@@ -386,6 +373,27 @@ def estimate(
         shape=shape,
         grad_dtype=grad_dtype,
     )
+
+
+def _partitioned(weights: float, grads: float, state: float, inter: float, *, zero_stage: int, gpus: int,
+                 offload: str) -> tuple[float, float, float, float, int]:
+    """Each GPU's share of the model state under ZeRO (stage 1 shards the optimizer, 2 the gradients
+    too, 3 the weights too), and what offloading moves to the host: (weights, gradients, optimizer
+    state, optimizer intermediates, host bytes)."""
+    if zero_stage >= 1:
+        state, inter = state / gpus, inter / gpus
+    if zero_stage >= 2:
+        grads = grads / gpus
+    if zero_stage == 3:
+        weights = weights / gpus
+    host = 0
+    if offload in ("optimizer", "params"):
+        host += int(state + inter)
+        state = inter = 0
+    if offload == "params":
+        host += int(weights + grads)
+        weights = grads = 0
+    return weights, grads, state, inter, host
 
 
 # --- exact model-state bytes of a real model (used by probes.trace; pure over shapes) ------------

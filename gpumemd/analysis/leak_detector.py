@@ -25,6 +25,13 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
    counts no more), so its tracks keep the state they had, never cleared, and say why.
 7. A series may be "explained by" others (host RSS by the census of CPU tensors): when they grow at
    least half as fast over the same window, the growth is theirs and the series does not fire.
+   A family of count series that explains it *lends* its verdict: a count series rising since the
+   window's start passes with it (the same growth, named by what grows), so a count series seen only
+   every 10 to 50 steps is decided as soon as the bytes it accounts for, seen every step, are.
+8. A ramp that began inside the window after a flat start is also judged from its knee
+   (``assess_knee``), before the history covers a window too, once it has risen above every earlier
+   floor by as much as a material leak grows in a whole window: a strong leak is suspected within a
+   few floors, not half a window. A sawtooth seen in the window never rises that far above its peaks.
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from gpumemd.analysis.leak_track import Track
+from gpumemd.analysis.leak_track import Track, hinge_onset
 from gpumemd.analysis.leak_types import DetectorConfig, LeakState, SeriesSpec, TrackStatus
-from gpumemd.analysis.trend import Verdict, assess, theil_sen
+from gpumemd.analysis.trend import Slope, Verdict, assess, assess_knee, theil_sen
 
 __all__ = ["DetectorConfig", "LeakDetector", "LeakState", "SeriesSpec", "TrackStatus"]
 
@@ -56,6 +63,10 @@ class LeakDetector:
         # assessed in full: a component may start collecting culprit evidence before they fire.
         self.rising: set[tuple[str, str]] = set()
         self._held: dict[str, str] = {}  # series name -> why it is no longer judged
+        # At the evaluation under way: the thresholds, and the count series lent a bytes series' pass
+        # ((series, phase) -> the lender's window start, p-value and passes in a row; see ``_lend``).
+        self._min_slopes: Mapping[str, float] = {}
+        self._lent: dict[tuple[str, str], tuple[float, float, int]] = {}
         long_points = math.ceil(config.long_window_steps / config.block) + 2 * config.min_points
         self._max_floors = max(64, min(4096, long_points))
 
@@ -149,14 +160,17 @@ class LeakDetector:
         own ``min_bytes_per_step``, else the detector's)."""
         self._last_check = step
         self.rising.clear()
+        self._min_slopes, self._lent = min_slopes or {}, {}
         out: list[TrackStatus] = []
-        for (name, phase), track in self._tracks.items():
-            spec = track.spec
-            min_slope = (min_slopes or {}).get(name) or spec.min_bytes_per_step or self.config.min_bytes_per_step
-            status = self._evaluate_track(track, phase, step, min_slope)
+        # Dense series first: a count series may be lent the verdict of the bytes it explains.
+        for (_, phase), track in sorted(self._tracks.items(), key=lambda item: item[1].spec.sparse):
+            status = self._evaluate_track(track, phase, step, self._min_slope(track.spec))
             if status is not None:
                 out.append(status)
         return out
+
+    def _min_slope(self, spec: SeriesSpec) -> float:
+        return self._min_slopes.get(spec.name) or spec.min_bytes_per_step or self.config.min_bytes_per_step
 
     def _window_steps(self, track: Track) -> float:
         steps = float(self.config.window_steps)
@@ -173,38 +187,43 @@ class LeakDetector:
     def _evaluate_track(self, track: Track, phase: str, step: int, min_slope: float) -> TrackStatus | None:
         c = self.config
         spec = track.spec
-        if not spec.alarm or len(track.floors) < c.min_points:
+        lent = (spec.name, phase) in self._lent  # a count series lent a bytes series' pass (``_lend``)
+        if not spec.alarm or (len(track.floors) < c.min_points and not lent):
             return None
         if spec.name in self._held:
             return self._held_status(track, step, self._held[spec.name])
         resting = self._resting(track, step)
         if resting is not None:
             return resting
-        if track.state is None and track.floors[-1][0] - track.floors[0][0] < 0.9 * c.window_steps - c.block:
-            # Until the history covers one short window, a rise cannot be told from the first half
-            # of a sawtooth (a metric list, an epoch cache) that is about to reset.
-            return None
+        # Until the history covers one short window, a rise cannot be told from the first half of a
+        # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp above every floor
+        # of a flat start (``_knee_verdict``) or a lent verdict is judged before.
+        covered = track.floors[-1][0] - track.floors[0][0] >= 0.9 * c.window_steps - c.block
         # The window, and its newer half: a leak that began inside the window fails the ramp test on
         # the whole window (its first half is flat) but passes on the half, so strong leaks are
         # found in about half the window. Sawtooths are safe: once one reset was seen the window
         # spans 2.5 periods, so the half still holds a reset.
         steps = self._window_steps(track)
         active = track.state is not None and track.state.active
-        if not active:
+        if not active and not lent:
             # Cheap necessary condition of ``assess`` (slope >= min and floor growth >= 0.4 slope
-            # span), on the window and on its half: flat series, the common case, skip the O(n²)
-            # tests (and the thinning: ``may_rise`` is this test on the thinned window).
+            # span), on the window and on its half, or of ``assess_knee`` (``rose_above``): flat
+            # series, the common case, skip the O(n²) tests (and the thinning: ``may_rise`` is this
+            # test on the thinned window).
             if not (track.may_rise(step, steps, c.min_points, min_slope)
-                    or track.may_rise(step, steps / 2, c.min_points, min_slope)):
+                    or track.may_rise(step, steps / 2, c.min_points, min_slope)
+                    or track.rose_above(step, steps, c.min_points, min_slope * c.window_steps)):
                 return None
             self.rising.add((spec.name, phase))
-        verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope)
+        verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope,
+                                                      covered=covered or track.state is not None)
         # The long window can only confirm: a confirmed track skips its O(n²) test (a finding that
         # lasts for days would pay it at every re-test).
         confirmed_long = (verdict.passed and track.state is not LeakState.CONFIRMED
                           and self._passes_long_window(track, step, min_slope))
         previous = track.state
-        self._count_pass_or_fail(track, verdict, active, hx, hy)
+        lender = self._lent.get((spec.name, phase))
+        self._count_pass_or_fail(track, verdict, active, hx, hy, lent_streak=lender[2] if lender is not None else 0)
         state = track.state = self._next_state(track, verdict, active, confirmed_long, step)
         if state is None:
             return None
@@ -236,24 +255,38 @@ class LeakDetector:
             return dataclasses.replace(last, changed=False)
         return None
 
-    def _verdict(self, track: Track, phase: str, step: int, steps: float, min_slope: float,
+    def _verdict(self, track: Track, phase: str, step: int, steps: float, min_slope: float, *, covered: bool,
                  ) -> tuple[Verdict, float, list[float], list[float]]:
-        """The verdict on the window (or its newer half), the first step it assessed, and the half
+        """The verdict on the window (or its newer half, or its ramp since the knee; the window only
+        when ``covered``: its history covers a window), the first step it assessed, and the half
         window (whose recent slope tells a finding that still grows from one that stopped)."""
         c = self.config
         xs, ys = track.window(step, steps, c.min_points)
         hx, hy = track.window(step, steps / 2, c.min_points)
         has_half = len(hx) < len(xs)
-        verdict = self._assess(xs, ys, min_slope)
-        if not verdict.passed and has_half:
+        verdict = self._assess(xs, ys, min_slope) if covered else _UNCOVERED
+        if covered and not verdict.passed and has_half:
             # The half window must clear a 1000x stricter p: fewer, more autocorrelated floors make
             # slow wander look like a trend more often than in the whole window.
             half_verdict = self._assess(hx, hy, min_slope, p_max=c.p_max / 1000)
             if half_verdict.passed:
                 verdict, xs, ys = half_verdict, hx, hy
+        knee_passed = False
+        if not verdict.passed:
+            knee_verdict, knee = _knee_verdict(c, xs, ys, min_slope)
+            if knee_verdict.passed:
+                verdict, xs, ys, knee_passed = knee_verdict, xs[knee:], ys[knee:], True
         spec = track.spec
-        if verdict.passed and spec.explained_by and self._explained(spec, phase, xs[0], verdict):
-            verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
+        lent = self._lent.get((spec.name, phase))
+        if not verdict.passed and lent is not None:
+            verdict, xs = _lent_verdict(track, lent[0], lent[1], c.max_pairs), [lent[0]]
+        if verdict.passed and spec.explained_by:
+            if self._explained(spec, phase, xs[0], verdict, track.streak + 1):
+                verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
+            elif knee_passed and track.streak == 0:
+                # The series that may explain it are seen a scan later (a tensor is counted at the
+                # first scan it outlives): a ramp this young is held once, neither a pass nor a fail.
+                verdict = _with_reason(verdict, "held until what may explain it is seen")
         return verdict, xs[0], hx, hy
 
     def _passes_long_window(self, track: Track, step: int, min_slope: float) -> bool:
@@ -265,9 +298,12 @@ class LeakDetector:
         return self._assess(lx, ly, min_slope).passed
 
     def _count_pass_or_fail(self, track: Track, verdict: Verdict, active: bool,
-                            hx: Sequence[float], hy: Sequence[float]) -> None:
+                            hx: Sequence[float], hy: Sequence[float], *, lent_streak: int) -> None:
+        # passes in a row, explained or held ones included (lent with a verdict: see ``_lend``)
+        track.streak = track.streak + 1 if verdict.passed or verdict.reason.startswith(("explained", "held")) else 0
         if verdict.passed:
-            track.consecutive_pass += 1
+            # a lent pass carries the lender's passes in a row: the same growth, seen that long
+            track.consecutive_pass = max(track.consecutive_pass + 1, lent_streak)
             track.consecutive_fail = 0
             track.episode_slope = verdict.slope.slope
         elif active and not verdict.reason.startswith("explained") and self._still_growing(track, hx, hy):
@@ -311,14 +347,15 @@ class LeakDetector:
             return None
         return theil_sen([p[0] for p in pts], [p[1] for p in pts], max_pairs=2000).slope
 
-    def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict) -> bool:
+    def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
+        # Families of series (the count series of one device) first, each of them: any of them
+        # reporting, or rising with this growth (then lent this verdict).
+        families = [self._lend(other[:-1], phase, since, verdict, streak)
+                    for other in spec.explained_by if other.endswith("*")]
+        if any(families):
+            return True
         for other in spec.explained_by:
             if other.endswith("*"):
-                # a family of series (the count series of one device): any of them reporting
-                prefix = other[:-1]
-                if any(name.startswith(prefix) and p == phase and t.state is not None and t.state.active
-                       for (name, p), t in self._tracks.items()):
-                    return True
                 continue
             track = self._tracks.get((other, phase))
             if track is not None and track.state is not None and track.state.active:
@@ -330,6 +367,57 @@ class LeakDetector:
                 return True
         return False
 
+    def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
+        """Is a series of the family ``prefix`` reporting, or rising since ``since`` at its material
+        slope and (when its bytes per unit are known) at a quarter of the bytes' slope or more? Those
+        rising are lent this passing verdict for this evaluation, with the lender's passes in a row
+        (``streak``): sparse (a point per scan, placed one scan late), they would be decided a few
+        hundred steps after the bytes they account for."""
+        explained = False
+        for key, track in self._tracks.items():
+            if not key[0].startswith(prefix) or key[1] != phase:
+                continue
+            explained = explained or (track.state is not None and track.state.active)
+            newest = track.pending or (track.floors[-1] if track.floors else None)
+            before = [y for x, y in track.floors if x <= since][-3:]
+            if newest is None or not before or newest[0] <= since:
+                continue
+            rate = (newest[1] - min(before)) / (newest[0] - since)
+            spec = track.spec
+            per_unit = 1.0 if spec.unit == "bytes" else spec.unit_bytes
+            if rate >= self._min_slope(spec) and (not per_unit or rate * per_unit >= 0.25 * verdict.slope.slope):
+                self._lent[key] = (since, verdict.p_increasing, streak)
+                explained = True
+        return explained
+
+
+_UNCOVERED = Verdict(False, "history shorter than a window", 0, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, 0)
+
 
 def _with_reason(v: Verdict, reason: str) -> Verdict:
     return Verdict(False, reason, v.n, v.slope, v.p_increasing, v.growth, v.onset_index)
+
+
+def _lent_verdict(track: Track, since: float, p_value: float, max_pairs: int) -> Verdict:
+    """A lent pass: the count series' own slope since ``since`` (from its last floor before it to its
+    newest observation), with the lender's p-value."""
+    pts = [p for p in track.floors if p[0] < since][-1:] + [p for p in track.floors if p[0] >= since]
+    if track.pending is not None:
+        pts.append((float(track.pending[0]), track.pending[1]))
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope = theil_sen(xs, ys, max_pairs=max_pairs) if len(pts) >= 2 else Slope(0.0, 0.0, 0.0, 0)
+    reason = "leak" if slope.slope > 0 else "not significant"
+    return Verdict(reason == "leak", reason, len(pts), slope, p_value, ys[-1] - ys[0] if ys else 0.0, 0)
+
+
+def _knee_verdict(c: DetectorConfig, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:
+    """A ramp that began after a flat start at least as long as itself and at least half a window
+    (0.45 of it, as the history guard's 0.9), judged from its knee once it grew as much as a leak just
+    worth reporting grows in a whole window, above every floor before it. A sawtooth seen in the window
+    (which spans 2.5 of its periods) never rises above its own peaks by that much; one that starts
+    after a flat half window is the known limit."""
+    knee = hinge_onset(xs, ys)
+    if knee < len(xs) // 2 or knee == 0 or xs[knee] - xs[0] < 0.45 * c.window_steps - c.block:
+        return _UNCOVERED, knee
+    return assess_knee(xs, ys, knee, min_slope=min_slope, min_growth=min_slope * c.window_steps,
+                       p_max=c.p_max, min_points=c.min_points, max_pairs=c.max_pairs), knee

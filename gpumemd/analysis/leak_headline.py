@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpumemd.analysis.holder_adds import VERBS
 from gpumemd.records.findings import Culprit, Finding
 
 HEADLINE_MAX = 200
@@ -39,7 +40,12 @@ _SIZES = (
     re.compile(r" \([\d,]+ (autograd )?nodes\)"),
     re.compile(r"(?<=\w) of [\d,]+( items?)?\b"),
 )
-_LOCATION = re.compile(r" at [^\s,()→]+:\d+")  # " at train.py:12"
+# " at train.py:12", where a holder lives; not where it is added to (", appended at train.py:57": every
+# verb of analysis.holder_adds ends in "ed"), which is what the user changes
+_LOCATION = re.compile(r"(?<!ed) at [^\s,()→]+:\d+")
+_ADDED_DIRS = re.compile(r"(?<=ed at )[^\s,()→]*/(?=[^/\s,()→]+:\d+)")  # "appended at job/train.py:57"
+_ADDED_FILE = re.compile(r"(?<=ed at )[^/\s,()→]+:(?=\d+)")  # "appended at train.py:57" -> "appended at line 57"
+_ADDED_LINE = re.compile(r", (?:" + "|".join(VERBS) + r") at (line )?[^\s,()→]*\d+")
 _BARE_CONTAINER = re.compile(r"( → (list|dict|tuple|set|deque|OrderedDict|defaultdict))+$")
 
 
@@ -117,11 +123,25 @@ def mention(finding: Finding) -> str:
 
 
 def fit_holder(holder: str, width: int) -> str:
-    """A holder in ``width`` characters: without its source locations first (the name and the
-    function say where; the summary keeps the line), then cut in its middle."""
+    """A holder in ``width`` characters: without where it lives first (the name and the function say
+    where; the summary keeps the line), then the directories of the line that adds to it ("appended
+    at train.py:57"), then cut in its middle, keeping a root that says where it is added to before
+    the hops below it. A root too long even so says that line shorter ("appended at line 57": it is
+    in the root's own file), then not at all (the summary keeps it), and never loses its name."""
     if len(holder) <= width:
         return holder
-    return cut_middle(_LOCATION.sub("", holder), width)
+    holder = _LOCATION.sub("", holder)
+    if len(holder) > width:
+        holder = _ADDED_DIRS.sub("", holder)
+    for shorter, words in ((_ADDED_FILE, "line "), (_ADDED_LINE, "")):
+        root, arrow, _ = holder.partition(" → ")
+        if len(root) + (4 if arrow else 0) > width:  # the root, and " → …" after it
+            holder = shorter.sub(words, holder)
+    root = holder.partition(" → ")[0]
+    if len(holder) <= width or not _ADDED_LINE.search(root):
+        return cut_middle(holder, width)
+    cut = cut_middle(holder, width)
+    return cut if cut.startswith(root + " → ") else root + " → …"
 
 
 def cut_middle(text: str, width: int) -> str:

@@ -42,6 +42,7 @@ class Track:
         "resets",
         "spec",
         "state",
+        "streak",
         "trough",
         "trough_x",
     )
@@ -62,6 +63,7 @@ class Track:
         self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
         self.onset_value = 0.0  # the floor at the onset, kept with it: growth is measured from it
         self.consecutive_pass = 0
+        self.streak = 0  # evaluations in a row whose window passed, explained or held ones included
         self.consecutive_fail = 0
         # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
         self.trough = math.inf
@@ -104,6 +106,13 @@ class Track:
         q = max(1, int(m * 0.25))  # floor_growth's quarter
         growth = 0.0 if m < 2 * q else min(ys[n - q * k :]) - min(ys[start : start + q * k])
         return growth >= 0.4 * min_slope * (last - first)
+
+    def rose_above(self, now: int, steps: float, min_points: int, growth: float) -> bool:
+        """Is the newest floor ``growth`` above every floor of the window's older half? The cheap
+        test every evaluation makes for a ramp judged from its knee (``assess_knee``), whose flat
+        start holds at least the older half."""
+        _, ys = self._points(now, steps, min_points)
+        return len(ys) >= 2 and ys[-1] - max(ys[: len(ys) // 2]) >= growth
 
     def onset_and_growth(self) -> tuple[int | None, float]:
         """The current episode's onset (the hinge of the floors) and the growth since it."""

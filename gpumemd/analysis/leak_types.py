@@ -73,6 +73,7 @@ class SeriesSpec:
     unit: str = "bytes"  # what the values count: "bytes", "tensors" or "nodes" (autograd nodes chained)
     group: str | None = None  # the group a count series follows ("float32[4, 8]")
     row_bytes: int = 0  # a growing tensor's series: bytes per row of its leading dimension (0: not one)
+    unit_bytes: float = 0.0  # a count series: bytes per tensor counted (0: not known: nodes, graph-keeping tensors)
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:

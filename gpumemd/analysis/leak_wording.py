@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from gpumemd.analysis.holder_adds import added_at
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.analysis.leak_headline import (
     KIND_WORDS,
@@ -169,30 +170,15 @@ def build_finding(
     steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes, slope, seconds_per_step) if active else (None, None)
     projected, oom = projection_words(steps_to_oom, hours_to_oom)
     name = status.spec.name
-    parts = [f"{KIND_WORDS.get(kind, kind)} {status.state_name} on {name}"]
-    if status.phase != "train":
-        parts[0] += f" (phase {status.phase})"
-    if not active:
-        parts.append(f"growth stopped ({v.reason})")
-    else:
-        parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
-        if status.held:  # its counter stopped: the rate and growth are as last measured, a lower bound
-            parts.append(status.held)
-        if projected is not None:
-            parts.append(f"out of memory in {projected}")
-    summary = ", ".join(parts)
-    if active:
-        summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
-                                  culprits_step=culprits_step, sites=sites)
+    summary = _summary(status, kind, per_step, slope, bytes_per_unit=bytes_per_unit, projected=projected)
     facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status),
                   stopped=None if active else v.reason)
     if active:
-        rate = _rate(status, per_step, slope)
-        if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
-            rate = f"+{format_bytes(slope / culprits[0].count_delta)}/step each"  # per worker process
-        facts = dataclasses.replace(
-            facts, rate=rate, holder=holder_words(culprits, sites),
-            onset_step=status.onset_step, out_of_memory=oom)
+        summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
+                                  culprits_step=culprits_step, sites=sites)
+        facts = dataclasses.replace(facts, rate=_stated_rate(status, per_step, slope, culprits),
+                                    holder=holder_words(culprits, sites), onset_step=status.onset_step,
+                                    out_of_memory=oom)
     low, high = (v.slope.low, v.slope.high)
     if counts:
         low, high = low * bytes_per_unit, high * bytes_per_unit
@@ -210,6 +196,7 @@ def build_finding(
         updated_step=status.step,
         summary=summary,
         headline=headline(facts),
+        added_at=added_at(culprits[0].holder) if culprits else None,
         device=status.spec.device,
         culprits=tuple(culprits),
         phase=status.phase,
@@ -278,6 +265,30 @@ def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_
     else:
         parts.append(f"+{format_bytes(grown)} so far")
     return parts
+
+
+def _summary(status: TrackStatus, kind: str, per_step: float, slope: float, *, bytes_per_unit: float,
+             projected: str | None) -> str:
+    """The summary up to its culprit: what, in what state, how fast and how soon out of memory."""
+    parts = [f"{KIND_WORDS.get(kind, kind)} {status.state_name} on {status.spec.name}"]
+    if status.phase != "train":
+        parts[0] += f" (phase {status.phase})"
+    if status.state is None or not status.state.active:
+        parts.append(f"growth stopped ({status.verdict.reason})")
+    else:
+        parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
+        if status.held:  # its counter stopped: the rate and growth are as last measured, a lower bound
+            parts.append(status.held)
+        if projected is not None:
+            parts.append(f"out of memory in {projected}")
+    return ", ".join(parts)
+
+
+def _stated_rate(status: TrackStatus, per_step: float, slope: float, culprits: Sequence[Culprit]) -> str:
+    """The rate the headline states: per worker process for the DataLoader workers."""
+    if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
+        return f"+{format_bytes(slope / culprits[0].count_delta)}/step each"
+    return _rate(status, per_step, slope)
 
 
 def _culprit_text(status: TrackStatus, culprits: Sequence[Culprit], culprit_steps: float, *,
@@ -399,7 +410,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     where = _finding_where(lead)
     if not active:
         return dataclasses.replace(
-            lead, state=state, summary=f"{head}, growth stopped", culprits=(), severity=None,
+            lead, state=state, summary=f"{head}, growth stopped", culprits=(), severity=None, added_at=None,
             headline=headline(Facts(kind=lead.kind, state=state, where=where)),
             first_step=min(m.first_step for m in members), updated_step=max(m.updated_step for m in members))
     per_step = sum(m.tensors_per_step or 0.0 for m in active)
@@ -430,6 +441,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
         growth_bytes=sum(m.growth_bytes for m in active), steps_to_oom=steps_to_oom,
         first_step=min(m.first_step for m in members), updated_step=max(m.updated_step for m in members),
         summary=summary, headline=headline(facts), culprits=culprits,
+        added_at=added_at(holder) or (added_at(culprits[0].holder) if culprits else None),
         p_value=max((m.p_value for m in active if m.p_value is not None), default=None),
         sites=tuple(dict.fromkeys(s for m in active for s in m.sites)), tensors_per_step=per_step,
         hours_to_oom=hours_to_oom,

@@ -12,7 +12,8 @@ least N bytes per step?". Each function answers one part of it:
 - ``cusum_onset``: where the rise began (CUSUM of floor differences).
 - ``ramp_consistent`` and ``floor_growth``: a leak rises in every part of the window and never
   returns to its old floor; one-off jumps and sawtooths that reset fail these.
-- ``assess``: all of the above, with the reason a window did not pass.
+- ``assess``: all of the above, with the reason a window did not pass; ``assess_knee`` the same for
+  a ramp that began inside the window, judged from its knee.
 """
 
 from __future__ import annotations
@@ -298,5 +299,36 @@ def assess(
     if growth < max(min_growth, 0.4 * slope.slope * span):
         return verdict("floor returns")
     if not ramp_consistent(xs, ys, slope.slope):
+        return verdict("not a ramp")
+    return verdict("leak")
+
+
+def assess_knee(
+    xs: Sequence[float], ys: Sequence[float], knee: int, *, min_slope: float, min_growth: float,
+    p_max: float = 1e-3, confidence: float = 0.90, min_points: int = 8, max_pairs: int = 20_000,
+) -> Verdict:
+    """A ramp that began inside the window, after index ``knee`` (the hinge of a flat-then-ramp fit),
+    judged from its knee: its floors must all be above every floor before it, which the newest m of n
+    exchangeable floors are by chance once in C(n, m) (the p-value; a rank test over the whole window
+    would weigh a flat start's drift of a few KiB as much as the ramp); the ramp's own slope, its ramp
+    consistency, and its rise above the flat part's highest floor."""
+    n, flat, rx, ry = len(ys), ys[: knee + 1], xs[knee:], ys[knee:]
+    if n < min_points or len(rx) < 4:
+        return Verdict(False, "too few points", n, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, knee)
+    slope = theil_sen(rx, ry, confidence=confidence, max_pairs=max_pairs)
+    above = min(ry[1:]) > max(flat)
+    p = 1.0 / math.comb(n, len(ry) - 1) if above else 1.0
+    growth = min(ry[-max(1, len(ry) // 4):]) - max(flat)
+
+    def verdict(reason: str) -> Verdict:
+        return Verdict(reason == "leak", reason, n, slope, p, growth, knee)
+
+    if p >= p_max:
+        return verdict("not significant")
+    if slope.low < min_slope:
+        return verdict("slope below threshold")
+    if growth < min_growth:
+        return verdict("growth below threshold")
+    if not ramp_consistent(rx, ry, slope.slope):
         return verdict("not a ramp")
     return verdict("leak")

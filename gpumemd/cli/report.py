@@ -22,6 +22,7 @@ from gpumemd.cli.escape import escaped
 from gpumemd.probes.snapshot_load import load_snapshot
 from gpumemd.probes.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
+from gpumemd.report.build import OUTCOME_WORDS, OUTCOMES
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.last_state import StateLoadError, at_risk, ending, load_states, pid_alive, state_lines
 from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
@@ -155,7 +156,10 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
     b = report["breakdown"]
     _say(out, f"gpumemd OOM report: {report['_dir']}")
     _say(out, headline(report))
-    _say(out, f"written {fmt_time(report.get('created_at'))} via {report.get('source')}")
+    # whether the job caught it or died of it (a report written before it said so: from its source)
+    outcome = report.get("outcome") or OUTCOMES.get(str(report.get("source")))
+    _say(out, f"written {fmt_time(report.get('created_at'))} via {report.get('source')}"
+              + (f" · outcome: {outcome}" if outcome else ""))
     why, *also = verdict_lines(report)
     _say(out, f"verdict: {b.get('verdict')}: {why}")
     for line in also:
@@ -194,7 +198,8 @@ def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
             {"dir": r["_dir"], "rank": r.get("rank"), "step": r.get("step"), "created_at": r.get("created_at"),
              "device": r["breakdown"].get("device"), "verdict": r["breakdown"].get("verdict"),
              "requested_bytes": r["breakdown"].get("requested_bytes"), "peak_bytes": r.get("peak_bytes"),
-             "breakdown": {k: _item(r, k) for k in _COLUMNS}, "leak": _leak_cell(r)}
+             "breakdown": {k: _item(r, k) for k in _COLUMNS}, "leak": _leak_cell(r),
+             "outcome": OUTCOME_WORDS.get(str(r.get("source")), r.get("source"))}
             for r in sorted(reports, key=lambda r: (r.get("rank") or 0, r.get("created_at") or 0))
         ],
     }
@@ -204,9 +209,9 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
     first = view["first"]
     _say(out, f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
           f"first (step {first['step']}, {fmt_time(first['created_at'])})")
-    head = ["rank", "step", "time", "device", "requested", "peak", *(_column_label(k) for k in _COLUMNS),
+    head = ["rank", "step", "time", "outcome", "device", "requested", "peak", *(_column_label(k) for k in _COLUMNS),
             "verdict", "leak"]
-    rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["device"]),
+    rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["outcome"]), str(r["device"]),
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
             for r in view["reports"]]

@@ -17,6 +17,9 @@ whose leak keeps 100k tensors is spread over a few, each pause bounded (``budget
 A leak finding's culprit search that needs a census now drives the census under way, or begins one
 (``census_now``); a census outside a step (``take_outside_step``) drops the one under way.
 
+A confirmed leak finding asks for a census at the next step end (``take_soon``): on a fast loop the
+interval can be thousands of steps, and the census's figures then predate the leak the finding states.
+
 The component keeps a few recent censuses (thinned so they span the whole run, not just the last few
 intervals) for the leak detector and the OOM report: ``recent_censuses()``, ``at_or_after(step)``
 and ``take_now()``. It is the one way a census is taken: periodic ones, the leak detector's
@@ -25,6 +28,7 @@ and ``take_now()``. It is the one way a census is taken: periodic ones, the leak
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.budget import HEAP_PASS_START_S, STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
-from gpumemd.probes.census import GRAPH_SLICE_NODES
+from gpumemd.probes.census import GRAPH_SLICE_NODES, CensusRequest
 from gpumemd.probes.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
 from gpumemd.probes.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
 
@@ -64,10 +68,8 @@ milliseconds (the heap pass, at a census's first step end, and the holder lookup
 class CensusFn(Protocol):
     """``gpumemd.probes.census.census_steps``, as the component calls it (tests give their own)."""
 
-    def __call__(self, *, models: Sequence[object], optimizers: Sequence[object], step: int | None,
-                 allocator: Sequence[AllocatorSample] | None, previous: Census | None, holders: int,
-                 pause_s: float | None, slice_started: Callable[[], float] | None,
-                 graph_slice_nodes: int | None) -> Hinted[Census]: ...
+    def __call__(self, request: CensusRequest, *, models: Sequence[object],
+                 optimizers: Sequence[object]) -> Hinted[Census]: ...
 
 
 @dataclass(eq=False)
@@ -131,6 +133,7 @@ class CensusComponent(ComponentBase):
         self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
         self._last_cost: float | None = None
         self._running: _Running | None = None  # the census under way (training thread only advances it)
+        self._soon = False  # a census is asked for at the next step end (``take_soon``)
         self._step_end_began = 0.0  # this component's clock at the start of its latest on_step
         self.worked_at_step: int | None = None
         """The step whose step end last ran a slice of a census (the leak detector's evaluation then waits)."""
@@ -174,7 +177,9 @@ class CensusComponent(ComponentBase):
         if not self._periodic and running is None:
             return
         self._steps_since += record.steps
-        if running is None and self._steps_since >= self._next_look and self._due():
+        soon = self._soon and self._steps_since >= self._retry_after  # a failing census still backs off
+        if running is None and (soon or (self._steps_since >= self._next_look and self._due())):
+            self._soon = False
             running = self._begin(record.step, record.allocator)
         if running is not None:
             self.worked_at_step = record.step
@@ -204,6 +209,15 @@ class CensusComponent(ComponentBase):
 
     def _share(self, seconds_per_step: float) -> float:
         return census_share(self._budget, _other_share(self._agent, seconds_per_step))
+
+    def take_soon(self) -> None:
+        """Begin a census at the next step end, run in slices as a periodic one (and the next periodic
+        one an interval after it): a confirmed leak finding asks for one, so the census's figures
+        (the state's, the demo's, an OOM report's comparison) show the growth the finding states. One
+        under way already is that census."""
+        if self._running is None and self._periodic and self._agent is not None:
+            self._soon = True
+            self._agent.sample_within(1)
 
     def take_now(self) -> Census:
         """Run a census now, whole (one under way is dropped: this one is newer), keep it with the
@@ -256,6 +270,7 @@ class CensusComponent(ComponentBase):
                 self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
                 raise  # the caller reports it (the OOM report's census note, the job's own call)
             cost = self._clock() - started
+            census = dataclasses.replace(census, duration_s=cost)  # its time, kept by whoever runs it
             self._account(agent, cost, outside_step=True)
             self._finished(cost)
             self._remember(census)
@@ -298,7 +313,7 @@ class CensusComponent(ComponentBase):
                     with collector_paused():  # its allocations must not set off a collection of the job's heap
                         running.heap_pass_next = next(running.work) is HEAP_PASS
                 except StopIteration as done:
-                    census = running.result = done.value
+                    census = done.value
                     running.end()
                 except Exception as exc:  # noqa: BLE001 - the job comes first: back off and carry on
                     running.end()
@@ -306,6 +321,8 @@ class CensusComponent(ComponentBase):
                 cost = self._clock() - started
                 running.cost += cost
                 self._account(self._agent, cost, outside_step=False)
+                if census is not None:  # its slices' time, kept here (the census keeps no clock)
+                    census = running.result = dataclasses.replace(census, duration_s=running.cost)
                 if running.over:
                     self._running = None
                     self._finished(running.cost, failed=census is None)
@@ -341,10 +358,11 @@ class CensusComponent(ComponentBase):
         # In step ends the lookups are bounded with the step end's other work and the graph walk is
         # sliced; a census run whole (an OOM, the job's own call, take_now) has its full budgets.
         in_step = agent is not None and in_step_end
-        return self._census_fn(models=models, optimizers=optimizers, step=step, allocator=allocator,
-                               previous=previous, holders=holders, pause_s=STEP_END_PAUSE_S if in_step else None,
-                               slice_started=(lambda: self._step_end_began) if in_step else None,
-                               graph_slice_nodes=GRAPH_SLICE_NODES if in_step else None)
+        request = CensusRequest(step=step, allocator=allocator, previous=previous, holders=holders,
+                                pause_s=STEP_END_PAUSE_S if in_step else None,
+                                slice_started=(lambda: self._step_end_began) if in_step else None,
+                                graph_slice_nodes=GRAPH_SLICE_NODES if in_step else None)
+        return self._census_fn(request, models=models, optimizers=optimizers)
 
     def _account(self, agent: AgentView | None, cost: float, *, outside_step: bool) -> None:
         if agent is not None:

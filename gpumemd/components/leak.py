@@ -18,32 +18,28 @@ headline, at most 200 characters), appends the whole finding to
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpumemd import budget
 from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, merge_causes, state_changes
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.analysis.leak_wording import build_finding, refine_kind
 from gpumemd.components.leak_culprits import CulpritSearch
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
+from gpumemd.components.leak_file import FindingsFile
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.components.leak_options import LeakOptions
 from gpumemd.components.leak_pending import PendingEvaluation
+from gpumemd.components.leak_scans import SCAN_EVERY, SCAN_EVERY_MAX, ScanSchedule
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
-from gpumemd.files import append_line
 from gpumemd.probes.gc_pause import collector_paused
 from gpumemd.probes.graph_chains import GraphChainTracker
 from gpumemd.probes.stepwise import Stepwise
 from gpumemd.probes.survivors import SurvivorTracker
 from gpumemd.probes.tensor_families import TensorFamilies
-from gpumemd.records.plain import plain
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -55,13 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["SCAN_EVERY", "SCAN_EVERY_MAX", "LeakComponent", "LeakOptions"]
 
 log = logging.getLogger("gpumemd")
-
-SCAN_EVERY = 10
-"""Steps between survivor scans (and count-series observations) at least."""
-
-SCAN_EVERY_MAX = 50
-"""Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
-10 points of every count series, so the budget never starves detection."""
 
 _UNFED_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
@@ -116,15 +105,20 @@ class LeakComponent:
         self._culprits: dict[_Key, Evidence] = {}
         self._attempts: dict[_Key, int] = {}  # step of the last culprit search per finding
         self._unfed: list[tuple[StepRecord, int]] = []  # records not yet fed to the detector (see on_step)
-        self._scan_interval = SCAN_EVERY  # steps between scans now (budgeted, see _scanned)
-        self._last_scan_total = 0  # agent.steps_total at the last scan
-        self._next_scan_total = SCAN_EVERY  # agent.steps_total at which the next scan runs
-        self._scan_cost: float | None = None  # moving average of a scan's seconds
-        self._append_failed = False  # the last append to the findings file failed (logged once)
+        self._scans = self._new_scans()
+        self._file: FindingsFile | None = None
         self._deferred = False  # the last due evaluation waited for the step after a census
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
-        self.scan_seconds = 0.0  # time spent in survivor scans (benchmarks read it)
+        self._scans_before = 0.0  # scan seconds of earlier starts
+
+    def _new_scans(self) -> ScanSchedule:
+        return ScanSchedule(window_steps=self._options.leak_window_steps, overhead_budget=self._options.overhead_budget)
+
+    @property
+    def scan_seconds(self) -> float:
+        """Time spent in survivor scans (benchmarks read it)."""
+        return self._scans_before + self._scans.seconds
 
     @property
     def host_look_seconds(self) -> float:
@@ -135,9 +129,10 @@ class LeakComponent:
 
     def start(self, agent: AgentView) -> None:
         self._agent = agent
+        self._file = FindingsFile(agent, self._wall)
         self._unfed = []  # a new detector: records fed to an earlier one stay with it
-        self._scan_interval, self._last_scan_total, self._scan_cost = SCAN_EVERY, 0, None
-        self._next_scan_total = SCAN_EVERY
+        self._scans_before += self._scans.seconds
+        self._scans = self._new_scans()
         tracker, chains = _trackers()
         families = TensorFamilies() if tracker is not None else None
         series = LeakSeries(self._options, agent, tracker=tracker, chains=chains, families=families)
@@ -172,11 +167,9 @@ class LeakComponent:
 
     @property
     def findings_path(self) -> str:
-        """The append-only JSON-lines file (created on the first state change). Named from the rank
-        known when it is written: jobs often call ``init_process_group`` after attach."""
-        assert self._agent is not None
-        rank = self._agent.state().identity.rank
-        return os.path.join(self._agent.output_dir, f"leak-findings-rank{rank}.jsonl")
+        """The findings file (``leak_file``), created on the first state change."""
+        assert self._file is not None
+        return self._file.path
 
     # --- per step ------------------------------------------------------------------------------
 
@@ -200,13 +193,12 @@ class LeakComponent:
         if tracker is not None:
             if tracker.callback_seconds:
                 agent.add_thread_seconds(tracker.take_callback_seconds())
-            if total >= self._next_scan_total:
-                self._last_scan_total = total
+            if self._scans.due(total):
                 scan_started = self._clock()
                 try:
                     series.feed_counts(record)
                 finally:
-                    self._scanned(agent, self._clock() - scan_started)
+                    self._scanned(agent, total, self._clock() - scan_started)
         detector = series.detector
         due = detector.next_due_step()
         busy = self._pending is not None or record.step >= due
@@ -224,10 +216,7 @@ class LeakComponent:
             due = detector.next_due_step()
         if len(unfed) >= _UNFED_MAX:
             _feed_unfed(series, unfed)
-        # The next scan: every ``_scan_interval`` steps, and at every evaluation, so the culprit
-        # search samples tensors and chain roots of that very step (an EMA's root is new each step).
-        evaluation_at = total + (max(1, due - record.step) if self._pending is None else self._scan_interval)
-        self._next_scan_total = min(self._last_scan_total + self._scan_interval, evaluation_at)
+        self._scans.plan(total, due - record.step if self._pending is None else None)
 
     def _defer_after_census(self, agent: AgentView, record: StepRecord) -> bool:
         """Whether a due evaluation waits one step: when the census component (which runs first)
@@ -247,26 +236,15 @@ class LeakComponent:
         parts = self._parts
         agent = self._agent
         chains = parts.chains if parts is not None else None
-        if chains is not None and agent is not None and agent.steps_total + 1 >= self._next_scan_total:
+        if chains is not None and agent is not None and self._scans.due(agent.steps_total + 1):
             chains.mark_step(agent.current_step)
 
-    def _scanned(self, agent: AgentView, seconds: float) -> None:
-        """Space the next scan so scans and evaluations together keep to their share of the budget
-        (``budget.Part.LEAK_CHECKS``) at this step time, within ``SCAN_EVERY`` .. ``SCAN_EVERY_MAX``
-        steps. Evaluations run on their own cadence (``leak_check_every_steps``), so the scans get the
-        share less what the evaluations took so far, at least half of it."""
-        self.scan_seconds += seconds
-        cost = self._scan_cost = seconds if self._scan_cost is None else 0.8 * self._scan_cost + 0.2 * seconds
-        config = self._options
-        longest = max(1, min(SCAN_EVERY_MAX, config.leak_window_steps // 10))  # 10 points per window
-        interval = SCAN_EVERY
-        step_seconds = agent.seconds_per_step  # typical step time: pauses between steps do not count
-        if step_seconds:
-            allowed = budget.share(config.overhead_budget, budget.Part.LEAK_CHECKS)
-            steps = max(1, agent.steps_total)
-            evaluations = (self.evaluate_seconds - self.host_look_seconds) / steps / step_seconds
-            interval = budget.steps_between(cost, max(allowed / 2, allowed - evaluations), step_seconds)
-        self._scan_interval = max(min(SCAN_EVERY, longest), min(longest, interval))
+    def _scanned(self, agent: AgentView, total: int, seconds: float) -> None:
+        step_seconds = agent.seconds_per_step
+        evaluations = 0.0
+        if step_seconds:  # the evaluations' share of the job's time so far (heap looks are budgeted apart)
+            evaluations = (self.evaluate_seconds - self.host_look_seconds) / max(1, agent.steps_total) / step_seconds
+        self._scans.scanned(total, seconds, seconds_per_step=step_seconds, evaluations_share=evaluations)
 
     # --- evaluation ----------------------------------------------------------------------------
 
@@ -318,9 +296,21 @@ class LeakComponent:
         # Groups that grow together under one holder are one cause: one finding, one line per
         # state change of it (the per-series findings above stay the detector's bookkeeping).
         previous, self._causes = self._causes, merge_causes(self._findings, self._causes)
-        for finding in state_changes(previous, self._causes, changed):
+        reported = state_changes(previous, self._causes, changed)
+        for finding in reported:
             self._report(finding)
         agent.publish(findings=tuple(self._causes.findings.values()))
+        self._census_to_match(agent, reported)
+
+    def _census_to_match(self, agent: AgentView, reported: list[Finding]) -> None:
+        """A census soon after a leak is confirmed (or refreshed while the census predates it), so the
+        tensor figures tell the finding's story: a fast loop's census can be thousands of steps old."""
+        census = agent.published.census
+        taken = census.step if census is not None and census.step is not None else -1
+        confirmed = [f.first_step for f in self._causes.findings.values() if f.state == "confirmed"]
+        if self._census is not None and confirmed and (
+                any(f.state == "confirmed" for f in reported) or taken < max(confirmed)):
+            self._census.take_soon()
 
     def _graphs_reported(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> bool:
         """Is a retained graph reported by another finding, so tensors only a graph keeps are not?"""
@@ -422,17 +412,8 @@ class LeakComponent:
     def _report(self, finding: Finding) -> None:
         # One short line a person reads once; the whole sentence goes to the file and the state.
         log.warning("gpumemd: %s", finding.headline or finding.summary)
-        path = self.findings_path
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            run = self._agent.state().run if self._agent is not None else None  # a file may hold several runs
-            line = json.dumps({"time": self._wall(), "run": run, **_jsonable(plain(finding))}, sort_keys=True)
-            append_line(path, line)
-            self._append_failed = False
-        except OSError as exc:
-            if not self._append_failed:  # said once until a write succeeds again
-                log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", path, exc)
-            self._append_failed = True
+        if self._file is not None:
+            self._file.append(finding)
 
 
 def _trackers() -> tuple[SurvivorTracker | None, GraphChainTracker | None]:
@@ -471,13 +452,3 @@ def _feed_unfed(series: LeakSeries, unfed: list[tuple[StepRecord, int]]) -> None
             series.feed(record, samples)
     finally:
         unfed.clear()
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

@@ -459,7 +459,9 @@ def _tensor_spec(group: SurvivorGroup) -> SeriesSpec:
     described = group.describe()
     return SeriesSpec(series_name("tensors", group.device, described),
                       "graph_leak" if group.graph else "tensor_leak", group.device, sparse=True,
-                      unit="tensors", group=described)
+                      unit="tensors", group=described,
+                      # a tensor with a grad_fn keeps its graph: its bytes are more than its own
+                      unit_bytes=0.0 if group.graph else group.nbytes / max(1, group.count))
 
 
 def _chain_spec(group: ChainGroup) -> SeriesSpec:

@@ -28,14 +28,14 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.components.base import ComponentBase
-from gpumemd.components.hook_printing import format_traceback, print_hook_failure, print_thread_hook_failure, safe_str
+from gpumemd.components.hook_printing import format_traceback, safe_str
 from gpumemd.components.oom_capture import Capture, CaptureSlot, CaughtTally, probing_now
+from gpumemd.components.oom_excepthooks import ExceptHooks
 from gpumemd.probes.environment import collect_environment
 from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import Device, cuda_index
@@ -133,10 +133,7 @@ class OomComponent(ComponentBase):
         self._cuda_hooked = False
         self._cuda_possible = True
         self._running = False
-        self._prev_sys_hook: Callable[..., Any] | None = None
-        self._prev_thread_hook: Callable[..., Any] | None = None
-        self._sys_hook: Callable[..., Any] | None = None
-        self._thread_hook: Callable[..., Any] | None = None
+        self._hooks = ExceptHooks(self._hook_report, self._fatal, handled_mark=_MARK)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -146,7 +143,7 @@ class OomComponent(ComponentBase):
             self._census.start(agent)
             self._owns_census = True
         self._running = True
-        self._install_excepthooks()
+        self._hooks.install()
         available = getattr(self._probe, "cuda_available", None)
         self._cuda_possible = bool(available()) if available is not None else True  # no step looks on a CPU build
         if self._cuda_possible:
@@ -179,7 +176,7 @@ class OomComponent(ComponentBase):
         global _observer_target
         self._settle(self._captures.pop())  # an OOM caught after the last sampled step end
         self._running = False
-        self._remove_excepthooks()
+        self._hooks.remove()
         with _observer_lock:
             if _observer_target is not None and _observer_target() is self:
                 _observer_target = None
@@ -257,50 +254,10 @@ class OomComponent(ComponentBase):
         caught = self._caught.count
         agent.publish(ooms_total=self._ooms + caught, ooms_caught=caught, oom_caught_steps=self._caught.steps())
 
-    # --- excepthooks -------------------------------------------------------------------------
+    # --- excepthooks (``oom_excepthooks``) ---------------------------------------------------------
 
-    def _install_excepthooks(self) -> None:
-        component = weakref.ref(self)
-        prev_sys = sys.excepthook
-        prev_thread = threading.excepthook
-
-        def report(exc: BaseException | None, source: str) -> bool:
-            me = component()
-            try:
-                return bool(me is not None and me._running and me.handle(exc, source=source, clear=False))
-            except Exception:  # noqa: BLE001 - the previous hook must run whatever happens here
-                return False
-
-        def sys_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-            handled = report(exc, "excepthook")
-            called_handling = sys.exc_info()[1] is exc  # a caller in an except block (gpumemd run), not python
-            try:
-                prev_sys(exc_type, exc, tb)  # the user's traceback printer (or debugger) sees it unchanged
-            except SystemExit:
-                raise  # python exits with the hook's code, as it would without gpumemd
-            except BaseException as hook_error:  # noqa: BLE001 - shown as python shows it, not from here
-                print_hook_failure(hook_error, exc_type, exc, tb, called_handling=called_handling)
-            finally:
-                if handled:
-                    traceback.clear_frames(tb)
-                me = component()
-                if me is not None and (handled or getattr(exc, _MARK, False)):  # oom_guard may have reported it
-                    me._fatal()
-
-        def thread_hook(args: Any) -> None:
-            handled = report(args.exc_value, "thread_excepthook")
-            try:
-                prev_thread(args)
-            except Exception as hook_error:  # noqa: BLE001 - shown as threading shows it, not from here
-                print_thread_hook_failure(hook_error, sys._getframe(1), args)
-            finally:
-                if handled:
-                    traceback.clear_frames(args.exc_traceback)  # the process lives on: give the memory back
-
-        self._prev_sys_hook, self._prev_thread_hook = prev_sys, prev_thread
-        self._sys_hook, self._thread_hook = sys_hook, thread_hook
-        sys.excepthook = sys_hook
-        threading.excepthook = thread_hook
+    def _hook_report(self, exc: BaseException | None, source: str) -> bool:
+        return bool(self._running and self.handle(exc, source=source, clear=False))
 
     def _fatal(self) -> None:
         """An OOM reached ``sys.excepthook``: the process exits next, unless an interactive session
@@ -314,15 +271,6 @@ class OomComponent(ComponentBase):
             self._on_fatal.fatal_oom()
         except Exception as err:  # noqa: BLE001 - the exit must go on whatever happens here
             log.debug("gpumemd: exporting the fatal OOM failed (%s: %s)", type(err).__name__, err)
-
-    def _remove_excepthooks(self) -> None:
-        # Restore only if nobody wrapped ours since; otherwise ours stays in their chain as a
-        # pass-through (it checks ``_running``).
-        if self._sys_hook is not None and sys.excepthook is self._sys_hook and self._prev_sys_hook:
-            sys.excepthook = self._prev_sys_hook
-        if self._thread_hook is not None and threading.excepthook is self._thread_hook and self._prev_thread_hook:
-            threading.excepthook = self._prev_thread_hook
-        self._sys_hook = self._thread_hook = None
 
     # --- handling an OOM ----------------------------------------------------------------------
 

@@ -128,6 +128,8 @@ class CaptureSlot:
     def settle(self, *, steps_total: int, now: float) -> Capture | None:
         """At a step end: a capture of an earlier step (or too old) is of an OOM the job caught and
         went on from; it leaves the slot and is returned."""
+        if self._pending is None:  # every step end but an OOM's: no lock taken (one reference read)
+            return None
         with self._lock:
             capture = self._pending
             if capture is None or belongs_to(capture, steps_total=steps_total, now=now, device=None):
@@ -186,11 +188,15 @@ class CaughtTally:
                 self._steps.pop()  # its step saw no other OOM
 
     def queue(self, capture: Capture | None) -> None:
+        if capture is None:
+            return
         with self._lock:
-            if capture is not None and len(self._queue) < self._queue_max:
+            if len(self._queue) < self._queue_max:
                 self._queue.append(capture)
 
     def drain(self) -> list[Capture]:
+        if not self._queue:  # the usual step end: nothing queued, no lock taken
+            return []
         with self._lock:
             out, self._queue = self._queue, []
             return out

@@ -318,8 +318,12 @@ def _findings(out: _Families, findings: Iterable[Finding], seconds_per_step: flo
         out.add("gpumemd_leak_slope_bytes_per_step", finding.slope_bytes_per_step, kind=kind, device=device)
         out.add("gpumemd_leak_growth_bytes", finding.growth_bytes, kind=kind, device=device)
         out.add("gpumemd_leak_steps_to_oom", finding.steps_to_oom, kind=kind, device=device)
-        if finding.steps_to_oom is not None and seconds_per_step is not None:
-            out.add("gpumemd_leak_seconds_to_oom", finding.steps_to_oom * seconds_per_step, kind=kind, device=device)
+        # the finding's own figure (one time to OOM, as its line and the report say it), else its steps
+        # at the typical step time
+        seconds = finding.hours_to_oom * 3600 if finding.hours_to_oom is not None else (
+            finding.steps_to_oom * seconds_per_step if finding.steps_to_oom is not None and seconds_per_step else None)
+        if seconds is not None:
+            out.add("gpumemd_leak_seconds_to_oom", seconds, kind=kind, device=device)
     _growth_slopes(out, findings)
 
 

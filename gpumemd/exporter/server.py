@@ -3,20 +3,10 @@
 The server is prometheus_client's WSGI app (``make_wsgi_app``) in a server of our own, because the
 one ``start_http_server`` gives runs one unbounded thread per connection with no socket timeout
 (200 idle connections were 200 threads in the training process, alive after detach) and leaves its
-listening socket to forked DataLoader workers. Here:
-
-- at most ``MAX_CONNECTIONS`` connections are served at once. When all are taken, a new one sheds the
-  oldest connection still sending its request (a scrape sends its request in microseconds: the oldest
-  such is the slowest client), so 16 clients trickling bytes cannot lock a scraper out; when every
-  connection is already being answered, the new one is closed at accept;
-- every connection has a whole-request deadline (``REQUEST_TIMEOUT_S``, from accept to its last byte,
-  enforced by the accept loop) and the same socket timeout on each read: a client that sends nothing,
-  trickles a byte at a time, stalls a TLS handshake or reads the answer slowly is dropped; the
-  handshake runs in the connection's thread, never the accept loop;
-- ``stop()`` closes the open connections and joins their threads; the accept loop polls every 50 ms,
-  so a detach does not wait half a second;
-- a forked child closes its copy of the listening socket and connections at once
-  (``os.register_at_fork``), so the port is free as soon as the parent stops serving.
+listening socket to forked DataLoader workers. Its connections are contained by
+``connections.ContainedServer``: an accept loop that reads each request whole before a thread (at
+most 16) answers it, a whole-request deadline on every connection, nothing left after ``stop()`` or
+in a forked child.
 
 It also counts the metrics responses it begins and sends whole, so that after a fatal OOM the
 exporter can wait until one scrape has carried the OOM away (``wait_for_response_after``), and learns
@@ -25,7 +15,6 @@ a scraper's cadence from the scrapes that say they are one (``scrape_interval_s`
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -33,29 +22,21 @@ import socket
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from gpumemd.exporter.connections import (
+    MAX_CONNECTIONS,
+    MAX_WAITING,
+    REQUEST_TIMEOUT_S,
+    THREAD_NAME,
+    ContainedServer,
+)
 from gpumemd.files import replace_file
 
 log = logging.getLogger("gpumemd")
-
-THREAD_NAME = "gpumemd-exporter"
-
-MAX_CONNECTIONS = 16
-"""Connections served at once (scrapers, a browser, curl); more are closed when accepted."""
-
-REQUEST_TIMEOUT_S = 10.0
-"""The whole-request deadline of a connection (and the socket timeout of each read): a scrape is
-answered in milliseconds; a connection open this long is closed, whatever its client does."""
-
-_SHED_WAIT_S = 1.0  # how long the accept loop waits for a shed connection's thread to free its slot
-
-_POLL_S = 0.05  # how often the accept loop looks for stop(): the bound on a detach's wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,52 +78,20 @@ class _Sent:
         self._done()
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = None  # the server sets each connection's timeout before the handshake (_serve_one)
+class _ContainedServer(ContainedServer):
+    """The contained server, counting the metrics responses it begins and sends whole."""
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every 15 s must not write to the job's stderr
-
-
-@dataclass(slots=True)
-class _Connection:
-    sock: socket.socket
-    opened: float  # time.monotonic() at accept
-    answering: bool = False  # its request was read whole and the app is answering it
-    shed: bool = False  # closed by the server (deadline, or shed for a newer client)
-
-    def close(self) -> None:
-        self.shed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, blocked reading or writing
-
-
-class _ContainedServer(WSGIServer):
-    """A WSGI server with a bounded set of connection threads, each with a timeout."""
-
-    allow_reuse_address = True
-    request_queue_size = MAX_CONNECTIONS
-
-    def __init__(self, address: tuple[Any, ...], family: int, *, max_connections: int, timeout: float,
-                 tls: ssl.SSLContext | None) -> None:
-        self.address_family = family
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._timeout = timeout
-        self._tls = tls
-        self._lock = threading.Lock()
-        self.changed = threading.Condition(self._lock)  # notified when a connection starts or ends
-        self._live: dict[threading.Thread, _Connection] = {}  # each connection's thread, socket and age
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.begun = 0  # metrics responses begun (each one's number is its ticket)
         self.begun_at: tuple[float, ...] = ()  # monotonic times the last two scrapes (a scraper's) began
         self.sent_ticket = 0  # the highest ticket of a metrics response sent whole
         self.stopped = False  # set by MetricsServer.stop: a wait for a response ends
-        super().__init__(address, _QuietHandler)
+        super().__init__(*args, **kwargs)
 
     def count(self, app: Callable[..., Any]) -> Callable[..., Any]:
         """``app`` with its metrics responses numbered when begun and recorded once sent whole."""
 
         def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-            self._answering()
             if not _full_exposition(environ):
                 return app(environ, start_response)
             with self.changed:
@@ -159,102 +108,16 @@ class _ContainedServer(WSGIServer):
             self.sent_ticket = max(self.sent_ticket, ticket)
             self.changed.notify_all()
 
-    def _answering(self) -> None:
-        with self._lock:
-            conn = self._live.get(threading.current_thread())
-            if conn is not None:
-                conn.answering = True
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False) and not self._shed_for_new():
-            self.shutdown_request(request)  # every slot is answering a request: closed at once, no thread
-            return
-        thread = threading.Thread(target=self._serve_one, args=(request, client_address),
-                                  name=f"{THREAD_NAME}-connection", daemon=True)
-        with self.changed:
-            self._live[thread] = _Connection(request, time.monotonic())
-            self.changed.notify_all()
-        thread.start()
-
-    def _shed_for_new(self) -> bool:
-        """Every slot is taken: close the oldest connection still sending its request and take its
-        slot once its thread has let it go. False when none is (every one is being answered)."""
-        with self._lock:
-            reading = [c for c in self._live.values() if not c.answering and not c.shed]
-            oldest = min(reading, key=lambda c: c.opened, default=None)
-            if oldest is not None:
-                oldest.close()
-        if oldest is None:
-            return self._slots.acquire(blocking=False)
-        return self._slots.acquire(timeout=_SHED_WAIT_S)
-
-    def service_actions(self) -> None:
-        """Run by the accept loop at least every ``_POLL_S``: close connections past their deadline."""
-        expired = time.monotonic() - self._timeout
-        with self._lock:
-            for conn in self._live.values():
-                if conn.opened < expired and not conn.shed:
-                    conn.close()
-
-    def _serve_one(self, request: socket.socket, client_address: Any) -> None:
-        try:
-            request.settimeout(self._timeout)
-            if self._tls is not None:
-                request = self._tls.wrap_socket(request, server_side=True)  # the handshake, here
-                with self._lock:
-                    conn = self._live.get(threading.current_thread())
-                    if conn is not None:
-                        conn.sock = request
-            self.finish_request(request, client_address)
-        except (OSError, ValueError):
-            pass  # a client that went away, timed out or failed its handshake: nothing to report
-        finally:
-            self.shutdown_request(request)
-            self._slots.release()  # before leaving _live: a count below the cap means a free slot
-            with self.changed:
-                self._live.pop(threading.current_thread(), None)
-                self.changed.notify_all()
-
-    def close_connections(self, timeout: float) -> None:
-        with self._lock:
-            live = list(self._live.items())
-        for _, conn in live:
-            conn.close()
-        for thread, _ in live:
-            thread.join(timeout)
-
-    def close_in_forked_child(self) -> None:
-        """This process is a fork: its copies of the sockets must not keep the port or clients."""
-        with self._lock:
-            conns = list(self._live.values())
-            self._live.clear()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.sock.close()
-        with contextlib.suppress(OSError):
-            self.socket.close()
-
-
-_servers: weakref.WeakSet[_ContainedServer] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for server in list(_servers):
-        server.close_in_forked_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 class MetricsServer:
     """One running ``/metrics`` endpoint. ``start`` raises OSError when the port is taken."""
 
     def __init__(self, registry: Any, options: ServeOptions, *, max_connections: int = MAX_CONNECTIONS,
-                 timeout: float = REQUEST_TIMEOUT_S) -> None:
+                 max_waiting: int = MAX_WAITING, timeout: float = REQUEST_TIMEOUT_S) -> None:
         self._registry = registry
         self._options = options
         self._max_connections = max_connections
+        self._max_waiting = max_waiting
         self._timeout = timeout
         self._httpd: _ContainedServer | None = None
         self._thread: threading.Thread | None = None
@@ -270,11 +133,10 @@ class MetricsServer:
             tls.load_cert_chain(certfile=opts.certfile, keyfile=opts.keyfile)
         family = socket.AF_INET6 if ipaddress.ip_address(opts.bind).version == 6 else socket.AF_INET
         httpd = _ContainedServer((opts.bind, opts.port), family, max_connections=self._max_connections,
-                                 timeout=self._timeout, tls=tls)
+                                 max_waiting=self._max_waiting, timeout=self._timeout, tls=tls)
         httpd.set_app(httpd.count(make_wsgi_app(self._registry)))
-        _servers.add(httpd)
-        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": _POLL_S},
-                                  name=THREAD_NAME, daemon=True)
+        httpd.watch_forks()
+        thread = threading.Thread(target=httpd.serve, name=THREAD_NAME, daemon=True)
         thread.start()
         self._httpd, self._thread = httpd, thread
         port = int(httpd.server_address[1])
@@ -286,22 +148,14 @@ class MetricsServer:
     def port(self) -> int | None:
         return int(self._httpd.server_address[1]) if self._httpd is not None else None
 
-    @property
-    def connections(self) -> int:
-        """Connections being served now (at most ``max_connections``)."""
-        httpd = self._httpd
-        if httpd is None:
-            return 0
-        with httpd._lock:
-            return len(httpd._live)
-
     def wait_for_connections(self, predicate: Callable[[int], bool], timeout: float) -> bool:
-        """Block until ``predicate(connections being served)`` holds, or ``timeout``; its last value."""
+        """Block until ``predicate(connections open: waiting or answered)`` holds, or ``timeout``; its
+        last value. (The accept loop notifies after each round of events, and at least every ``_POLL_S``.)"""
         httpd = self._httpd
         if httpd is None:
             return predicate(0)
         with httpd.changed:
-            return httpd.changed.wait_for(lambda: predicate(len(httpd._live)), timeout)
+            return httpd.changed.wait_for(lambda: predicate(httpd.open_connections), timeout)
 
     @property
     def responses_begun(self) -> int:
@@ -344,14 +198,14 @@ class MetricsServer:
         with httpd.changed:
             httpd.stopped = True
             httpd.changed.notify_all()
-        httpd.shutdown()  # returns once serve_forever has left its loop (within _POLL_S)
-        httpd.server_close()
-        httpd.close_connections(timeout=1.0)
-        _servers.discard(httpd)
+        httpd.stop_serving()  # wakes the accept loop, which ends, closing the connections it holds
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
                 log.warning("gpumemd: the metrics server thread did not stop within %.0f s", timeout)
+        httpd.server_close()
+        httpd.close_connections(timeout=1.0)
+        httpd.unwatch_forks()
 
 
 def _url_host(bind: str) -> str:

@@ -38,8 +38,10 @@ copy back to the device); pass ``graph=False`` for jobs that offload activations
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpumemd.probes.census_groups import Grouping
@@ -69,6 +71,33 @@ GRAPH_SLICE_NODES = 10_000
 larger than that is walked that far (its bytes a lower bound, ``graph_truncated``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CensusRequest:
+    """What a census is of and how it runs (``census_steps``).
+
+    ``step`` is the step it is of; ``allocator`` (the last allocator reading) gives the invisible bytes
+    and ``previous`` (the last census) the groups that grew, for holders. ``holders`` is how many groups
+    get a ``who_holds`` line: the anonymous groups that grew most since ``previous``, or the largest
+    anonymous groups without one; all lookups together stop after ``HOLDERS_TIME_BUDGET_S``.
+    ``pause_s`` (a census in step ends): the lookups stop once the step end that runs them has paid that
+    much, from ``slice_started()`` (the step end's start; without it, the lookups'), so the last slice
+    too is one bounded pause; ``graph_slice_nodes`` (``GRAPH_SLICE_NODES`` there) bounds each slice of
+    the graph walk, None walks up to ``graph_max_nodes`` at once."""
+
+    step: int | None = None
+    holders: int = 3
+    graph: bool = True
+    previous: Census | None = None
+    allocator: Sequence[AllocatorSample] | None = None
+    largest: int = LARGEST
+    graph_max_nodes: int = GRAPH_MAX_NODES
+    graph_slice_nodes: int | None = None
+    pause_s: float | None = None
+    slice_started: Callable[[], float] | None = None
+    clock: Callable[[], float] = time.perf_counter
+    wall_clock: Callable[[], float] = time.time
+
+
 def take_census(
     *,
     models: Iterable[Any] = (),
@@ -83,104 +112,70 @@ def take_census(
     clock: Callable[[], float] = time.perf_counter,
     wall_clock: Callable[[], float] = time.time,
 ) -> Census:
-    """Count every live tensor storage once, classify and name it, all now; see ``census_steps``."""
-    return run_to_end(census_steps(models=models, optimizers=optimizers, step=step, holders=holders, graph=graph,
-                                   previous=previous, allocator=allocator, largest=largest,
-                                   graph_max_nodes=graph_max_nodes, clock=clock, wall_clock=wall_clock))
+    """Count every live tensor storage once, classify and name it, all now (``CensusRequest`` says what
+    each option does; ``census_steps`` how)."""
+    request = CensusRequest(step=step, holders=holders, graph=graph, previous=previous, allocator=allocator,
+                            largest=largest, graph_max_nodes=graph_max_nodes, clock=clock, wall_clock=wall_clock)
+    started = clock()
+    census = run_to_end(census_steps(request, models=models, optimizers=optimizers))
+    return dataclasses.replace(census, duration_s=clock() - started)
 
 
-def census_steps(
-    *,
-    models: Iterable[Any] = (),
-    optimizers: Iterable[Any] = (),
-    step: int | None = None,
-    holders: int = 3,
-    pause_s: float | None = None,
-    slice_started: Callable[[], float] | None = None,
-    graph: bool = True,
-    previous: Census | None = None,
-    allocator: Sequence[AllocatorSample] | None = None,
-    largest: int = LARGEST,
-    graph_max_nodes: int = GRAPH_MAX_NODES,
-    graph_slice_nodes: int | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-    wall_clock: Callable[[], float] = time.time,
-) -> Hinted[Census]:
+def census_steps(request: CensusRequest = CensusRequest(), *, models: Iterable[Any] = (),
+                 optimizers: Iterable[Any] = ()) -> Hinted[Census]:
     """A census that yields between its slices (see the module docstring) and returns the ``Census``.
-
-    ``models``/``optimizers`` name parameters, gradients and optimizer state; ``step`` is the
-    step the census is of; ``allocator`` (the last allocator reading) gives the invisible bytes and
-    ``previous`` (the last census) the groups that grew, for holders. ``holders`` is how many
-    groups get a ``who_holds`` line: the anonymous groups that grew most since ``previous``, or the
-    largest anonymous groups when there is no ``previous``; all lookups together stop after
-    ``HOLDERS_TIME_BUDGET_S``. ``pause_s`` (a census in step ends): the lookups stop once the step end
-    that runs them has paid that much, from ``slice_started()`` (the step end's start; without it, the
-    census's), so the last slice too is one bounded pause (a leak finding that needs a holder looks it
-    up itself); ``graph_slice_nodes`` (``GRAPH_SLICE_NODES`` there) bounds each slice of the graph walk,
-    None walks up to ``graph_max_nodes`` at once. The census's ``duration_s`` is the time spent in its
-    slices, not the steps between.
-    """
-    start = clock()
-    spent = 0.0
-    models = _distinct(models)
-    optimizers = _distinct(optimizers)
-    taken_at = wall_clock()
-    census = CensusPass(graph_max_nodes)
-    grouping = Grouping(census.storages, largest)
+    ``models``/``optimizers`` name parameters, gradients and optimizer state; they are let go after the
+    heap pass. Whoever runs the slices keeps their time: the census's ``duration_s`` is theirs to set
+    (``take_census``, the census component)."""
+    taken_at = request.wall_clock()
+    census = CensusPass(request.graph_max_nodes)
+    grouping = Grouping(census.storages, request.largest)
     try:
-        census.begin(models, optimizers)
+        census.begin(_distinct(models), _distinct(optimizers))
         del models, optimizers  # not kept alive across the job's steps by a census under way
         while census.left:
-            spent += clock() - start
             yield None
-            start = clock()
             census.count(CHUNK_TENSORS)
-        more = graph and bool(census.roots)
+        more = request.graph and bool(census.roots)
         while more:
-            spent += clock() - start
             yield None
-            start = clock()
-            more = census.charge(graph_slice_nodes)
+            more = census.charge(request.graph_slice_nodes)
         records = census.records
         for i in range(0, len(records), CHUNK_RECORDS):
             if i:
-                spent += clock() - start
                 yield None
-                start = clock()
             grouping.add(records[i:i + CHUNK_RECORDS])
         objects, truncated, errors = census.objects_scanned, census.graph_truncated, census.errors
-        groups, samples, owners, entries, invisible = grouping.finish(allocator or ())
+        groups, samples, owners, entries, invisible = grouping.finish(request.allocator or ())
     finally:
         census.release()  # drop every reference the pass holds before the heap is searched for holders
     del census, grouping
-    if holders > 0 and samples:
+    if request.holders > 0 and samples:
         weak_samples = {key: hold_weakly(t) for key, t in samples.items()}
         weak_owners = {key: hold_weakly(t) for key, t in owners.items()}
         samples.clear()
         owners.clear()
-        spent += clock() - start
         yield HEAP_PASS  # the lookups scan the heap: a slice of their own, early in a step end
-        start = clock()
-        paid_from = slice_started() if slice_started is not None else start
-        budget_s = HOLDERS_TIME_BUDGET_S if pause_s is None else min(HOLDERS_TIME_BUDGET_S,
-                                                                     pause_s - (clock() - paid_from))
-        samples = _alive(weak_samples)
-        owners = _alive(weak_owners)
+        budget_s = _holders_budget(request)
+        samples, owners = _alive(weak_samples), _alive(weak_owners)
         if budget_s > 0:
-            groups = fill_holders(groups, samples, owners, holders=holders, previous=previous, budget_s=budget_s)
+            groups = fill_holders(groups, samples, owners, holders=request.holders, previous=request.previous,
+                                  budget_s=budget_s)
     samples.clear()
     owners.clear()
-    return Census(
-        step=step,
-        taken_at=taken_at,
-        duration_s=spent + clock() - start,
-        groups=tuple(groups),
-        largest=tuple(entries),
-        objects_scanned=objects,
-        invisible_bytes_by_device=invisible,
-        graph_truncated=truncated,
-        errors=errors,
-    )
+    return Census(step=request.step, taken_at=taken_at, duration_s=0.0, groups=tuple(groups),
+                  largest=tuple(entries), objects_scanned=objects, invisible_bytes_by_device=invisible,
+                  graph_truncated=truncated, errors=errors)
+
+
+def _holders_budget(request: CensusRequest) -> float:
+    """Seconds the holder lookups may take: ``HOLDERS_TIME_BUDGET_S``, less what the step end that runs
+    them has paid already when the census runs in step ends (``pause_s``)."""
+    if request.pause_s is None:
+        return HOLDERS_TIME_BUDGET_S
+    clock = request.clock
+    paid_from = request.slice_started() if request.slice_started is not None else clock()
+    return min(HOLDERS_TIME_BUDGET_S, request.pause_s - (clock() - paid_from))
 
 
 def _alive(held: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:

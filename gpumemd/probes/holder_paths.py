@@ -23,7 +23,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpumemd.probes.holder_roots import drop_locals_snapshot, where_assigned
+from gpumemd.probes.holder_roots import drop_locals_snapshot, where_added, where_assigned
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
 _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})  # nn.Module children: `model.fc`, `model[1]`
@@ -40,6 +40,10 @@ class Root:
     local_of: tuple[types.CodeType, int | None] | None = None
     """A frame's local: its code and running line, read into `` in f() at file:line`` only when
     this root names a path (finding the line disassembles the code)."""
+    source: str | None = None
+    """A global's or a class attribute's source file, where the line that adds to it is looked for."""
+    prefix: int = 0
+    """Characters of ``name`` the source does not write: a global's module and its dot."""
 
     def suffix(self) -> str:
         if self.local_of is None:
@@ -47,12 +51,25 @@ class Root:
         code, running_line = self.local_of
         return f"` in {code.co_name}() {where_assigned(code, self.name, running_line)}"
 
+    def added(self, expr: str) -> str:
+        """``, appended at train.py:57`` for the root's expression (``name`` and the attributes read
+        below it), when the source says where it grows; else "". Read only for the root that names
+        a path, as its line is."""
+        if self.local_of is not None:
+            code = self.local_of[0]
+            first = None if code.co_name == "<module>" else code.co_firstlineno
+            return where_added(code.co_filename, expr, first)
+        if self.source is None:
+            return ""
+        return where_added(self.source, expr[self.prefix:], None)
+
 
 class _Writer:
     """Pieces joined by " → "; ``expr`` is the expression being extended (``state.history``)."""
 
     def __init__(self, root: Root) -> None:
         self.pieces: list[str] = []
+        self.root: Root | None = root  # until its piece is written: then the line that adds to it
         self.before, self.after = root.before, root.suffix()
         self.expr: str | None = root.name or None
         self.placeholder = False  # expr is only "[i]": an element nobody named yet
@@ -82,8 +99,9 @@ class _Writer:
 
     def flush(self) -> None:
         if self.expr and not self.placeholder:
-            self.pieces.append(f"{self.before}{self.expr}{self.after}")
-        self.expr, self.placeholder = None, False
+            added = self.root.added(self.expr) if self.root is not None else ""
+            self.pieces.append(f"{self.before}{self.expr}{self.after}{added}")
+        self.root, self.expr, self.placeholder = None, None, False
 
     def finish(self) -> str:
         self.flush()

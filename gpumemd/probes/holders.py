@@ -253,13 +253,15 @@ class _Climb:
         class among them is followed into its attributes, named ``Class.attr`` as the climb names them."""
         roots: list[tuple[Root, Any]] = []
         for module, namespace in user_modules(self.module_dicts):
+            source = _source_of(namespace)
             for name, value in list(namespace.items()):
                 if isinstance(value, (types.ModuleType, types.FunctionType)) or name.startswith("__"):
                     continue
                 if isinstance(value, type):
-                    roots.append((Root(value.__qualname__), value))
+                    roots.append((Root(value.__qualname__, source=source), value))
                 else:
-                    roots.append((Root(f"{module}.{name}", "module global `"), value))
+                    roots.append((Root(f"{module}.{name}", "module global `", source=source, prefix=len(module) + 1),
+                                  value))
         return roots
 
     def _met(self, frontier_ids: set[int]) -> str | None:
@@ -277,11 +279,13 @@ class _Climb:
         if isinstance(ref, dict):
             module = self.module_dicts.get(id(ref))
             if module is not None:
-                return 0, Root(f"{module}.{_key_text(ref, child)}", "module global `"), id(child)
+                return 0, Root(f"{module}.{_key_text(ref, child)}", "module global `", source=_source_of(ref),
+                               prefix=len(module) + 1), id(child)
             return None
         if isinstance(ref, type) and id(child) in self.child_of and child is _class_namespace(ref):
             held = self.child_of[id(child)]
-            return 1, Root(f"{ref.__qualname__}.{_key_text(child, self.nodes[held])}"), held
+            source = _source_of(getattr(sys.modules.get(ref.__module__), "__dict__", None))
+            return 1, Root(f"{ref.__qualname__}.{_key_text(child, self.nodes[held])}", source=source), held
         return None
 
     def _untracked(self, reached: set[int]) -> list[Any]:
@@ -338,6 +342,12 @@ class _Climb:
 def _named_owner(ref: Any) -> bool:
     """An object a cut path can start at: anything but an anonymous container or a closure cell."""
     return not isinstance(ref, (list, tuple, set, frozenset, deque, dict, types.CellType, types.TracebackType))
+
+
+def _source_of(namespace: Any) -> str | None:
+    """A module namespace's source file, where the line that adds to one of its names is looked for."""
+    path = namespace.get("__file__") if isinstance(namespace, dict) else None
+    return path if isinstance(path, str) and path.endswith(".py") else None
 
 
 def _class_namespace(cls: type) -> Any:

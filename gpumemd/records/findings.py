@@ -54,6 +54,9 @@ class Finding:
     # The line logged at a state change (kind, rate, holder, onset, time to out-of-memory in at
     # most 200 characters); "" in findings written before it was.
     headline: str = ""
+    # Where the job adds to the top culprit's holder, as its path says it ("appended at
+    # train.py:57"): "train.py:57"; None when not found (or no holder).
+    added_at: str | None = None
     # The group a count series follows ("float32[4, 8]"), for the OOM report to find it in a census;
     # not written (it is in the series name, which the files keep).
     group: str | None = field(default=None, metadata=IN_MEMORY_ONLY)

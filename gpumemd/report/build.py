@@ -88,6 +88,9 @@ OUTCOMES = {
     "oom_guard": "raised to the job through gpumemd.oom_guard",
     "request": "report requested by the job (gpumemd.oom_report)",
 }
+OUTCOME_WORDS = {"caught": "caught", "excepthook": "fatal", "thread_excepthook": "fatal (thread)",
+                 "oom_guard": "oom_guard", "request": "requested"}
+"""The outcome in a word, for a table of reports (``gpumemd report`` over several)."""
 
 
 def oom_device(inputs: ReportInputs) -> Device | None:

@@ -114,7 +114,7 @@ def _finding(f: Finding) -> dict[str, Any]:
     return {"state": f.state, "kind": f.kind, "series": f.series, "device": cuda_index(f.device),
             "slope_bytes_per_step": f.slope_bytes_per_step, "growth_bytes": f.growth_bytes,
             "steps_to_oom": f.steps_to_oom, "hours_to_oom": f.hours_to_oom, "updated_step": f.updated_step,
-            "headline": (f.headline or "")[:MAX_TEXT], "summary": f.summary[:MAX_TEXT]}
+            "added_at": f.added_at, "headline": (f.headline or "")[:MAX_TEXT], "summary": f.summary[:MAX_TEXT]}
 
 
 def at_risk(doc: dict[str, Any]) -> str | None:

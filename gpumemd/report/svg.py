@@ -106,6 +106,21 @@ def legend(items: list[dict[str, Any]]) -> str:
     return " ".join(rows)
 
 
+def _marker_lines(markers: Sequence[tuple[int, str, str]], xs: Sequence[float], *, head: float, base: float,
+                  right_edge: float) -> list[str]:
+    """A dashed vertical line per marker at ``xs``, labelled beside it (to its left past ``right_edge``)."""
+    parts = []
+    for n, ((_, label, kind), x) in enumerate(zip(markers, xs, strict=True)):
+        colour = MARKER_COLOURS.get(kind, "#666")
+        anchor = "end" if x > right_edge else "start"
+        dx = -4 if anchor == "end" else 4
+        parts.append(f'<line x1="{x:.1f}" y1="{head}" x2="{x:.1f}" y2="{base}" stroke="{colour}" '
+                     f'stroke-width="1.5" stroke-dasharray="5,3"/>')
+        parts.append(f'<text x="{x + dx:.1f}" y="{head + 14 + 14 * n}" font-size="11" fill="{colour}" '
+                     f'text-anchor="{anchor}" {_HALO}>{escape(label.replace("`", ""))}</text>')
+    return parts
+
+
 def timeline_chart(rows: list[dict[str, Any]], series: list[tuple[str, str]],
                    markers: Sequence[tuple[int, str, str]] = (), width: int = 900, height: int = 300) -> str:
     """Lines of ``series`` ((key, label) pairs) over the step records, with byte ticks on the y axis,
@@ -146,15 +161,8 @@ def timeline_chart(rows: list[dict[str, Any]], series: list[tuple[str, str]],
     parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 6}" font-size="12" text-anchor="middle">step</text>')
     parts.append(f'<text x="14" y="{head + plot_h / 2:.1f}" font-size="12" text-anchor="middle" '
                  f'transform="rotate(-90 14 {head + plot_h / 2:.1f})">memory ({unit})</text>')
-    for n, (step, label, kind) in enumerate(markers):
-        x = px(step)
-        colour = MARKER_COLOURS.get(kind, "#666")
-        anchor = "end" if x > left + plot_w * 0.8 else "start"
-        dx = -4 if anchor == "end" else 4
-        parts.append(f'<line x1="{x:.1f}" y1="{head}" x2="{x:.1f}" y2="{base}" stroke="{colour}" '
-                     f'stroke-width="1.5" stroke-dasharray="5,3"/>')
-        parts.append(f'<text x="{x + dx:.1f}" y="{head + 14 + 14 * n}" font-size="11" fill="{colour}" '
-                     f'text-anchor="{anchor}" {_HALO}>{escape(label.replace("`", ""))}</text>')
+    parts.extend(_marker_lines(markers, [px(m[0]) for m in markers], head=head, base=base,
+                               right_edge=left + plot_w * 0.8))
     labels = dict(series)
     for n, (key, pts) in enumerate(points.items()):
         colour = PALETTE[n % len(PALETTE)]

@@ -3,7 +3,8 @@ path: the finding must name the variable, global or class attribute the script w
 
 Each loop trains the 2-layer MLP of ``leak_scenarios`` on random data under ``gpumemd.attached()`` at
 its DEFAULT settings (only ``output_dir``), and leaks one 64 KiB tensor per step from ``ONSET`` on,
-into one kind of container. A run ends at the first finding: the holder path is in its sentence.
+into one kind of container. A run ends at the first finding: the holder path is in its sentence,
+with the line of this file that adds to the holder (``HolderScenario.adds``) where one does.
 
 ``CAUSES``: one cause that grows several groups of tensors (a tensor appended with its labels, a
 kept frame's locals) must be one finding that lists them. These runs go on until the finding is
@@ -18,6 +19,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -171,6 +173,24 @@ def forward_hook_closure() -> None:
         run.train()
 
 
+CAPTURED: list[torch.Tensor] = []
+
+
+def _keep_output(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+    CAPTURED.append(_leaked(output))  # "for the activation histogram": a hook keeps every step's
+
+
+def hook_appending_to_a_global() -> None:
+    run = _Run()
+    try:
+        for step in run.steps():
+            if step == ONSET:
+                run.model[1].register_forward_hook(_keep_output)
+            run.train()
+    finally:
+        CAPTURED.clear()
+
+
 STORE: dict[int, torch.Tensor] = {}
 
 
@@ -241,35 +261,61 @@ class HolderScenario:
     kind: str = "tensor_leak"
     until: str = "finding"  # the run stops at the first finding, or at the first "confirmed" one
     groups: tuple[str, ...] = ()  # CAUSES: the groups the one finding lists
+    adds: tuple[str, str] | None = None  # (verb, how the line of this file that adds to the holder starts)
+
+    def added_at(self) -> str | None:
+        """"appended at integration/holder_scenarios.py:72": what the finding says adds to the holder."""
+        if self.adds is None:
+            return None
+        verb, statement = self.adds
+        lines = [n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                 if line.strip().startswith(statement)]
+        assert len(lines) == 1, f"{statement!r} is not one line of {__file__}"
+        return f"{verb} at integration/holder_scenarios.py:{lines[0]}"
 
 
 SCENARIOS = (
-    HolderScenario("list of functools.partial", partial_callbacks, "`callbacks` in partial_callbacks()"),
-    HolderScenario("list of closures", closures_in_a_list, "`reports` in closures_in_a_list()"),
-    HolderScenario("queue.Queue never drained", queue_never_drained, "`pending.queue` in queue_never_drained()"),
+    HolderScenario("list of functools.partial", partial_callbacks, "`callbacks` in partial_callbacks()",
+                   adds=("appended", "callbacks.append(functools.partial(log_metric, _leaked(out)))")),
+    HolderScenario("list of closures", closures_in_a_list, "`reports` in closures_in_a_list()",
+                   adds=("appended", "reports.append(_make_report(_leaked(out)))")),
+    HolderScenario("queue.Queue never drained", queue_never_drained, "`pending.queue` in queue_never_drained()",
+                   adds=("queued", "pending.put(_leaked(out))")),
     HolderScenario("deque in nested attributes", deque_in_nested_attributes,
-                   "`trainer.stats.window` in deque_in_nested_attributes()"),
-    HolderScenario("OrderedDict in __slots__", ordered_dict_in_slots, "`cache.entries` in ordered_dict_in_slots()"),
+                   "`trainer.stats.window` in deque_in_nested_attributes()",
+                   adds=("appended", "trainer.stats.window.append(_leaked(out))")),
+    HolderScenario("OrderedDict in __slots__", ordered_dict_in_slots, "`cache.entries` in ordered_dict_in_slots()",
+                   adds=("stored", "cache.entries[step] = _leaked(out)")),
     HolderScenario("exceptions kept with their frames", exceptions_kept_with_their_frames,
-                   "`errors` in exceptions_kept_with_their_frames()"),
+                   "`errors` in exceptions_kept_with_their_frames()",
+                   adds=("appended", "errors.append(exc)")),
     HolderScenario("numpy arrays sharing storage", numpy_arrays_sharing_storage,
-                   "`epoch_arrays` in numpy_arrays_sharing_storage()"),
+                   "`epoch_arrays` in numpy_arrays_sharing_storage()",
+                   adds=("appended", "epoch_arrays.append(_leaked(out).numpy())")),
     HolderScenario("forward hook closure on a module", forward_hook_closure,
                    "`model[1]._forward_hooks` in forward_hook_closure()"),
-    HolderScenario("module global dict", module_global_dict, "module global `holder_scenarios.STORE`"),
-    HolderScenario("class attribute list", class_attribute_list, "`Registry.seen`"),
+    HolderScenario("a hook appending to a module global list", hook_appending_to_a_global,
+                   "module global `holder_scenarios.CAPTURED`",
+                   adds=("appended", "CAPTURED.append(_leaked(output))")),
+    HolderScenario("module global dict", module_global_dict, "module global `holder_scenarios.STORE`",
+                   adds=("stored", "STORE[step] = _leaked(out)")),
+    HolderScenario("class attribute list", class_attribute_list, "`Registry.seen`",
+                   adds=("appended", "Registry.seen.append(_leaked(out))")),
     HolderScenario("dict attribute of a module", dict_attribute_of_a_module,
-                   "`attention.attn_maps` in dict_attribute_of_a_module()"),
+                   "`attention.attn_maps` in dict_attribute_of_a_module()",
+                   adds=("stored", "self.attn_maps[step] = _leaked(y)")),
 )
 
 
 CAUSES = (
     HolderScenario("a tensor and its labels appended together", tensor_with_its_labels,
                    "`history` in tensor_with_its_labels()", until="confirmed",
+                   adds=("appended", "history.append((out.detach(), labels))"),
                    groups=("float32[32, 128]", "int64[32]")),
     HolderScenario("exceptions kept with their frames", exceptions_kept_with_their_frames,
                    "`errors` in exceptions_kept_with_their_frames()", until="confirmed",
-                   groups=("float32[128, 128]", "float32[32, 128] with grad_fn")),
+                   groups=("float32[128, 128]", "float32[32, 128] with grad_fn"),
+                   adds=("appended", "errors.append(exc)")),
 )
 
 

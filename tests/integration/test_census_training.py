@@ -131,3 +131,33 @@ def test_a_loss_summed_with_its_graph_is_seen_as_growing_graph_memory(
     assert hidden and hidden[0].category == "graph" and hidden[0].count_delta == 10
     assert hidden[0].holder is not None and "`running` in test_a_loss_summed" in hidden[0].holder
     del running
+
+
+def test_a_confirmed_leak_is_followed_by_a_census_that_shows_it(out_dir: str) -> None:
+    """At DEFAULT settings a fast loop spaces its censuses thousands of steps apart: the census the
+    state (and the demo's table) shows would predate the leak a confirmed finding states. The
+    confirmation asks for one at the next step ends."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    onset, kept, confirmed_at = 60, [], None
+    with gpumemd.attached(output_dir=out_dir) as agent:
+        for step in range(3_000):
+            out = _step(model, opt)
+            if step >= onset:
+                kept.append(out.detach().mean() + torch.zeros(64, 128))  # 32 KiB a step, in a list
+            if confirmed_at is None and any(f.state == "confirmed" for f in agent.state().findings):
+                confirmed_at = step
+            if confirmed_at is not None and step >= confirmed_at + 10:
+                break
+        state = agent.state()
+    finding = next(f for f in state.findings if f.state == "confirmed")
+    census = state.census
+
+    assert confirmed_at is not None and census is not None and census.step is not None
+    assert finding.onset_step is not None and census.step > finding.onset_step
+    assert census.step >= confirmed_at, (census.step, confirmed_at)  # taken after the confirmation
+    # its figures show the leak: the kept group holds at least the growth the finding stated then
+    group = next(g for g in census.groups if g.key.shape == (64, 128))
+    assert group.count >= (census.step - onset) // 2 and group.nbytes >= finding.growth_bytes // 2, (group, finding)

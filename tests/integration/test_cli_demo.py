@@ -2,32 +2,56 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
-from gpumemd.cli import main
+from gpumemd.cli import demo, main
 
 
 def _demo(tmp_path, *args: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return _demo_run(tmp_path, *args)[0]
+
+
+def _demo_run(tmp_path, *args: str) -> tuple[list[str], list[str]]:  # type: ignore[no-untyped-def]
+    """The demo's stdout lines, and its stderr lines (gpumemd's own: the findings, the exit summary)."""
     proc = subprocess.run(
         [sys.executable, "-m", "gpumemd", "demo", "--output-dir", str(tmp_path), *args],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.splitlines()
+    return proc.stdout.splitlines(), proc.stderr.splitlines()
 
 
-def test_demo_finds_and_names_the_planted_leak(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    lines = _demo(tmp_path)
+def test_demo_finds_and_names_the_planted_leak(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    lines, said = _demo_run(tmp_path)
     assert lines[0].startswith("gpumemd demo: 300 steps on cpu")
     rows = [line for line in lines if line.strip() and line.split()[0].isdigit()]
     assert [int(r.split()[0]) for r in rows] == [*range(0, 300, 20), 299]
     verdict = lines[-1]
     assert verdict.startswith("[confirmed] retained autograd graph confirmed")
     assert "held by `history` in run() at cli/demo.py" in verdict
+    appended = next(n for n, line in enumerate(Path(demo.__file__).read_text().splitlines(), 1)
+                    if line.strip() == "history.append(model(x))")
+    assert f", appended at cli/demo.py:{appended} → " in verdict  # the line to change
     # one leak, one finding: host RSS growth that the tensor counts explain is never "cleared"
     assert [line for line in lines if line.startswith("[")] == [verdict]
     assert (tmp_path / "leak-findings-rank0.jsonl").exists()
+
+    # the tensors column: a census after the confirmation, not the first one's figures for the whole run
+    confirmed = next(int(r.split()[0]) for r in rows if r.endswith("graph_leak confirmed"))
+    census_at = int(rows[-1].split("@")[1].split()[0])
+    assert census_at >= confirmed - 20 and census_at > 0, rows
+
+    # one time to OOM: the demo's verdict, the exit summary and gpumemd report say the finding's one
+    to_oom = re.search(r"out of memory in (~[^(]+) \(~[\d,]+ steps\)", verdict)
+    assert to_oom is not None, verdict
+    exit_line = next(line for line in said if " steps watched " in line)
+    assert f"out of memory in {to_oom.group(1)})" in exit_line, exit_line
+    assert main(["report", str(tmp_path)]) == 0
+    report = capsys.readouterr().out
+    assert f"out of memory in {to_oom.group(1)} (" in report, report
 
 
 def test_demo_healthy_run_stays_quiet(tmp_path) -> None:  # type: ignore[no-untyped-def]

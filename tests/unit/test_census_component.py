@@ -17,7 +17,7 @@ from gpumemd.budget import Part, clocked_plan, share
 from gpumemd.components.base import ComponentBase
 from gpumemd.components.census import CensusComponent, CensusOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import census_steps
+from gpumemd.probes.census import CensusRequest, census_steps
 from gpumemd.probes.stepwise import Stepwise
 from gpumemd.records.census import Census
 
@@ -36,9 +36,9 @@ class CostlyCensus:
         self.fail = False
         self.slice_costs: list[float] = []
 
-    def __call__(self, *, step: int | None, holders: int, **kwargs: Any) -> Stepwise[Census]:
-        self.attempts.append(step)
-        return self._slices(step, holders)
+    def __call__(self, request: CensusRequest, **kwargs: Any) -> Stepwise[Census]:
+        self.attempts.append(request.step)
+        return self._slices(request.step, request.holders)
 
     def _slices(self, step: int | None, holders: int) -> Stepwise[Census]:
         for i in range(self.slices):

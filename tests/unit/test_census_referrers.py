@@ -7,6 +7,7 @@ import gc
 import sys
 import traceback
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,7 +123,12 @@ def test_a_module_global_is_named_by_module_and_name() -> None:
         CACHE.clear()
 
     assert line is not None
-    assert line.startswith("module global `") and line.endswith("test_census_referrers.CACHE` → dict of 1 item")
+    stored = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                  if text == '    CACHE["preds"] = torch.zeros(6)')
+    # the global, and the line of this file that stores into it
+    assert line.startswith("module global `")
+    assert line.endswith(f"test_census_referrers.CACHE`, stored at unit/test_census_referrers.py:{stored} "
+                         "→ dict of 1 item")
 
 
 def test_the_main_script_is_main_even_when_multiprocessing_aliases_it(monkeypatch: pytest.MonkeyPatch) -> None:

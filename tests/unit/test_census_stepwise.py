@@ -16,7 +16,7 @@ from test_census_component import CostlyCensus, _agent
 
 from gpumemd.agent import Agent
 from gpumemd.components.census import CENSUS_SLICE_S, CensusComponent, CensusOptions
-from gpumemd.probes.census import CHUNK_TENSORS, census_steps, take_census
+from gpumemd.probes.census import CHUNK_TENSORS, CensusRequest, census_steps, take_census
 from gpumemd.probes.stepwise import HEAP_PASS, Hinted, run_to_end
 from gpumemd.records.census import Census
 
@@ -31,7 +31,7 @@ def test_between_its_slices_a_census_holds_no_tensor_of_the_job() -> None:
     kept = [torch.zeros(25) for _ in range(SLICED)]  # 100 B each, one storage each
     base = [sys.getrefcount(t) for t in kept]
     previous = take_census(holders=0)
-    work = census_steps(holders=1, previous=previous)
+    work = census_steps(CensusRequest(holders=1, previous=previous))
     slices = 0
     while True:
         try:
@@ -49,7 +49,7 @@ def test_tensors_freed_between_slices_are_not_counted_nor_kept_alive() -> None:
     kept = [torch.zeros(25) for _ in range(SLICED)]
     alive = [weakref.ref(t) for t in kept]
     with_them = _other_bytes(take_census(holders=0))
-    work = census_steps(holders=0)
+    work = census_steps(CensusRequest(holders=0))
     next(work)  # the heap pass is done: every tensor was seen
     kept.clear()  # the job drops them before the census counts them
     assert all(ref() is None for ref in alive)
@@ -132,7 +132,7 @@ def test_a_census_outside_a_step_drops_the_one_under_way(under_way: Any, clock: 
 
 
 def _graph_census(slice_nodes: int | None, model: torch.nn.Module) -> Any:
-    return run_to_end(census_steps(models=[model], holders=0, graph_slice_nodes=slice_nodes))
+    return run_to_end(census_steps(CensusRequest(holders=0, graph_slice_nodes=slice_nodes), models=[model]))
 
 
 def test_the_graph_walk_in_slices_charges_what_one_walk_charges() -> None:
@@ -153,8 +153,8 @@ def test_a_graph_larger_than_a_slice_is_walked_that_far_and_said_to_be_cut() -> 
     total = torch.zeros(())
     for _ in range(200):  # one chain; each step's log_softmax output (4 KiB) has no Python wrapper
         total = total + torch.nn.functional.cross_entropy(torch.randn(4, 16) @ w, y)
-    whole = run_to_end(census_steps(holders=0, graph_slice_nodes=None))
-    cut = run_to_end(census_steps(holders=0, graph_slice_nodes=300))
+    whole = run_to_end(census_steps(CensusRequest(holders=0, graph_slice_nodes=None)))
+    cut = run_to_end(census_steps(CensusRequest(holders=0, graph_slice_nodes=300)))
     assert not whole.graph_truncated and cut.graph_truncated
     assert 0 < cut.bytes_by_category()["graph"] < whole.bytes_by_category()["graph"]
     del total
@@ -175,11 +175,11 @@ def test_a_census_taken_now_is_a_new_one_not_the_one_under_way(under_way: Any) -
 
 
 def test_a_heap_pass_waits_for_an_early_moment_in_a_step_end(clock: ManualClock, out_dir: str) -> None:
-    def census(*, step: int | None, **kwargs: Any) -> Hinted[Census]:
+    def census(request: CensusRequest, **kwargs: Any) -> Hinted[Census]:
         clock.now += 0.1  # the heap pass and the counting
         yield HEAP_PASS  # next: holder lookups, a heap scan that cannot be cut short
         clock.now += 0.15
-        return Census(step=step, taken_at=clock.now, duration_s=0.25, groups=())
+        return Census(step=request.step, taken_at=clock.now, duration_s=0.25, groups=())
 
     agent, paused = _pauses(out_dir, _component(clock, census), clock, 3)
     assert paused[:2] == [0.1, 0.15]  # not 0.25 in one step end

@@ -43,10 +43,11 @@ _LEAK = Finding(kind="tensor_leak", series="tensors{device=cuda:0,group=float32[
                 culprits=(Culprit("float32[256, 1024]", 4, 4 * MiB, holder=_KEPT),), group="float32[256, 1024]")
 
 
-def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = True) -> str:
+def _write(root: str, rank: int, created_at: float, step: int, snapshot: bool = True, *,
+           source: str = "excepthook") -> str:
     snap = make_snapshot()
     inputs = ReportInputs(
-        created_at=created_at, identity=Identity(rank=rank, world_size=2), source="excepthook",
+        created_at=created_at, identity=Identity(rank=rank, world_size=2), source=source,
         exception_type="OutOfMemoryError", exception_message=NEW_MESSAGE, message=parse_oom_message(NEW_MESSAGE),
         step=step, observer=ObserverCall(Device.cuda(0), 8 * MiB, 40 * MiB, 3 * MiB, created_at),
         snapshot_summaries=summarize_snapshot(snap), snapshot_source="oom_observer",
@@ -61,6 +62,7 @@ def test_one_report(tmp_path: Any, capsys: Any) -> None:
     assert main(["report", path]) == 0
     out = capsys.readouterr().out
     assert "OutOfMemoryError on cuda:0 (rank 0, step 41" in out
+    assert " via excepthook · outcome: fatal: nothing caught this OOM and it ended the job" in out.splitlines()[2]
     assert "verdict: fragmentation" in out
     # the leak did not cause a fragmentation OOM, but it is named right after the verdict
     assert out.splitlines()[4].startswith("Also leaking: `kept` grew ~1.00 MiB/step since step 37 and held 4.00 MiB")
@@ -69,6 +71,18 @@ def test_one_report(tmp_path: Any, capsys: Any) -> None:
     assert main(["report", "--json", path]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["snapshot_check"]["devices"][0]["segments"] == 2
+
+
+@pytest.mark.parametrize(("source", "words"), [
+    ("caught", " · outcome: caught: the job caught this OOM and went on"),
+    ("oom_guard", " · outcome: raised to the job through gpumemd.oom_guard"),
+    ("request", " · outcome: report requested by the job (gpumemd.oom_report)"),
+])
+def test_one_report_says_whether_the_job_caught_it(tmp_path: Any, capsys: Any, source: str, words: str) -> None:
+    path = _write(str(tmp_path), 0, 1763700000.0, 41, source=source)
+    assert main(["report", path]) == 0
+    written = capsys.readouterr().out.splitlines()[2]
+    assert written.startswith("written ") and words in written, written
 
 
 def test_report_json_itself_reads_its_directory_and_another_file_is_one_line(tmp_path: Any, capsys: Any) -> None:
@@ -84,16 +98,19 @@ def test_report_json_itself_reads_its_directory_and_another_file_is_one_line(tmp
 
 def test_every_rank_side_by_side(tmp_path: Any, capsys: Any) -> None:
     _write(str(tmp_path / "rank1"), 1, 1763700000.0, 41)  # rank 1 failed first
-    _write(str(tmp_path / "rank0"), 0, 1763700002.5, 41, snapshot=False)
+    _write(str(tmp_path / "rank0"), 0, 1763700002.5, 41, snapshot=False, source="caught")
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "2 OOM reports from 2 rank(s); rank 1 failed first (step 41" in out
     lines = out.splitlines()
-    assert lines[1].split()[:2] == ["rank", "step"] and "optimizer state" in lines[1]
+    assert lines[1].split()[:4] == ["rank", "step", "time", "outcome"] and "optimizer state" in lines[1]
     assert [ln.split()[0] for ln in lines[2:]] == ["0", "1"]
+    # whether each rank's job caught its OOM or died of it, in a word
+    assert [ln.split()[3] for ln in lines[2:]] == ["caught", "fatal"]
     assert main(["report", "--json", str(tmp_path)]) == 0
     view = json.loads(capsys.readouterr().out)
     assert view["first"]["rank"] == 1 and view["ranks"] == [0, 1]
+    assert [r["outcome"] for r in view["reports"]] == ["caught", "fatal"]
     assert view["reports"][0]["breakdown"]["reserved_unallocated"] is not None
 
 

@@ -348,6 +348,19 @@ def test_time_to_oom_is_the_steps_at_the_typical_step_time() -> None:
     assert len(samples["gpumemd_leak_seconds_to_oom"]) == 2  # no steps-to-OOM figure for graph_leak: absent
 
 
+def test_time_to_oom_is_the_findings_own_when_it_has_one() -> None:
+    # the finding's time at its own step rate (what its line, the exit summary and gpumemd report say),
+    # not its steps at another step time
+    finding = dataclasses.replace(_finding("tensor_leak", "confirmed", 1e6, Device.cuda(0), steps_to_oom=900.0),
+                                  hours_to_oom=0.25)
+    state = AgentState(identity=Identity(), attached_at=1.0, updated_at=2.0, findings=(finding,))
+
+    _, samples = scrape(state, live=LiveFigures(seconds_per_step=0.2))
+
+    seconds = value(samples, "gpumemd_leak_seconds_to_oom", kind="tensor_leak", device="0")
+    assert seconds == pytest.approx(finding.hours_to_oom * 3600) and seconds != pytest.approx(900.0 * 0.2)
+
+
 def test_oom_reports_overhead_and_probe_errors() -> None:
     _, samples = scrape(full_state())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import queue
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,7 +166,10 @@ def test_the_climb_names_each_kind_of_root() -> None:
 
     Registry.seen.append(torch.zeros(5))
     try:
-        assert _holds(Registry.seen[0]) == "`Registry.seen` → list of 1 item"
+        # the class attribute, and the line that adds to it (this function's append, above)
+        added = _line_of("    Registry.seen.append(torch.zeros(5))")
+        expected = f"`Registry.seen`, appended at unit/test_holder_paths.py:{added} → list of 1 item"
+        assert _holds(Registry.seen[0]) == expected
     finally:
         Registry.seen.clear()
 
@@ -173,6 +177,25 @@ def test_the_climb_names_each_kind_of_root() -> None:
     holder.buf[0] = torch.zeros(6)
     line = _holds(holder.buf[0])
     assert line is not None and line.startswith("`holder.buf` in ") and line.endswith("→ OrderedDict of 1 item")
+
+
+def _line_of(text: str) -> int:
+    """The line of this file that is ``text``."""
+    return Path(__file__).read_text().splitlines().index(text) + 1
+
+
+def test_the_line_that_adds_to_the_holder_follows_where_it_lives() -> None:
+    kept: list[torch.Tensor] = []
+    for _ in range(2):
+        kept.append(torch.zeros(9))
+    never = [torch.zeros(10)]
+
+    line = _holds(kept[0])
+    unchanged = _holds(never[0])
+
+    added = _line_of("        kept.append(torch.zeros(9))")
+    assert line is not None and line.endswith(f", appended at unit/test_holder_paths.py:{added} → list of 2 items")
+    assert unchanged is not None and "ed at" not in unchanged  # nothing adds to it: no line is guessed
 
 
 def test_an_array_the_gc_does_not_track_is_found_from_its_referrers() -> None:

@@ -182,3 +182,29 @@ class GraphPool(FakeDevice):
 def test_private_pool_growth_is_not_an_allocated_bytes_leak(out_dir: str) -> None:
     agent, _, _ = run(GraphPool(leak=2 * MIB), out_dir)
     assert [f.series for f in agent.findings() if f.series.startswith("allocated_bytes")] == []
+
+
+
+def test_a_count_series_of_a_group_born_later_starts_with_the_zeros_it_had() -> None:
+    """A group first counted at a late scan (a leak from there on) gets its series with the counts it
+    had at the earlier scans, zeros where it was absent: its track covers the job's history, so the
+    detector can judge its ramp against a flat start at once, not a window after its birth."""
+    from gpumemd.analysis.leak_types import SeriesSpec
+    from gpumemd.components.leak_series import _COUNT_MIN, LeakSeries
+
+    series = LeakSeries(Config(output_dir="unused").options(LeakOptions), SimpleNamespace(),  # type: ignore[arg-type]
+                        tracker=None, chains=None)
+    fed: list[tuple[str, int, float]] = []
+    series.detector.observe = lambda name, step, value, phase="train": fed.append((name, step, value))  # type: ignore[method-assign]
+    spec = SeriesSpec("tensors{device=cpu,group=float32[256]}", "tensor_leak", Device.of("cpu"), sparse=True,
+                      unit="tensors")
+    few = SeriesSpec("tensors{device=cpu,group=float32[8]}", "tensor_leak", Device.of("cpu"), sparse=True,
+                     unit="tensors")
+    for step in range(100, 500, 50):
+        groups = [("few", _COUNT_MIN - 1, lambda: few)]  # present at every scan, never watched
+        if step == 450:
+            groups.append(("leak", _COUNT_MIN + 1, lambda: spec))
+        series._observe_groups(series.counts, step, "train", groups)
+    assert [(s, v) for name, s, v in fed if name == spec.name] == [*((s, 0) for s in range(100, 450, 50)),
+                                                                   (450, _COUNT_MIN + 1)]
+    assert not any(name == few.name for name, _, _ in fed)

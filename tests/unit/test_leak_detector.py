@@ -309,3 +309,80 @@ def test_a_sparse_count_series_sampled_at_uneven_steps_keeps_its_true_slope() ->
     assert statuses[0].onset_step is not None and abs(statuses[0].onset_step - 400) <= 60
     # the rate the findings state when written: the previous-census minimum read 0.94 here
     assert all(s == pytest.approx(1.0, abs=0.02) for s in slopes), slopes
+
+
+@pytest.mark.parametrize("onset", [300, 1000])
+def test_a_strong_ramp_after_a_flat_start_is_judged_from_its_knee(onset: int) -> None:
+    # 16x the effect size after a noisy flat start (from step 300: the history covers less than a
+    # window). The whole window's ramp test fails while its first half is flat, and the half window's
+    # until the ramp fills a quarter of the window; judged from its knee it is seen before that.
+    rng = np.random.default_rng(onset)
+    n = onset + 1000
+    y = BASE + rng.normal(0, 2 * MIB, n)
+    y[onset:] += np.arange(n - onset) * CONFIG.min_bytes_per_step * 16
+    changes = run(y)
+    assert [s for _, s in changes][:2] == ["suspected", "confirmed"], changes
+    assert changes[0][0] - onset < CONFIG.window_steps // 4
+    assert changes[1][0] - changes[0][0] <= (CONFIG.confirm_after - 1) * CONFIG.check_every_steps
+
+
+@pytest.mark.parametrize("period", [200, 400])
+def test_a_sawtooth_shorter_than_the_window_is_not_reported_from_its_knee(period: int) -> None:
+    # Every rise of an accumulation that resets (16x the effect size while it rises) is a flat-then-
+    # ramp shape, but never above the peaks the window holds before it: nothing is reported.
+    rng = np.random.default_rng(period)
+    n = 3000
+    y = BASE + rng.normal(0, 2 * MIB, n) + (np.arange(n) % period) * CONFIG.min_bytes_per_step * 16
+    assert run(y) == []
+
+
+def _host_and_counts(onset: int, *, count_grows: bool, explained: bool = True, unit_bytes: float = MIB,
+                     ) -> list[tuple[int, str, str | None]]:
+    """Host RSS (every step) growing 1 MiB/step from ``onset``, with a group's count (a scan every 50
+    steps, each count placed at the scan before, as the component does) growing 1 tensor/step of
+    ``unit_bytes`` with it or staying flat; a flat group beside. Returns the (step, series, state)
+    changes."""
+    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))  # defaults: window 500, checks every 50
+    family = ("tensors{device=cpu,*",) if explained else ()
+    host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=family)
+    grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
+                       unit_bytes=unit_bytes)
+    flat = SeriesSpec("tensors{device=cpu,group=float32[8]}", "tensor_leak", CPU, sparse=True, unit="tensors")
+    for spec in (host, grows, flat):
+        detector.add_series(spec)
+    slopes = {host.name: 16 * KIB, grows.name: 0.1, flat.name: 0.1}
+    changes = []
+    for step in range(onset + 600):
+        detector.observe(host.name, step, BASE + max(0, step - onset + 1) * MIB)
+        if step % 50 == 0 and step >= 100:
+            counted = step - 50  # what this scan counts existed at the scan before
+            detector.observe(grows.name, counted, max(0, counted - onset) if count_grows else 0)
+            detector.observe(flat.name, counted, 10)
+        if detector.due(step):
+            changes += [(step, s.spec.name, s.state_name) for s in detector.evaluate(step, slopes) if s.changed]
+    return changes
+
+
+@pytest.mark.parametrize("onset", [300, 1000])
+def test_a_count_series_is_lent_the_verdict_of_the_bytes_it_explains(onset: int) -> None:
+    # The count series alone sees a point every 50 steps, a scan late; host RSS sees every step. The
+    # growth is the tensors': it is their series' finding, decided when the bytes are, and host RSS
+    # (explained) and the flat group say nothing.
+    changes = _host_and_counts(onset, count_grows=True)
+    grows = "tensors{device=cpu,group=float32[262144]}"
+    assert [(name, state) for _, name, state in changes][:2] == [(grows, "suspected"), (grows, "confirmed")]
+    assert {name for _, name, _ in changes} == {grows}
+    alone = _host_and_counts(onset, count_grows=True, explained=False)
+    host_confirmed = next(step for step, name, state in alone if name == "host_rss_bytes" and state == "confirmed")
+    assert changes[1][0] <= host_confirmed
+
+
+@pytest.mark.parametrize("unit_bytes", [MIB, 64])
+def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding(unit_bytes: float) -> None:
+    # Nothing counted grows with host RSS (the group stays flat, or grows by tensors of 64 bytes:
+    # far less than a quarter of the bytes): its young ramp is held one check (counts are seen a scan
+    # later), then it is host RSS's finding; the flat group is lent nothing.
+    held = _host_and_counts(1000, count_grows=unit_bytes != MIB, unit_bytes=unit_bytes)
+    alone = _host_and_counts(1000, count_grows=False, explained=False)
+    assert held[0] == (alone[0][0] + DetectorConfig().check_every_steps, "host_rss_bytes", "suspected"), held
+    assert "tensors{device=cpu,group=float32[8]}" not in {name for _, name, _ in held}

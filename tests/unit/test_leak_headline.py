@@ -6,6 +6,7 @@ from gpumemd.analysis.leak_headline import (
     HEADLINE_MAX,
     Facts,
     cut_middle,
+    fit_holder,
     headline,
     holder_words,
     mention,
@@ -33,6 +34,25 @@ def test_a_long_holder_loses_its_location_then_its_middle_never_its_root() -> No
     assert len(line) <= HEADLINE_MAX
     assert root in line and "train.py:1234" not in line and line.endswith(", since step 301, out of memory in ~8 min")
     assert "…" in line and "hop29" in line
+
+
+def test_a_long_holder_keeps_the_line_that_adds_to_it() -> None:
+    holder = ("held by `kept` in epoch() at some/deep/package/path/train.py:1234, appended at path/train.py:1240 → "
+              + " → ".join(f"hop{i}" for i in range(30)))
+    facts = Facts(kind="graph_leak", state="suspected", rate="+1 autograd node/step (~32.1 KiB/step)",
+                  holder=holder, onset_step=301, out_of_memory="~8 min")
+    line = "gpumemd: " + headline(facts)
+    assert len(line) <= HEADLINE_MAX
+    # where it lives goes first (the function says where), then the directories of the line the
+    # user changes, then the middle of the path: that line stays
+    assert "train.py:1234" not in line
+    assert "held by `kept` in epoch(), appended at train.py:1240 → … → hop28 → hop29, since step 301" in line
+    # a root too long for the width says that line shorter (it is in the root's own file), then not
+    # at all (the summary keeps it): never the name and its function
+    root = "held by `kept` in epoch(), appended at train.py:1240"
+    assert fit_holder(holder, len(root) + 4) == root + " → …"
+    assert fit_holder(holder, len(root)) == "held by `kept` in epoch(), appended at line 1240 → …"
+    assert fit_holder(holder, 36).startswith("held by `kept` in epoch()") and "1240" not in fit_holder(holder, 36)
 
 
 def test_sizes_stay_out_of_the_line_and_the_exit_mention() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from gpumemd.analysis.trend import (
     assess,
+    assess_knee,
     autocorrelation_inflation,
     block_floors,
     cusum_onset,
@@ -110,3 +111,21 @@ def test_assess_names_the_first_failed_check() -> None:
     ok = assess(xs, [10.0 * x for x in xs], min_slope=1.0)
     assert ok.passed and ok.reason == "leak"
     assert ok.slope.slope == pytest.approx(10.0)
+
+
+def test_a_ramp_after_a_drifting_flat_start_is_judged_from_its_knee() -> None:
+    # Host RSS as recorded: 25 floors drifting down by a few KiB, then 1 MiB/step from step 300. The
+    # window's rank test weighs the drift's 300 falling pairs as much as the ramp's: not significant.
+    # From the knee: the 4 ramp floors are the 4 highest of 29, by chance 1 in C(29, 4).
+    mib = 2**20
+    xs = [55.0 + 10 * i for i in range(29)]
+    ys = [300 * mib - 400 * i if x < 300 else 300 * mib + (x - 300) * mib for i, x in enumerate(xs)]
+    knee = next(i for i, x in enumerate(xs) if x > 300) - 1
+    assert assess(xs, ys, min_slope=16 * 1024).reason == "not significant"
+    verdict = assess_knee(xs, ys, knee, min_slope=16 * 1024, min_growth=8 * mib)
+    assert verdict.passed and verdict.p_increasing == pytest.approx(1 / math.comb(29, 4))
+    # a one-time jump is no ramp; a rise that does not clear the flat start's highest floor is none
+    jump = [y if x < 300 else 300 * mib + 64 * mib for x, y in zip(xs, ys, strict=True)]
+    assert not assess_knee(xs, jump, knee, min_slope=16 * 1024, min_growth=8 * mib).passed
+    low = [y if x < 300 else 300 * mib - 1 for x, y in zip(xs, ys, strict=True)]
+    assert not assess_knee(xs, low, knee, min_slope=16 * 1024, min_growth=8 * mib).passed

@@ -1,0 +1,66 @@
+"""The agent's components as one set: started in order, stopped in reverse, flushed, looked up by type;
+a component that fails to stop or flush is logged and the others go on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from gpumemd.components.base import Flushes
+
+if TYPE_CHECKING:
+    from gpumemd.components.base import Component
+
+log = logging.getLogger("gpumemd")
+
+T = TypeVar("T")
+
+
+class ComponentSet:
+    """``items`` is the list the sampled step end walks (a plain list: no call per component)."""
+
+    def __init__(self, components: Sequence[Component]) -> None:
+        self.items: list[Component] = list(components)
+
+    def __iter__(self) -> Iterator[Component]:
+        return iter(self.items)
+
+    def start(self, agent: Any) -> None:
+        """Start each in order; if one fails, stop those started (in reverse) and raise its error."""
+        started: list[Component] = []
+        try:
+            for component in self.items:
+                component.start(agent)
+                started.append(component)
+        except BaseException:
+            for component in reversed(started):
+                _stop(component)
+            raise
+
+    def stop(self) -> None:
+        for component in reversed(self.items):
+            _stop(component)
+
+    def flush(self) -> None:
+        """Write what each knows now (textfile, push, state file), without stopping."""
+        for component in self.items:
+            if isinstance(component, Flushes):
+                try:
+                    component.flush()
+                except Exception:
+                    log.debug("gpumemd: %s failed to flush", getattr(component, "name", component), exc_info=True)
+
+    def find(self, kind: type[T]) -> T | None:
+        """The first component that is a ``kind`` (a class, or a runtime-checkable protocol)."""
+        for component in self.items:
+            if isinstance(component, kind):
+                return component
+        return None
+
+
+def _stop(component: Component) -> None:
+    try:
+        component.stop()
+    except Exception:
+        log.exception("gpumemd: component %s failed to stop", getattr(component, "name", component))

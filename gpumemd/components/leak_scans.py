@@ -1,0 +1,52 @@
+"""When the leak component scans for survivors: every ``SCAN_EVERY`` to ``SCAN_EVERY_MAX`` steps, spaced so
+scans and evaluations together keep to their share of the overhead budget (``budget.Part.LEAK_CHECKS``),
+and at every evaluation, so a culprit search samples the tensors and graph roots of that very step (an
+EMA's root is new each step)."""
+
+from __future__ import annotations
+
+from gpumemd import budget
+
+SCAN_EVERY = 10
+"""Steps between survivor scans (and count-series observations) at least."""
+
+SCAN_EVERY_MAX = 50
+"""Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
+10 points of every count series, so the budget never starves detection."""
+
+
+class ScanSchedule:
+    """Counts in the agent's ``steps_total`` (every step, sampled or not). ``seconds`` is what the scans
+    took so far (benchmarks read it)."""
+
+    def __init__(self, *, window_steps: int, overhead_budget: float) -> None:
+        self._longest = max(1, min(SCAN_EVERY_MAX, window_steps // 10))  # 10 points per window
+        self._allowed = budget.share(overhead_budget, budget.Part.LEAK_CHECKS)
+        self.interval = SCAN_EVERY  # steps between scans now
+        self.next_total = SCAN_EVERY  # steps_total at which the next scan runs
+        self._last_total = 0  # steps_total at the last scan
+        self._cost: float | None = None  # moving average of a scan's seconds
+        self.seconds = 0.0
+
+    def due(self, total: int) -> bool:
+        return total >= self.next_total
+
+    def scanned(self, total: int, seconds: float, *, seconds_per_step: float | None,
+                evaluations_share: float) -> None:
+        """A scan at ``total`` took ``seconds``: space the next one. Evaluations run on their own cadence
+        (``leak_check_every_steps``) and took ``evaluations_share`` of the job's time so far; the scans get
+        the share less that, at least half of it."""
+        self._last_total = total
+        self.seconds += seconds
+        cost = self._cost = seconds if self._cost is None else 0.8 * self._cost + 0.2 * seconds
+        interval = SCAN_EVERY
+        if seconds_per_step:  # the typical step: pauses between steps do not count
+            allowed = max(self._allowed / 2, self._allowed - evaluations_share)
+            interval = budget.steps_between(cost, allowed, seconds_per_step)
+        self.interval = max(min(SCAN_EVERY, self._longest), min(self._longest, interval))
+
+    def plan(self, total: int, steps_to_evaluation: int | None) -> None:
+        """After a step end at ``total``: the next scan ``interval`` steps after the last, or at the next
+        evaluation (``steps_to_evaluation`` from now; None while one's searches go on) if sooner."""
+        evaluation_at = total + (max(1, steps_to_evaluation) if steps_to_evaluation is not None else self.interval)
+        self.next_total = min(self._last_total + self.interval, evaluation_at)

@@ -1,0 +1,101 @@
+"""What a sampled step end reads: the allocator, the host's RSS and, every few steps, the job's child
+processes, made into the step's record with the sampler's last NVML reading where it pairs.
+
+Every read here runs on the training thread right after a step of compute, where one syscall costs
+~20 µs: each is one kept-open ``pread`` (``probes.host``, ``probes.workers``) or the allocator's own
+statistics, and the workers are read only every ``WORKERS_EVERY`` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpumemd.log_once import log_once
+from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
+from gpumemd.records.step import AgentState, StepRecord, nvml_paired
+
+if TYPE_CHECKING:
+    from gpumemd.probes.allocator import AllocatorProbe
+    from gpumemd.probes.host import HostProbe
+    from gpumemd.probes.workers import WorkersProbe
+
+log = logging.getLogger("gpumemd")
+
+WORKERS_EVERY = 10
+"""Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
+WORKERS_IDLE_EVERY = 100
+"""The same while the last read found no child process: a job without DataLoader workers (most fast
+loops) pays one read per 100 steps, and new workers are seen within 100 steps (or the sampler's next
+reading, which lists every thread's children)."""
+
+
+class StepReader:
+    """Reads the probes into step records; ``published`` gives the last published state, whose
+    sampler readings (NVML, the host's limits) a record carries."""
+
+    def __init__(self, *, allocator: AllocatorProbe, host: HostProbe, workers: WorkersProbe | None,
+                 published: Callable[[], AgentState | None], wall_clock: Callable[[], float],
+                 reset_peaks: bool) -> None:
+        self._allocator = allocator
+        self._host = host
+        self._workers = workers
+        self._published = published
+        self._wall = wall_clock
+        self._reset_peaks = reset_peaks
+        self._workers_read_at: int | None = None  # the step of the last per-step read of the workers
+        self._workers_every = WORKERS_EVERY  # WORKERS_IDLE_EVERY while the job has no child process
+
+    def record(self, number: int, duration: float | None, steps: int, phase: str) -> StepRecord:
+        """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled
+        where that reading pairs with this allocator reading (``nvml_paired``)."""
+        allocator = self._allocator.read()
+        if self._reset_peaks and allocator:
+            _reset_peaks(allocator)
+        rss = self._host.rss()
+        previous = self._published()
+        assert previous is not None
+        host = None
+        if rss is not None:
+            base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
+            host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
+        wall = self._wall()
+        nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
+        return StepRecord(step=number, wall_time=wall, duration_s=duration, allocator=allocator, host=host,
+                          nvml=nvml, phase=phase, steps=steps, workers=self._read_workers(number))
+
+    def now(self, step: int, steps: int, phase: str) -> StepRecord | None:
+        """The probes read now, as a record of the step that is running, kept nowhere (an OOM report's
+        timeline ends with it): the host's limits too, as one the job set since the last sample binds."""
+        base = self._published()
+        if base is None:
+            return None
+        host = self._host.read()
+        if host is None or host.available_bytes is None:
+            rss = host.rss_bytes if host is not None else self._host.rss()
+            host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
+                HostSample(rss_bytes=rss) if rss is not None else None)
+        return StepRecord(step=step, wall_time=self._wall(), duration_s=None, allocator=self._allocator.read(),
+                          host=host, nvml=base.nvml, phase=phase, steps=steps)
+
+    def _read_workers(self, number: int) -> WorkersSample | None:
+        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps, or ``WORKERS_IDLE_EVERY`` while
+        it has none (a few preads, each ~20 µs after a step of compute has taken the cache)."""
+        last = self._workers_read_at
+        if self._workers is None or (last is not None and 0 <= number - last < self._workers_every):
+            return None
+        self._workers_read_at = number
+        sample = self._workers.rss()
+        self._workers_every = WORKERS_EVERY if sample is None or sample.workers else WORKERS_IDLE_EVERY
+        return sample
+
+
+def _reset_peaks(samples: tuple[AllocatorSample, ...]) -> None:
+    import torch
+
+    for sample in samples:
+        try:
+            torch.cuda.reset_peak_memory_stats(sample.device.name)
+        except (RuntimeError, AttributeError) as exc:
+            log_once("reset_peak", "gpumemd: could not reset peak stats (%s)", exc)

@@ -1,0 +1,51 @@
+"""What a sampled step end reads: the job's child processes every 100 steps while it has none, every 10
+once it has (a /proc read costs ~20 µs after a step of compute)."""
+
+from __future__ import annotations
+
+from gpumemd.records.samples import WorkerSample, WorkersSample
+from gpumemd.records.step import AgentState, Identity
+from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, StepReader
+
+
+class _Allocator:
+    def read(self) -> tuple[()]:
+        return ()
+
+
+class _Host:
+    def rss(self) -> int:
+        return 1 << 20
+
+
+class _Workers:
+    def __init__(self) -> None:
+        self.pids: tuple[int, ...] = ()
+
+    def rss(self) -> WorkersSample:
+        return WorkersSample(tuple(WorkerSample(pid, 1 << 20) for pid in self.pids))
+
+
+def _reader(workers: _Workers) -> StepReader:
+    state = AgentState(identity=Identity(), attached_at=0.0, updated_at=0.0)
+    return StepReader(allocator=_Allocator(), host=_Host(), workers=workers,  # type: ignore[arg-type]
+                      published=lambda: state, wall_clock=lambda: 0.0, reset_peaks=False)
+
+
+def test_workers_are_read_every_100_steps_while_the_job_has_none_and_every_10_once_it_has() -> None:
+    workers = _Workers()
+    reader = _reader(workers)
+    read_at = [n for n in range(250) if reader.record(n, None, 1, "train").workers is not None]
+    assert read_at == list(range(0, 250, WORKERS_IDLE_EVERY))
+    workers.pids = (4242,)  # a DataLoader started its workers
+    read_at = [n for n in range(250, 400) if reader.record(n, None, 1, "train").workers is not None]
+    assert read_at == [300, *range(310, 400, WORKERS_EVERY)]  # seen at the next idle read, then every 10
+    workers.pids = ()
+    read_at = [n for n in range(400, 700) if reader.record(n, None, 1, "train").workers is not None]
+    assert read_at == [400, 500, 600]  # gone: back to one read per 100 steps
+
+
+def test_a_record_carries_the_host_rss_read_now_and_the_step_it_was_given() -> None:
+    record = _reader(_Workers()).record(7, 0.01, 10, "eval")
+    assert (record.step, record.duration_s, record.steps, record.phase) == (7, 0.01, 10, "eval")
+    assert record.host is not None and record.host.rss_bytes == 1 << 20 and record.allocator == ()
