@@ -9,10 +9,11 @@ SIGKILL in the middle, sees the previous file or the new one. No fsync: the page
 process, and a SIGKILL is what this file is for (a machine crash loses the last seconds, which the job
 loses too).
 
-Cost, measured on the 2-core box (noisy, under load): building the document and its JSON takes ~45 µs
-on the training thread; the temp file, write and rename ~150 µs of CPU but 0.3-3 ms of wall time on
-ext4 (the journal), so they run on one writer thread of this component (file system calls release the
-GIL). Once a second that is ~0.005% of the job's time on its own thread, ~0.02% of one core beside it.
+Cost, measured on the 2-core box (``benchmarks/bench_top_overhead.py``): building the document and its
+JSON takes 0.13-0.3 ms on the training thread; the temp file, write and rename ~0.15 ms of CPU but
+0.3-3 ms of wall time on a busy ext4 (the journal), so they run on one writer thread of this component
+(file system calls release the GIL) and the training thread never waits on the disk. At one write a
+second this component's training-thread CPU, its per-step check included, is ~0.05% of the job's time.
 ``flush`` and ``stop`` write on the caller's thread: the process may end next. A write failure is
 logged once and the job goes on.
 """

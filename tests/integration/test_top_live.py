@@ -2,8 +2,9 @@
 tmux (``send-keys``, ``capture-pane``).
 
 - one job leaking 64 KiB a step from step 300: the frame shows the step moving, the leak finding once
-  it is confirmed, and ``q`` exits cleanly; then the job pauses right after a state file write and
-  ``gpumemd top --once --json`` gives the step, memory figures and findings ``agent.state()`` holds;
+  it is confirmed, follows the window's size, and ``q`` exits cleanly; then the job pauses right after a
+  state file write and ``gpumemd top --once --json`` gives the step, memory figures and
+  findings ``agent.state()`` holds;
 - two ranks of one job in one directory, one SIGKILLed: the frame shows it as vanished, first.
 
 Without tmux these skip with the install command, except where ``GPUMEMD_REQUIRE_TMUX=1`` (CI sets it).
@@ -81,6 +82,9 @@ class Tmux:
     def screen(self) -> str:
         return subprocess.run([*self.cmd, "capture-pane", "-p"], capture_output=True, text=True).stdout
 
+    def resize(self, columns: int) -> None:
+        subprocess.run([*self.cmd, "resize-window", "-x", str(columns), "-y", "50"], check=True)
+
     def keys(self, *keys: str) -> None:
         subprocess.run([*self.cmd, "send-keys", *keys], check=True)
 
@@ -133,6 +137,11 @@ def test_top_follows_a_leaking_job_and_its_json_is_the_agents_state(tmp_path: Pa
         tmux.wait("the step moving", lambda s: bool(steps_shown(s)) and steps_shown(s)[0] > steps_shown(first)[0])
         frame = tmux.wait("the confirmed finding", lambda s: "finding confirmed tensor_leak" in s)
         assert "+64.0 KiB/step" in frame and "out of memory in ~" in frame, frame
+        tmux.resize(60)  # the frame follows: lines cut at the new width, none wrapped onto the next
+        narrow = tmux.wait("the frame at 60 columns", lambda s: "(q quits)" not in s)
+        assert narrow.splitlines()[1] == "" and narrow.splitlines()[2].startswith("rank 0  RUNNING"), narrow
+        tmux.resize(160)
+        tmux.wait("the frame at 160 columns again", lambda s: "(q quits)" in s)
         tmux.keys("q")
         tmux.wait("top's clean exit", lambda s: "TOP-EXIT=0" in s, timeout=10)
 
