@@ -176,28 +176,42 @@ def _pairs(n: int, max_pairs: int, seed: int) -> list[tuple[int, int]]:
     return out
 
 
+def sorted_slopes(xs: Sequence[float], ys: Sequence[float], *, max_pairs: int = 20_000, seed: int = 0) -> list[float]:
+    """The pairwise slopes ``theil_sen`` takes its median and interval from, sorted (a deterministic
+    subsample of ``max_pairs`` pairs past that many): the costly part, worked out once per window."""
+    n = len(xs)
+    if n != len(ys):
+        raise ValueError(f"theil_sen: xs and ys differ in length ({n} != {len(ys)})")
+    return sorted((ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in _pairs(n, max_pairs, seed) if xs[j] != xs[i])
+
+
+def _median(slopes: Sequence[float]) -> float:
+    m = len(slopes)
+    if not m:
+        return 0.0
+    mid = m // 2
+    return slopes[mid] if m % 2 else (slopes[mid - 1] + slopes[mid]) / 2.0
+
+
 def theil_sen(
     xs: Sequence[float], ys: Sequence[float], *, confidence: float = 0.90,
-    variance: float | None = None, max_pairs: int = 20_000, seed: int = 0,
+    variance: float | None = None, max_pairs: int = 20_000, seed: int = 0, slopes: list[float] | None = None,
 ) -> Slope:
     """Median of pairwise slopes; the interval is Sen's (1968), from the Mann-Kendall variance.
 
     ``variance`` is Var(S) (e.g. autocorrelation-inflated); by default the tie-corrected one.
-    A two-sided ``confidence`` of 0.90 gives a one-sided 95% lower bound.
+    A two-sided ``confidence`` of 0.90 gives a one-sided 95% lower bound. ``slopes``: this window's
+    ``sorted_slopes``, when the caller has them already.
     """
     n = len(xs)
     if n != len(ys):
         raise ValueError(f"theil_sen: xs and ys differ in length ({n} != {len(ys)})")
-    if n < 2:
-        return Slope(0.0, -math.inf, math.inf, 0)
-    slopes = sorted(
-        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in _pairs(n, max_pairs, seed) if xs[j] != xs[i]
-    )
-    if not slopes:
+    if slopes is None:
+        slopes = sorted_slopes(xs, ys, max_pairs=max_pairs, seed=seed) if n >= 2 else []
+    if n < 2 or not slopes:
         return Slope(0.0, -math.inf, math.inf, 0)
     m = len(slopes)
-    mid = m // 2
-    median = slopes[mid] if m % 2 else (slopes[mid - 1] + slopes[mid]) / 2.0
+    median = _median(slopes)
     var_s = _tie_variance(ys) if variance is None else variance
     total = n * (n - 1) / 2.0
     c = _NORMAL.inv_cdf(0.5 + confidence / 2.0) * math.sqrt(max(var_s, 0.0))
@@ -281,9 +295,9 @@ def assess(
     empty = Slope(0.0, -math.inf, math.inf, 0)
     if n < min_points:
         return Verdict(False, "too few points", n, empty, 1.0, 0.0, 0)
-    point = theil_sen(xs, ys, max_pairs=max_pairs)
-    mk = mann_kendall(ys, xs=xs, slope=point.slope)
-    slope = theil_sen(xs, ys, confidence=confidence, variance=mk.variance, max_pairs=max_pairs)
+    slopes = sorted_slopes(xs, ys, max_pairs=max_pairs)  # once: the point slope and its interval share them
+    mk = mann_kendall(ys, xs=xs, slope=_median(slopes))
+    slope = theil_sen(xs, ys, confidence=confidence, variance=mk.variance, slopes=slopes)
     growth = floor_growth(ys)
     span = xs[-1] - xs[0]
 
