@@ -110,6 +110,7 @@ class Agent:
                                   reset_peaks=config.reset_peak_each_step)
         self._sampler = Sampler(allocator=allocator_probe, host=host_probe, nvml=nvml_probe, clock=clock,
                                 workers=workers_probe)
+        self.run_in_background = self._sampler.run_soon  # off the training thread (False: run it yourself)
         # tests: max_stride=1 samples every step
         self._planner = StridePlanner(config.overhead_budget, MAX_STRIDE if max_stride is None else max_stride)
         self.step_clock = StepClock(self._end_step, lambda: self.running)

@@ -1,11 +1,16 @@
 """The background sampler: every ``sample_interval_s`` it reads the allocator, NVML and the host
 between steps, so the published state stays fresh while a step runs long (or the job hangs).
 
-It reads and times; publishing what it read is the agent's (``Agent.tick``).
+It reads and times; publishing what it read is the agent's (``Agent.tick``). Its thread also runs
+short errands handed to it (``run_soon``: the state file's write), so that file system calls, which can
+take milliseconds of wall time on a journaled file system, never wait on the training thread, and no
+second thread of the agent takes its ~70 MiB of address space (a stack and a malloc arena) from a job
+under ``ulimit -v``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -21,6 +26,9 @@ if TYPE_CHECKING:
     from gpumemd.probes.workers import WorkersProbe
     from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 
+_ERRANDS_MAX = 4
+
+
 class Sampler:
     """Reads the probes on request (``read``) and, once started, on its own thread (``tick`` each
     interval); ``seconds`` is the time its reads took, which the agent counts as its overhead."""
@@ -34,6 +42,8 @@ class Sampler:
         self._clock = clock
         self._local_world_size = 1
         self._stop = threading.Event()
+        self._wake = threading.Event()  # an errand came, or the sampler stops
+        self._errands: collections.deque[Callable[[], None]] = collections.deque(maxlen=_ERRANDS_MAX)
         self._thread: threading.Thread | None = None
         self.absent_reason: str | None = None  # why the thread could not start
         self.seconds = 0.0
@@ -64,17 +74,48 @@ class Sampler:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._wake.set()
+        thread, self._thread = self._thread, None  # errands handed in from here run in their caller
+        if thread is not None:
+            thread.join(timeout=10)
+        self._errands.clear()
+
+    def run_soon(self, errand: Callable[[], None]) -> bool:
+        """Run ``errand`` on this thread soon (timed into ``seconds``); False when there is no thread
+        (none started, or stopped): then the caller runs it itself. The oldest waiting errands are
+        dropped past ``_ERRANDS_MAX``: each is a newer state file than the one before."""
+        if self._thread is None or self._stop.is_set():
+            return False
+        self._errands.append(errand)
+        self._wake.set()
+        return True
 
     def _loop(self, tick: Callable[[], None], interval_s: float) -> None:
         if self._nvml is not None:
             self._nvml.start()
             if not self._stop.is_set():
                 tick()
-        while not self._stop.wait(interval_s):
-            tick()
+        due = self._clock() + interval_s
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, due - self._clock()))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            self._run_errands()
+            if self._clock() >= due:
+                tick()
+                due = self._clock() + interval_s
+
+    def _run_errands(self) -> None:
+        while self._errands:
+            errand = self._errands.popleft()
+            start = self._clock()
+            try:
+                errand()
+            except Exception:  # an errand's failure is its own: the sampler goes on
+                log.debug("gpumemd: a sampler errand failed", exc_info=True)
+            finally:
+                self.seconds += self._clock() - start
 
     def read(self, local_rank: int) -> tuple[tuple[AllocatorSample, ...], tuple[NvmlDeviceSample, ...],
                                              HostSample | None]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import weakref
+    from collections.abc import Callable
 
     from gpumemd.records.census import Census
     from gpumemd.records.step import AgentState, Overhead, StepRecord
@@ -72,6 +73,8 @@ class AgentView(Protocol):
     def add_census_seconds(self, seconds: float) -> None: ...
 
     def add_thread_seconds(self, seconds: float) -> None: ...
+
+    def run_in_background(self, errand: Callable[[], None]) -> bool: ...
 
 
 class Component(Protocol):

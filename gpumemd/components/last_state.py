@@ -11,11 +11,13 @@ loses too).
 
 Cost, measured on the 2-core box (``benchmarks/bench_top_overhead.py``): building the document and its
 JSON takes 0.13-0.3 ms on the training thread; the temp file, write and rename ~0.15 ms of CPU but
-0.3-3 ms of wall time on a busy ext4 (the journal), so they run on one writer thread of this component
-(file system calls release the GIL) and the training thread never waits on the disk. At one write a
-second this component's training-thread CPU, its per-step check included, is ~0.05% of the job's time.
-``flush`` and ``stop`` write on the caller's thread: the process may end next. A write failure is
-logged once and the job goes on.
+0.3-3 ms of wall time on a busy ext4 (the journal), so they run on the sampler's thread
+(``Agent.run_in_background``; file system calls release the GIL): the training thread never waits on
+the disk, and no thread of this component's own takes ~70 MiB of address space (a stack and a malloc
+arena) from a job under ``ulimit -v``. At one write a second this component's training-thread CPU, its
+per-step check included, is ~0.05% of the job's time. Without a sampler thread
+(``sample_interval_s=0``), and at ``flush`` and ``stop`` (the process may end next), the caller
+writes. A write failure is logged once and the job goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from gpumemd.components.base import ComponentBase
@@ -59,9 +60,10 @@ class LastStateComponent(ComponentBase):
         self._failed = False
         self.writes = 0
         self._lock = threading.RLock()  # one write at a time, the newest last (re-entrant: a signal's flush)
-        self._made = 0  # documents built; the writer skips one older than the file's
+        self._handled = threading.Condition(self._lock)  # notified as each document is written or skipped
+        self._made = 0  # documents built; a write skips one older than the file's
         self._on_disk = 0
-        self._writer: ThreadPoolExecutor | None = None
+        self._last_handled = 0
 
     def start(self, agent: AgentView) -> None:
         self._agent, self._due, self._key = agent, 0.0, None
@@ -91,9 +93,6 @@ class LastStateComponent(ComponentBase):
 
     def stop(self) -> None:
         agent, self._agent = self._agent, None
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.shutdown(wait=True)
         if agent is not None:
             self._write(agent.state(), agent)  # with ``ended``: the agent published it before stopping us
 
@@ -108,33 +107,33 @@ class LastStateComponent(ComponentBase):
             self._failed_once(path, exc)
             return
         self._made += 1
-        if background and self._agent is not None:
-            if self._writer is None:  # started at the first write: a stopped component has none
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumemd-state")
-            try:
-                self._writer.submit(self._put, path, data, self._made)
-                return
-            except RuntimeError:  # the interpreter is shutting down: no new threads; write here
-                pass
-        self._put(path, data, self._made)
+        made = self._made
+        if background and agent.run_in_background(lambda: self._put(path, data, made)):
+            return
+        self._put(path, data, made)
 
-    def drain(self) -> None:
-        """Wait until what was handed to the writer thread is on disk."""
-        if self._writer is not None:
-            self._writer.submit(int).result()
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait until the newest document handed to the background is written (or skipped)."""
+        target = self._made
+        with self._handled:
+            self._handled.wait_for(lambda: self._last_handled >= target, timeout)
 
     def _put(self, path: str, data: bytes, made: int) -> None:
-        with self._lock:
-            if made <= self._on_disk:  # a newer document is already there (a flush overtook the writer)
-                return
+        with self._handled:
             try:
+                if made <= self._on_disk:  # a newer document is already there (a flush overtook the errand)
+                    return
                 _replace(path, data)
             except OSError as exc:
                 self._failed_once(path, exc)
                 return
-            self._on_disk = made
-            self.writes += 1
-            self._failed = False
+            else:
+                self._on_disk = made
+                self.writes += 1
+                self._failed = False
+            finally:
+                self._last_handled = max(self._last_handled, made)
+                self._handled.notify_all()
 
     def _failed_once(self, path: str, exc: Exception) -> None:
         if not self._failed:  # said once until a write succeeds again

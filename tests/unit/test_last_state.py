@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,11 @@ class View:
 
     def state(self) -> AgentState:
         return self.state_now
+
+    def run_in_background(self, errand: Any) -> bool:
+        """The sampler's thread, as the agent hands it errands: a thread per errand here."""
+        threading.Thread(target=errand).start()
+        return True
 
 
 def read(out: str) -> dict[str, Any]:
