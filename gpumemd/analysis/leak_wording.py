@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from gpumemd.analysis.holder_adds import added_at
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
@@ -481,15 +481,3 @@ def _finding_where(finding: Finding) -> str | None:
     if finding.phase != "train":
         parts.append(f"phase {finding.phase}")
     return ", ".join(parts) or None
-
-
-def merge_findings(previous: Iterable[Finding], updates: Mapping[tuple[str, str], Finding]) -> tuple[Finding, ...]:
-    """Replace findings of the same (series, phase) by their update; keep the rest in order."""
-    out: list[Finding] = []
-    seen: set[tuple[str, str]] = set()
-    for f in previous:
-        key = (f.series, f.phase)
-        out.append(updates.get(key, f))
-        seen.add(key)
-    out.extend(f for key, f in updates.items() if key not in seen)
-    return tuple(out)

@@ -224,11 +224,6 @@ SPECS: tuple[MetricSpec, ...] = (
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in SPECS}
 
 
-def exposed_names() -> set[str]:
-    """Every series name that can appear in an exposition (counters as ``<name>``, which ends in _total)."""
-    return set(BY_NAME)
-
-
 def reference_table() -> str:
     """The README's metric reference, as a Markdown table."""
     rows = ["| metric | type | labels | meaning | source |", "|---|---|---|---|---|"]

@@ -15,7 +15,6 @@ from gpumemd.analysis.leak_wording import (
     count_sentence,
     culprit_sentence,
     culprits_from_diff,
-    merge_findings,
     refine_kind,
 )
 from gpumemd.analysis.oom_leak import without_projection
@@ -173,9 +172,6 @@ def test_finding_names_kind_slope_onset_oom_and_culprit() -> None:
     assert "keeping ~3.0 MiB/step of autograd graph alive" in finding.summary
     # unknown headroom: steps_to_oom is None
     assert build_finding(status).steps_to_oom is None
-    # a later update of the same series replaces it in the published tuple
-    newer = build_finding(statuses[1])
-    assert merge_findings((finding,), {(newer.series, newer.phase): newer}) == (newer,)
     # The sentence is rewritten at every evaluation; a holder looked up earlier says when (its
     # container size is from then), one looked up now does not.
     assert "looked up at step" not in build_finding(status, culprits=culprits, culprits_step=status.step).summary
