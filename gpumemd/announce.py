@@ -83,6 +83,16 @@ FIX_WORDS: dict[str, str] = {
 }
 
 
+def fix_words(finding: Finding) -> str:
+    """The fix of ``finding`` in a few words. A retained graph kept by a scalar is a loss kept whole
+    (``loss.item()``); by anything larger, predictions computed with autograd on (evaluation without
+    ``torch.no_grad()``), whose graph nothing will ever need."""
+    group = finding.group or finding.series
+    if finding.kind == "graph_leak" and "with grad_fn" in group and "[]" not in group:
+        return "compute what you keep under torch.no_grad(), or keep its .detach()"
+    return FIX_WORDS.get(finding.kind, "stop what grows")
+
+
 def next_text(state: AgentState, output_dir: str) -> str | None:
     """What to do next, last on the exit line: the fix of the worst live finding in a few words, or
     the OOM to read, and the command that shows it all."""
@@ -90,7 +100,7 @@ def next_text(state: AgentState, output_dir: str) -> str | None:
                   key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
     see = f"gpumemd report {output_dir}"
     if live:
-        return f"next: {FIX_WORDS.get(live[0].kind, 'stop what grows')}; then {see}"
+        return f"next: {fix_words(live[0])}; then {see}"
     if state.reports or state.ooms_total:
         return f"next: {see}"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import gpumemd
-from gpumemd.announce import StartFacts, exit_summary, start_line
+from gpumemd.announce import StartFacts, exit_summary, fix_words, start_line
 from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.findings import Culprit, Finding
@@ -75,6 +76,15 @@ def test_exit_summary_names_each_live_finding_once_worst_first_and_the_reports()
     assert "2 OOMs, no report written" in exit_summary(_state(ooms_total=2), "/out")
     assert exit_summary(_state(ooms_total=2), "/out").endswith(" · next: gpumemd report /out")
     assert "1 growth cleared" in exit_summary(_state(findings=findings[:1]), "/out")
+
+
+def test_the_fix_of_a_retained_graph_depends_on_what_keeps_it() -> None:
+    loss = dataclasses.replace(_finding("confirmed", "s."), kind="graph_leak",
+                               series="tensors{device=cpu,group=float32[] with grad_fn}")
+    logits = dataclasses.replace(loss, series="tensors{device=cpu,group=float32[64, 10] with grad_fn}")
+    assert fix_words(loss) == "keep loss.item() or .detach(), not the tensor with its graph"
+    assert fix_words(logits) == "compute what you keep under torch.no_grad(), or keep its .detach()"
+    assert fix_words(dataclasses.replace(logits, kind="tensor_leak")).startswith("keep .detach().cpu() copies")
 
 
 def _train(steps: int) -> None:
