@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from gpumemd.probes.census import take_census
+    from gpumemd.probes.census_steps import take_census
     from gpumemd.probes.holders import who_holds
 
     torch.manual_seed(0)

@@ -12,7 +12,8 @@ For each, ``census_steps`` runs once as the census component runs it in step end
 slices of ``GRAPH_SLICE_NODES``) and once as ``take_census`` runs it (graph walk whole), each slice
 timed, as the component runs them (collector held off). What a step end pays is at most the longest
 slice plus the slices the component runs after it while the step end has paid less than
-``components.census.CENSUS_SLICE_S``; the longest slice is the part no step end can split. Prints a markdown table.
+``components.census_component.CENSUS_SLICE_S``; the longest slice is the part no step end can split.
+Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gpumemd.probes.census import GRAPH_SLICE_NODES, CensusRequest, census_steps
+from gpumemd.probes.census_steps import GRAPH_SLICE_NODES, CensusRequest, census_steps
 from gpumemd.probes.gc_pause import collector_paused, hold_automatic, release_automatic
 from gpumemd.records.census import Census
 

@@ -3,7 +3,7 @@
     /work/venv/bin/python benchmarks/bench_estimate.py [--steps 200]
 
 Part 1, for each test model (fp32, Adam, one CPU training step):
-- analytic: ``gpumemd.analysis.estimate`` from the parameter count alone (no activations), and for
+- analytic: ``gpumemd.analysis.memory_estimate`` from the parameter count alone (no activations), and for
   the GPT models also from the transformer shape (Korthikanti et al. activations);
 - traced: ``gpumemd.probes.trace.trace_model`` on the meta device;
 - measured: a real CPU step after one warm-up step: the live bytes before it (parameters, buffers,
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 import gpumemd
-from gpumemd.analysis.estimate import TransformerShape, estimate
-from gpumemd.components.step_profile import StepProfileComponent
+from gpumemd.analysis.memory_estimate import TransformerShape, estimate
+from gpumemd.components.step_profiler import StepProfileComponent
 from gpumemd.probes.cpu_peak import measure_cpu_peak
 from gpumemd.probes.trace import SavedTensorCounter, scalar_loss, storage_key, trace_model
 

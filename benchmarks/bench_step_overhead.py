@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gpumemd
-from gpumemd.components.census import CensusComponent
+from gpumemd.components.census_component import CensusComponent
 from gpumemd.components.leak import LeakComponent
 
 CAP = 2.0

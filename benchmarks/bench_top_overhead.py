@@ -40,12 +40,12 @@ from collections.abc import Callable
 import torch
 
 import gpumemd
-from gpumemd.components.last_state import LastStateComponent
+from gpumemd.components.state_writer import LastStateComponent
 
 WATCH_LOOP = textwrap.dedent("""
     import sys, time
     from gpumemd.cli.top import frame_lines, read_frame
-    from gpumemd.report.top import History
+    from gpumemd.report.top_frame import History
     history = History()
     while True:
         frame_lines(read_frame([sys.argv[1]], history), 160, live=True)

@@ -21,7 +21,7 @@ import tracemalloc
 import torch
 
 import gpumemd
-from gpumemd.components.census import CensusComponent
+from gpumemd.components.census_component import CensusComponent
 from gpumemd.components.leak import LeakComponent
 
 

@@ -20,7 +20,7 @@ from gpumemd.config_renamed import current_name
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
     from gpumemd.components.base import Component
-    from gpumemd.components.census import CensusComponent
+    from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.allocation_history import AllocationHistory
     from gpumemd.probes.allocator import AllocatorProbe
     from gpumemd.probes.host import HostProbe
@@ -221,7 +221,7 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
         components.append(LeakComponent(config.options(LeakOptions), census=census if config.census else None,
                                         history=history))
     if config.step_profile:
-        from gpumemd.components.step_profile import StepProfileComponent, StepProfileOptions
+        from gpumemd.components.step_profiler import StepProfileComponent, StepProfileOptions
 
         components.append(StepProfileComponent(config.options(StepProfileOptions)))
     from gpumemd.components.exporter import ExporterComponent, ExporterOptions
@@ -229,12 +229,12 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     exporter_options = config.options(ExporterOptions)
     exporter = ExporterComponent(exporter_options) if exporter_options.enabled else None
     if config.oom_reports:
-        from gpumemd.components.oom import OomComponent, OomOptions
+        from gpumemd.components.oom_component import OomComponent, OomOptions
         from gpumemd.probes.snapshot import SnapshotProbe
 
         components.append(OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(history=history),
                                        census=census, on_fatal=exporter))
-    from gpumemd.components.last_state import LastStateComponent
+    from gpumemd.components.state_writer import LastStateComponent
 
     components.append(LastStateComponent())  # before the exporter: stopped after it, with the ending in
     if exporter is not None:
@@ -243,7 +243,7 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
 
 
 def _census_component(config: Config) -> CensusComponent:
-    from gpumemd.components.census import CensusComponent, CensusOptions
-    from gpumemd.probes.census import census_steps
+    from gpumemd.components.census_component import CensusComponent, CensusOptions
+    from gpumemd.probes.census_steps import census_steps
 
     return CensusComponent(config.options(CensusOptions), census_fn=census_steps)

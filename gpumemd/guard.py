@@ -29,7 +29,7 @@ from types import CodeType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
-    from gpumemd.components.oom import OomComponent
+    from gpumemd.components.oom_component import OomComponent
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -112,7 +112,7 @@ def _oom_component() -> OomComponent | None:
     agent = current()
     if agent is None:
         return None
-    from gpumemd.components.oom import OomComponent
+    from gpumemd.components.oom_component import OomComponent
 
     return agent.component(OomComponent)
 

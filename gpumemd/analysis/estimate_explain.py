@@ -1,12 +1,12 @@
 """What each row of ``gpumemd estimate`` is, and why it counts where it counts (``--explain``).
 
-Pure: an :class:`Estimate` in, sentences out. The numbers come from ``analysis.estimate``; this only
+Pure: an :class:`Estimate` in, sentences out. The numbers come from ``analysis.memory_estimate``; this only
 says, per row, how many bytes per parameter, what PyTorch holds there, and how the row enters the peak.
 """
 
 from __future__ import annotations
 
-from gpumemd.analysis.estimate import Estimate, bytes_per_param
+from gpumemd.analysis.memory_estimate import Estimate, bytes_per_param
 
 _STATE_WORDS: dict[str, str] = {
     "sgd": "plain SGD keeps no state",

@@ -17,7 +17,8 @@ import sys
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from gpumemd.analysis.estimate import (
+from gpumemd.analysis.estimate_explain import explain
+from gpumemd.analysis.memory_estimate import (
     GRAD_DTYPES,
     OFFLOADS,
     OPTIMIZERS,
@@ -27,7 +28,6 @@ from gpumemd.analysis.estimate import (
     dominant_term,
     estimate,
 )
-from gpumemd.analysis.estimate_explain import explain
 from gpumemd.analysis.units import format_bytes
 from gpumemd.cli.errors import CliError
 from gpumemd.probes.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model

@@ -2,7 +2,7 @@
 
 It reads the state files the agents keep there (``gpumemd-state-rank<R>.json``, ``report.last_state``)
 and nothing else: it never signals, attaches to or slows a job (a ``kill(pid, 0)`` tells a live pid
-from a gone one). ``report.top`` turns the files into a frame; this module lays it out: in place with
+from a gone one). ``report.top_frame`` turns the files into a frame; this module lays it out: in place with
 the standard library's curses (``q`` quits, a resize redraws), or once as text or JSON (``--once``,
 ``--json``) for scripts. Every string from a file is printed escaped (``cli.escape``).
 """
@@ -22,7 +22,7 @@ from gpumemd.cli.errors import CliError
 from gpumemd.cli.escape import escaped
 from gpumemd.report.fmt import fmt_bytes
 from gpumemd.report.last_state import StateLoadError, load_states, pid_alive
-from gpumemd.report.top import History, frame
+from gpumemd.report.top_frame import History, frame
 
 BAR = 20
 SPARK = "▁▂▃▄▅▆▇█"

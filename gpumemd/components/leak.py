@@ -43,7 +43,7 @@ from gpumemd.probes.tensor_families import TensorFamilies
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
-    from gpumemd.components.census import CensusComponent
+    from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.allocation_history import AllocationHistory
     from gpumemd.records.findings import Finding
     from gpumemd.records.step import StepRecord

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from gpumemd.analysis.leak_detector import TrackStatus
     from gpumemd.components.base import AgentView
-    from gpumemd.components.census import CensusComponent
+    from gpumemd.components.census_component import CensusComponent
     from gpumemd.components.leak_host import HostLooks
     from gpumemd.components.leak_series import LeakSeries
     from gpumemd.components.leak_sites import AllocationSites

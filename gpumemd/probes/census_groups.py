@@ -3,7 +3,7 @@
 The census pass makes one ``StorageRecord`` per storage (classified and named, with the graph
 bytes charged to it); everything here reads those records and knows nothing of how they were found.
 A record describes its storage when it is made (device, dtype, shape of the tensor that represents
-it) and holds that tensor only weakly: a census spread over several step ends (``probes.census``)
+it) and holds that tensor only weakly: a census spread over several step ends (``probes.census_steps``)
 must not keep a step's tensors alive into the next one. Grouping is incremental for the same reason:
 ``Grouping.add`` takes the records a slice at a time.
 """

@@ -5,7 +5,7 @@ forward and backward on a meta input, and counts:
 
 - parameter, buffer and gradient bytes exactly (tied weights once: ``model.parameters()`` dedupes);
 - optimizer-state bytes from the optimizer kind and the parameter shapes
-  (``gpumemd.analysis.estimate.optimizer_state_bytes``: what ``torch.optim`` allocates);
+  (``gpumemd.analysis.memory_estimate.optimizer_state_bytes``: what ``torch.optim`` allocates);
 - the bytes autograd saves for backward, counted by :class:`SavedTensorCounter` — the same counter
   the step profile component uses on a live job, so the traced figure and the live one are comparable.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumemd.analysis.estimate import (
+from gpumemd.analysis.memory_estimate import (
     ParamInfo,
     optimizer_intermediate_bytes,
     optimizer_state_bytes,

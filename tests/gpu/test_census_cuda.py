@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gpumemd.probes.allocator import AllocatorProbe
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census_steps import take_census
 from gpumemd.records.device import Device
 
 

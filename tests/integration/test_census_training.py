@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import gpumemd
-from gpumemd.components.census import CensusComponent
-from gpumemd.probes import census as census_probe
+from gpumemd.components.census_component import CensusComponent
+from gpumemd.probes import census_steps as census_probe
 
 SETTINGS: dict[str, Any] = {"sample_interval_s": 0, "nvml": False, "leak_detection": False}
 

@@ -23,11 +23,11 @@ from fakes import ManualClock
 import gpumemd
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent
-from gpumemd.components import oom as oom_module
-from gpumemd.components.census import CensusComponent, CensusOptions
-from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.components import oom_component as oom_module
+from gpumemd.components.census_component import CensusComponent, CensusOptions
+from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import census_steps
+from gpumemd.probes.census_steps import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.report import writer
 

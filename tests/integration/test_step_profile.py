@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gpumemd
-from gpumemd.components.step_profile import StepProfileComponent
+from gpumemd.components.step_profiler import StepProfileComponent
 from gpumemd.probes.trace import SavedTensorCounter
 from gpumemd.records.device import CPU
 

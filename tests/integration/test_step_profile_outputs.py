@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gpumemd
-from gpumemd.components.oom import OomComponent
+from gpumemd.components.oom_component import OomComponent
 from gpumemd.exporter.collector import build_families
 
 

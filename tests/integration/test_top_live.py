@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 JOB = textwrap.dedent("""
     import json, os, sys, time, torch, gpumemd
-    from gpumemd.components.last_state import LastStateComponent
+    from gpumemd.components.state_writer import LastStateComponent
     agent = gpumemd.attach()  # GPUMEMD_OUTPUT_DIR (and RANK for the two-rank test) from the environment
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

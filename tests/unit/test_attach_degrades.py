@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import gpumemd
-from gpumemd.components.census import CensusComponent
+from gpumemd.components.census_component import CensusComponent
 from gpumemd.signal_endings import SignalEndings
 
 

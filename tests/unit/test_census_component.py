@@ -15,9 +15,9 @@ from gpumemd.agent import Agent
 from gpumemd.api import build_agent, build_components
 from gpumemd.budget import Part, clocked_plan, share
 from gpumemd.components.base import ComponentBase
-from gpumemd.components.census import CensusComponent, CensusOptions
+from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import CensusRequest, census_steps
+from gpumemd.probes.census_steps import CensusRequest, census_steps
 from gpumemd.probes.stepwise import Stepwise
 from gpumemd.records.census import Census
 

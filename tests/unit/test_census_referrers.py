@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gpumemd
-from gpumemd.probes import census as census_probe
-from gpumemd.probes.census import take_census
+from gpumemd.probes import census_steps as census_probe
+from gpumemd.probes.census_steps import take_census
 from gpumemd.probes.holders import who_holds, who_holds_stepwise
 
 CACHE: dict[str, Any] = {}

@@ -94,7 +94,7 @@ def test_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: li
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, gpumemd.cli.estimate, gpumemd.analysis.estimate; print('torch' in sys.modules)"
+    code = "import sys, gpumemd.cli.estimate, gpumemd.analysis.memory_estimate; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

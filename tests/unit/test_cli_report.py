@@ -20,7 +20,7 @@ from oom_snapshot_data import NEW_MESSAGE, MiB, make_snapshot
 from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli import main
-from gpumemd.components.oom import render_files
+from gpumemd.components.oom_component import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Culprit, Finding

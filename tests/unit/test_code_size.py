@@ -44,3 +44,13 @@ def test_the_check_sees_every_kind_it_checks() -> None:
     kinds = {kind for kind, _, _ in _sizes()}
     assert kinds == {"module", "class", "function"}
     assert any(name.endswith("gpumemd/agent.py:Agent") for _, name, _ in _sizes())
+
+
+def test_no_file_name_repeats_across_folders() -> None:
+    """docs/architecture.md: a traceback or an import line says which module it is."""
+    assert "File names do not repeat across folders" in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "gpumemd").rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

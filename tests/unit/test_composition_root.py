@@ -9,11 +9,11 @@ import pytest
 
 import gpumemd
 from gpumemd.api import build_agent, build_components
-from gpumemd.components.census import CensusComponent
+from gpumemd.components.census_component import CensusComponent
 from gpumemd.components.exporter import ExporterComponent
-from gpumemd.components.last_state import LastStateComponent
 from gpumemd.components.leak import LeakComponent, LeakOptions
-from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.components.oom_component import OomComponent, OomOptions
+from gpumemd.components.state_writer import LastStateComponent
 from gpumemd.config import Config
 from gpumemd.probes.allocation_history import AllocationHistory
 
@@ -110,7 +110,7 @@ def test_components_are_found_by_type(out_dir: str) -> None:
 
 @pytest.mark.parametrize("every", [0, -3])
 def test_step_profile_component_needs_a_positive_cadence(every: int) -> None:
-    from gpumemd.components.step_profile import StepProfileComponent, StepProfileOptions
+    from gpumemd.components.step_profiler import StepProfileComponent, StepProfileOptions
 
     with pytest.raises(ValueError, match="every_steps"):
         StepProfileComponent(StepProfileOptions(step_profile_every_steps=every))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumemd.analysis.estimate import (
+from gpumemd.analysis.memory_estimate import (
     GIB,
     TransformerShape,
     bytes_per_param,

@@ -13,7 +13,7 @@ from gpumemd.probes.gc_pause import collector_paused, hold_automatic, job_collec
 
 _WALKS = """
 import gc, json
-from gpumemd.probes.census import take_census
+from gpumemd.probes.census_steps import take_census
 from gpumemd.probes.gc_pause import collector_paused
 started = []
 gc.callbacks.append(lambda phase, info: phase == "start" and started.append(info["generation"]))

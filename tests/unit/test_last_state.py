@@ -16,7 +16,7 @@ import pytest
 from fakes import ManualClock
 
 from gpumemd.cli import main
-from gpumemd.components.last_state import LastStateComponent
+from gpumemd.components.state_writer import LastStateComponent
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Finding

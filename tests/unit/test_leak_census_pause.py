@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpumemd.api import build_agent
-from gpumemd.components.census import CensusComponent
+from gpumemd.components.census_component import CensusComponent
 from gpumemd.components.leak import LeakComponent
 from gpumemd.config import Config
 from gpumemd.probes.stepwise import Stepwise

@@ -24,13 +24,13 @@ from oom_snapshot_data import NEW_MESSAGE, MiB, make_snapshot
 
 from gpumemd.agent import Agent
 from gpumemd.api import build_agent
-from gpumemd.components import oom as oom_module
+from gpumemd.components import oom_component as oom_module
 from gpumemd.components.base import AgentView
-from gpumemd.components.census import CensusComponent, CensusOptions
-from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.components.oom_capture import CAPTURE_TTL_S, CaptureSlot
+from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import census_steps
+from gpumemd.probes.census_steps import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gpumemd.cli import main
-from gpumemd.components.oom import render_files
+from gpumemd.components.oom_component import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
 from gpumemd.records.device import CPU
 from gpumemd.records.findings import Culprit, Finding

@@ -12,10 +12,10 @@ from typing import Any
 from fakes import ManualClock
 
 from gpumemd.api import build_agent
-from gpumemd.components.census import CensusComponent, CensusOptions
-from gpumemd.components.oom import OomComponent, OomOptions
+from gpumemd.components.census_component import CensusComponent, CensusOptions
+from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census import census_steps
+from gpumemd.probes.census_steps import census_steps
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import HostSample

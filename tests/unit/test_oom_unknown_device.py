@@ -16,7 +16,7 @@ import torch
 
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.cli import main
-from gpumemd.components.oom import render_files
+from gpumemd.components.oom_component import render_files
 from gpumemd.records.device import Device
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample

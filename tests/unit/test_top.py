@@ -1,4 +1,4 @@
-"""``gpumemd top``'s frame from parsed state files (``report.top``: worst first, vanished vs ended, the
+"""``gpumemd top``'s frame from parsed state files (``report.top_frame``: worst first, vanished vs ended, the
 findings in their own words, a bounded history), and the command's one-shot outputs and refusals."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from gpumemd.cli import main
 from gpumemd.cli.top import sparkline
-from gpumemd.report.top import History, frame
+from gpumemd.report.top_frame import History, frame
 
 GiB = 1024**3
 

@@ -11,13 +11,15 @@ loses too).
 
 Cost, measured on the 2-core box (``benchmarks/bench_top_overhead.py``): building the document and its
 JSON takes 0.13-0.3 ms on the training thread; the temp file, write and rename ~0.15 ms of CPU but
-0.3-3 ms of wall time on a busy ext4 (the journal), so they run on the sampler's thread
-(``Agent.run_in_background``; file system calls release the GIL): the training thread never waits on
-the disk, and no thread of this component's own takes ~70 MiB of address space (a stack and a malloc
-arena) from a job under ``ulimit -v``. At one write a second this component's training-thread CPU, its
-per-step check included, is ~0.05% of the job's time. Without a sampler thread
-(``sample_interval_s=0``), and at ``flush`` and ``stop`` (the process may end next), the caller
-writes. A write failure is logged once and the job goes on.
+0.3-3 ms of wall time on a busy ext4 (the journal), so the refresh each second runs on the sampler's
+thread (``Agent.run_in_background``; file system calls release the GIL): the training thread does not
+wait on the disk for it, and no thread of this component's own takes ~70 MiB of address space (a stack
+and a malloc arena) from a job under ``ulimit -v``. News (a finding came, went or changed state, an OOM
+report, the first step) is written on the training thread, before the job goes on: a SIGKILL the next
+moment finds it. At one write a second this component's training-thread CPU, its per-step check
+included, is ~0.05% of the job's time. Without a sampler thread (``sample_interval_s=0``), and at
+``flush`` and ``stop`` (the process may end next), the caller writes. A write failure is logged once
+and the job goes on.
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ class LastStateComponent(ComponentBase):
                 self._key = (published.findings, *key[1:])
         if unchanged and self._clock() < self._due:
             return
-        self._write(agent.state(), agent, background=True)
+        # News (a finding came, went or changed state; an OOM report; the first step) is on disk before
+        # the job goes on, as a SIGKILL the next moment must find it; the figures' refresh each second
+        # goes to the sampler's thread.
+        self._write(agent.state(), agent, background=unchanged)
 
     def flush(self) -> None:
         """A signal may end the process next: write now."""

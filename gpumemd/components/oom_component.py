@@ -45,7 +45,7 @@ from gpumemd.report.writer import render_files, report_dir_name, write_report_di
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
-    from gpumemd.components.census import CensusComponent
+    from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.snapshot import SnapshotProbe
     from gpumemd.records.census import Census
     from gpumemd.records.step import StepRecord

@@ -10,7 +10,7 @@ N adapts as the heap (cost) or the step time changes, and the census costs ``sha
 which is what the job notices. ``census_every_steps > 0`` forces N instead. The first census runs at the
 first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
 
-A census runs in slices (``probes.census.census_steps``): at a step end the component runs its slices
+A census runs in slices (``probes.census_steps.census_steps``): at a step end the component runs its slices
 while the step end has paid less than ``CENSUS_SLICE_S``, and the rest at the next sampled step ends
 (it asks the agent to sample them). An ordinary heap's census is one step end, as before; a heap
 whose leak keeps 100k tensors is spread over a few, each pause bounded (``budget.STEP_END_PAUSE_S``).
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.budget import HEAP_PASS_START_S, STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
-from gpumemd.probes.census import GRAPH_SLICE_NODES, CensusRequest
+from gpumemd.probes.census_steps import GRAPH_SLICE_NODES, CensusRequest
 from gpumemd.probes.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
 from gpumemd.probes.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
 
@@ -66,7 +66,7 @@ milliseconds (the heap pass, at a census's first step end, and the holder lookup
 
 
 class CensusFn(Protocol):
-    """``gpumemd.probes.census.census_steps``, as the component calls it (tests give their own)."""
+    """``gpumemd.probes.census_steps.census_steps``, as the component calls it (tests give their own)."""
 
     def __call__(self, request: CensusRequest, *, models: Sequence[object],
                  optimizers: Sequence[object]) -> Hinted[Census]: ...
