@@ -38,19 +38,22 @@ def _cut_back(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def replace_file(path: str, data: bytes, mode: int = 0o644) -> None:
+def replace_file(path: str, data: bytes, mode: int = 0o644, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` whole: a temp file in the same directory, then one ``os.replace``.
 
     A reader (or a crash, or a full disk) sees the previous file or the new one, never part of one.
-    An existing ``path`` is replaced: callers that must not overwrite check first.
+    An existing ``path`` is replaced: callers that must not overwrite check first. ``fsync=False``: a
+    file rewritten every second that only has to outlive the process (the page cache does), not the
+    machine.
     """
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)  # mkstemp makes it 0600
         os.replace(tmp, path)  # same directory: one filesystem, so atomic
     except BaseException:

@@ -24,17 +24,16 @@ and the job goes on.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpumemd.components.base import ComponentBase
+from gpumemd.files import replace_file
 from gpumemd.report.last_state import state_document, state_file
 
 if TYPE_CHECKING:
@@ -128,7 +127,8 @@ class LastStateComponent(ComponentBase):
             try:
                 if made <= self._on_disk:  # a newer document is already there (a flush overtook the errand)
                     return
-                _replace(path, data)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                replace_file(path, data, fsync=False)  # no fsync: see the module docstring
             except OSError as exc:
                 self._failed_once(path, exc)
                 return
@@ -149,19 +149,3 @@ class LastStateComponent(ComponentBase):
 
 def _states(findings: tuple[Finding, ...]) -> tuple[tuple[str, str, str], ...]:
     return tuple((f.series, f.state, f.kind) for f in findings)
-
-
-def _replace(path: str, data: bytes) -> None:
-    """Temp file in the same directory, then one rename (atomic); no fsync (see the module docstring)."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gpumemd-state.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
