@@ -2,9 +2,9 @@
 tmux (``send-keys``, ``capture-pane``).
 
 - one job leaking 64 KiB a step from step 300: the frame shows the step moving, the leak finding once
-  it is confirmed, follows the window's size, and ``q`` exits cleanly; then the job pauses right after a
-  state file write and ``gpumemd top --once --json`` gives the step, memory figures and
-  findings ``agent.state()`` holds;
+  it is confirmed, follows the window's size, and ``q`` exits cleanly; then the job stops stepping and
+  writes its state file (``flush``, as a signal's handler does) and ``gpumemd top --once --json`` gives
+  the step, memory figures and findings ``agent.state()`` holds;
 - two ranks of one job in one directory, one SIGKILLed: the frame shows it as vanished, first.
 
 Without tmux these skip with the install command, except where ``GPUMEMD_REQUIRE_TMUX=1`` (CI sets it).
@@ -28,7 +28,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 JOB = textwrap.dedent("""
-    import json, os, sys, time, torch, gpumemd
+    import json, os, signal, sys, time, torch, gpumemd
     from gpumemd.components.state_writer import LastStateComponent
     agent = gpumemd.attach()  # GPUMEMD_OUTPUT_DIR (and RANK for the two-rank test) from the environment
     model = torch.nn.Linear(64, 64)
@@ -45,11 +45,7 @@ JOB = textwrap.dedent("""
         time.sleep(0.001)  # leave the other core to top and tmux
     while not os.path.exists(pause):
         step()
-    time.sleep(1.2)  # past the state file's interval: the next sampled step end writes it
-    seen = agent.state().last_step
-    while agent.state().last_step is seen:  # up to that sampled step end, then no more steps
-        step()
-    agent.component(LastStateComponent).drain()  # the writer thread has put it on disk
+    agent.component(LastStateComponent).flush()  # the state file is what the agent holds now, steps stopped
     state = agent.state()
     host = state.host
     with open(pause + ".json", "w") as f:
@@ -57,7 +53,7 @@ JOB = textwrap.dedent("""
                    "findings": [[x.series, x.state, x.slope_bytes_per_step, x.steps_to_oom]
                                 for x in state.findings if x.state != "cleared"]}, f)
     print("paused", flush=True)
-    time.sleep(600)
+    signal.pause()  # until the test kills it
 """)
 
 
