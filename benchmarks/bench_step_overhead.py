@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/bench_step_overhead.py [--seconds 60] [--steps-ms 0.2 1 10] [--block 20] [--batch 64]
        python benchmarks/bench_step_overhead.py --steps-ms 1 --inject-us 20   # the method's calibration
+       python benchmarks/bench_step_overhead.py --cuda mlp transformer --seconds 30   # on a GPU
 
 One job (an MLP with AdamW, one intra-op thread, width calibrated to each step time; SGD and batch 8 for
 steps under 0.8 ms; under 0.45 ms, the MLP's shortest here, a linear classifier of width 8) and one
@@ -64,6 +65,7 @@ from typing import Any
 import gpumemd
 from gpumemd.components.census_component import CensusComponent
 from gpumemd.components.leak import LeakComponent
+from gpumemd.components.step_profiler import StepProfileComponent
 
 CAP = 2.0
 """A step's time beyond the agent's clocked time is capped at ``CAP`` x the median step (agent off)."""
@@ -167,7 +169,7 @@ class OverheadResult:
 
 class _Switch:
     """Turns the agent off and on between blocks (benchmark only: private attributes). Off: no optimizer
-    hook, no gc callback; the agent's step clock skips the time it was off, so the step time it measures
+    hook, no gc callback, no step profile hooks (on the model's forward and the optimizer's step); the agent's step clock skips the time it was off, so the step time it measures
     (and the stride and budgets it derives) is the job's. Nothing is set on the agent that it does not
     have: a new instance attribute would change its dict's layout and slow every attribute read in it.
     The sampler thread (one read every 5 s, ~0.02 µs per 1 ms step) runs throughout: its share is in
@@ -178,6 +180,7 @@ class _Switch:
         leak = agent.component(LeakComponent)
         tracker = getattr(getattr(leak, "_parts", None), "tracker", None)
         self.gc_callback = getattr(tracker, "_on_gc", None)
+        self.profile = agent.component(StepProfileComponent)  # its forward and optimizer hooks
         self.is_on = True
         self._off_since = 0.0
         self._inject_s = inject_s
@@ -211,6 +214,8 @@ class _Switch:
             return
         agent = self.agent
         agent.step_clock.remove_hook()
+        if self.profile is not None:
+            self.profile.stop()
         if self._injected is not None:
             self._injected.remove()
             self._injected = None
@@ -224,6 +229,8 @@ class _Switch:
             return
         agent = self.agent
         agent.step_clock.install_hook()
+        if self.profile is not None:
+            self.profile.start(agent)
         self._inject()
         if self.gc_callback is not None and self.gc_callback not in gc.callbacks:
             gc.callbacks.append(self.gc_callback)
@@ -299,8 +306,24 @@ def _round_differences(blocks: list[tuple[int, list[tuple[float, float]], float]
     return diffs, off_means, clocked
 
 
+def cuda_job(name: str):  # type: ignore[no-untyped-def]
+    """``bench_gpu_overhead``'s job on the GPU, each step ending in a synchronize: every step is timed
+    to its end, and whatever the agent does on the training thread is exposed (no queue of kernels
+    hides it), the worst case for a GPU job."""
+    import torch
+    from bench_gpu_overhead import build
+
+    step = build(name, "cuda")
+
+    def synced() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return synced
+
+
 def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: int = 20,
-            seed: int = 0, inject_s: float = 0.0, py_objects: int = 0) -> OverheadResult:
+            seed: int = 0, inject_s: float = 0.0, py_objects: int = 0, cuda: str = "") -> OverheadResult:
     """Run the job at about ``target_s`` per step with the agent attached at its defaults and measure
     its cost for ``seconds`` of interleaved rounds (see the module docstring). ``inject_s``: a busy
     wait added to every step while the agent is on, so the result should rise by exactly that much."""
@@ -311,17 +334,18 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
     # Below ~0.8 ms an AdamW step is all fixed cost here: shorter steps use SGD and batch 8, and below
     # ~0.45 ms (the MLP's shortest step on this box) a linear classifier of width 8, whose step is the
     # framework's fixed cost alone (~0.2-0.3 ms here: the reported step time says what it was).
-    sgd = target_s < 8e-4
-    linear = target_s < 4.5e-4
+    sgd = target_s < 8e-4 and not cuda
+    linear = target_s < 4.5e-4 and not cuda
     if sgd:
         batch = 8
-    hidden = 8 if linear else calibrate(target_s, batch, sgd=sgd)
-    job = make_job(hidden, batch, sgd=sgd, linear=linear, py_objects=py_objects)
+    hidden = 0 if cuda else 8 if linear else calibrate(target_s, batch, sgd=sgd)
+    job = cuda_job(cuda) if cuda else make_job(hidden, batch, sgd=sgd, linear=linear, py_objects=py_objects)
     time_steps(job, 20)
     # The warm-up covers the leak detector's first windows (50 + 500 steps, evaluated every 50): a job's
     # host RSS rises there as heaps warm up, and the first heap look for a host leak's culprit, a
-    # one-time 0.1-0.3 s like the first census, lands in it and is reported as start-up.
-    warmup = max(1_500, int(3.0 / target_s))
+    # one-time 0.1-0.3 s like the first census, lands in it and is reported as start-up. On a GPU
+    # (device time is scarce) 600 steps: past the first window.
+    warmup = 600 if cuda else max(1_500, int(3.0 / target_s))
     rng = random.Random(seed)
     pc, cpu_clock = time.perf_counter, time.process_time
     # per block: kind (0 on, 1 off, 2 off2), its steps' (wall, agent-clocked) times, its CPU time
@@ -377,7 +401,7 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
     est = {name: _estimate(values, rng, None if name == "noise" else clocked) for name, values in diffs.items()}
     return OverheadResult(
         step_s=statistics.fmean(off_means), hidden=hidden,
-        job=f"{'linear, ' if linear else ''}{'SGD' if sgd else 'AdamW'}, batch {batch}",
+        job=f"CUDA {cuda}, synchronized" if cuda else f"{'linear, ' if linear else ''}{'SGD' if sgd else 'AdamW'}, batch {batch}",
         rounds=rounds, block=block, overhead=est["capped"], uncapped=est["uncapped"], noise=est["noise"],
         cpu=est["cpu"], own_s=own_s / max(1, on_steps), census_s=census_s / max(1, on_steps),
         checks_s=checks_s / max(1, on_steps), findings=findings,
@@ -434,6 +458,9 @@ def main() -> None:
     ap.add_argument("--python-objects", type=int, default=0,
                     help="small Python containers each step builds besides its tensors (default 0): a Python-heavy "
                          "job, where the collector runs often and the agent's gc callback with it")
+    ap.add_argument("--cuda", nargs="+", default=[], choices=["mlp", "transformer"],
+                    help="instead of the CPU MLP: bench_gpu_overhead's job of that name on the GPU, a synchronize "
+                         "ending each step (its own step time; --steps-ms is ignored)")
     ap.add_argument("--inject-us", type=float, default=0.0,
                     help="calibration: a busy wait of this many µs on every step while the agent is on")
     args = ap.parse_args()
@@ -446,10 +473,12 @@ def main() -> None:
           + "\n")
     print(TABLE_HEADER)
     targets = {0.2: "≤ 30 µs", 1.0: "≤ 3% (≤ 30 µs)", 10.0: "≤ 1%"}
-    for ms in args.steps_ms:
+    runs = [(2.0 if job == "mlp" else 10.0, job) for job in args.cuda] or [(ms, "") for ms in args.steps_ms]
+    for ms, cuda in runs:
         result = measure(ms / 1e3, args.seconds, batch=args.batch, block=args.block, seed=args.seed,
-                         inject_s=args.inject_us / 1e6, py_objects=args.python_objects)
-        print(table_row(result, targets.get(ms, "-")), flush=True)
+                         inject_s=args.inject_us / 1e6, py_objects=args.python_objects, cuda=cuda)
+        target = ("≤ 20 µs" if cuda == "mlp" else "≤ 1%") if cuda else targets.get(ms, "-")
+        print(table_row(result, target), flush=True)
         for finding in result.findings:  # a healthy job: the agent should have found nothing
             print(f"<!-- finding at {ms:g} ms: {finding} -->", flush=True)
     print("\n" + NOTES.format(block=args.block))

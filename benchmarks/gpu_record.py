@@ -19,6 +19,7 @@ import os
 import pickle
 import subprocess
 import sys
+import timeit
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,13 @@ def record_one(config: str, stem: Path) -> dict[str, Any]:
     import torch
 
     observed: list[list[int]] = []
-    torch._C._cuda_attach_out_of_memory_observer(  # as gpumemd's OOM capture attaches it
-        lambda device, alloc, device_allocated, device_free: observed.append(
-            [int(device), int(alloc), int(device_allocated), int(device_free)]))
+    try:
+        torch._C._cuda_attach_out_of_memory_observer(  # as gpumemd's OOM capture attaches it
+            lambda device, alloc, device_allocated, device_free: observed.append(
+                [int(device), int(alloc), int(device_allocated), int(device_free)]))
+        observer = ""
+    except RuntimeError as exc:  # cudaMallocAsync (torch 2.11): "does not yet support attachOutOfMemoryObserver"
+        observer = str(exc)
     history = config != "cudaMallocAsync"  # the async backend keeps no history
     if history:
         torch.cuda.memory._record_memory_history(max_entries=2000)
@@ -62,8 +67,11 @@ def record_one(config: str, stem: Path) -> dict[str, Any]:
                              "memory_stats": dict(torch.cuda.memory_stats(0))}
     facts["oom_message"] = _oom(torch)
     facts["oom_observer_args"] = observed  # (device, requested, device_allocated, device_free)
+    if observer:
+        facts["oom_observer_error"] = observer
     facts["memory_stats_after_oom"] = dict(torch.cuda.memory_stats(0))
     facts["mem_get_info"] = list(torch.cuda.mem_get_info(0))
+    facts["call_us"] = _call_costs(torch)
     if history:
         snapshot = torch.cuda.memory._snapshot()
         path = stem.with_name(f"{stem.name}-snapshot-{config}.pickle")
@@ -73,6 +81,25 @@ def record_one(config: str, stem: Path) -> dict[str, Any]:
         torch.cuda.memory._record_memory_history(enabled=None)
     del model
     return facts
+
+
+def _call_costs(torch: Any, n: int = 2000) -> dict[str, float]:
+    """Microseconds per call, on this device, of what the agent calls on the training thread: the CPU
+    tests' CUDA-shaped allocator costs what these say (each the median of 5 runs of ``n`` calls)."""
+    import statistics
+
+    from gpumemd.probes.allocator import flat_from_nested
+
+    nested = torch.cuda.memory.memory_stats_as_nested_dict
+    calls = {"memory_stats_as_nested_dict": lambda: nested(0),
+             "flat_from_nested(memory_stats_as_nested_dict)": lambda: flat_from_nested(nested(0)),
+             "memory_stats": lambda: torch.cuda.memory_stats(0),
+             "memory_allocated": lambda: torch.cuda.memory_allocated(0),
+             "mem_get_info": lambda: torch.cuda.mem_get_info(0),
+             "is_initialized": torch.cuda.is_initialized,
+             "current_device": torch.cuda.current_device}
+    return {name: round(1e6 * statistics.median(timeit.repeat(fn, number=n, repeat=5)) / n, 3)
+            for name, fn in calls.items()}
 
 
 def _device_facts() -> dict[str, Any]:
@@ -107,6 +134,10 @@ def _nvml_facts() -> dict[str, Any]:
         out["processes"] = [{"pid": p.pid, "usedGpuMemory": p.usedGpuMemory}
                             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
         out["this_pid"] = os.getpid()
+        out["call_us"] = {name: round(1e6 * min(timeit.repeat(fn, number=200, repeat=3)) / 200, 3) for name, fn in {
+            "nvmlDeviceGetMemoryInfo": lambda: pynvml.nvmlDeviceGetMemoryInfo(handle),
+            "nvmlDeviceGetComputeRunningProcesses":
+                lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}.items()}
         return out
     finally:
         pynvml.nvmlShutdown()
@@ -146,8 +177,8 @@ def main(argv: list[str]) -> int:
                             for key, suffix in (("memory_stats", ""), ("memory_stats_after_oom", "-after-oom"))
                             if key in facts}
     data["nvml"] = _nvml_facts()
-    path = stem.with_suffix(".json")
-    tmp = path.with_suffix(".json.tmp")
+    path = stem.with_name(stem.name + ".json")  # not with_suffix: "torch2.11.0" ends in ".0"
+    tmp = stem.with_name(stem.name + ".json.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
     tmp.replace(path)
     print(f"gpu_record: wrote {path} ({', '.join(data['memory_stats'])})")

@@ -60,3 +60,8 @@ def recorded_ooms() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
             if facts.get("oom_message"):
                 out[f"{path.stem}:{config}"] = (data.get("device", {}), facts)
     return out
+
+
+def recorded_snapshots() -> list[Path]:
+    """The allocator snapshots with history (``torch.cuda.memory._snapshot()``) recorded beside them."""
+    return sorted(RECORDINGS.glob("*-snapshot-*.pickle"))

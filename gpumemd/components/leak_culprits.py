@@ -152,7 +152,8 @@ class CulpritSearch:
                           bytes_delta=round(status.growth_bytes * own), holder=held.holder,
                           graph_bytes_delta=round(status.growth_bytes * graph_bytes),
                           category="graph" if group is not None and group.graph else "other")
-        return Evidence((culprit,), status.step - (status.onset_step or status.step), (), kind,
+        sites = self._sites.sites(status)  # on CUDA with allocation history: the lines that allocate them
+        return Evidence((culprit,), status.step - (status.onset_step or status.step), sites, kind,
                         bytes_per_unit=max(per_tensor, 1.0), sentence=sentence, graph_kept=held.graph_kept,
                         garbage=held.garbage)
 

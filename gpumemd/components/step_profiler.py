@@ -13,7 +13,7 @@ Opt-in (``attach(step_profile=True)``), one step in ``step_profile_every_steps``
 
 What is measured, and where:
 
-- On CUDA: ``torch.cuda.memory_allocated`` at each boundary, and the allocator's peak during the
+- On CUDA: the allocator's allocated bytes at each boundary, and the allocator's peak during the
   forward and during ``optimizer.step()``. To read those two peaks the component **resets torch's
   peak counters** (``reset_peak_memory_stats``) at forward start and before the optimizer step of
   sampled steps only; ``max_memory_allocated()`` read by the job itself then covers only the time
@@ -231,21 +231,28 @@ class StepProfileComponent(ComponentBase):
     # --- readings ------------------------------------------------------------------------------
 
     def _allocated(self, *, reset_peak: bool) -> int | None:
-        if self._cuda_index is None:
+        stat = self._allocated_stat()
+        if stat is None:
             return None
-        import torch
-
-        value = int(torch.cuda.memory_allocated(self._cuda_index))
         if reset_peak:
+            import torch
+
             torch.cuda.reset_peak_memory_stats(self._cuda_index)
-        return value
+        return int(stat["current"])
 
     def _peak(self) -> int | None:
+        stat = self._allocated_stat()
+        return int(stat["peak"]) if stat is not None else None
+
+    def _allocated_stat(self) -> Any:
+        """The allocator's ``allocated_bytes.all`` stat, from the nested dict torch's binding returns:
+        ``memory_allocated()`` and ``max_memory_allocated()`` call ``memory_stats()``, which flattens and
+        sorts all of it in Python (78 µs a call on an H200, against 12 µs for the nested dict)."""
         if self._cuda_index is None:
             return None
         import torch
 
-        return int(torch.cuda.max_memory_allocated(self._cuda_index))
+        return torch.cuda.memory.memory_stats_as_nested_dict(self._cuda_index)["allocated_bytes"]["all"]
 
     def _fail(self, where: str, exc: BaseException) -> None:
         if self._counter is not None:

@@ -134,10 +134,13 @@ def flat_from_nested(nested: Mapping[str, Any]) -> dict[str, Any]:
     picking the 16 that are read costs a fraction of it, on the training thread at every sampled step.
     Private pools are keyed by a ``(a, b)`` pool id, which ``memory_stats()`` joins as ``"a_b"``."""
     flat: dict[str, Any] = {}
-    for key, path in _PATHS:
+    for key, path in _PATHS:  # indexing under try, not isinstance(Mapping) per level: ABC checks cost
         value: Any = nested
-        for part in path:
-            value = value.get(part) if isinstance(value, Mapping) else None
+        try:
+            for part in path:
+                value = value[part]
+        except (KeyError, TypeError, IndexError):
+            continue  # a key this torch or backend does not keep: absent, as memory_stats() leaves it
         if value is not None:
             flat[key] = value
     pools = nested.get("reserved_bytes_by_private_pools")

@@ -10,9 +10,12 @@ from typing import Any
 
 import pytest
 import torch.cuda._memory_viz as memory_viz
+from cuda_recordings import recorded_snapshots
 from oom_snapshot_data import SEG_A, MiB, make_snapshot
 
+from gpumemd.analysis.alloc_sites import live_by_site
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
+from gpumemd.probes.package_dirs import internal_dirs, library_dirs
 from gpumemd.probes.snapshot import SnapshotProbe
 from gpumemd.probes.snapshot_load import load_snapshot, loads_snapshot
 from gpumemd.probes.snapshot_rules import SnapshotLoadError
@@ -163,3 +166,21 @@ def test_summary_names_the_first_user_frame_and_survives_wrong_types() -> None:
                                                                        "frames": "not a list"}, 7]}, 3],
            "device_traces": [[{"action": "oom", "size": "?"}]]}
     assert summarize_snapshot(odd)[Device.cuda(0)].segments == 1
+
+
+@pytest.mark.parametrize("path", recorded_snapshots(), ids=lambda p: p.stem)
+def test_real_cuda_snapshots_load_summarize_and_open_in_memory_viz(path: Any) -> None:
+    """A snapshot recorded on a real device (benchmarks/gpu_record.py): the restricted unpickler reads it,
+    the summary finds its segments and the recorder's allocating line, and torch's viewer opens the same data."""
+    snapshot = load_snapshot(str(path))
+    summary = summarize_snapshot(snapshot)[Device.cuda(0)]
+    assert summary.segments > 0 and summary.reserved_bytes >= summary.allocated_bytes > 0
+    # Sites are found live, on the machine that recorded: its torch directory is internal, as
+    # package_dirs.internal_dirs() says there (read here from the snapshot's own frames).
+    files = {f["filename"] for seg in snapshot["segments"] for b in seg["blocks"] for f in b.get("frames", ())}
+    theirs = {f[: -len("nn/modules/module.py")] for f in files if f.endswith("/torch/nn/modules/module.py")}
+    assert theirs, "the recording's blocks carry Python frames"
+    sites = live_by_site(snapshot, 0, internal=(*theirs, *internal_dirs()), library=library_dirs())
+    assert any(site.startswith("gpu_record.py:") for site in sites), sorted(sites)[:5]
+    assert "segments:" in memory_viz.segsum(snapshot)
+    assert memory_viz.trace_plot(snapshot).lstrip().startswith("<!DOCTYPE html>")
