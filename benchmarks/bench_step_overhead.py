@@ -169,11 +169,11 @@ class OverheadResult:
 
 class _Switch:
     """Turns the agent off and on between blocks (benchmark only: private attributes). Off: no optimizer
-    hook, no gc callback, no step profile hooks (on the model's forward and the optimizer's step); the agent's step clock skips the time it was off, so the step time it measures
-    (and the stride and budgets it derives) is the job's. Nothing is set on the agent that it does not
-    have: a new instance attribute would change its dict's layout and slow every attribute read in it.
-    The sampler thread (one read every 5 s, ~0.02 µs per 1 ms step) runs throughout: its share is in
-    the agent's own figure."""
+    hook, no gc callback, no step profile hooks (on the model's forward and the optimizer's step); the
+    agent's step clock skips the time it was off, so the step time it measures (and the stride and
+    budgets it derives) is the job's. Nothing is set on the agent that it does not have: a new instance
+    attribute would change its dict's layout and slow every attribute read in it. The sampler thread
+    (one read every 5 s, ~0.02 µs per 1 ms step) runs throughout: its share is in the agent's own figure."""
 
     def __init__(self, agent: Any, inject_s: float = 0.0) -> None:
         self.agent = agent
@@ -401,7 +401,8 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
     est = {name: _estimate(values, rng, None if name == "noise" else clocked) for name, values in diffs.items()}
     return OverheadResult(
         step_s=statistics.fmean(off_means), hidden=hidden,
-        job=f"CUDA {cuda}, synchronized" if cuda else f"{'linear, ' if linear else ''}{'SGD' if sgd else 'AdamW'}, batch {batch}",
+        job=(f"CUDA {cuda}, synchronized" if cuda
+             else f"{'linear, ' if linear else ''}{'SGD' if sgd else 'AdamW'}, batch {batch}"),
         rounds=rounds, block=block, overhead=est["capped"], uncapped=est["uncapped"], noise=est["noise"],
         cpu=est["cpu"], own_s=own_s / max(1, on_steps), census_s=census_s / max(1, on_steps),
         checks_s=checks_s / max(1, on_steps), findings=findings,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks only a CUDA device can run, in one call (under 6 minutes on one GPU): tests/gpu, a smoke run
 # (a real OOM report memory_viz opens, a leak found on CUDA, the exporter's device series), then the
-# agent's cost on GPU steps (benchmarks/bench_gpu_overhead.py). Each smoke check runs in a fresh process.
+# agent's cost on GPU steps (bench_step_overhead.py --cuda, bench_gpu_overhead.py, bench_attach.py).
+# Each smoke check runs in a fresh process.
 #
 #   bash benchmarks/gpu_check.sh [--logs DIR] [--record DIR]
 #

@@ -224,8 +224,10 @@ class StepProfileComponent(ComponentBase):
             optimizer_state_bytes=values.get("optimizer_state_bytes"),
             overhead_s=self._overhead + (time.perf_counter() - t0),
         )
+        hooks_seconds = self._overhead  # the hooks ran outside the step end, whose own time is clocked already
         self._reset()
         if agent is not None:
+            agent.add_thread_seconds(hooks_seconds)  # the agent's own figure counts them
             agent.publish(step_profile=profile)
 
     # --- readings ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ initialised CUDA, and only reports devices whose allocator has ever reserved mem
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -85,16 +85,22 @@ def sample_from_stats(ordinal: int, stats: Mapping[str, Any], *, backend: str = 
     fragmentation, so it is absent too. ``memory_fraction``/``cap_bytes``: the per-process cap."""
     if not stats:
         return None
-    values: dict[str, int | None] = {}
-    for field_name, key in _KEYS.items():
+    values: dict[str, int | None] = dict.fromkeys(_KEYS)
+    for field_name, key in _kept_keys(backend, expandable_segments):
         raw = stats.get(key)
-        kept = backend != ASYNC_BACKEND or field_name in _ASYNC_KEPT
-        if expandable_segments and field_name == "inactive_split_bytes":
-            kept = False
-        values[field_name] = int(raw) if kept and isinstance(raw, (int, float)) else None
+        if isinstance(raw, (int, float)):
+            values[field_name] = int(raw)
     return AllocatorSample(device=Device.cuda(ordinal), memory_fraction=memory_fraction, cap_bytes=cap_bytes,
                            private_pool_reserved_bytes=None if backend == ASYNC_BACKEND else _private_pools(stats),
                            **values)
+
+
+@functools.cache
+def _kept_keys(backend: str, expandable_segments: bool) -> tuple[tuple[str, str], ...]:
+    """(field, key) of the stats this backend keeps meaningful (see ``sample_from_stats``)."""
+    return tuple((field_name, key) for field_name, key in _KEYS.items()
+                 if (backend != ASYNC_BACKEND or field_name in _ASYNC_KEPT)
+                 and not (expandable_segments and field_name == "inactive_split_bytes"))
 
 
 _PRIVATE_POOLS = "reserved_bytes_by_private_pools."
@@ -260,10 +266,16 @@ class AllocatorProbe:
         if self._scanned_at is None or now - self._scanned_at >= DEVICE_RESCAN_S:
             self._scanned_at = now
             return list(range(count))
-        wanted = set(self._touched)
+        current = None
         if self._current_device is not None:
-            with contextlib.suppress(Exception):  # the devices already known are still read
-                wanted.add(int(self._current_device()))
+            try:
+                current = int(self._current_device())
+            except Exception:  # noqa: BLE001 - the devices already known are still read
+                current = None
+        touched = self._touched
+        if len(touched) == 1 and (current is None or current in touched):
+            return list(touched)  # the usual case, one device in use: no set built, nothing sorted
+        wanted = touched | {current} if current is not None else touched
         return sorted(d for d in wanted if 0 <= d < count)
 
     def _cap(self, device: int) -> tuple[float | None, int | None]:
