@@ -20,7 +20,6 @@ What one "step" is, and how steps are counted: ``gpumemd.step_clock``. What a sa
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import os
 import time
@@ -34,7 +33,6 @@ from gpumemd.announce import start_line
 from gpumemd.component_set import ComponentSet
 from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
-from gpumemd.log_once import log_once
 from gpumemd.output_dir import settle_output_dir
 from gpumemd.probes.identity import RankLogFilter, current_identity
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
@@ -42,7 +40,7 @@ from gpumemd.sampler import Sampler
 from gpumemd.signal_endings import SignalEndings, ending_at_exit
 from gpumemd.state_board import StateBoard
 from gpumemd.step_clock import StepClock
-from gpumemd.step_history import StepHistory
+from gpumemd.step_log import QUICK_MAX, StepLog
 from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, StepReader
 from gpumemd.stride import MAX_STRIDE, StridePlanner
 
@@ -99,8 +97,6 @@ class Agent:
         self._closed_at_stop = (nvml_probe, host_probe, workers_probe)  # what holds files or a library open
         self._identity = identity
         self._components = ComponentSet(components)
-        self._recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=config.keep_steps)
-        self._long_steps = StepHistory()  # since attach, thinned: the OOM report's timeline reaches the onset
         named: dict[str, Probe | None] = {"allocator": allocator_probe, "host": host_probe, "nvml": nvml_probe,
                                           "workers": workers_probe}
         self._probes: dict[str, Probe] = {name: probe for name, probe in named.items() if probe is not None}
@@ -108,6 +104,7 @@ class Agent:
         self._reader = StepReader(allocator=allocator_probe, host=host_probe, workers=workers_probe,
                                   published=lambda: self._board.base, wall_clock=wall_clock,
                                   reset_peaks=config.reset_peak_each_step)
+        self._log = StepLog(self._reader, config.keep_steps)
         self._sampler = Sampler(allocator=allocator_probe, host=host_probe, nvml=nvml_probe, clock=clock,
                                 workers=workers_probe)
         self.run_in_background = self._sampler.run_soon  # off the training thread (False: run it yourself)
@@ -183,6 +180,7 @@ class Agent:
         this end from a vanished job."""
         if not self._running or not self._in_owner_process():
             return
+        self._log.complete_quick(self._components.on_quick)  # the last steps' records, to the leak detector too
         self._running = False
         self._signals.uninstall()
         self._sampler.stop()
@@ -260,24 +258,27 @@ class Agent:
         if not self._running or _fork_generation != self._fork_generation:  # self.running, inlined
             return None
         clock = self.step_clock
+        quick = self._planner.quick and not clock.asked and len(self._log.quick) < QUICK_MAX
         number, steps = clock.begin_sample(step)  # components may ask for a sample now (sample_within)
         duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
-        record = self._reader.record(number, duration, steps, clock.current_phase)
-        self._recent_steps.append(record)
-        self._long_steps.add(record)
         self._samples += 1
+        if quick:  # the reads now; the record and the components at the next full step end
+            self._log.quick.append(self._reader.quick(number, duration, steps, clock.current_phase, self._samples))
+            clock.planned(self._planner.stride)
+            end = self._clock()
+            self._thread_seconds += end - start
+            self._last_step_clock = end
+            return None
+        clock.asked_met()  # before the components: what they ask for now is for a later step end
+        self._log.complete_quick(self._components.on_quick)
+        record = self._reader.record(number, duration, steps, clock.current_phase)
+        self._log.add(record)
         # One reference assignment makes the step visible to state() readers (components below,
         # scrapes on other threads); the state object itself is built only when someone reads it.
         self._board.pending = (record, clock.steps_total)
         if self._identity_checks_left:  # a late init_process_group, seen on the first steps
             self._identity_checks_left = 0 if self._board.refresh_identity() else self._identity_checks_left - 1
-        for component in self._components.items:
-            try:
-                component.on_step(record)
-            except Exception as exc:  # noqa: BLE001 - the job comes first
-                log_once(f"on_step:{getattr(component, 'name', '?')}:{type(exc).__name__}",
-                         "gpumemd: %s failed on step %d (%s: %s); the job continues",
-                         getattr(component, "name", component), number, type(exc).__name__, exc)
+        self._components.on_step(record)
         if start >= self._signals_due:  # a handler the job installed since attach gets wrapped too
             self._signals_due = start + _SIGNAL_RECHECK_S
             self._signals.recheck()
@@ -365,12 +366,12 @@ class Agent:
         self._thread_seconds += seconds
 
     def steps(self) -> list[StepRecord]:
-        """The recorded step records, oldest first (at most ``keep_steps``)."""
-        return list(self._recent_steps)
+        """The recorded step records, oldest first (at most ``keep_steps``), quick step ends' included."""
+        return self._log.steps()
 
     def history(self) -> list[StepRecord]:
         """Step records since attach, thinned evenly to a bounded count (``gpumemd.step_history``)."""
-        return self._long_steps.records()
+        return self._log.history()
 
     def read_now(self) -> StepRecord | None:
         """The probes read now, as a record of the step that is running (one past the last that

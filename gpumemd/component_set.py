@@ -8,9 +8,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumemd.components.base import Flushes
+from gpumemd.log_once import log_once
 
 if TYPE_CHECKING:
     from gpumemd.components.base import Component
+    from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
 
@@ -22,6 +24,24 @@ class ComponentSet:
 
     def __init__(self, components: Sequence[Component]) -> None:
         self.items: list[Component] = list(components)
+        # The ones that take every record, a quick step end's too, later (``on_quick``): the rest see full ones.
+        self.quick_takers: list[Any] = [c for c in self.items if callable(getattr(c, "on_quick", None))]
+
+    def on_step(self, record: StepRecord) -> None:
+        """A full sampled step end: each component's ``on_step``, in order; one that fails is logged once."""
+        for component in self.items:
+            try:
+                component.on_step(record)
+            except Exception as exc:  # noqa: BLE001 - the job comes first
+                _failed(component, "on_step", record.step, exc)
+
+    def on_quick(self, record: StepRecord, samples_total: int) -> None:
+        """A quick step end's record, at the next full one: to the components that take every record."""
+        for component in self.quick_takers:
+            try:
+                component.on_quick(record, samples_total)
+            except Exception as exc:  # noqa: BLE001 - the job comes first
+                _failed(component, "on_quick", record.step, exc)
 
     def __iter__(self) -> Iterator[Component]:
         return iter(self.items)
@@ -64,3 +84,9 @@ def _stop(component: Component) -> None:
         component.stop()
     except Exception:
         log.exception("gpumemd: component %s failed to stop", getattr(component, "name", component))
+
+
+def _failed(component: Any, hook: str, step: int, exc: Exception) -> None:
+    name = getattr(component, "name", component)
+    log_once(f"{hook}:{name}:{type(exc).__name__}", "gpumemd: %s failed on step %d (%s: %s); the job continues",
+             name, step, type(exc).__name__, exc)

@@ -54,6 +54,10 @@ class StepClock:
         self.step_base_total = 0
         self.sampled_total = 0  # steps_total at the last sample
         self.until_sample = 1  # countdown: the step that brings it to 0 is sampled
+        self.asked_at = 1
+        """``steps_total`` at which someone asked for a full sampled step end (``sample_within``, a
+        phase's first step, the first step), until one runs; ``NO_REQUEST`` when none is asked for.
+        A sampled step end the stride alone brings may be quick (``Agent._end_step``)."""
         self.eve_callbacks: list[Callable[[], None]] = []  # called on the step before a sampled one
         self.steps_total = 0
         self._phase = "train"
@@ -151,9 +155,20 @@ class StepClock:
         self.step_base, self.step_base_total = number, self.steps_total
         return number, steps
 
+    @property
+    def asked(self) -> bool:
+        """Whether the step end under way was asked for (it runs in full)."""
+        return self.steps_total >= self.asked_at
+
+    def asked_met(self) -> None:
+        """A full sampled step end runs: every request so far is met."""
+        self.asked_at = NO_REQUEST
+
     def planned(self, stride: int) -> None:
-        """The next sampled step end at most ``stride`` steps on (a ``sample_within`` may be sooner)."""
-        self.until_sample = min(self.until_sample, stride)
+        """The next sampled step end at most ``stride`` steps on, or at the step asked for if sooner
+        (a quick step end leaves the request standing)."""
+        asked_in = max(1, self.asked_at - self.steps_total)
+        self.until_sample = min(self.until_sample, stride, asked_in)
         if self.until_sample == 1 and self.eve_callbacks:
             self._eve()  # this step end is the eve of the next sampled one
 
@@ -161,8 +176,9 @@ class StepClock:
         """Make one of the next ``steps`` step ends a sampled one, the stride notwithstanding: 1 is
         the end of the step under way (a component that measured it) or, from ``on_step``, the next;
         a forced cadence (``census_every_steps``) asks for the step it is due at."""
-        if steps < self.until_sample:
-            self.until_sample = max(1, steps)
+        steps = max(1, steps)
+        self.asked_at = min(self.asked_at, self.steps_total + steps)
+        self.until_sample = min(self.until_sample, steps)
 
     @property
     def current_step(self) -> int | None:
@@ -192,9 +208,9 @@ class StepClock:
             raise ValueError(f"gpumemd.phase(name) needs a non-empty string, got {name!r}")
         previous = self._phase
         self._phase = name
-        self.until_sample = 1  # the first step of a phase is sampled, whatever the stride
+        self.sample_within(1)  # the first step of a phase is sampled in full, whatever the stride
         try:
             yield
         finally:
             self._phase = previous
-            self.until_sample = 1
+            self.sample_within(1)

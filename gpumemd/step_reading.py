@@ -9,8 +9,8 @@ statistics, and the workers are read only every ``WORKERS_EVERY`` steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpumemd.log_once import log_once
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
@@ -29,6 +29,20 @@ WORKERS_IDLE_EVERY = 100
 """The same while the last read found no child process: a job without DataLoader workers (most fast
 loops) pays one read per 100 steps, and new workers are seen within 100 steps (or the sampler's next
 reading, which lists every thread's children)."""
+
+
+class QuickReading(NamedTuple):
+    """What a quick sampled step end read (``StepReader.quick``); ``samples`` is the agent's count of
+    sampled step ends then."""
+
+    step: int
+    duration: float | None
+    steps: int
+    phase: str
+    wall: float
+    raw: tuple[tuple[int, Any], ...]
+    rss: int | None
+    samples: int
 
 
 class StepReader:
@@ -52,18 +66,34 @@ class StepReader:
         where that reading pairs with this allocator reading (``nvml_paired``)."""
         allocator = self._allocator.read()
         if self._reset_peaks and allocator:
-            _reset_peaks(allocator)
-        rss = self._host.rss()
+            _reset_peaks(sample.device.name for sample in allocator)
+        reading = QuickReading(number, duration, steps, phase, 0.0, (), self._host.rss(), 0)
+        return self._made(reading._replace(wall=self._wall()), allocator, self._read_workers(number))
+
+    def quick(self, number: int, duration: float | None, steps: int, phase: str, samples: int) -> QuickReading:
+        """A quick sampled step end's reads (``Agent._end_step``): the allocator's statistics as torch
+        returns them and the host's RSS, now; ``complete`` makes the record of them later."""
+        raw = self._allocator.read_raw()
+        if self._reset_peaks and raw:
+            _reset_peaks(f"cuda:{device}" for device, _ in raw)
+        return QuickReading(number, duration, steps, phase, self._wall(), raw, self._host.rss(), samples)
+
+    def complete(self, reading: QuickReading) -> StepRecord:
+        """The record ``record`` would have made at a quick step end, from what it read then."""
+        return self._made(reading, self._allocator.parse_raw(reading.raw), None)
+
+    def _made(self, reading: QuickReading, allocator: tuple[AllocatorSample, ...],
+              workers: WorkersSample | None) -> StepRecord:
+        rss, wall = reading.rss, reading.wall
         previous = self._published()
         assert previous is not None
         host = None
         if rss is not None:
             base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
             host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
-        wall = self._wall()
         nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
-        return StepRecord(step=number, wall_time=wall, duration_s=duration, allocator=allocator, host=host,
-                          nvml=nvml, phase=phase, steps=steps, workers=self._read_workers(number))
+        return StepRecord(step=reading.step, wall_time=wall, duration_s=reading.duration, allocator=allocator,
+                          host=host, nvml=nvml, phase=reading.phase, steps=reading.steps, workers=workers)
 
     def now(self, step: int, steps: int, phase: str) -> StepRecord | None:
         """The probes read now, as a record of the step that is running, kept nowhere (an OOM report's
@@ -91,11 +121,11 @@ class StepReader:
         return sample
 
 
-def _reset_peaks(samples: tuple[AllocatorSample, ...]) -> None:
+def _reset_peaks(devices: Iterable[str]) -> None:
     import torch
 
-    for sample in samples:
+    for device in devices:
         try:
-            torch.cuda.reset_peak_memory_stats(sample.device.name)
+            torch.cuda.reset_peak_memory_stats(device)
         except (RuntimeError, AttributeError) as exc:
             log_once("reset_peak", "gpumemd: could not reset peak stats (%s)", exc)

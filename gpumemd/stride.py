@@ -1,6 +1,7 @@
 """How many steps apart the agent samples: every step while a sampled step end fits its share of
 ``overhead_budget`` (``gpumemd.budget``, ``Part.STEP_ENDS``) at the job's measured step time, on
-faster steps every Nth (N <= ``MAX_STRIDE``).
+faster steps every Nth (N <= ``MAX_STRIDE``); where even every ``MAX_STRIDE``th is over the share,
+sampled step ends may be quick (``quick``: the reads now, the rest at the next full one).
 
 Both figures are medians of the last few samples: a census or a scan (budgeted on their own) does not
 count as the cost of a step end, and a pause between steps (an evaluation, a checkpoint) not as the
@@ -37,6 +38,10 @@ class StridePlanner:
         """The job's typical step time: the median over recent sampled steps (None before two)."""
         self.stride = 1
         """Steps per sample now: 1 when every step is sampled."""
+        self.quick = False
+        """Sampled step ends may be quick (``Agent._end_step``): the budget would space full ones
+        further than ``MAX_STRIDE``, and the stride is the agent's own (no ``max_stride`` was set)."""
+        self._own_stride = self._max_stride == MAX_STRIDE
         self._unplanned = 0  # samples taken in since the medians were last looked at
 
     def plan(self, cost: float, seconds_per_step: float | None) -> int:
@@ -56,6 +61,8 @@ class StridePlanner:
         typical_step = self.seconds_per_step
         if typical_step and len(costs) >= 3:
             typical = sorted(costs)[len(costs) // 2]
-            stride = min(self._max_stride, budget.steps_between(typical, self._allowed, typical_step))
+            wanted = budget.steps_between(typical, self._allowed, typical_step)
+            stride = min(self._max_stride, wanted)
+            self.quick = self._own_stride and wanted > MAX_STRIDE
         self.stride = stride
         return stride

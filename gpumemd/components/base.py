@@ -85,6 +85,11 @@ class Component(Protocol):
     the step before each sampled one (O(1) work only: most step ends are eves of none, and this one is
     a job's step). Components publish results with ``agent.publish(field=value)``; they never mutate
     state.
+
+    On fast steps some sampled step ends are *quick* (``Agent._end_step``): the probes are read, and
+    the record is made at the next full step end, in order, where a component that defines
+    ``on_quick(record, samples_total)`` gets it (the leak component: every point counts; the census:
+    its step count). ``on_step`` sees full step ends only, so work done "now" happens at one.
     """
 
     name: str

@@ -169,6 +169,10 @@ class CensusComponent(ComponentBase):
         steps = math.ceil(self._last_cost / (self._share(seconds_per_step) * seconds_per_step))
         return max(1, min(MAX_INTERVAL, steps))
 
+    def on_quick(self, record: StepRecord, samples_total: int) -> None:
+        """A quick step end's record, at the next full one: its steps count towards the next census."""
+        self._steps_since += record.steps
+
     def on_step(self, record: StepRecord) -> None:
         # The census is the first component: a step end's heavy work is bounded from here.
         self._step_end_began = self._clock()

@@ -52,9 +52,6 @@ __all__ = ["SCAN_EVERY", "SCAN_EVERY_MAX", "LeakComponent", "LeakOptions"]
 
 log = logging.getLogger("gpumemd")
 
-_UNFED_MAX = 32
-"""Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
-
 _Key = tuple[str, str]  # a finding's (series, phase)
 
 
@@ -104,7 +101,6 @@ class LeakComponent:
         self._causes: Causes = NO_CAUSES
         self._culprits: dict[_Key, Evidence] = {}
         self._attempts: dict[_Key, int] = {}  # step of the last culprit search per finding
-        self._unfed: list[tuple[StepRecord, int]] = []  # records not yet fed to the detector (see on_step)
         self._scans = self._new_scans()
         self._file: FindingsFile | None = None
         self._deferred = False  # the last due evaluation waited for the step after a census
@@ -130,7 +126,6 @@ class LeakComponent:
     def start(self, agent: AgentView) -> None:
         self._agent = agent
         self._file = FindingsFile(agent, self._wall)
-        self._unfed = []  # a new detector: records fed to an earlier one stay with it
         self._scans_before += self._scans.seconds
         self._scans = self._new_scans()
         tracker, chains = _trackers()
@@ -161,7 +156,6 @@ class LeakComponent:
                 parts.chains.clear()
             if parts.series.families is not None:
                 parts.series.families.clear()
-        self._unfed.clear()
         self._sites.clear()
         self._host.clear()
 
@@ -173,6 +167,11 @@ class LeakComponent:
 
     # --- per step ------------------------------------------------------------------------------
 
+    def on_quick(self, record: StepRecord, samples_total: int) -> None:
+        """A quick step end's record, at the next full one: it waits to be fed like any other."""
+        if self._parts is not None:
+            self._parts.series.wait(record, samples_total)
+
     def on_step(self, record: StepRecord) -> None:
         parts = self._parts
         agent = self._agent
@@ -181,12 +180,7 @@ class LeakComponent:
         series = parts.series
         # The step end's heavy work (scans, searches) is bounded from here, with the census's slices in it.
         started = self._clock() - (self._census.step_end_seconds if self._census is not None else 0.0)
-        # The record waits in a short list and is fed to the detector, in one loop, just before the
-        # evaluation that reads it (or once _UNFED_MAX wait). A sampled step end runs after a step of
-        # compute, with the agent's code and data out of the cache: there each detector call costs
-        # ~20 µs, in the loop ~2 µs. Same values, same order, so the detector decides the same.
-        unfed = self._unfed
-        unfed.append((record, agent.samples_total))
+        series.wait(record, agent.samples_total)  # fed with the others just before an evaluation reads them
         series.feed_census(agent.published.census, record)
         tracker = parts.tracker
         total = agent.steps_total
@@ -208,14 +202,12 @@ class LeakComponent:
             evaluation_started = self._clock()
             try:
                 if self._pending is None:
-                    _feed_unfed(series, unfed)
+                    series.feed_waiting()
                     self._evaluate(parts, record.step)
                 self._advance(agent, parts, started)
             finally:
                 self.evaluate_seconds += self._clock() - evaluation_started
             due = detector.next_due_step()
-        if len(unfed) >= _UNFED_MAX:
-            _feed_unfed(series, unfed)
         self._scans.plan(total, due - record.step if self._pending is None else None)
 
     def _defer_after_census(self, agent: AgentView, record: StepRecord) -> bool:
@@ -232,12 +224,15 @@ class LeakComponent:
         return False
 
     def on_eve(self) -> None:
-        """The step before a sampled one: if that one will scan, mark where its graphs begin."""
+        """The step before a sampled one: if that one will scan (and evaluate: an evaluation scans too),
+        it runs in full, not quick; mark where its graphs begin."""
         parts = self._parts
         agent = self._agent
-        chains = parts.chains if parts is not None else None
-        if chains is not None and agent is not None and self._scans.due(agent.steps_total + 1):
-            chains.mark_step(agent.current_step)
+        if parts is None or agent is None or not self._scans.due(agent.steps_total + 1):
+            return
+        agent.sample_within(1)
+        if parts.chains is not None:
+            parts.chains.mark_step(agent.current_step)
 
     def _scanned(self, agent: AgentView, total: int, seconds: float) -> None:
         step_seconds = agent.seconds_per_step
@@ -445,10 +440,3 @@ def _search_order(status: TrackStatus) -> int:
     every step (an EMA), a count series' sample may be freed; a census diff can wait a step end."""
     return {"nodes": 0, "tensors": 1}.get(status.spec.unit, 2)
 
-
-def _feed_unfed(series: LeakSeries, unfed: list[tuple[StepRecord, int]]) -> None:
-    try:
-        for record, samples in unfed:
-            series.feed(record, samples)
-    finally:
-        unfed.clear()

@@ -5,6 +5,7 @@ says, so the stride follows from the arithmetic, not from this machine's speed."
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from gpumemd.agent import MAX_STRIDE, Agent
 from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
+from gpumemd.step_log import QUICK_MAX
 
 
 class Costly:
@@ -69,11 +71,16 @@ def test_slow_steps_are_all_sampled(out_dir: str) -> None:
 
 def test_fast_steps_are_sampled_every_nth_and_every_step_is_counted(out_dir: str) -> None:
     # 1 ms steps, 60 µs per sampled end: step ends may take 1% x 0.75 x 0.25 x 1 ms = 1.9 µs per step -> N = 10
+    # (the most the leak detector allows), and even that is over the share (N would be 32): between two
+    # full step ends, quick ones read the probes and leave the record and the components to the next full one
     agent, costly = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=200)
-    records = costly.records
+    records = agent.steps()  # every sampled step end's record, the quick ones' too
     assert [r.step for r in records[:3]] == [0, 1, 2]  # every step until the cost is known
     assert agent.stride == MAX_STRIDE and all(r.steps == MAX_STRIDE for r in records[4:])
     assert sum(r.steps for r in records) == records[-1].step + 1  # no step missing, none twice
+    full = [r.step for r in costly.records]  # on_step sees the full step ends only
+    assert set(full) < {r.step for r in records} and len(full) < len(records) / 2
+    assert all(b - a <= (QUICK_MAX + 1) * MAX_STRIDE for a, b in itertools.pairwise(full[3:]))
     state = agent.state()
     assert state.steps_total == 200 and state.step == 199 and state.overhead.samples == len(records)
     # a record's duration is the mean step time over the steps it stands for (the sampled end excluded)
@@ -83,12 +90,45 @@ def test_fast_steps_are_sampled_every_nth_and_every_step_is_counted(out_dir: str
     assert all(total + 1 in sampled_totals for total in costly.eves)
 
 
+class Asking(Costly):
+    """Asks, at its first full step end past step 100, for a step end 25 steps on."""
+
+    asked_for: int | None = None
+
+    def on_step(self, record: StepRecord) -> None:
+        super().on_step(record)
+        if self.asked_for is None and record.step > 100 and self.agent is not None:
+            self.asked_for = record.step + 25
+            self.agent.sample_within(25)
+
+
+def test_a_step_end_asked_for_runs_in_full_after_quick_ones(out_dir: str) -> None:
+    """Quick step ends (every 10th step) come before the one asked for and leave the request standing:
+    the component's step end runs when it asked, in full."""
+    clock = Clock(100.0)
+    component = Asking(clock, 60e-6)
+    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
+                        clock=clock, wall_clock=clock)
+    agent.start()
+    try:
+        for _ in range(200):
+            clock.now += 1e-3
+            agent.mark_step()
+    finally:
+        agent.stop()
+    full = [r.step for r in component.records]
+    assert component.asked_for is not None and component.asked_for in full
+    quick = {r.step for r in agent.steps()} - set(full)
+    assert any(component.asked_for - 25 < q < component.asked_for for q in quick)
+
+
 def test_the_stride_shrinks_when_the_step_gets_slower(out_dir: str) -> None:
     # 5 ms steps, 30 µs per sampled end: step ends may take their share of the budget's clocked plan,
     # 1% x 0.75 x 0.25 = 0.1875% of 5 ms = 9.4 µs per step -> every 4th step
     assert budget.share(0.01, budget.Part.STEP_ENDS) == pytest.approx(0.001875)
     agent, costly = _run(out_dir, step_s=5e-3, cost_s=30e-6, steps=100)
     assert agent.stride == 4 and costly.records[-1].steps == 4
+    assert costly.records == agent.steps()  # inside the share: every sampled step end is a full one
 
 
 def test_a_pause_between_steps_is_not_step_time(out_dir: str) -> None:

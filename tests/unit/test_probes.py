@@ -249,6 +249,10 @@ def test_the_nested_read_gives_what_torchs_own_flattening_gives(
     assert samples == ((expected,) if expected is not None and touched(flat) else ())
     if flat.get("reserved_bytes_by_private_pools.1_0.all.current"):
         assert samples[0].private_pool_reserved_bytes == flat["reserved_bytes_by_private_pools.1_0.all.current"]
+    # A quick step end's read: torch's nested dict now, the same sample made of it later.
+    raw = probe.read_raw()
+    assert raw == (((0, nested),) if samples else ())
+    assert probe.parse_raw(raw) == samples
 
 
 def test_a_step_records_allocator_sample_is_found_however_the_user_names_the_device() -> None:
