@@ -66,7 +66,8 @@ class StepProfileComponent(ComponentBase):
             raise ValueError(f"StepProfileComponent(every_steps={every_steps!r}) needs a step count of at least 1")
         self._every = every_steps
         self._agent: AgentView | None = None
-        self._handles: list[Any] = []
+        self._roots: list[Any] = []  # the models whose forward is measured
+        self._handles: list[Any] = []  # the hooks, there only from the eve of a profiled step to its end
         self._discovery: Any = None
         self._state = _IDLE
         self._failed = False
@@ -84,18 +85,15 @@ class StepProfileComponent(ComponentBase):
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self, agent: AgentView) -> None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         self._agent = agent
-        self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
-        models = [m for m in list(agent.models) if hasattr(m, "register_forward_pre_hook")]
-        if models:
-            for model in models:
-                self._hook_root(model)
-        else:
+        self._roots = [m for m in list(agent.models) if hasattr(m, "register_forward_pre_hook")]
+        if not self._roots:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
             self._discovery = register_module_forward_pre_hook(self._discover)
+        elif self._due():  # the first step is a profiled one: no eve comes before it
+            self._arm()
+        self._ask()
 
     def stop(self) -> None:
         if self._counter is not None:
@@ -103,14 +101,44 @@ class StepProfileComponent(ComponentBase):
         if self._discovery is not None:
             self._discovery.remove()
             self._discovery = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._disarm()
         self._reset()
+        self._roots = []
+
+    # --- the hooks, armed for a profiled step only ----------------------------------------------
+    # A hook on the model's forward and on optimizer steps costs every step ~1 µs (and the module's
+    # slower call path) even when it returns at once: they are put in at the end of the step before a
+    # profiled one (``on_eve``, which the profiled step end's request brings) and taken out at its end.
+
+    def _ask(self) -> None:
+        """Have the next profiled step's end sampled in full, and so its eve called."""
+        if self._agent is not None and not self._failed:
+            self._agent.sample_within(self._every - self._agent.steps_total % self._every)
+
+    def on_eve(self) -> None:
+        if not self._handles and self._due():
+            self._arm()
+
+    def _due(self) -> bool:
+        """Is the step under way (or the next, from a step end) a profiled one?"""
+        agent = self._agent
+        return agent is not None and not self._failed and (agent.steps_total + 1) % self._every == 0
+
+    def _arm(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
+        for root in self._roots:
+            self._hook_root(root)
 
     def _hook_root(self, module: Any) -> None:
         self._handles.append(module.register_forward_pre_hook(self._on_forward_start))
         self._handles.append(module.register_forward_hook(self._on_forward_end, always_call=True))
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     # --- hooks (training thread; never raise into the job) -----------------------------------
 
@@ -121,7 +149,11 @@ class StepProfileComponent(ComponentBase):
             if self._discovery is not None:
                 self._discovery.remove()
                 self._discovery = None
-            self._hook_root(module)
+            self._roots.append(module)
+            if self._handles:  # armed already (this step is a profiled one): the new root too
+                self._hook_root(module)
+            elif self._due():  # the first step, profiled: no eve came before it
+                self._arm()
         except Exception as exc:  # noqa: BLE001 - the job comes first
             self._fail("model discovery", exc)
             return
@@ -190,12 +222,14 @@ class StepProfileComponent(ComponentBase):
         self._overhead += time.perf_counter() - t0
 
     def on_step(self, record: StepRecord) -> None:
-        if self._state == _IDLE:
-            return
-        try:
-            self._finish(record)
-        except Exception as exc:  # noqa: BLE001 - the job comes first
-            self._fail("step end", exc)
+        if self._state != _IDLE:
+            try:
+                self._finish(record)
+            except Exception as exc:  # noqa: BLE001 - the job comes first
+                self._fail("step end", exc)
+        if self._agent is not None and (self._agent.steps_total + 1) % self._every:
+            self._disarm()  # the profiled step is over (or its forward never came)
+        self._ask()  # a full step end meets every request: ask again for the next profiled one
 
     def _finish(self, record: StepRecord) -> None:
         if self._state == _FORWARD and self._counter is not None:
@@ -260,6 +294,7 @@ class StepProfileComponent(ComponentBase):
         if self._counter is not None:
             self._counter.stop()
         self._reset()
+        self._disarm()
         self._failed = True  # one failure turns the component off: the job comes first
         log.warning("gpumemd: the step profile failed at %s (%s: %s); it is off for this run",
                     where, type(exc).__name__, exc)
