@@ -153,8 +153,13 @@ class CulpritSearch:
                           graph_bytes_delta=round(status.growth_bytes * graph_bytes),
                           category="graph" if group is not None and group.graph else "other")
         sites = self._sites.sites(status)  # on CUDA with allocation history: the lines that allocate them
+        # What a graph whose saved tensors backward() freed costs is its nodes' host memory, which Python
+        # cannot measure: no bytes and no time to OOM from the tensor's own few bytes ("~4 B/step, out
+        # of memory in ~70 days"); host RSS, which does see the nodes, judges the bytes.
+        nodes_only = graph_nodes >= _GRAPH_NODES_KEPT and not graph_bytes
         return Evidence((culprit,), status.step - (status.onset_step or status.step), sites, kind,
-                        bytes_per_unit=max(per_tensor, 1.0), sentence=sentence, graph_kept=held.graph_kept,
+                        bytes_per_unit=0.0 if nodes_only else max(per_tensor, 1.0), sentence=sentence,
+                        graph_kept=held.graph_kept,
                         garbage=held.garbage)
 
     def _holder_of_sample(self, held_sample: Callable[[], torch.Tensor | None]) -> Stepwise[_SampleHolder]:
