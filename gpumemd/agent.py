@@ -230,7 +230,7 @@ class Agent:
     # --- steps: the step clock's, for the job and the components ---------------------------------
 
     def mark_step(self, step: int | None = None) -> StepRecord | None:
-        """End a step by hand (``gpumemd.mark_step``); the record when the step was sampled."""
+        """End a step by hand (``gpumemd.mark_step``); the record when the step end was sampled in full."""
         return self.step_clock.mark_step(step)
 
     def use_manual_steps(self) -> None:

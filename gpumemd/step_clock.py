@@ -123,7 +123,8 @@ class StepClock:
     def mark_step(self, step: int | None = None) -> StepRecord | None:
         """End a step by hand; from then on the optimizer hook no longer ends steps.
 
-        Returns the step's record when the step was sampled, else None (see the module docstring)."""
+        Returns the step's record when its end was sampled in full, else None (a quick step end's record
+        is made at the next full one: ``Agent._end_step``)."""
         if not self._active():
             return None
         self._manual_steps = True
