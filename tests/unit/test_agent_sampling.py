@@ -46,9 +46,10 @@ class Costly:
         pass
 
 
-def _run(out_dir: str, *, step_s: float, cost_s: float, steps: int, **config: Any) -> tuple[Agent, Costly]:
+def _run(out_dir: str, *, step_s: float, cost_s: float, steps: int, kind: type[Costly] = Costly,
+         **config: Any) -> tuple[Agent, Costly]:
     clock = Clock(100.0)
-    component = Costly(clock, cost_s)
+    component = kind(clock, cost_s)
     agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, **config),
                   components=[component], clock=clock, wall_clock=clock)
     agent.start()
@@ -105,17 +106,8 @@ class Asking(Costly):
 def test_a_step_end_asked_for_runs_in_full_after_quick_ones(out_dir: str) -> None:
     """Quick step ends (every 10th step) come before the one asked for and leave the request standing:
     the component's step end runs when it asked, in full."""
-    clock = Clock(100.0)
-    component = Asking(clock, 60e-6)
-    agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False), components=[component],
-                        clock=clock, wall_clock=clock)
-    agent.start()
-    try:
-        for _ in range(200):
-            clock.now += 1e-3
-            agent.mark_step()
-    finally:
-        agent.stop()
+    agent, component = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=200, kind=Asking)
+    assert isinstance(component, Asking)
     full = [r.step for r in component.records]
     assert component.asked_for is not None and component.asked_for in full
     quick = {r.step for r in agent.steps()} - set(full)
