@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gpumemd.agent_announce import exit_line, say, start_facts, warn_output
 from gpumemd.announce import start_line
 from gpumemd.component_set import ComponentSet
-from gpumemd.components.base import ComponentBase, Serving, TakesCensus
+from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.output_dir import settle_output_dir
 from gpumemd.probes.identity import RankLogFilter, current_identity
@@ -155,9 +155,7 @@ class Agent:
             log.removeFilter(self._log_filter)
             self._running = False
             raise
-        # Only the components that do something on an eve: a no-op call per component, every 10 steps, adds up.
-        self.step_clock.eve_callbacks = [c.on_eve for c in self._components
-                                         if getattr(type(c), "on_eve", None) is not ComponentBase.on_eve]
+        self.step_clock.eve_callbacks = self._components.eve_callbacks()
         # The sampler's thread first, then the first reading: a new thread's stack and malloc arena take
         # ~70 MiB of address space, which a reading before them would count as headroom under RLIMIT_AS.
         self._sampler.start(self.tick, self.config.sample_interval_s)

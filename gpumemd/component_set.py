@@ -4,10 +4,10 @@ a component that fails to stop or flush is logged and the others go on."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumemd.components.base import Flushes
+from gpumemd.components.base import ComponentBase, Flushes
 from gpumemd.log_once import log_once
 
 if TYPE_CHECKING:
@@ -42,6 +42,11 @@ class ComponentSet:
                 component.on_quick(record, samples_total)
             except Exception as exc:  # noqa: BLE001 - the job comes first
                 _failed(component, "on_quick", record.step, exc)
+
+    def eve_callbacks(self) -> list[Callable[[], None]]:
+        """The ``on_eve`` of the components that do something on an eve (``ComponentBase``'s is a no-op,
+        and a call per component every 10 steps adds up)."""
+        return [c.on_eve for c in self.items if getattr(type(c), "on_eve", None) is not ComponentBase.on_eve]
 
     def __iter__(self) -> Iterator[Component]:
         return iter(self.items)
