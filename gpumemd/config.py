@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gpumemd.addresses import is_host_port, is_ip, redacted
+from gpumemd.analysis.leak_types import MIN_WINDOW_STEPS, DetectorConfig
 from gpumemd.config_renamed import RENAMED, current_names, old_name
 from gpumemd.log_once import log_once
 
@@ -106,7 +107,7 @@ class Config:
     """Fixed effect size in bytes per step for allocator and census series, instead of the one derived
     from ``leak_horizon_hours`` (unset: headroom / steps in the horizon, never below the noise floor)."""
 
-    leak_warmup_steps: int = 50
+    leak_warmup_steps: int = DetectorConfig.default("warmup_steps")  # 50
     """Steps ignored by the leak detector at the start (optimizer state, compile, first eval)."""
 
     leak_host_min_bytes_per_step: int | None = None
@@ -114,11 +115,11 @@ class Config:
     ``leak_horizon_hours`` (unset: host RAM available / steps in the horizon, never below RSS's noise
     floor)."""
 
-    leak_window_steps: int = 500
+    leak_window_steps: int = DetectorConfig.default("window_steps")  # 500
     """The leak detector's short window in steps (the long one is 5x); widened automatically to 2.5x
     the period of accumulations it has seen reset (metric lists, epoch caches)."""
 
-    leak_check_every_steps: int = 50
+    leak_check_every_steps: int = DetectorConfig.default("check_every_steps")  # 50
     """Steps between leak evaluations; between them the detector only folds values into block floors."""
 
     leak_history_on_suspect: bool = False
@@ -289,7 +290,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "a number of hours in (0, 8784], e.g. 168 for a week"),
     ("leak_warmup_steps", lambda v: 0 <= v <= _MAX_STEPS, _STEPS),
     ("leak_host_min_bytes_per_step", lambda v: v is None or 1 <= v <= _MAX_BYTES, _BYTES_PER_STEP),
-    ("leak_window_steps", lambda v: 20 <= v <= _MAX_STEPS, f"an integer from 20 to {_MAX_STEPS:,}"),
+    ("leak_window_steps", lambda v: MIN_WINDOW_STEPS <= v <= _MAX_STEPS,
+     f"an integer from {MIN_WINDOW_STEPS} to {_MAX_STEPS:,}"),
     ("leak_check_every_steps", lambda v: 1 <= v <= _MAX_STEPS, f"an integer from 1 to {_MAX_STEPS:,}"),
     ("port", lambda v: v is None or 0 <= v <= 65535, "an integer 0-65535 (0 picks a free port)"),
     ("bind", is_ip, "an IP address such as 127.0.0.1 or 0.0.0.0"),

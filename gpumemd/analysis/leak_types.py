@@ -6,8 +6,10 @@ both name them without importing each other.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from gpumemd.analysis.trend import Verdict
 from gpumemd.records.device import Device
@@ -80,8 +82,15 @@ class SeriesSpec:
             raise ValueError(f"SeriesSpec {self.name!r}: kind {self.kind!r} is not one of {FINDING_KINDS}")
 
 
+MIN_WINDOW_STEPS = 20
+"""The shortest short window: ``Config.leak_window_steps`` is checked against it too (one bound)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DetectorConfig:
+    """The leak detector's settings. The defaults here are the product's: ``Config``'s ``leak_*_steps``
+    options take theirs from these fields (``detector_default``), so each is written once."""
+
     min_bytes_per_step: float = 256 * 1024
     warmup_steps: int = 50
     window_steps: int = 500
@@ -98,7 +107,7 @@ class DetectorConfig:
         checks = [
             ("min_bytes_per_step", self.min_bytes_per_step > 0, "> 0"),
             ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
-            ("window_steps", self.window_steps >= 8, ">= 8"),
+            ("window_steps", self.window_steps >= MIN_WINDOW_STEPS, f">= {MIN_WINDOW_STEPS}"),
             ("long_window_factor", self.long_window_factor >= 1, ">= 1"),
             ("check_every_steps", self.check_every_steps >= 1, ">= 1"),
             ("p_max", 0 < self.p_max < 1, "in (0, 1)"),
@@ -107,6 +116,11 @@ class DetectorConfig:
         for name, ok, accepted in checks:
             if not ok:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)!r} is not valid: expected {accepted}")
+
+    @staticmethod
+    def default(name: str) -> Any:
+        """A field's default (``Config`` reads its ``leak_*_steps`` defaults here)."""
+        return next(f.default for f in dataclasses.fields(DetectorConfig) if f.name == name)
 
     @property
     def block(self) -> int:
