@@ -217,9 +217,10 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     components.append(census)
     if config.leak_detection:
         from gpumemd.components.leak import LeakComponent, LeakOptions
+        from gpumemd.probes.long_lived import long_lived_probes
 
         components.append(LeakComponent(config.options(LeakOptions), census=census if config.census else None,
-                                        history=history))
+                                        history=history, probes=long_lived_probes))
     if config.step_profile:
         from gpumemd.components.step_profiler import StepProfileComponent, StepProfileOptions
 

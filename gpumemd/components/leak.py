@@ -36,15 +36,15 @@ from gpumemd.components.leak_scans import SCAN_EVERY, SCAN_EVERY_MAX, ScanSchedu
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.probes.gc_pause import collector_paused
-from gpumemd.probes.graph_chains import GraphChainTracker
+from gpumemd.probes.long_lived import LongLivedProbes, long_lived_probes
 from gpumemd.probes.stepwise import Stepwise
-from gpumemd.probes.survivors import SurvivorTracker
-from gpumemd.probes.tensor_families import TensorFamilies
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.allocation_history import AllocationHistory
+    from gpumemd.probes.graph_chains import GraphChainTracker
+    from gpumemd.probes.survivors import SurvivorTracker
     from gpumemd.records.findings import Finding
     from gpumemd.records.step import StepRecord
 
@@ -85,8 +85,10 @@ class LeakComponent:
         snapshot_fn: Callable[[], Mapping[str, Any]] | None = None,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.perf_counter,
+        probes: Callable[[], LongLivedProbes] = long_lived_probes,
     ) -> None:
         self._options = options
+        self._new_probes = probes  # fresh long-lived tensor trackers at each start
         self._census = census
         self._history = history
         self._wall = wall_clock
@@ -128,8 +130,8 @@ class LeakComponent:
         self._file = FindingsFile(agent, self._wall)
         self._scans_before += self._scans.seconds
         self._scans = self._new_scans()
-        tracker, chains = _trackers()
-        families = TensorFamilies() if tracker is not None else None
+        made = self._new_probes()
+        tracker, chains, families = made.tracker, made.chains, made.families
         series = LeakSeries(self._options, agent, tracker=tracker, chains=chains, families=families)
         culprits = CulpritSearch(agent, series, tracker=tracker, chains=chains, census=self._census,
                                  host=self._host, sites=self._sites,
@@ -409,17 +411,6 @@ class LeakComponent:
         log.warning("gpumemd: %s", finding.headline or finding.summary)
         if self._file is not None:
             self._file.append(finding)
-
-
-def _trackers() -> tuple[SurvivorTracker | None, GraphChainTracker | None]:
-    """The long-lived tensor trackers (count series and graph chains), or none when they cannot run."""
-    try:
-        tracker = SurvivorTracker()
-        tracker.install()
-        return tracker, GraphChainTracker()
-    except Exception as exc:  # noqa: BLE001 - no count evidence then; bytes series still run
-        log.info("gpumemd: long-lived tensor tracking is off (%s: %s)", type(exc).__name__, exc)
-        return None, None
 
 
 def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:

@@ -16,6 +16,7 @@ import torch
 import gpumemd
 import gpumemd.components.leak as leak_module
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec
+from gpumemd.probes import long_lived
 from gpumemd.probes.survivors import SurvivorTracker
 
 CAP = 600
@@ -23,7 +24,7 @@ CAP = 600
 
 def test_a_leak_that_goes_on_past_the_cap_stays_confirmed_and_says_it_is_capped(
         tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(leak_module, "SurvivorTracker", functools.partial(SurvivorTracker, max_tracked=CAP))
+    monkeypatch.setattr(long_lived, "SurvivorTracker", functools.partial(SurvivorTracker, max_tracked=CAP))
     out = os.path.join(tmp_path, "out")
     keep = []
     x = torch.zeros(8)
