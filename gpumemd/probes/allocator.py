@@ -159,17 +159,6 @@ def flat_from_nested(nested: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def torch_stats_reader(torch: Any) -> StatsFn:
-    """Device -> the flattened keys gpumemd reads, from torch's nested dict (see ``flat_from_nested``).
-    Looked up at each call, so a patched ``memory_stats_as_nested_dict`` (tests on CPU) is what runs."""
-    memory = torch.cuda.memory
-
-    def read(device: int) -> Mapping[str, Any]:
-        return flat_from_nested(memory.memory_stats_as_nested_dict(device))
-
-    return read
-
-
 def touched(stats: Mapping[str, Any]) -> bool:
     """Has this device's allocator ever reserved memory? (Its stats exist for every device once
     CUDA is initialised, including devices this rank never uses.)"""
@@ -195,8 +184,10 @@ class AllocatorProbe:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.health = ProbeHealth("allocator")
+        # A read is ``parse_fn(raw_fn(device))``: torch's nested dict picked apart (``flat_from_nested``),
+        # or a given ``stats_fn``'s dict as it is. Quick step ends take the raw part now, the rest later.
         raw_fn: Callable[[int], Any] | None = stats_fn
-        parse_fn: Callable[[Any], Mapping[str, Any]] | None = None  # None: read_raw's result is the stats
+        parse_fn: Callable[[Any], Mapping[str, Any]] | None = None
         self._never = False  # CUDA can never come up here: read() returns at once
         if stats_fn is None or is_initialized is None or device_count is None or backend_fn is None:
             import torch
@@ -211,21 +202,20 @@ class AllocatorProbe:
                     and torch.cuda.device_count() == 0:
                 self.health.absent("no CUDA device is visible to this process")
                 self._never = stats_fn is None and is_initialized is None
-            if stats_fn is None:  # torch's nested dict now, picked apart later (read_raw, parse_raw)
+            if raw_fn is None:
                 memory = torch.cuda.memory
 
                 def nested(device: int) -> Any:  # looked up at each call: tests on CPU patch it
                     return memory.memory_stats_as_nested_dict(device)
 
                 raw_fn, parse_fn = nested, flat_from_nested
-                stats_fn = torch_stats_reader(torch)
             is_initialized = is_initialized or torch.cuda.is_initialized
             device_count = device_count or torch.cuda.device_count
             backend_fn = backend_fn or torch.cuda.memory.get_allocator_backend
             cap_fn = cap_fn or torch_cap_reader(torch)
             current_device = current_device or torch.cuda.current_device
-        self._stats_fn = stats_fn
-        self._raw_fn = raw_fn
+        assert raw_fn is not None  # given, or torch's
+        self._raw_fn: Callable[[int], Any] = raw_fn
         self._parse_fn = parse_fn
         self._sampled: tuple[int, ...] = ()  # the devices the last read() sampled: read_raw reads those
         self._is_initialized = is_initialized
@@ -253,14 +243,11 @@ class AllocatorProbe:
                 self.expandable_segments = expandable_segments_from_env(self._environ)
             samples = []
             for device in self._devices_to_read():
-                stats = self._stats_fn(device)
+                stats = self._stats(self._raw_fn(device))
                 if not touched(stats):
                     continue
                 self._touched.add(device)
-                fraction, cap = self._cap(device)
-                sample = sample_from_stats(device, stats, backend=self.backend,
-                                           expandable_segments=bool(self.expandable_segments),
-                                           memory_fraction=fraction, cap_bytes=cap)
+                sample = self._sample(device, stats)
                 if sample is not None:
                     samples.append(sample)
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into the training loop
@@ -277,9 +264,9 @@ class AllocatorProbe:
         each, ~12 µs on an H200), for ``parse_raw`` later: a quick sampled step end reads these and
         leaves the picking apart, ~10x that after a step of compute, to a batch. A device first used
         since the last ``read()`` waits for the next one."""
-        raw_fn = self._raw_fn
-        if not self._sampled or raw_fn is None:
+        if not self._sampled:
             return ()
+        raw_fn = self._raw_fn
         try:
             return tuple((device, raw_fn(device)) for device in self._sampled)
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into the training loop
@@ -289,20 +276,24 @@ class AllocatorProbe:
     def parse_raw(self, raw: tuple[tuple[int, Any], ...]) -> tuple[AllocatorSample, ...]:
         """``read_raw``'s statistics as the samples ``read()`` would have made of them then."""
         samples = []
-        parse = self._parse_fn
         try:
             for device, stats_raw in raw:
-                stats = parse(stats_raw) if parse is not None else stats_raw
-                fraction, cap = self._cap(device)
-                sample = sample_from_stats(device, stats, backend=self.backend or "native",
-                                           expandable_segments=bool(self.expandable_segments),
-                                           memory_fraction=fraction, cap_bytes=cap)
+                sample = self._sample(device, self._stats(stats_raw))
                 if sample is not None:
                     samples.append(sample)
         except Exception as exc:  # noqa: BLE001
             self.health.failed(exc)
             return ()
         return tuple(samples)
+
+    def _stats(self, raw: Any) -> Mapping[str, Any]:
+        return self._parse_fn(raw) if self._parse_fn is not None else raw
+
+    def _sample(self, device: int, stats: Mapping[str, Any]) -> AllocatorSample | None:
+        fraction, cap = self._cap(device)
+        return sample_from_stats(device, stats, backend=self.backend or "native",
+                                 expandable_segments=bool(self.expandable_segments),
+                                 memory_fraction=fraction, cap_bytes=cap)
 
     def _devices_to_read(self) -> list[int]:
         """Every visible device on the first read and every ``DEVICE_RESCAN_S``; in between the job's

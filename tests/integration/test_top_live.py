@@ -110,6 +110,14 @@ def start_job(tmp_path: Path, out: Path, **env: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
+def wait_for_state_files(out: Path, jobs: list[subprocess.Popen[str]], timeout: float = 40) -> None:
+    """Poll, with a deadline, until rank r of ``jobs[r]`` has written its state file (its first step ended)."""
+    deadline = time.monotonic() + timeout
+    while not all((out / f"gpumemd-state-rank{r}.json").exists() for r in range(len(jobs))):
+        assert time.monotonic() < deadline and all(j.poll() is None for j in jobs), "no state file written"
+        time.sleep(0.2)
+
+
 def top_command(out: Path) -> str:
     return f"{sys.executable} -m gpumemd top {out}; echo TOP-EXIT=$?; sleep 60"
 
@@ -123,10 +131,7 @@ def test_top_follows_a_leaking_job_and_its_json_is_the_agents_state(tmp_path: Pa
     out = tmp_path / "out"
     job = start_job(tmp_path, out)
     try:
-        deadline = time.monotonic() + 40
-        while not (out / "gpumemd-state-rank0.json").exists():  # the job's first step has ended
-            assert job.poll() is None and time.monotonic() < deadline, "the job wrote no state file"
-            time.sleep(0.2)
+        wait_for_state_files(out, [job])  # the job's first step has ended
         tmux.start(top_command(out))
         first = tmux.wait("a rank with its step", lambda s: bool(steps_shown(s)))
         assert "RUNNING" in first and "host    RSS" in first, first
@@ -163,10 +168,7 @@ def test_a_killed_rank_shows_as_vanished_first(tmp_path: Path, tmux: Tmux) -> No
     out = tmp_path / "out"
     jobs = [start_job(tmp_path, out, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2") for r in (0, 1)]
     try:
-        deadline = time.monotonic() + 40
-        while not all((out / f"gpumemd-state-rank{r}.json").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and all(j.poll() is None for j in jobs), "no state files"
-            time.sleep(0.2)
+        wait_for_state_files(out, jobs)
         tmux.start(top_command(out))
         tmux.wait("both ranks running", lambda s: s.count("RUNNING") == 2)
         jobs[1].send_signal(signal.SIGKILL)  # the OOM killer's way: nothing runs in the job
