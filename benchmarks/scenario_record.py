@@ -14,7 +14,7 @@ the WARNING lines of the "gpumemd" logger, and the start and exit lines the agen
 What varies between runs of the same code is rewritten to a placeholder, and steps and texts are
 kept exactly:
 
-- timestamps (the record's ``time``), the pid, the output directory;
+- timestamps (the record's ``time``, the ``run`` id of its writer), pids, the output directory;
 - durations and shares in the exit line ("watched in 2.1 s", "agent took 146 ms (7.0% of the run ...)":
   the "; tensor censuses ... of it" clause depends on timing too, so the whole cost part is one
   placeholder);
@@ -82,11 +82,11 @@ SIG_DIGITS = 4
 _NUMBER = re.compile(r"\d[\d,.]*")
 
 _ROUNDED = ("slope_bytes_per_step", "slope_low", "slope_high", "tensors_per_step", "p_value")
-_DROPPED = ("time", "steps_to_oom", "hours_to_oom")
-_OOM = re.compile(r"out of memory in ~(?:[\d.,]+ (?:min|h|days) \(~[\d,]+ steps\)|[\d,]+ steps)")
+_DROPPED = ("time", "steps_to_oom", "hours_to_oom", "run")  # run: the writer's pid and start time
+_OOM = re.compile(r"out of memory in ~(?:[\d.,]+ (?:s|min|h|days)(?: \(~[\d,]+ steps\))?|[\d,]+ steps)")
 _EXIT_WALL = re.compile(r"watched in [\d.,]+ (?:ms|s|min|h)")
 _EXIT_COST = re.compile(r"agent took [\d.,]+ (?:ms|s|min|h) \([^)]*\)")
-_PID = re.compile(r"\bpid \d+")
+_PID = re.compile(r"\bpids? \d+(?:, \d+)*")
 _RSS_SERIES = "host_rss_bytes"
 _RSS_FIGURES = re.compile(r"(on host_rss_bytes(?: \(phase [^)]*\))?), \+[\d.,]+ \w+/step \(>= [\d.,]+ \w+/step at 95%\)"
                           r"((?:, since step \d+)?), \+[\d.,]+ \w+ so far")
@@ -142,7 +142,7 @@ def _text(text: str, output_dir: str, functions: list[tuple[int, int, str]]) -> 
     text = _RSS_FIGURES.sub(r"\1, +<rss>/step (>= <rss>/step at 95%)\2, +<rss> so far", text)
     text = _EXIT_WALL.sub("watched in <duration>", text)
     text = _EXIT_COST.sub("agent took <cost>", text)
-    text = _PID.sub("pid <pid>", text)
+    text = _PID.sub(lambda m: m.group(0).split(" ")[0] + " <pid>", text)
     return _relative_lines(text, functions)
 
 

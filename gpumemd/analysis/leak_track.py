@@ -43,6 +43,7 @@ class Track:
         "spec",
         "state",
         "streak",
+        "tested_at",
         "trough",
         "trough_x",
     )
@@ -60,6 +61,7 @@ class Track:
         self.first_step: int | None = None
         self.episode_slope = 0.0  # the slope when the current episode was last passed
         self.last_status: TrackStatus | None = None
+        self.tested_at: int | None = None  # the step of the last full test of its window
         self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
         self.onset_value = 0.0  # the floor at the onset, kept with it: growth is measured from it
         self.consecutive_pass = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -382,3 +383,32 @@ def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding(unit_
     alone = _host_and_counts(1000, count_grows=False, explained=False)
     assert held[0] == (alone[0][0] + DetectorConfig().check_every_steps, "host_rss_bytes", "suspected"), held
     assert "tensors{device=cpu,group=float32[8]}" not in {name for _, name, _ in held}
+
+
+def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests() -> None:
+    # Host RSS rising with a confirmed tensor leak is that leak's growth: its O(n²) window tests run at
+    # every fourth check, as the confirmed finding's own do, not at every check while the leak lasts.
+    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
+    host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
+    grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
+                       unit_bytes=MIB)
+    for spec in (host, grows):
+        detector.add_series(spec)
+    slopes = {host.name: 16 * KIB, grows.name: 0.1}
+    confirmed_at, host_tests = None, []
+    for step in range(2000):
+        detector.observe(host.name, step, BASE + max(0, step - 299) * MIB)
+        if step % 50 == 0 and step >= 100:
+            detector.observe(grows.name, step - 50, max(0, step - 350))
+        if detector.due(step):
+            for status in detector.evaluate(step, slopes):
+                if status.spec.name == grows.name and status.state_name == "confirmed" and confirmed_at is None:
+                    confirmed_at = step
+            host_track = next(t for key, t in detector._tracks.items() if key[0] == host.name)
+            if confirmed_at is not None and step > confirmed_at and host_track.tested_at == step:
+                host_tests.append(step)
+    assert confirmed_at is not None and confirmed_at < 1000
+    checks = (2000 - 1 - confirmed_at) // 50
+    assert host_tests, "the host series is never tested again"
+    assert len(host_tests) <= checks // 4 + 1, (confirmed_at, host_tests)
+    assert all(b - a == 200 for a, b in itertools.pairwise(host_tests)), host_tests
