@@ -195,7 +195,7 @@ class LeakDetector:
         resting = self._resting(track, step)
         if resting is not None:
             return resting
-        if not lent and self._explained_at_rest(track, phase, step):
+        if not lent and _explained_at_rest(self._tracks, track, phase, step, self.config.check_every_steps):
             return dataclasses.replace(track.last_status, changed=False) if track.last_status else None
         # Until the history covers one short window, a rise cannot be told from the first half of a
         # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp above every floor
@@ -257,22 +257,6 @@ class LeakDetector:
                 and step - last.step < _CONFIRMED_EVERY * self.config.check_every_steps):
             return dataclasses.replace(last, changed=False)
         return None
-
-    def _explained_at_rest(self, track: Track, phase: str, step: int) -> bool:
-        """Does a track with no finding of its own rest, as a confirmed one does, while a series that
-        explains it has a confirmed finding? Its rise is that finding's (host bytes rising with a confirmed
-        tensor leak were re-tested in full at every check, the detector's main cost while a leak was
-        tracked); a growth of its own is still seen at the next full test. Not while that finding is only
-        suspected: until it is confirmed, this track's passes are lent to it (``_lend``)."""
-        if (track.state is not None and track.state.active) or track.tested_at is None:
-            return False
-        if step - track.tested_at >= _CONFIRMED_EVERY * self.config.check_every_steps:
-            return False
-        exact = {name for name in track.spec.explained_by if not name.endswith("*")}
-        prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))
-        return any(key[1] == phase and other.state is LeakState.CONFIRMED
-                   and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))
-                   for key, other in self._tracks.items())
 
     def _verdict(self, track: Track, phase: str, step: int, steps: float, min_slope: float, *, covered: bool,
                  ) -> tuple[Verdict, float, list[float], list[float]]:
@@ -408,6 +392,24 @@ class LeakDetector:
                 self._lent[key] = (since, verdict.p_increasing, streak)
                 explained = True
         return explained
+
+
+def _explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int,
+                       check_every: int) -> bool:
+    """Does a track with no finding of its own rest, as a confirmed one does, while a series that
+    explains it has a confirmed finding? Its rise is that finding's (host bytes rising with a confirmed
+    tensor leak were re-tested in full at every check, the detector's main cost while a leak was
+    tracked); a growth of its own is still seen at the next full test. Not while that finding is only
+    suspected: until it is confirmed, this track's passes are lent to it (``LeakDetector._lend``)."""
+    if (track.state is not None and track.state.active) or track.tested_at is None:
+        return False
+    if step - track.tested_at >= _CONFIRMED_EVERY * check_every:
+        return False
+    exact = {name for name in track.spec.explained_by if not name.endswith("*")}
+    prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))
+    return any(key[1] == phase and other.state is LeakState.CONFIRMED
+               and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))
+               for key, other in tracks.items())
 
 
 _UNCOVERED = Verdict(False, "history shorter than a window", 0, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, 0)
