@@ -1,6 +1,6 @@
 """What tracking an active leak costs a job: the same leaking job with and without the agent.
 
-Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 6000] [--no-leak]
+Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 6000] [--no-leak] [--batch 64]
        python benchmarks/bench_leak_tracking.py --child on --hidden 8 --steps 3000   # one run (to profile)
 
 The job: a linear classifier (SGD, batch 8; an MLP with AdamW when its step is 1 ms or more) whose width
@@ -39,7 +39,7 @@ LEAK_FROM = 50
 CAP = 3.0
 
 
-def make_job(hidden: int, mlp: bool) -> Any:
+def make_job(hidden: int, mlp: bool, batch: int = 64) -> Any:
     import torch
 
     torch.manual_seed(0)
@@ -47,7 +47,6 @@ def make_job(hidden: int, mlp: bool) -> Any:
     if mlp:
         model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        batch = 64
     else:
         model = torch.nn.Sequential(torch.nn.Linear(hidden, 10))
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -68,7 +67,7 @@ def child(args: argparse.Namespace) -> None:
     the figures of the steps after the warm-up."""
     import torch
 
-    step = make_job(args.hidden, args.mlp)
+    step = make_job(args.hidden, args.mlp, args.batch)
     agent = leak = None
     if args.child == "on":
         import logging
@@ -109,11 +108,11 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def calibrate(target_s: float, mlp: bool) -> int:
+def calibrate(target_s: float, mlp: bool, batch: int) -> int:
     """The width whose step takes about ``target_s`` here (the lower quartile of ~0.3 s of steps)."""
     hidden = 64 if mlp else 8
     for _ in range(4):
-        step = make_job(hidden, mlp)
+        step = make_job(hidden, mlp, batch)
         for _ in range(20):
             step()
         took = []
@@ -130,7 +129,7 @@ def calibrate(target_s: float, mlp: bool) -> int:
 
 def run_one(mode: str, hidden: int, mlp: bool, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--child", mode, "--hidden", str(hidden),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     command += ["--mlp"] if mlp else []
     command += ["--no-leak"] if args.no_leak else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}
@@ -140,7 +139,7 @@ def run_one(mode: str, hidden: int, mlp: bool, args: argparse.Namespace) -> dict
 
 def measure(step_ms: float, args: argparse.Namespace) -> None:
     mlp = step_ms >= 1.0
-    hidden = calibrate(step_ms / 1000, mlp)
+    hidden = calibrate(step_ms / 1000, mlp, args.batch)
     rng = random.Random(step_ms)
     ratios, diffs, cpus, own, leak, offs, findings = [], [], [], [], [], [], set()
     for _ in range(args.pairs):
@@ -155,7 +154,7 @@ def measure(step_ms: float, args: argparse.Namespace) -> None:
         leak.append(on["leak_s"] * 1e6)
         offs.append(off["step_s"] * 1e3)
         findings.update(on["findings"])
-    job = f"MLP width {hidden}, AdamW" if mlp else f"linear width {hidden}, SGD"
+    job = f"MLP width {hidden}, AdamW, batch {args.batch}" if mlp else f"linear width {hidden}, SGD"
     print(f"| {statistics.median(offs):.3f} ms ({job}) | {'none' if args.no_leak else '1 tensor/step'} | "
           f"{(statistics.median(ratios) - 1) * 100:+.2f}% [{(min(ratios) - 1) * 100:+.2f}, "
           f"{(max(ratios) - 1) * 100:+.2f}] | {statistics.median(diffs):+.1f} µs [{min(diffs):+.1f}, "
@@ -173,6 +172,9 @@ def main() -> None:
     parser.add_argument("--child", choices=["on", "off"])
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--mlp", action="store_true")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="the MLP's batch (default 64); a larger one calibrates to a narrower MLP whose working "
+                             "set stays in cache, so its step time varies less between processes")
     args = parser.parse_args()
     if args.child:
         child(args)
