@@ -234,8 +234,9 @@ class _Switch:
         self._inject()
         if self.gc_callback is not None and self.gc_callback not in gc.callbacks:
             gc.callbacks.append(self.gc_callback)
-        if getattr(agent, "_last_step_clock", None) is not None:
-            agent._last_step_clock += time.perf_counter() - self._off_since
+        ends = agent._step_ends  # the sampled step end's clock (gpumemd.step_end)
+        if ends.last_step_clock is not None:
+            ends.last_step_clock += time.perf_counter() - self._off_since
         self.is_on = True
 
 
@@ -354,6 +355,7 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
         time_steps(job, warmup)
         start = agent.state().overhead
         switch = _Switch(agent, inject_s)
+        ends = agent._step_ends  # its thread_seconds: the agent's clocked time (gpumemd.step_end)
         leak = agent.component(LeakComponent)
         own_s = census_s = checks_s = 0.0
         on_steps = samples = censuses = 0
@@ -375,11 +377,11 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
                         c1 = cpu_clock()
                         switch.off()
                         c0 += cpu_clock() - c1
-                    clocked = agent._thread_seconds
+                    clocked = ends.thread_seconds
                     t0 = pc()
                     job()
                     t1 = pc()
-                    steps.append((t1 - t0, agent._thread_seconds - clocked))
+                    steps.append((t1 - t0, ends.thread_seconds - clocked))
                 cpu = cpu_clock() - c0
                 if kind == 0:
                     after = agent.overhead()

@@ -5,16 +5,8 @@ post-step hook -> the step is counted. On a *sampled* step the agent then reads 
 host RSS, appends a ``StepRecord`` to a bounded ring buffer and calls each component's ``on_step``
 (census, leak detector, ...). Outputs (exporter, reports) only ever read the published state.
 
-Which steps are sampled: every step while the sampled step end fits its
-share of ``overhead_budget`` (``gpumemd.budget``, ``Part.STEP_ENDS``) at the job's measured step time;
-on faster steps every Nth (N <= ``MAX_STRIDE``), the others costing one counter decrement. A record then
-stands for ``record.steps`` steps and its ``duration_s`` is their mean. Why: on a 1 ms CPU step a single
-``/proc`` read costs as much as the whole per-step target (one syscall after a step of compute is ~20 µs
-here), while the leak detector, which works on floors of 10-step blocks, loses nothing. Phase changes
-and ``sample_within()`` (a component that measured a step) override the stride.
-
-What one "step" is, and how steps are counted: ``gpumemd.step_clock``. What a sampled step end reads:
-``gpumemd.step_reading``.
+Which steps are sampled, and what a sampled step end does: ``gpumemd.step_end``. What one "step" is,
+and how steps are counted: ``gpumemd.step_clock``. What a sampled step end reads: ``gpumemd.step_reading``.
 """
 
 from __future__ import annotations
@@ -39,8 +31,8 @@ from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.signal_endings import SignalEndings, ending_at_exit
 from gpumemd.state_board import StateBoard
-from gpumemd.step_clock import StepClock
-from gpumemd.step_log import QUICK_MAX, StepLog
+from gpumemd.step_end import StepEnds
+from gpumemd.step_log import StepLog
 from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, StepReader
 from gpumemd.stride import MAX_STRIDE, StridePlanner
 
@@ -68,9 +60,9 @@ class Agent:
 
     The agent owns the hooks; what it samples with (probes) and what it drives (components) are given
     to it: ``gpumemd.api.build_agent`` builds both from the configuration. Its parts: the step clock
-    (``gpumemd.step_clock``), the reads of a sampled step end (``gpumemd.step_reading``), the stride
-    (``gpumemd.stride``), the sampler thread (``gpumemd.sampler``), the published state
-    (``gpumemd.state_board``) and what it says at start and exit (``gpumemd.agent_announce``).
+    (``gpumemd.step_clock``), the sampled step end (``gpumemd.step_end``), its reads
+    (``gpumemd.step_reading``), the stride (``gpumemd.stride``), the sampler thread (``gpumemd.sampler``),
+    the published state (``gpumemd.state_board``) and what it says at start and exit (``gpumemd.agent_announce``).
     The agent imports no component and looks components up by type (``component``).
     """
 
@@ -110,22 +102,16 @@ class Agent:
         self.run_in_background = self._sampler.run_soon  # off the training thread (False: run it yourself)
         # tests: max_stride=1 samples every step
         self._planner = StridePlanner(config.overhead_budget, MAX_STRIDE if max_stride is None else max_stride)
-        self.step_clock = StepClock(self._end_step, lambda: self.running)
-        self.optimizers = self.step_clock.optimizers  # the job's, weakly: for naming
-        self._samples = 0
-        self._fork_generation = _fork_generation
-        self._last_step_clock: float | None = None
-        self._attached_clock = clock()
-        self._thread_seconds = 0.0
-        self._census_seconds = 0.0
-        # Jobs often attach before init_process_group: re-read the rank on the first steps.
-        self._identity_checks_left = 0 if identity is not None else _IDENTITY_REFRESH_STEPS
-        self._log_filter = RankLogFilter(lambda: self._board.base.identity if self._board.base is not None else None)
-        self._running = False
-        self._attached = False  # start ran to its end (its start line said so)
         self._signals = SignalEndings(flush=self.flush, finish=lambda name: self.stop(ending=name),
                                       active=lambda: self.running)
-        self._signals_due = 0.0  # clock time of the next look for handlers the job installed since
+        self._step_ends = StepEnds(clock=clock, planner=self._planner, reader=self._reader, log=self._log,
+                                   board=self._board, components=self._components, signals=self._signals,
+                                   identity_known=identity is not None)
+        self.step_clock = self._step_ends.step_clock  # it calls the step ends back on the sampled steps
+        self.optimizers = self.step_clock.optimizers  # the job's, weakly: for naming
+        self._attached_clock = clock()
+        self._log_filter = RankLogFilter(lambda: self._board.base.identity if self._board.base is not None else None)
+        self._attached = False  # start ran to its end (its start line said so)
         # Objects the user told us about (for naming); weak so we never keep a model alive.
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
         if model is not None:
@@ -137,7 +123,7 @@ class Agent:
 
     def start(self) -> Agent:
         """Install hooks, start the sampler and the components; in that order (stop reverses it)."""
-        if self._running:
+        if self._step_ends.running:
             return self
         identity = self._identity or current_identity()
         settled = settle_output_dir(self.output_dir)  # said in the start line, not learnt at the OOM
@@ -147,13 +133,13 @@ class Agent:
         self._board.base = AgentState(identity=identity, attached_at=now, updated_at=now)
         log.addFilter(self._log_filter)  # "gpumemd[rank 1/2]: ..." in multi-process jobs
         self.step_clock.install_hook()
-        self._running = True
+        self._step_ends.running = True
         try:
             self._components.start(self)
         except BaseException:  # those started were stopped: undo this method's hooks too
             self.step_clock.remove_hook()
             log.removeFilter(self._log_filter)
-            self._running = False
+            self._step_ends.running = False
             raise
         self.step_clock.eve_callbacks = self._components.eve_callbacks()
         # The sampler's thread first, then the first reading: a new thread's stack and malloc arena take
@@ -178,10 +164,10 @@ class Agent:
         learns (``signal_endings.ending_at_exit``), or the signal that ends it ("SIGTERM"). It is
         published first, so the last scrape, push, textfile and state file carry it: a reader tells
         this end from a vanished job."""
-        if not self._running or not self._in_owner_process():
+        if not self.running:
             return
         self._log.complete_quick(self._components.on_quick)  # the last steps' records, to the leak detector too
-        self._running = False
+        self._step_ends.running = False
         self._signals.uninstall()
         self._sampler.stop()
         if self.published.ended is None:  # a fatal OOM recorded its own end ("oom") already
@@ -208,13 +194,8 @@ class Agent:
 
     @property
     def running(self) -> bool:
-        return self._running and self._in_owner_process()
-
-    def _in_owner_process(self) -> bool:
-        # A DataLoader worker forked after attach inherits this object but is not the job's
-        # training process: it must record nothing (and it has no sampler thread: fork drops threads).
-        # A fork counter, not os.getpid(): a syscall on every sampled step costs ~20 µs here.
-        return _fork_generation == self._fork_generation
+        """Started and not stopped, in the process that started it (``StepEnds.active``)."""
+        return self._step_ends.active()
 
     def register(self, obj: Any) -> None:
         """Tell the agent about a model (nn.Module) or optimizer so tensors get their names."""
@@ -250,49 +231,7 @@ class Agent:
     def current_phase(self) -> str:
         return self.step_clock.current_phase
 
-    # --- the per-step path (training thread) -------------------------------------------------
-
-    def _end_step(self, step: int | None) -> StepRecord | None:
-        """A sampled step end: read the probes, record, run the components, plan the next sample."""
-        start = self._clock()
-        if not self._running or _fork_generation != self._fork_generation:  # self.running, inlined
-            return None
-        clock = self.step_clock
-        quick = self._planner.quick and not clock.asked and len(self._log.quick) < QUICK_MAX
-        number, steps = clock.begin_sample(step)  # components may ask for a sample now (sample_within)
-        duration = None if self._last_step_clock is None else (start - self._last_step_clock) / steps
-        self._samples += 1
-        if quick:  # the reads now; the record and the components at the next full step end
-            self._log.quick.append(self._reader.quick(number, duration, steps, clock.current_phase, self._samples))
-            clock.planned(self._planner.stride)
-            end = self._clock()
-            self._thread_seconds += end - start
-            self._last_step_clock = end
-            return None
-        clock.asked_met()  # before the components: what they ask for now is for a later step end
-        self._log.complete_quick(self._components.on_quick)
-        record = self._reader.record(number, duration, steps, clock.current_phase)
-        self._log.add(record)
-        # One reference assignment makes the step visible to state() readers (components below,
-        # scrapes on other threads); the state object itself is built only when someone reads it.
-        self._board.pending = (record, clock.steps_total)
-        if self._identity_checks_left:  # a late init_process_group, seen on the first steps
-            self._identity_checks_left = 0 if self._board.refresh_identity() else self._identity_checks_left - 1
-        self._components.on_step(record)
-        if start >= self._signals_due:  # a handler the job installed since attach gets wrapped too
-            self._signals_due = start + _SIGNAL_RECHECK_S
-            self._signals.recheck()
-        end = self._clock()
-        self._plan_next_sample(end - start, duration)
-        # Clocked after planning: the planning (~10 µs after a step of compute) is the agent's time too.
-        end = self._clock()
-        self._thread_seconds += end - start
-        self._last_step_clock = end
-        return record
-
-    def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
-        """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
-        self.step_clock.planned(self._planner.plan(cost, seconds_per_step))
+    # --- the stride and the agent's own time ---------------------------------------------------
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -306,7 +245,7 @@ class Agent:
 
     def add_census_seconds(self, seconds: float) -> None:
         """Components that run censuses report their time here (it is also training-thread time)."""
-        self._census_seconds += seconds
+        self._step_ends.census_seconds += seconds
 
     # --- the sampler thread and the state ------------------------------------------------------
 
@@ -334,12 +273,12 @@ class Agent:
     def overhead(self) -> Overhead:
         """The agent's own cost so far (cheap: no state is built)."""
         return Overhead(
-            training_thread_seconds_total=self._thread_seconds,
-            census_seconds_total=self._census_seconds,
+            training_thread_seconds_total=self._step_ends.thread_seconds,
+            census_seconds_total=self._step_ends.census_seconds,
             sampler_seconds_total=self._sampler.seconds,
             wall_seconds=self._clock() - self._attached_clock,
             steps=self.step_clock.steps_total,
-            samples=self._samples,
+            samples=self._step_ends.samples,
         )
 
     @property
@@ -359,11 +298,11 @@ class Agent:
     @property
     def samples_total(self) -> int:
         """Steps sampled (records made) since attach."""
-        return self._samples
+        return self._step_ends.samples
 
     def add_thread_seconds(self, seconds: float) -> None:
         """Training-thread time the agent spent outside step ends (gc callbacks): it counts too."""
-        self._thread_seconds += seconds
+        self._step_ends.thread_seconds += seconds
 
     def steps(self) -> list[StepRecord]:
         """The recorded step records, oldest first (at most ``keep_steps``), quick step ends' included."""
@@ -413,17 +352,3 @@ class Agent:
         """The running component of type ``kind`` (``agent.component(OomComponent)``), or None."""
         return self._components.find(kind)
 
-
-_IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
-_SIGNAL_RECHECK_S = 5.0  # seconds between looks for signal handlers installed after attach
-
-_fork_generation = 0
-
-
-def _forked() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
