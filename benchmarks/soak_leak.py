@@ -35,7 +35,7 @@ def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
     chains = parts.chains
     floors = sum(len(t.floors) for t in detector._tracks.values())
     return {
-        "ring": len(agent._ring),
+        "ring": len(agent.steps()),
         "series": len(detector._tracks),
         "floors": floors,
         "tracked tensors": len(tracker._refs) if tracker else 0,

@@ -1,6 +1,6 @@
 """The step clock: which optimizer step ends a training step, the countdown to the next sampled step
-end, manual steps and the job's phase labels. The agent owns one and is called back (``on_sampled``)
-on the step ends it samples.
+end, manual steps and the job's phase labels. The agent's ``StepEnds`` (``gpumemd.step_end``) makes one
+and is called back (``on_sampled``) on the step ends it samples.
 
 What one "step" is:
 - By default, one ``step()`` of the *primary* optimizer: the first optimizer seen stepping after
@@ -57,7 +57,7 @@ class StepClock:
         self.asked_at = 1
         """``steps_total`` at which someone asked for a full sampled step end (``sample_within``, a
         phase's first step, the first step), until one runs; ``NO_REQUEST`` when none is asked for.
-        A sampled step end the stride alone brings may be quick (``Agent._end_step``)."""
+        A sampled step end the stride alone brings may be quick (``StepEnds.end``)."""
         self.eve_callbacks: list[Callable[[], None]] = []  # called on the step before a sampled one
         self.steps_total = 0
         self._phase = "train"
@@ -124,7 +124,7 @@ class StepClock:
         """End a step by hand; from then on the optimizer hook no longer ends steps.
 
         Returns the step's record when its end was sampled in full, else None (a quick step end's record
-        is made at the next full one: ``Agent._end_step``)."""
+        is made at the next full one: ``StepEnds.end``)."""
         if not self._active():
             return None
         self._manual_steps = True

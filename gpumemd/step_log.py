@@ -1,7 +1,7 @@
 """The agent's step records: the ring of recent ones, the long thinned history, and the quick step
 ends' reads that wait for the next full step end to become records.
 
-A *quick* sampled step end (``Agent._end_step``: on steps so fast that even every ``MAX_STRIDE``th full
+A *quick* sampled step end (``StepEnds.end``: on steps so fast that even every ``MAX_STRIDE``th full
 step end is over its share of the budget) reads the probes and keeps the reading here. At the next full
 step end the readings become records, in order, in one loop: a record made and handed to the leak
 detector right after a step of compute costs ~10x what it costs there, with the code and data in the

@@ -71,7 +71,7 @@ class StepReader:
         return self._made(reading._replace(wall=self._wall()), allocator, self._read_workers(number))
 
     def quick(self, number: int, duration: float | None, steps: int, phase: str, samples: int) -> QuickReading:
-        """A quick sampled step end's reads (``Agent._end_step``): the allocator's statistics as torch
+        """A quick sampled step end's reads (``StepEnds.end``): the allocator's statistics as torch
         returns them and the host's RSS, now; ``complete`` makes the record of them later."""
         raw = self._allocator.read_raw()
         if self._reset_peaks and raw:

@@ -39,7 +39,7 @@ class StridePlanner:
         self.stride = 1
         """Steps per sample now: 1 when every step is sampled."""
         self.quick = False
-        """Sampled step ends may be quick (``Agent._end_step``): the budget would space full ones
+        """Sampled step ends may be quick (``StepEnds.end``): the budget would space full ones
         further than ``MAX_STRIDE``, and the stride is the agent's own (no ``max_stride`` was set)."""
         self._own_stride = self._max_stride == MAX_STRIDE
         self._unplanned = 0  # samples taken in since the medians were last looked at

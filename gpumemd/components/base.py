@@ -86,7 +86,7 @@ class Component(Protocol):
     a job's step). Components publish results with ``agent.publish(field=value)``; they never mutate
     state.
 
-    On fast steps some sampled step ends are *quick* (``Agent._end_step``): the probes are read, and
+    On fast steps some sampled step ends are *quick* (``StepEnds.end``): the probes are read, and
     the record is made at the next full step end, in order, where a component that defines
     ``on_quick(record, samples_total)`` gets it (the leak component: every point counts; the census:
     its step count). ``on_step`` sees full step ends only, so work done "now" happens at one.
