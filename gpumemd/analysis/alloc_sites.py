@@ -133,17 +133,9 @@ def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None
     return {site: SiteBytes(site, b, c) for site, (b, c) in acc.items()}
 
 
-def site_growth(
-    before: Mapping[str, Any] | Sequence[Any], after: Mapping[str, Any] | Sequence[Any], *,
-    device: int | None = None, limit: int = 5, internal: Sequence[str] = (),
-) -> list[SiteDelta]:
-    """Sites whose live bytes grew from ``before`` to ``after``, largest growth first."""
-    return diff_sites(live_by_site(before, device, internal=internal), live_by_site(after, device, internal=internal),
-                      limit=limit)
-
-
 def diff_sites(old: Mapping[str, SiteBytes], new: Mapping[str, SiteBytes], *, limit: int = 5) -> list[SiteDelta]:
-    """``site_growth`` over two ``live_by_site`` results (keep those, not whole snapshots)."""
+    """Sites whose live bytes grew from ``old`` to ``new``, largest growth first: two ``live_by_site``
+    results (keep those, not whole snapshots)."""
     deltas = []
     for site, now in new.items():
         was = old.get(site)

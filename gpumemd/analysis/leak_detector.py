@@ -1,6 +1,7 @@
 """The leak detector: named per-step series in, state changes out (pure: no torch, no I/O, no clock).
 
-The wording of findings lives in ``analysis.leak_wording``; this module only decides.
+The wording of findings lives in ``analysis.leak_wording``; this module only decides, with the
+verdicts beside a window's test in ``analysis.leak_verdicts`` and a track's states in ``analysis.track_states``.
 
 How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md for the evidence):
 
@@ -40,14 +41,22 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from gpumemd.analysis.leak_track import Track, hinge_onset
+from gpumemd.analysis.leak_track import Track
 from gpumemd.analysis.leak_types import DetectorConfig, LeakState, SeriesSpec, TrackStatus
-from gpumemd.analysis.trend import Slope, Verdict, assess, assess_knee, theil_sen
+from gpumemd.analysis.leak_verdicts import (
+    CONFIRMED_EVERY,
+    UNCOVERED,
+    explained_at_rest,
+    knee_verdict,
+    lent_verdict,
+    with_reason,
+)
+from gpumemd.analysis.track_states import count_pass_or_fail, next_state
+from gpumemd.analysis.trend import Verdict, assess, theil_sen
 
 __all__ = ["DetectorConfig", "LeakDetector", "LeakState", "SeriesSpec", "TrackStatus"]
 
 _MAX_TRACKS = 256  # bounded: a week-long job must not grow the detector (series x phases)
-_CONFIRMED_EVERY = 4  # confirmed tracks are re-tested every this many checks
 
 
 class LeakDetector:
@@ -195,11 +204,11 @@ class LeakDetector:
         resting = self._resting(track, step)
         if resting is not None:
             return resting
-        if not lent and _explained_at_rest(self._tracks, track, phase, step, self.config.check_every_steps):
+        if not lent and explained_at_rest(self._tracks, track, phase, step, self.config.check_every_steps):
             return dataclasses.replace(track.last_status, changed=False) if track.last_status else None
         # Until the history covers one short window, a rise cannot be told from the first half of a
         # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp above every floor
-        # of a flat start (``_knee_verdict``) or a lent verdict is judged before.
+        # of a flat start (``knee_verdict``) or a lent verdict is judged before.
         covered = track.floors[-1][0] - track.floors[0][0] >= 0.9 * c.window_steps - c.block
         # The window, and its newer half: a leak that began inside the window fails the ramp test on
         # the whole window (its first half is flat) but passes on the half, so strong leaks are
@@ -226,8 +235,9 @@ class LeakDetector:
                           and self._passes_long_window(track, step, min_slope))
         previous = track.state
         lender = self._lent.get((spec.name, phase))
-        self._count_pass_or_fail(track, verdict, active, hx, hy, lent_streak=lender[2] if lender is not None else 0)
-        state = track.state = self._next_state(track, verdict, active, confirmed_long, step)
+        count_pass_or_fail(track, verdict, active, hx, hy, lent_streak=lender[2] if lender is not None else 0)
+        state = track.state = next_state(c, track, verdict, active=active, confirmed_long=confirmed_long,
+                                         step=step)
         if state is None:
             return None
         if state is not previous and state is LeakState.SUSPECTED:
@@ -254,7 +264,7 @@ class LeakDetector:
         that lasts for days would be the detector's main cost. Its last status, unchanged, meanwhile."""
         last = track.last_status
         if (track.state is LeakState.CONFIRMED and last is not None
-                and step - last.step < _CONFIRMED_EVERY * self.config.check_every_steps):
+                and step - last.step < CONFIRMED_EVERY * self.config.check_every_steps):
             return dataclasses.replace(last, changed=False)
         return None
 
@@ -267,7 +277,7 @@ class LeakDetector:
         xs, ys = track.window(step, steps, c.min_points)
         hx, hy = track.window(step, steps / 2, c.min_points)
         has_half = len(hx) < len(xs)
-        verdict = self._assess(xs, ys, min_slope) if covered else _UNCOVERED
+        verdict = self._assess(xs, ys, min_slope) if covered else UNCOVERED
         if covered and not verdict.passed and has_half:
             # The half window must clear a 1000x stricter p: fewer, more autocorrelated floors make
             # slow wander look like a trend more often than in the whole window.
@@ -276,20 +286,20 @@ class LeakDetector:
                 verdict, xs, ys = half_verdict, hx, hy
         knee_passed = False
         if not verdict.passed:
-            knee_verdict, knee = _knee_verdict(c, xs, ys, min_slope)
-            if knee_verdict.passed:
-                verdict, xs, ys, knee_passed = knee_verdict, xs[knee:], ys[knee:], True
+            at_knee, knee = knee_verdict(c, xs, ys, min_slope)
+            if at_knee.passed:
+                verdict, xs, ys, knee_passed = at_knee, xs[knee:], ys[knee:], True
         spec = track.spec
         lent = self._lent.get((spec.name, phase))
         if not verdict.passed and lent is not None:
-            verdict, xs = _lent_verdict(track, lent[0], lent[1], c.max_pairs), [lent[0]]
+            verdict, xs = lent_verdict(track, lent[0], lent[1], c.max_pairs), [lent[0]]
         if verdict.passed and spec.explained_by:
             if self._explained(spec, phase, xs[0], verdict, track.streak + 1):
-                verdict = _with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
+                verdict = with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
             elif knee_passed and track.streak == 0:
                 # The series that may explain it are seen a scan later (a tensor is counted at the
                 # first scan it outlives): a ramp this young is held once, neither a pass nor a fail.
-                verdict = _with_reason(verdict, "held until what may explain it is seen")
+                verdict = with_reason(verdict, "held until what may explain it is seen")
         return verdict, xs[0], hx, hy
 
     def _passes_long_window(self, track: Track, step: int, min_slope: float) -> bool:
@@ -299,46 +309,6 @@ class LeakDetector:
             return False
         lx, ly = track.window(step, c.long_window_steps, c.min_points)
         return self._assess(lx, ly, min_slope).passed
-
-    def _count_pass_or_fail(self, track: Track, verdict: Verdict, active: bool,
-                            hx: Sequence[float], hy: Sequence[float], *, lent_streak: int) -> None:
-        # passes in a row, explained or held ones included (lent with a verdict: see ``_lend``)
-        track.streak = track.streak + 1 if verdict.passed or verdict.reason.startswith(("explained", "held")) else 0
-        if verdict.passed:
-            # a lent pass carries the lender's passes in a row: the same growth, seen that long
-            track.consecutive_pass = max(track.consecutive_pass + 1, lent_streak)
-            track.consecutive_fail = 0
-            track.episode_slope = verdict.slope.slope
-        elif active and not verdict.reason.startswith("explained") and self._still_growing(track, hx, hy):
-            # A finding that fails one window (a noisy stretch, a burst, a threshold that rose with
-            # the step rate) is not evidence that the leak stopped: it stays, neither passing nor
-            # failing. Only growth that has really slowed counts towards clearing.
-            pass
-        else:
-            track.consecutive_fail += 1
-            track.consecutive_pass = 0
-
-    def _next_state(self, track: Track, verdict: Verdict, active: bool, confirmed_long: bool,
-                    step: int) -> LeakState | None:
-        c = self.config
-        state = track.state
-        if verdict.passed:
-            if not active:
-                state = LeakState.SUSPECTED
-                track.first_step = step
-            if state is LeakState.SUSPECTED and (confirmed_long or track.consecutive_pass >= c.confirm_after):
-                state = LeakState.CONFIRMED
-        elif active and track.consecutive_fail >= c.clear_after:
-            state = LeakState.CLEARED
-        return state
-
-    @staticmethod
-    def _still_growing(track: Track, hx: Sequence[float], hy: Sequence[float]) -> bool:
-        """Does the newer half window still rise at a quarter of the episode's slope or more?"""
-        if len(hx) < 3 or track.episode_slope <= 0:
-            return False
-        recent = theil_sen(hx, hy, max_pairs=2000).slope
-        return recent >= 0.25 * track.episode_slope
 
     def slope_since(self, name: str, phase: str, since: float) -> float | None:
         """Theil-Sen slope of a series' floors from step ``since`` on (None: fewer than 3 points)."""
@@ -392,53 +362,3 @@ class LeakDetector:
                 self._lent[key] = (since, verdict.p_increasing, streak)
                 explained = True
         return explained
-
-
-def _explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int,
-                       check_every: int) -> bool:
-    """Does a track with no finding of its own rest, as a confirmed one does, while a series that
-    explains it has a confirmed finding? Its rise is that finding's (host bytes rising with a confirmed
-    tensor leak were re-tested in full at every check, the detector's main cost while a leak was
-    tracked); a growth of its own is still seen at the next full test. Not while that finding is only
-    suspected: until it is confirmed, this track's passes are lent to it (``LeakDetector._lend``)."""
-    if (track.state is not None and track.state.active) or track.tested_at is None:
-        return False
-    if step - track.tested_at >= _CONFIRMED_EVERY * check_every:
-        return False
-    exact = {name for name in track.spec.explained_by if not name.endswith("*")}
-    prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))
-    return any(key[1] == phase and other.state is LeakState.CONFIRMED
-               and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))
-               for key, other in tracks.items())
-
-
-_UNCOVERED = Verdict(False, "history shorter than a window", 0, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, 0)
-
-
-def _with_reason(v: Verdict, reason: str) -> Verdict:
-    return Verdict(False, reason, v.n, v.slope, v.p_increasing, v.growth, v.onset_index)
-
-
-def _lent_verdict(track: Track, since: float, p_value: float, max_pairs: int) -> Verdict:
-    """A lent pass: the count series' own slope since ``since`` (from its last floor before it to its
-    newest observation), with the lender's p-value."""
-    pts = [p for p in track.floors if p[0] < since][-1:] + [p for p in track.floors if p[0] >= since]
-    if track.pending is not None:
-        pts.append((float(track.pending[0]), track.pending[1]))
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    slope = theil_sen(xs, ys, max_pairs=max_pairs) if len(pts) >= 2 else Slope(0.0, 0.0, 0.0, 0)
-    reason = "leak" if slope.slope > 0 else "not significant"
-    return Verdict(reason == "leak", reason, len(pts), slope, p_value, ys[-1] - ys[0] if ys else 0.0, 0)
-
-
-def _knee_verdict(c: DetectorConfig, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:
-    """A ramp that began after a flat start at least as long as itself and at least half a window
-    (0.45 of it, as the history guard's 0.9), judged from its knee once it grew as much as a leak just
-    worth reporting grows in a whole window, above every floor before it. A sawtooth seen in the window
-    (which spans 2.5 of its periods) never rises above its own peaks by that much; one that starts
-    after a flat half window is the known limit."""
-    knee = hinge_onset(xs, ys)
-    if knee < len(xs) // 2 or knee == 0 or xs[knee] - xs[0] < 0.45 * c.window_steps - c.block:
-        return _UNCOVERED, knee
-    return assess_knee(xs, ys, knee, min_slope=min_slope, min_growth=min_slope * c.window_steps,
-                       p_max=c.p_max, min_points=c.min_points, max_pairs=c.max_pairs), knee

@@ -60,54 +60,30 @@ memory), allocator fragmentation, communication buckets, kernel workspaces.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "sgd-momentum", "adam", "adamw", "adam-8bit", "adafactor", "lion")
+from gpumemd.analysis.model_state import (
+    GRAD_DTYPES,
+    OPTIMIZERS,
+    PRECISIONS,
+    ParamInfo,
+    adafactor_state_elements,
+    bytes_per_param,
+    check_choice,
+    optimizer_intermediate_bytes,
+    optimizer_state_bytes,
+)
+
+__all__ = [  # with the model-state names callers import from here (``analysis.model_state`` has them)
+    "GRAD_DTYPES", "OPTIMIZERS", "PRECISIONS", "Estimate", "ParamInfo", "TransformerShape", "bytes_per_param",
+    "estimate", "optimizer_intermediate_bytes", "optimizer_state_bytes",
+]
+
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
-GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Gradient dtypes ``grad_dtype`` takes, and their bytes (default: the precision's, 4 in fp32, else 2)."""
 #: Nominal device sizes, in GiB (the "80 GB" of an A100/H100 is 80 GiB of HBM; H200: 141).
 DEVICE_SIZES_GIB: tuple[int, ...] = (16, 24, 40, 48, 80, 141)
 GIB = 1024**3
-
-# Per-optimizer state, bytes per parameter, when the state is kept in fp32.
-_STATE_FP32: dict[str, float] = {
-    "sgd": 0.0,
-    "sgd-momentum": 4.0,
-    "adam": 8.0,
-    "adamw": 8.0,
-    "adam-8bit": 2.0,  # two uint8 states, whatever the parameter dtype
-    "adafactor": 0.0,  # factored: O(rows + cols) per matrix, see adafactor_state_elements
-    "lion": 4.0,
-}
-# Temporaries of one optimizer step, in units of "one state-dtype copy of the parameters".
-_INTERMEDIATE_COPIES: dict[str, float] = {
-    "sgd": 0.0,
-    "sgd-momentum": 0.0,
-    "adam": 1.0,
-    "adamw": 1.0,
-    "adam-8bit": 0.0,
-    "adafactor": 1.0,
-    "lion": 1.0,
-}
-TERMS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "optimizer_intermediates", "activations")
-
-
-@dataclass(frozen=True, slots=True)
-class BytesPerParam:
-    """Model-state bytes per parameter, before sharding."""
-
-    weights: float
-    gradients: float
-    optimizer_state: float  # includes fp32 master weights under mixed precision
-    optimizer_intermediates: float
-
-    @property
-    def model_state(self) -> float:
-        return self.weights + self.gradients + self.optimizer_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,54 +172,10 @@ class Estimate:
         }
 
 
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid: expected one of {', '.join(choices)}")
-
-
 def activation_width(precision: str) -> int:
     """Bytes per activation element: 4 in fp32 training, 2 under any 16-bit precision."""
-    _check_choice("precision", precision, PRECISIONS)
+    check_choice("precision", precision, PRECISIONS)
     return 4 if precision == "fp32" else 2
-
-
-def bytes_per_param(precision: str, optimizer: str, grad_dtype: str | None = None) -> BytesPerParam:
-    """The table in the module docstring, for one precision and optimizer; ``grad_dtype`` sets the
-    gradients' dtype when it is not the precision's (fp32 gradients with bf16 parameters, as with
-    FSDP's ``MixedPrecision(reduce_dtype=torch.float32)`` or a gradient accumulation kept in fp32)."""
-    per = _bytes_per_param(precision, optimizer)
-    if grad_dtype is None:
-        return per
-    _check_choice("grad_dtype", grad_dtype, tuple(GRAD_DTYPES))
-    return BytesPerParam(per.weights, float(GRAD_DTYPES[grad_dtype]), per.optimizer_state, per.optimizer_intermediates)
-
-
-def _bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
-    state = _STATE_FP32[optimizer]
-    copies = _INTERMEDIATE_COPIES[optimizer]
-    if precision == "fp32":
-        return BytesPerParam(4.0, 4.0, state, 4.0 * copies)
-    if precision.endswith("-mixed"):
-        # fp32 master weights live with the optimizer (and are sharded with it); state is fp32.
-        return BytesPerParam(2.0, 2.0, 4.0 + state, 4.0 * copies)
-    # Pure 16-bit: torch.optim keeps state in the parameter dtype; 8-bit Adam stays 1 byte/state.
-    pure_state = state if optimizer == "adam-8bit" else state / 2
-    return BytesPerParam(2.0, 2.0, pure_state, 2.0 * copies)
-
-
-def adafactor_state_elements(shapes: Iterable[Sequence[int]]) -> int:
-    """Adafactor's factored second moment: ``rows + cols`` for >=2-D tensors, ``numel`` otherwise
-    (what ``torch.optim.Adafactor`` allocates as row_var/col_var or variance)."""
-    total = 0
-    for shape in shapes:
-        if len(shape) >= 2:
-            lead = math.prod(shape[:-2])
-            total += lead * (shape[-2] + shape[-1])
-        else:
-            total += math.prod(shape)
-    return total
 
 
 def transformer_matrix_shapes(shape: TransformerShape) -> list[tuple[int, ...]]:
@@ -285,16 +217,16 @@ def device_fits(peak: int, sizes_gib: Sequence[int] = DEVICE_SIZES_GIB) -> tuple
 
 
 def dominant_term(terms: dict[str, int]) -> str:
-    """The largest term by bytes (ties: the first in ``TERMS`` order)."""
+    """The largest term by bytes (ties: the first in ``terms``' order)."""
     return max(terms, key=lambda name: terms[name])
 
 
 def _checked_params(params: int | None, *, precision: str, optimizer: str, gpus: int, zero_stage: int,
                     offload: str, shape: TransformerShape | None) -> int:
     """``estimate``'s arguments checked (ValueError naming the bad one); the parameter count to use."""
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
-    _check_choice("offload", offload, OFFLOADS)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("offload", offload, OFFLOADS)
     if params is None:
         if shape is None or not shape.vocab:
             raise ValueError("params is missing: give a parameter count, or a transformer shape with a vocab")
@@ -396,56 +328,3 @@ def _partitioned(weights: float, grads: float, state: float, inter: float, *, ze
     return weights, grads, state, inter, host
 
 
-# --- exact model-state bytes of a real model (used by probes.trace; pure over shapes) ------------
-
-
-@dataclass(frozen=True, slots=True)
-class ParamInfo:
-    """One unique parameter: its shape and element size in bytes."""
-
-    shape: tuple[int, ...]
-    itemsize: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-
-STEP_TENSOR_BYTES = 4  # torch.optim keeps `step` as a 0-d float32 tensor per parameter (Adam, Adafactor)
-
-
-def optimizer_state_bytes(params: Iterable[ParamInfo], optimizer: str) -> int:
-    """What ``torch.optim`` allocates as state for these parameters after the first step.
-
-    sgd: nothing; sgd-momentum: ``momentum_buffer``; adam/adamw: ``exp_avg``, ``exp_avg_sq`` and a
-    0-d fp32 ``step``; adafactor: ``row_var``/``col_var`` (or ``variance`` for 1-D) and ``step``;
-    lion (lion-pytorch): ``exp_avg``; adam-8bit (bitsandbytes defaults): two uint8 states plus one
-    fp32 absmax per 256-element block each, fp32 states for tensors under 4096 elements.
-    """
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
-    total = 0
-    for p in params:
-        if optimizer in {"sgd-momentum", "lion"}:
-            total += p.nbytes
-        elif optimizer in ("adam", "adamw"):
-            total += 2 * p.nbytes + STEP_TENSOR_BYTES
-        elif optimizer == "adafactor":
-            total += adafactor_state_elements([p.shape]) * p.itemsize + STEP_TENSOR_BYTES
-        elif optimizer == "adam-8bit":
-            if p.numel < 4096:
-                total += 2 * 4 * p.numel + STEP_TENSOR_BYTES
-            else:
-                blocks = -(-p.numel // 256)
-                total += 2 * p.numel + 2 * 4 * blocks + STEP_TENSOR_BYTES
-    return total
-
-
-def optimizer_intermediate_bytes(params: Iterable[ParamInfo], optimizer: str) -> int:
-    """One parameter-sized temporary per parameter for Adam/AdamW/Adafactor/Lion, else 0."""
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
-    copies = _INTERMEDIATE_COPIES[optimizer]
-    return int(copies * sum(p.nbytes for p in params))

@@ -1,10 +1,10 @@
 """Robust trend statistics for per-step memory series (pure: no torch, no I/O, no clock).
 
-The leak detector asks one question of a window of block floors: "is this rising, steadily, by at
-least N bytes per step?". Each function answers one part of it:
+The leak detector asks one question of a window of block floors (the minimum of each block of
+samples, which removes transient spikes, eval buffers or a large batch, while keeping the baseline a
+leak raises; the detector takes them as the samples arrive): "is this rising, steadily, by at least N
+bytes per step?". Each function answers one part of it:
 
-- ``block_floors``: the minimum of each block of ``b`` samples, which removes transient spikes
-  (eval buffers, a large batch) while keeping the baseline a leak raises.
 - ``mann_kendall``: a rank test for a monotonic rise (one-sided), with the tie correction and a
   variance inflation for autocorrelated floors (Hamed & Rao 1998), so slow wander is not "significant".
 - ``theil_sen``: the median pairwise slope and Sen's confidence interval; pairs are subsampled
@@ -29,25 +29,6 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 _NORMAL = NormalDist()
-
-
-def block_floors(
-    xs: Sequence[float], ys: Sequence[float], block: int
-) -> tuple[list[float], list[float]]:
-    """Minimum of each complete block of ``block`` samples, at the block's mean x.
-
-    A trailing incomplete block is dropped: its minimum is biased upwards (fewer samples).
-    """
-    if block < 1:
-        raise ValueError(f"block_floors: block must be >= 1, got {block}")
-    if len(xs) != len(ys):
-        raise ValueError(f"block_floors: xs and ys differ in length ({len(xs)} != {len(ys)})")
-    fx: list[float] = []
-    fy: list[float] = []
-    for start in range(0, len(ys) - block + 1, block):
-        fy.append(min(ys[start : start + block]))
-        fx.append(sum(xs[start : start + block]) / block)
-    return fx, fy
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,7 @@ class WorkerGrowth:
 
     def __init__(self) -> None:
         self._first: dict[int, int] = {}  # pid -> RSS when first seen
-        self.since: dict[int, int] = {}  # pid -> step when first seen
         self.pids: tuple[int, ...] = ()  # the children of the newest reading
-        self.restarts = 0  # readings whose children were all new (a new epoch's workers)
 
     @property
     def seen(self) -> bool:
@@ -33,11 +31,8 @@ class WorkerGrowth:
         pairs = list(readings)
         pids = tuple(sorted(pid for pid, _ in pairs))
         if pids != self.pids:
-            if self.pids and pids and not set(pids) & set(self.pids):
-                self.restarts += 1
             for gone in set(self._first) - set(pids):
                 del self._first[gone]
-                self.since.pop(gone, None)
             self.pids = pids
         total = 0
         for pid, rss in pairs:
@@ -46,10 +41,5 @@ class WorkerGrowth:
                 if len(self._first) >= MAX_PIDS:
                     continue
                 first = self._first[pid] = rss
-                self.since[pid] = step
             total += rss - first
         return float(total)
-
-    def first_seen(self) -> int | None:
-        """The step the oldest child now alive was first seen at."""
-        return min(self.since.values(), default=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumemd.analysis.alloc_sites import NO_STACK, first_user_frame, live_by_site, site_growth, site_sentence
+from gpumemd.analysis.alloc_sites import NO_STACK, diff_sites, first_user_frame, live_by_site, site_sentence
 
 TORCH_FRAMES = [
     {"filename": "/usr/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
@@ -53,7 +53,7 @@ def test_live_blocks_grouped_by_site_and_diffed() -> None:
     assert live["train.py:57 in main"].count == 11
     assert live[NO_STACK].bytes == 512  # blocks without history are grouped, not dropped
     assert "train.py:80 in main" not in live  # pending-free is not live
-    growth = site_growth(before, after, internal=INTERNAL)
+    growth = diff_sites(live_by_site(before, internal=INTERNAL), live)
     assert [(d.site, d.count_delta, d.bytes_delta) for d in growth] == [("train.py:57 in main", 10, 10 * (2 << 20))]
     assert site_sentence(growth[0], 10) == "train.py:57 in main (+10 blocks, +2.0 MiB/step)"
 

@@ -50,7 +50,8 @@ def test_zero_paper_figure_1_7_5b_on_64_gpus() -> None:
     ],
 )
 def test_bytes_per_param_table(precision: str, optimizer: str, total: int) -> None:
-    assert bytes_per_param(precision, optimizer).model_state == total
+    per = bytes_per_param(precision, optimizer)
+    assert per.weights + per.gradients + per.optimizer_state == total
 
 
 def test_korthikanti_eq1_per_layer_activations() -> None:

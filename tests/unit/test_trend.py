@@ -11,23 +11,12 @@ from gpumemd.analysis.trend import (
     assess,
     assess_knee,
     autocorrelation_inflation,
-    block_floors,
     cusum_onset,
     floor_growth,
     mann_kendall,
     ramp_consistent,
     theil_sen,
 )
-
-
-def test_block_floors_takes_the_minimum_of_each_complete_block() -> None:
-    xs = [0, 1, 2, 3, 4, 5, 6]
-    ys = [5, 1, 9, 4, 8, 2, 100]
-    fx, fy = block_floors(xs, ys, 2)
-    assert fy == [1, 4, 2]  # the trailing lone sample is dropped
-    assert fx == [0.5, 2.5, 4.5]
-    with pytest.raises(ValueError, match="block must be >= 1"):
-        block_floors(xs, ys, 0)
 
 
 def test_mann_kendall_matches_the_textbook_values() -> None:

@@ -1,0 +1,69 @@
+"""The detector's verdicts beside a window's test (pure: no torch, no I/O, no clock).
+
+``analysis.trend.assess`` judges a window; ``analysis.leak_detector`` also takes the verdict a count
+series is lent by the bytes it accounts for (``lent_verdict``), a ramp judged from its knee before
+the history covers a window (``knee_verdict``), a failed verdict that keeps its reason
+(``with_reason``), and lets a track rest while a finding that explains it is confirmed
+(``explained_at_rest``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from gpumemd.analysis.leak_track import Track, hinge_onset
+from gpumemd.analysis.leak_types import DetectorConfig, LeakState
+from gpumemd.analysis.trend import Slope, Verdict, assess_knee, theil_sen
+
+CONFIRMED_EVERY = 4  # confirmed tracks are re-tested every this many checks
+
+
+def explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int,
+                       check_every: int) -> bool:
+    """Does a track with no finding of its own rest, as a confirmed one does, while a series that
+    explains it has a confirmed finding? Its rise is that finding's (host bytes rising with a confirmed
+    tensor leak were re-tested in full at every check, the detector's main cost while a leak was
+    tracked); a growth of its own is still seen at the next full test. Not while that finding is only
+    suspected: until it is confirmed, this track's passes are lent to it (``LeakDetector._lend``)."""
+    if (track.state is not None and track.state.active) or track.tested_at is None:
+        return False
+    if step - track.tested_at >= CONFIRMED_EVERY * check_every:
+        return False
+    exact = {name for name in track.spec.explained_by if not name.endswith("*")}
+    prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))
+    return any(key[1] == phase and other.state is LeakState.CONFIRMED
+               and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))
+               for key, other in tracks.items())
+
+
+UNCOVERED = Verdict(False, "history shorter than a window", 0, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, 0)
+
+
+def with_reason(v: Verdict, reason: str) -> Verdict:
+    return Verdict(False, reason, v.n, v.slope, v.p_increasing, v.growth, v.onset_index)
+
+
+def lent_verdict(track: Track, since: float, p_value: float, max_pairs: int) -> Verdict:
+    """A lent pass: the count series' own slope since ``since`` (from its last floor before it to its
+    newest observation), with the lender's p-value."""
+    pts = [p for p in track.floors if p[0] < since][-1:] + [p for p in track.floors if p[0] >= since]
+    if track.pending is not None:
+        pts.append((float(track.pending[0]), track.pending[1]))
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope = theil_sen(xs, ys, max_pairs=max_pairs) if len(pts) >= 2 else Slope(0.0, 0.0, 0.0, 0)
+    reason = "leak" if slope.slope > 0 else "not significant"
+    return Verdict(reason == "leak", reason, len(pts), slope, p_value, ys[-1] - ys[0] if ys else 0.0, 0)
+
+
+def knee_verdict(c: DetectorConfig, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:
+    """A ramp that began after a flat start at least as long as itself and at least half a window
+    (0.45 of it, as the history guard's 0.9), judged from its knee once it grew as much as a leak just
+    worth reporting grows in a whole window, above every floor before it. A sawtooth seen in the window
+    (which spans 2.5 of its periods) never rises above its own peaks by that much; one that starts
+    after a flat half window is the known limit."""
+    knee = hinge_onset(xs, ys)
+    if knee < len(xs) // 2 or knee == 0 or xs[knee] - xs[0] < 0.45 * c.window_steps - c.block:
+        return UNCOVERED, knee
+    return assess_knee(xs, ys, knee, min_slope=min_slope, min_growth=min_slope * c.window_steps,
+                       p_max=c.p_max, min_points=c.min_points, max_pairs=c.max_pairs), knee
