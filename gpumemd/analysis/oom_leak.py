@@ -60,7 +60,7 @@ def holder_variable(holder: str | None) -> str | None:
 
 def describe_key(dtype: str, shape: tuple[int, ...] | list[int], category: str, name: str | None) -> str:
     """``float32[512, 1024]``, ``float32[] with grad_fn``, ``fc.bias float32[8] (parameter)``: the
-    words leak culprits use for a census group (``leak_wording.describe_group``), so they match."""
+    words leak culprits use for a census group (``census_culprits.describe_group``), so they match."""
     text = f"{dtype.removeprefix('torch.')}[{', '.join(str(d) for d in shape)}]"
     if category == "graph":
         text += " with grad_fn"

@@ -5,7 +5,7 @@ forward and backward on a meta input, and counts:
 
 - parameter, buffer and gradient bytes exactly (tied weights once: ``model.parameters()`` dedupes);
 - optimizer-state bytes from the optimizer kind and the parameter shapes
-  (``gpumemd.analysis.memory_estimate.optimizer_state_bytes``: what ``torch.optim`` allocates);
+  (``gpumemd.analysis.model_state.optimizer_state_bytes``: what ``torch.optim`` allocates);
 - the bytes autograd saves for backward, counted by :class:`SavedTensorCounter` — the same counter
   the step profile component uses on a live job, so the traced figure and the live one are comparable.
 
