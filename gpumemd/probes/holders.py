@@ -14,8 +14,8 @@ closures, partials, bound methods, kept tracebacks and numpy arrays (which the g
 ``_Climb._untracked``) until a root: a local variable of a running frame (read from the frames of
 every thread: a running frame is not a gc referrer of its locals), a module global, or a class
 attribute. Cut by the bounds before any root, the path starts at the nearest owner it reached and
-says so. ``holder_paths`` writes the line; gpumemd's own frames and the containers the caller passes
-in ``ignore`` are never reported.
+says so. ``holder_tiers`` lists the roots, ``holder_paths`` writes the line; gpumemd's own frames and
+the containers the caller passes in ``ignore`` are never reported.
 
 Every heap scan for "who holds X" lives here: ``who_holds`` (and ``who_holds_stepwise``) for one
 object, and ``cycle_holder`` for garbage that only a reference cycle keeps. Which census groups are
@@ -34,16 +34,8 @@ from typing import Any
 
 from gpumemd.probes.holder_paths import Root, render, top_name
 from gpumemd.probes.holder_reach import Reach, reach_down
-from gpumemd.probes.holder_roots import (
-    drop_locals_snapshot,
-    first_stores,
-    is_our_generator,
-    is_ours,
-    is_user_file,
-    live_frames,
-    module_dicts,
-    user_modules,
-)
+from gpumemd.probes.holder_roots import drop_locals_snapshot, is_our_generator, is_ours, live_frames, module_dicts
+from gpumemd.probes.holder_tiers import global_root, root_tiers, source_of
 from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
 
 _FRONTIER_MAX = 32  # get_referrers compares each reference it visits with every frontier object
@@ -135,7 +127,7 @@ class _Climb:
         self.own.update(id(x) for x in (self.nodes, self.child_of, self.frames))
         self.own.update(id(f_locals) for _, f_locals in self.frames)
         self.module_dicts = module_dicts()
-        self.reach = reach_down(self._local_roots(), self.own,
+        self.reach = reach_down(root_tiers(self.frames, self.module_dicts), self.own,
                                 self.module_dicts, min(self.deadline, time.monotonic() + self.budget_s / 5))
         self.own.update(id(x) for x in (self.reach.objects, self.reach.parent, self.reach.roots, self.reach.depth))
 
@@ -224,46 +216,6 @@ class _Climb:
         del referrers
         return roots, following
 
-    def _local_roots(self) -> list[list[tuple[Root, Any]]]:
-        """The roots to reach down from, in three tiers: the locals of the job's own running frames, its
-        modules' globals, then the locals of library frames (a framework's loop, a test runner),
-        each with the name a user reads."""
-        own_code: list[tuple[Root, Any]] = []
-        own_parameters: list[tuple[Root, Any]] = []  # after: the caller's own variable says more than `self`
-        library: list[tuple[Root, Any]] = []
-        for frame, f_locals in self.frames:
-            code = frame.f_code
-            users = is_user_file(code.co_filename)
-            for name, value in f_locals.items():
-                if name in code.co_freevars or not name.isidentifier():
-                    # a closure's view of an outer frame's variable (the outer frame is named
-                    # instead), or a compiler-made slot such as pytest's `@py_assert1`
-                    continue
-                found = (Root(name, "`", local_of=(code, frame.f_lineno)), value)
-                if not users:
-                    library.append(found)
-                else:  # a variable no line of the function stores is a parameter, most often
-                    (own_code if name in first_stores(code) else own_parameters).append(found)
-        # the locals a tier before the globals: a job of many modules (a test suite's, a framework
-        # plugin's) has thousands of globals whose first levels spent the bounds of one tier
-        return [own_code + own_parameters, self._global_roots(), library]
-
-    def _global_roots(self) -> list[tuple[Root, Any]]:
-        """The globals of the job's own modules (after the locals: a local is the nearer name); a
-        class among them is followed into its attributes, named ``Class.attr`` as the climb names them."""
-        roots: list[tuple[Root, Any]] = []
-        for module, namespace in user_modules(self.module_dicts):
-            source = _source_of(namespace)
-            for name, value in list(namespace.items()):
-                if isinstance(value, (types.ModuleType, types.FunctionType)) or name.startswith("__"):
-                    continue
-                if isinstance(value, type):
-                    roots.append((Root(value.__qualname__, source=source), value))
-                else:
-                    roots.append((Root(f"{module}.{name}", "module global `", source=source, prefix=len(module) + 1),
-                                  value))
-        return roots
-
     def _met(self, frontier_ids: set[int]) -> str | None:
         """The path, when the frontier meets what the locals reach (the nearest local first)."""
         reach = self.reach
@@ -279,12 +231,11 @@ class _Climb:
         if isinstance(ref, dict):
             module = self.module_dicts.get(id(ref))
             if module is not None:
-                return 0, Root(f"{module}.{_key_text(ref, child)}", "module global `", source=_source_of(ref),
-                               prefix=len(module) + 1), id(child)
+                return 0, global_root(module, _key_text(ref, child), source_of(ref)), id(child)
             return None
         if isinstance(ref, type) and id(child) in self.child_of and child is _class_namespace(ref):
             held = self.child_of[id(child)]
-            source = _source_of(getattr(sys.modules.get(ref.__module__), "__dict__", None))
+            source = source_of(getattr(sys.modules.get(ref.__module__), "__dict__", None))
             return 1, Root(f"{ref.__qualname__}.{_key_text(child, self.nodes[held])}", source=source), held
         return None
 
@@ -342,12 +293,6 @@ class _Climb:
 def _named_owner(ref: Any) -> bool:
     """An object a cut path can start at: anything but an anonymous container or a closure cell."""
     return not isinstance(ref, (list, tuple, set, frozenset, deque, dict, types.CellType, types.TracebackType))
-
-
-def _source_of(namespace: Any) -> str | None:
-    """A module namespace's source file, where the line that adds to one of its names is looked for."""
-    path = namespace.get("__file__") if isinstance(namespace, dict) else None
-    return path if isinstance(path, str) and path.endswith(".py") else None
 
 
 def _class_namespace(cls: type) -> Any:

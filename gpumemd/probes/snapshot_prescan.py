@@ -2,7 +2,8 @@
 what a snapshot never holds or what would build more than the file's size allows (``snapshot_rules``).
 
 It mirrors the C unpickler's stack, marks and memo with one integer record per object, and keeps the
-containers the unpickler would build (size, nesting, what hashing them walks) in ``_Containers``.
+containers the unpickler would build (size, nesting, what hashing them walks) in ``Containers``
+(``snapshot_containers``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pickletools
 from array import array
 from collections.abc import Callable
 
+from gpumemd.probes.snapshot_containers import Containers
 from gpumemd.probes.snapshot_rules import (
     ALLOWED_GLOBALS,
     PY2_MODULES,
@@ -27,7 +29,7 @@ from gpumemd.probes.snapshot_rules import (
 
 # prescan's stack and memo hold one int per object, its record: 0 for a scalar whose hash is cheap and
 # collision-proof (str, bytes, bool, None, an int below 2**63); 1 for a scalar whose hash can be aimed
-# (float, a bigger int); -2 - i for container number i in _Containers, which also knows whether hashing
+# (float, a bigger int); -2 - i for container number i in Containers, which also knows whether hashing
 # it walks it. A bytearray is a scalar: it holds no references.
 _AIMABLE = 1
 
@@ -105,100 +107,6 @@ def _read_global(data: bytes, pos: int) -> tuple[str, str, int]:
     return module, name, end + 1
 
 
-# Container flags: hashable (a tuple or frozenset, or what a constructor returned: it may be one, and
-# hashing it walks it); placed (already inside another container).
-_HASHABLE, _PLACED = 1, 2
-
-
-class _Containers:
-    """The containers the unpickler would build, by number: each one's size (objects in it, counting a
-    shared one each time a walker reaches it), height and flags. Sizes are final when a container is
-    placed in another, because a pickler never adds to one after that (only a cycle needs it, and we
-    refuse those): so the sizes sum up exactly, in time linear in the file, however much is shared."""
-
-    def __init__(self, limits: Limits, nbytes: int) -> None:
-        self.size = array("q")
-        self.height = bytearray()
-        self.flags = bytearray()
-        self.budget = limits.tree_budget(nbytes)
-        self.max_depth = limits.max_depth
-        self.max_hashed = limits.max_hashed_nodes
-        self.hashed = 0
-        self.built = 0  # bytes the objects built take (estimated: BuildCost), but for scalars and empty ones
-        self.built_budget = limits.built_budget(nbytes)
-
-    def new(self, kind: int = 0, size: int = 1, height: int = 1) -> int:
-        """A new container's record."""
-        if size > self.budget:
-            raise self._too_many()
-        if height > self.max_depth:
-            raise SnapshotLoadError(f"refused containers nested more than {self.max_depth} deep: a real snapshot "
-                                    "nests about 7")
-        self.size.append(size)
-        self.height.append(height)
-        self.flags.append(kind)
-        return -1 - len(self.size)
-
-    def _too_many(self) -> SnapshotLoadError:
-        return SnapshotLoadError(f"refused a snapshot of more than {self.budget} objects as a walker counts them "
-                                 "(each shared one every time it is reached): shared references that multiply, "
-                                 "which PyTorch never writes")
-
-    def place(self, items: list[int]) -> tuple[int, int]:
-        """Size and height of ``items`` together, which go into a container now."""
-        self.built += BuildCost.ITEM * len(items)
-        if not items or min(items) >= 0:  # scalars only: one object each
-            return len(items), 0
-        size, height = 0, 0
-        for record in items:
-            if record >= 0:
-                size += 1
-                continue
-            i = -2 - record
-            size += self.size[i]
-            height = max(height, self.height[i])
-            self.flags[i] |= _PLACED
-        return size, height
-
-    def add(self, target: int, items: list[int], at: int) -> None:
-        """APPEND(S), SETITEM(S), ADDITEMS: ``items`` go into ``target``."""
-        if target >= 0:  # not a container: the unpickler fails, or it is a bytearray (still a leaf)
-            return
-        i = -2 - target
-        if self.flags[i] & _PLACED:
-            raise SnapshotLoadError(f"refused at byte {at}: a container is added to after it was placed in another "
-                                    "(only a reference cycle needs that, and a snapshot has none)")
-        if target in items:
-            raise SnapshotLoadError(f"refused at byte {at}: a container placed in itself (a reference cycle)")
-        size, height = self.place(items)
-        self.size[i] += size
-        if self.size[i] > self.budget:
-            raise self._too_many()
-        if height >= self.height[i]:
-            if height >= self.max_depth:
-                raise SnapshotLoadError(f"refused containers nested more than {self.max_depth} deep: a real "
-                                        "snapshot nests about 7")
-            self.height[i] = height + 1
-
-    def build(self, items: list[int], cost: int = BuildCost.TUPLE) -> int:
-        """TUPLE*, FROZENSET, REDUCE: a new (hashable) container made of ``items``."""
-        self.built += cost
-        size, height = self.place(items)
-        return self.new(_HASHABLE, 1 + size, 1 + height)
-
-    def hash(self, records: list[int], at: int) -> None:
-        """Charge hashing these as dict keys or set members (lists, dicts, sets refuse to hash at once)."""
-        for record in records:
-            if record > 0:
-                self.hashed += record
-            elif record < 0 and self.flags[-2 - record] & _HASHABLE:
-                self.hashed += self.size[-2 - record]
-        if self.hashed > self.max_hashed:
-            raise SnapshotLoadError(f"refused at byte {at}: hashing its dict keys and set members would walk more "
-                                    f"than {self.max_hashed} tuple/float/big-int objects (a snapshot keys its dicts "
-                                    "with strings)")
-
-
 class _Scan:
     """The unpickler's stack, marks and memo, one record per object, and what each rarer opcode does to
     them (the hot ones are handled in ``prescan``'s loop itself). Each handler takes the opcode, where it
@@ -209,7 +117,7 @@ class _Scan:
 
     def __init__(self, data: bytes, limits: Limits) -> None:
         self.data = data
-        self.containers = _Containers(limits, len(data))
+        self.containers = Containers(limits, len(data))
         self.stack: list[int] = []
         self.marks: list[int] = []
         self.fence = 0  # items below the innermost MARK are out of reach, as in the unpickler
@@ -408,7 +316,7 @@ def _skip_counted(data: bytes, pos: int, end: int, at: int, prefix: int) -> int:
 def prescan(data: bytes, limits: Limits) -> int:
     """Read every opcode without building anything, and refuse: opcodes outside _SNAPSHOT_OPCODES, globals
     outside ALLOWED_GLOBALS, memo indexes out of sequence, lengths past the end, and anything past the
-    limits _Containers keeps (objects, nesting, hashing). It mirrors the C unpickler's stack and marks,
+    limits Containers keeps (objects, nesting, hashing). It mirrors the C unpickler's stack and marks,
     one record per object. One loop, hot opcodes first: a big snapshot has tens of millions. Returns the
     size of what the pickle builds (objects, as a walker counts them; tests compare it with one)."""
     table, handlers, end = _OPCODE_TABLE, _HANDLERS, len(data)

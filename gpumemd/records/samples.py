@@ -42,13 +42,6 @@ class AllocatorSample:
     # allocated there count in ``allocated_bytes`` too: a pool growing with each recorded graph.
     private_pool_reserved_bytes: int | None = None
 
-    @property
-    def cached_free_bytes(self) -> int | None:
-        """Reserved but unallocated: the allocator's cache (what NVML-only tools mistake for use)."""
-        if self.reserved_bytes is None or self.allocated_bytes is None:
-            return None
-        return self.reserved_bytes - self.allocated_bytes
-
 
 @dataclass(frozen=True, slots=True)
 class NvmlDeviceSample:

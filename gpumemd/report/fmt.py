@@ -22,9 +22,3 @@ def fmt_time(epoch: Any) -> str:
     except (OverflowError, OSError, ValueError):  # past what a date can say: the number itself
         return f"{epoch!r} s"
     return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
-
-
-def fmt_shape(shape: Any) -> str:
-    if not isinstance(shape, (list, tuple)):
-        return "-"
-    return "[" + ", ".join(str(d) for d in shape) + "]"
