@@ -1,14 +1,5 @@
-"""Tensor censuses at step ends, spaced so the agent stays inside its overhead budget.
-
-A census holds the GIL for tens to hundreds of milliseconds, so it cannot run every step. The next
-census is due ``N = ceil(cost / (share x seconds per step))`` steps after the last one, where ``cost``
-is what the last census took, ``share`` is ``gpumemd.budget.census_share``: the budget's clocked plan
-less the rest of the agent's clocked cost per step (as a share of the step), at least the census's own
-share of the plan, and the seconds per step are the agent's typical step time (the median of recent
-sampled steps: a pause between steps, such as an evaluation loop or a checkpoint, is not step time). So
-N adapts as the heap (cost) or the step time changes, and the census costs ``share`` of the *step time*,
-which is what the job notices. ``census_every_steps > 0`` forces N instead. The first census runs at the
-first step end (it measures the cost). A failing census is retried after 2, 4, 8... steps.
+"""Tensor censuses at step ends, spaced so the agent stays inside its overhead budget (``census_cadence``:
+when the next census is due, and the back-off after a failing one).
 
 A census runs in slices (``probes.census_steps.census_steps``): at a step end the component runs its slices
 while the step end has paid less than ``CENSUS_SLICE_S``, and the rest at the next sampled step ends
@@ -30,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.budget import HEAP_PASS_START_S, STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
+from gpumemd.components.census_cadence import CensusCadence, other_share
 from gpumemd.probes.census_steps import GRAPH_SLICE_NODES, CensusRequest
 from gpumemd.probes.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
 from gpumemd.probes.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
@@ -55,9 +46,6 @@ log = logging.getLogger("gpumemd")
 
 KEPT_CENSUSES = 8
 """Censuses kept (a census of a large model is ~1 MB of Python objects)."""
-
-MAX_INTERVAL = 100_000
-"""Never go longer than this many steps without a census."""
 
 CENSUS_SLICE_S = STEP_END_PAUSE_S * 0.75
 """A census's next slice starts only while the step end has paid less than this: its slices are a few
@@ -118,7 +106,7 @@ class CensusComponent(ComponentBase):
     ) -> None:
         if keep < 2:
             raise ValueError(f"CensusComponent(keep={keep!r}) must keep at least 2 censuses")
-        self._every = options.census_every_steps  # > 0 forces the cadence
+        self._cadence = CensusCadence(options.census_every_steps, self._share)  # ``census_cadence``
         self._periodic = options.census
         self._budget = options.overhead_budget
         self._holders = holders
@@ -128,10 +116,6 @@ class CensusComponent(ComponentBase):
         self._agent: AgentView | None = None
         self._lock = threading.Lock()  # take_now() may come from another component or thread
         self._recent: list[Census] = []
-        self._steps_since = 0
-        self._next_look = 0  # steps since the last census at which _due() looks again
-        self._retry_after = 0  # steps to wait after a failed census (doubles each failure)
-        self._last_cost: float | None = None
         self._running: _Running | None = None  # the census under way (training thread only advances it)
         self._soon = False  # a census is asked for at the next step end (``take_soon``)
         self._step_end_began = 0.0  # this component's clock at the start of its latest on_step
@@ -161,17 +145,11 @@ class CensusComponent(ComponentBase):
     @property
     def interval(self) -> int:
         """Steps between censuses: forced, or what the budget allows at the current step time."""
-        if self._every > 0:
-            return self._every
-        seconds_per_step = self._agent.seconds_per_step if self._agent is not None else None
-        if self._last_cost is None or not seconds_per_step:
-            return 1 if self._last_cost is None else MAX_INTERVAL
-        steps = math.ceil(self._last_cost / (self._share(seconds_per_step) * seconds_per_step))
-        return max(1, min(MAX_INTERVAL, steps))
+        return self._cadence.interval(self._agent)
 
     def on_quick(self, record: StepRecord, samples_total: int) -> None:
         """A quick step end's record, at the next full one: its steps count towards the next census."""
-        self._steps_since += record.steps
+        self._cadence.steps_since += record.steps
 
     def on_step(self, record: StepRecord) -> None:
         # The census is the first component: a step end's heavy work is bounded from here.
@@ -180,9 +158,10 @@ class CensusComponent(ComponentBase):
         running = self._running
         if not self._periodic and running is None:
             return
-        self._steps_since += record.steps
-        soon = self._soon and self._steps_since >= self._retry_after  # a failing census still backs off
-        if running is None and (soon or (self._steps_since >= self._next_look and self._due())):
+        cadence = self._cadence
+        cadence.steps_since += record.steps
+        soon = self._soon and cadence.steps_since >= cadence.retry_after  # a failing census still backs off
+        if running is None and (soon or (cadence.steps_since >= cadence.next_look and cadence.due(self._agent))):
             self._soon = False
             running = self._begin(record.step, record.allocator)
         if running is not None:
@@ -191,28 +170,12 @@ class CensusComponent(ComponentBase):
             self.step_end_seconds = self._clock() - self._step_end_began
             if not running.over and self._agent is not None:
                 self._agent.sample_within(1)  # the next slices at the next step end
-        if self._every > 0 and self._agent is not None:
+        if cadence.every > 0 and self._agent is not None:
             # a forced cadence means those steps: have the agent sample the step the next one is due at
-            self._agent.sample_within(max(self._every, self._retry_after) - self._steps_since)
-
-    def _due(self) -> bool:
-        if self._steps_since < self._retry_after:
-            return False
-        if self._every > 0:
-            return self._steps_since >= self._every
-        if self._last_cost is None or self._steps_since >= MAX_INTERVAL:
-            return True  # the first census measures the cost
-        if not (self._agent is not None and self._agent.seconds_per_step):
-            self._next_look = self._steps_since + 1  # the step time is not known yet: look again next time
-            return False
-        interval = self.interval
-        # Not due: look again halfway to the interval computed now (on the samples between, one
-        # comparison); step time and cost change slowly, so a few looks per census are enough.
-        self._next_look = self._steps_since + max(1, (interval - self._steps_since) // 2)
-        return self._steps_since >= interval
+            self._agent.sample_within(max(cadence.every, cadence.retry_after) - cadence.steps_since)
 
     def _share(self, seconds_per_step: float) -> float:
-        return census_share(self._budget, _other_share(self._agent, seconds_per_step))
+        return census_share(self._budget, other_share(self._agent, seconds_per_step))
 
     def take_soon(self) -> None:
         """Begin a census at the next step end, run in slices as a periodic one (and the next periodic
@@ -264,19 +227,19 @@ class CensusComponent(ComponentBase):
             self._drop_running()
             previous = agent.published.census if agent is not None else None
             started = self._clock()
-            self._steps_since = 0
+            self._cadence.steps_since = 0
             try:
                 census = run_to_end(self._work(agent, step, allocator, previous, outside_step=True,
                                                in_step_end=False))
             except Exception:
                 self._account(agent, self._clock() - started, outside_step=True)
-                self._finished(self._clock() - started, failed=True)
-                self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
+                self._cadence.finished(self._clock() - started, failed=True)
+                self._cadence.back_off()
                 raise  # the caller reports it (the OOM report's census note, the job's own call)
             cost = self._clock() - started
             census = dataclasses.replace(census, duration_s=cost)  # its time, kept by whoever runs it
             self._account(agent, cost, outside_step=True)
-            self._finished(cost)
+            self._cadence.finished(cost)
             self._remember(census)
         self._publish(census)
         return census
@@ -297,8 +260,7 @@ class CensusComponent(ComponentBase):
             previous = self._recent[-1] if self._recent else None
             work = self._work(agent, step, allocator, previous, outside_step=False, in_step_end=in_step_end)
             running = self._running = _Running(work, hold_automatic())
-            self._steps_since = 0
-            self._next_look = 0
+            self._cadence.began()
         return running
 
     def _advance(self, running: _Running, go_on: Callable[[bool], bool]) -> None:
@@ -329,17 +291,17 @@ class CensusComponent(ComponentBase):
                     census = running.result = dataclasses.replace(census, duration_s=running.cost)
                 if running.over:
                     self._running = None
-                    self._finished(running.cost, failed=census is None)
+                    self._cadence.finished(running.cost, failed=census is None)
                     if census is not None:
                         self._remember(census)
         if census is not None:
             self._publish(census)
 
     def _fail(self, exc: Exception) -> None:
-        self._retry_after = min(MAX_INTERVAL, max(2, self._retry_after * 2))
-        level = logging.WARNING if self._retry_after == 2 else logging.DEBUG  # said once
+        retry_after = self._cadence.back_off()
+        level = logging.WARNING if retry_after == 2 else logging.DEBUG  # said once
         log.log(level, "gpumemd: census failed (%s: %s); next try in %d steps", type(exc).__name__, exc,
-                self._retry_after)
+                retry_after)
 
     def _drop_running(self) -> None:
         """Under the lock: drop the census under way (its generator releases what it held)."""
@@ -374,13 +336,6 @@ class CensusComponent(ComponentBase):
             if outside_step:
                 agent.add_thread_seconds(cost)  # training-thread time that no step end clocked
 
-    def _finished(self, cost: float, *, failed: bool = False) -> None:
-        """A census ended: its cost sets the interval (a failed one retries sooner)."""
-        self._last_cost = cost
-        self._next_look = 0
-        if not failed:
-            self._retry_after = 0
-
     # --- recent censuses ----------------------------------------------------------------------
 
     def _remember(self, census: Census) -> None:
@@ -413,15 +368,3 @@ class CensusComponent(ComponentBase):
 
 def _always(heap_pass: bool) -> bool:
     return True
-
-
-def _other_share(agent: AgentView | None, seconds_per_step: float) -> float:
-    """The rest of the agent's cost (training thread and sampler, censuses left out) per step, as a
-    share of the job's step time."""
-    if agent is None or seconds_per_step <= 0:
-        return 0.0
-    overhead = agent.overhead()
-    if not overhead.steps:
-        return 0.0
-    other = overhead.seconds_total - overhead.census_seconds_total
-    return max(0.0, other / overhead.steps / seconds_per_step)

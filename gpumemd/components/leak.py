@@ -6,7 +6,8 @@ step records, survivor scans and censuses and says what growth matters; the dete
 the census diff between the window's start and now with who holds a sample, the Python containers
 that grew for a host leak (``leak_host``), and on CUDA with allocation history the allocation sites
 (``leak_sites``); ``analysis.leak_wording`` says it; ``analysis.leak_causes`` makes the findings of
-groups that grow together under one holder one finding (the published one).
+groups that grow together under one holder one finding (the published one); ``leak_findings`` keeps
+the findings and says their state changes.
 
 This module runs them on the training thread. The detector folds values into block floors every
 step (O(1)) and is evaluated every ``leak_check_every_steps``; survivor scans are spaced within the
@@ -18,20 +19,15 @@ headline, at most 200 characters), appends the whole finding to
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, merge_causes, state_changes
-from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_wording import build_finding, refine_kind
 from gpumemd.components.leak_culprits import CulpritSearch
-from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
-from gpumemd.components.leak_file import FindingsFile
+from gpumemd.components.leak_findings import LeakFindings
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.components.leak_options import LeakOptions
-from gpumemd.components.leak_pending import PendingEvaluation
+from gpumemd.components.leak_pending import Key, PendingEvaluation
 from gpumemd.components.leak_scans import SCAN_EVERY, SCAN_EVERY_MAX, ScanSchedule
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
@@ -40,19 +36,16 @@ from gpumemd.probes.long_lived import LongLivedProbes, long_lived_probes
 from gpumemd.probes.stepwise import Stepwise
 
 if TYPE_CHECKING:
+    from gpumemd.analysis.leak_detector import TrackStatus
     from gpumemd.components.base import AgentView
     from gpumemd.components.census_component import CensusComponent
+    from gpumemd.components.leak_evidence import Evidence
     from gpumemd.probes.allocation_history import AllocationHistory
     from gpumemd.probes.graph_chains import GraphChainTracker
     from gpumemd.probes.survivors import SurvivorTracker
-    from gpumemd.records.findings import Finding
     from gpumemd.records.step import StepRecord
 
 __all__ = ["SCAN_EVERY", "SCAN_EVERY_MAX", "LeakComponent", "LeakOptions"]
-
-log = logging.getLogger("gpumemd")
-
-_Key = tuple[str, str]  # a finding's (series, phase)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,7 +84,6 @@ class LeakComponent:
         self._new_probes = probes  # fresh long-lived tensor trackers at each start
         self._census = census
         self._history = history
-        self._wall = wall_clock
         self._clock = clock
         # Kept across starts: heap-look baselines and their budget, allocation sites noted at suspicion.
         self._host = HostLooks(window_steps=options.leak_window_steps, overhead_budget=options.overhead_budget,
@@ -99,12 +91,8 @@ class LeakComponent:
         self._sites = AllocationSites(options, history, snapshot_fn=snapshot_fn)
         self._agent: AgentView | None = None
         self._parts: _Parts | None = None
-        self._findings: dict[_Key, Finding] = {}  # per (series, phase); published merged by cause
-        self._causes: Causes = NO_CAUSES
-        self._culprits: dict[_Key, Evidence] = {}
-        self._attempts: dict[_Key, int] = {}  # step of the last culprit search per finding
+        self._findings = LeakFindings(options, census=census, wall_clock=wall_clock)  # ``leak_findings``
         self._scans = self._new_scans()
-        self._file: FindingsFile | None = None
         self._deferred = False  # the last due evaluation waited for the step after a census
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
@@ -127,7 +115,7 @@ class LeakComponent:
 
     def start(self, agent: AgentView) -> None:
         self._agent = agent
-        self._file = FindingsFile(agent, self._wall)
+        self._findings.start(agent)
         self._scans_before += self._scans.seconds
         self._scans = self._new_scans()
         made = self._new_probes()
@@ -147,7 +135,7 @@ class LeakComponent:
             # the last steps is still said and written.
             try:
                 pending.finish_now()
-                self._conclude(self._agent, self._parts.series, pending)
+                self._findings.conclude(self._agent, self._parts.series, pending)
             finally:
                 pending.close()
         parts, self._parts = self._parts, None
@@ -164,8 +152,7 @@ class LeakComponent:
     @property
     def findings_path(self) -> str:
         """The findings file (``leak_file``), created on the first state change."""
-        assert self._file is not None
-        return self._file.path
+        return self._findings.path
 
     # --- per step ------------------------------------------------------------------------------
 
@@ -250,18 +237,19 @@ class LeakComponent:
         runs them, one heap pass at a time on a big heap)."""
         assert self._agent is not None
         series = parts.series
+        findings = self._findings
         statuses = series.evaluate(step)
         rising = series.rising_names()
-        work: list[tuple[_Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
+        work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)
             active = status.state is not None and status.state.active
-            if active and (status.changed or self._retry_culprits(key, step)):
-                self._attempts[key] = step
+            if active and (status.changed or findings.retry_culprits(key, step)):
+                findings.attempts[key] = step
                 work.append((key, parts.culprits.search(status)))
             elif not active:
                 self._sites.settle(status)  # a decided suspicion no longer needs allocation history
-        if series.host_spec.name in rising and not self._counts_active(series, rising):
+        if series.host_spec.name in rising and not findings.counts_active(series, rising):
             work.append((None, self._host.look_stepwise(step, self._agent)))  # a baseline: nothing waits on it
         self._pending = PendingEvaluation(step, statuses, rising, work)
 
@@ -276,154 +264,7 @@ class LeakComponent:
             agent.sample_within(1)  # the next pass at the next step end
             return
         self._pending = None
-        self._conclude(agent, parts.series, pending)
-
-    def _conclude(self, agent: AgentView, series: LeakSeries, pending: PendingEvaluation) -> None:
-        self._culprits.update(pending.found)
-        statuses, rising = pending.statuses, pending.rising
-        if not statuses:
-            return
-        held_graphs = self._graphs_reported(series, statuses, rising)
-        before = dict(self._findings)
-        changed = [(s.spec.name, s.phase) for s in statuses
-                   if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found) and s.changed]
-        if not changed and before.keys() == self._findings.keys() and all(
-                self._findings[k] is f for k, f in before.items()):
-            return  # every finding stands as published (confirmed leaks between re-tests): nothing to say
-        # Groups that grow together under one holder are one cause: one finding, one line per
-        # state change of it (the per-series findings above stay the detector's bookkeeping).
-        previous, self._causes = self._causes, merge_causes(self._findings, self._causes)
-        reported = state_changes(previous, self._causes, changed)
-        for finding in reported:
-            self._report(finding)
-        agent.publish(findings=tuple(self._causes.findings.values()))
-        self._census_to_match(agent, reported)
-
-    def _census_to_match(self, agent: AgentView, reported: list[Finding]) -> None:
-        """A census soon after a leak is confirmed (or refreshed while the census predates it), so the
-        tensor figures tell the finding's story: a fast loop's census can be thousands of steps old."""
-        census = agent.published.census
-        taken = census.step if census is not None and census.step is not None else -1
-        confirmed = [f.first_step for f in self._causes.findings.values() if f.state == "confirmed"]
-        if self._census is not None and confirmed and (
-                any(f.state == "confirmed" for f in reported) or taken < max(confirmed)):
-            self._census.take_soon()
-
-    def _graphs_reported(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> bool:
-        """Is a retained graph reported by another finding, so tensors only a graph keeps are not?"""
-        # Tensors that only an autograd graph keeps (saved inputs whose wrapper torch preserved) grow
-        # with the graph tensors a Python container holds: one leak, reported once, by the latter.
-        active_keys = self._findings_or(statuses)
-        if any(e.kind == "graph_leak" and not e.graph_kept and key in active_keys
-               for key, e in self._culprits.items()):
-            return True
-        # ... or by a graph chain (``total += loss`` without backward keeps each step's saved tensors):
-        # the chain is the cause, and it is reported by its own series, rising now or active.
-        chains = series.chain_nodes.names()
-        return bool(chains & rising) or any(f.series in chains and f.state != "cleared"
-                                            for f in self._findings.values())
-
-    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool, *, fresh: bool) -> bool:
-        """Update one status's finding, unless it is not one (False). ``fresh``: a culprit search for
-        it concluded in this evaluation."""
-        key = (status.spec.name, status.phase)
-        evidence = self._culprits.get(key, NO_EVIDENCE)
-        if self._withheld(status, evidence, held_graphs):
-            return False
-        previous = self._findings.get(key)
-        if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
-            # The detector gave its last status again (a confirmed leak between its re-tests, every
-            # 4th check): the finding stands as built then; rebuilding its sentences every check of a
-            # finding that lasts for days was most of the cost of tracking it.
-            return True
-        active = status.state is not None and status.state.active
-        dated = _dated(status, evidence)
-        finding = build_finding(
-            dated, kind=self._kind(series, status, evidence), culprits=evidence.culprits if active else (),
-            culprit_steps=evidence.steps, headroom_bytes=series.headroom(status.spec), sites=evidence.sites,
-            bytes_per_unit=evidence.bytes_per_unit, seconds_per_step=series.seconds_per_step,
-            holder_sentence=evidence.sentence, per_step=series.stated_rate(dated),
-            culprits_step=self._attempts.get(key),
-        )
-        self._findings[key] = finding
-        if not active:
-            self._culprits.pop(key, None)
-        return True
-
-    def _withheld(self, status: TrackStatus, evidence: Evidence, held_graphs: bool) -> bool:
-        """Growth that is not a finding of its own: tensors a reported graph keeps, cyclic garbage,
-        or growth another series explains (its finding is withdrawn, never said to have stopped)."""
-        if (evidence.graph_kept and held_graphs) or evidence.garbage:
-            if status.changed:
-                log.debug("gpumemd: %s grows, but %s", status.spec.name, "cyclic garbage the collector will free"
-                          if evidence.garbage else "it is kept by a graph already reported")
-            return True
-        active = status.state is not None and status.state.active
-        if not active and status.verdict.reason.startswith("explained"):
-            # The growth goes on, as another series' finding: withdraw this one, never say it stopped.
-            key = (status.spec.name, status.phase)
-            self._findings.pop(key, None)
-            self._culprits.pop(key, None)
-            if status.changed:
-                log.info("gpumemd: %s growth is %s; reported there", status.spec.name, status.verdict.reason)
-            return True
-        return False
-
-    def _findings_or(self, statuses: list[TrackStatus]) -> set[_Key]:
-        """Keys of the findings that are active now or in this evaluation."""
-        keys = {k for k, f in self._findings.items() if f.state != "cleared"}
-        keys.update((s.spec.name, s.phase) for s in statuses if s.state is not None and s.state.active)
-        return keys
-
-    def _counts_active(self, series: LeakSeries, rising: set[str]) -> bool:
-        """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
-        the heap scans that look for other culprits are not worth their cost."""
-        names = series.counts.names() | series.chain_nodes.names() | series.grown.names()
-        if names & rising:
-            return True
-        return any(f.series in names and f.state != "cleared" for f in self._findings.values())
-
-    def _retry_culprits(self, key: _Key, step: int) -> bool:
-        """No culprit yet: look again, but at most once per window (each look scans the heap or takes
-        a census, which must not happen every check of a finding that lasts for days)."""
-        entry = self._culprits.get(key)
-        if entry is not None and entry.culprits:
-            return False
-        last = self._attempts.get(key)
-        return last is None or step - last >= self._options.leak_window_steps // 2
-
-    def _kind(self, series: LeakSeries, status: TrackStatus, evidence: Evidence) -> str:
-        previous = self._findings.get((status.spec.name, status.phase))
-        if status.state is LeakState.CLEARED and previous is not None:
-            return previous.kind
-        kind = evidence.kind if evidence.kind is not None else refine_kind(status.spec.kind, evidence.culprits)
-        if kind == "tensor_leak":
-            # allocated bytes that the census cannot see growing as fast: autograd-saved tensors
-            invisible = series.invisible_rate(status)
-            if invisible is not None and invisible >= 0.5 * status.verdict.slope.slope:
-                kind = "graph_leak"
-        return kind
-
-    # --- surfaces ------------------------------------------------------------------------------
-
-    def _report(self, finding: Finding) -> None:
-        # One short line a person reads once; the whole sentence goes to the file and the state.
-        log.warning("gpumemd: %s", finding.headline or finding.summary)
-        if self._file is not None:
-            self._file.append(finding)
-
-
-def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
-    """The status with the earlier of its onset and the evidence's. Host RSS lags a leak (freed heap
-    is reused first): a container's length at its rate dates it better. A count series' knee,
-    dated between scans, is already within a step or two; a chain's marks only place its start
-    within a scan interval, so they date it only when the series cannot."""
-    onset = evidence.onset_step
-    if onset is None or (status.onset_step is not None and status.spec.unit != "bytes"):
-        return status
-    if status.onset_step is not None:
-        onset = min(status.onset_step, onset)
-    return dataclasses.replace(status, onset_step=max(0, onset))  # a length at its rate may point before step 0
+        self._findings.conclude(agent, parts.series, pending)
 
 
 def _search_order(status: TrackStatus) -> int:

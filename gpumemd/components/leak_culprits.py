@@ -36,7 +36,7 @@ from gpumemd.probes.holders import (
     cycle_holder,
     who_holds_stepwise,
 )
-from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.stepwise import Stepwise, hold_weakly
 from gpumemd.records.device import CPU, cuda_index
 from gpumemd.records.findings import Culprit
 
@@ -91,10 +91,6 @@ class CulpritSearch:
         self._host = host
         self._sites = sites
         self._check_every_steps = check_every_steps
-
-    def find(self, status: TrackStatus) -> Evidence:
-        """The whole search at once (outside a training loop's step ends, and in tests)."""
-        return run_to_end(self.search(status))
 
     def search(self, status: TrackStatus) -> Stepwise[Evidence]:
         """The search, one heap pass between ``yield``s (see ``probes.stepwise``)."""

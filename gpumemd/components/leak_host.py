@@ -15,7 +15,7 @@ from gpumemd.analysis.leak_detector import TrackStatus
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.probes import host_objects
 from gpumemd.probes.holders import HOLDER_BUDGET_S
-from gpumemd.probes.stepwise import Stepwise, run_to_end
+from gpumemd.probes.stepwise import Stepwise
 from gpumemd.records.findings import Culprit
 
 
@@ -51,10 +51,11 @@ class HostLooks:
     def clear(self) -> None:
         self._baseline = None
 
-    def look(self, step: int, job: JobSteps, *, force: bool = False) -> None:
+    def look_stepwise(self, step: int, job: JobSteps, *, force: bool = False) -> Stepwise[None]:
         """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
-        while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap). At most once per two
-        windows, and, unless ``force`` (a state change), within its share of the overhead budget
+        while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap), in two passes (containers,
+        then graphs), one step end each in a training loop. At most once per two windows, and, unless
+        ``force`` (a state change), within its share of the overhead budget
         (``budget.Part.HOST_LOOKS``) of the job's step time since the last look: RSS rises while a
         healthy job warms up, and a look every 1,000 steps of 1 ms would cost a quarter of the job.
         Step time, not wall time, as every budgeted part: a pause between steps (an eval loop, a
@@ -62,10 +63,6 @@ class HostLooks:
         baseline that lets a host leak's culprit be named when the leak is first suspected, and it
         comes in the job's first thousand steps, where RSS rises as heaps warm up (a one-time cost,
         like the first census: ``bench_step_overhead.py`` reports both as start-up)."""
-        run_to_end(self.look_stepwise(step, job, force=force))
-
-    def look_stepwise(self, step: int, job: JobSteps, *, force: bool = False) -> Stepwise[None]:
-        """``look`` in two passes (containers, then graphs), one step end each in a training loop."""
         if not self._due(step, job, force=force):
             return
         started = self._clock()

@@ -22,29 +22,24 @@ series draws on within ``leak_horizon_hours`` at the measured step rate.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import logging
 import sys
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_types import series_family, series_name
 from gpumemd.analysis.worker_growth import WorkerGrowth
-from gpumemd.probes.graph_chains import MAX_ROOTS
-from gpumemd.records.device import CPU, Device, cuda_index
+from gpumemd.components.leak_counts import _COUNT_MIN, CountFeeding
+from gpumemd.components.leak_specs import measure_spec
+from gpumemd.records.device import CPU, cuda_index
 
 if TYPE_CHECKING:
-    import torch
-
     from gpumemd.components.base import AgentView
     from gpumemd.components.leak_options import LeakOptions
-    from gpumemd.probes.graph_chains import ChainGroup, ChainKey, GraphChainTracker
-    from gpumemd.probes.survivors import GroupKey, SurvivorGroup, SurvivorTracker
-    from gpumemd.probes.tensor_families import Family, FamilyKey, TensorFamilies
+    from gpumemd.probes.graph_chains import GraphChainTracker
+    from gpumemd.probes.survivors import SurvivorTracker
+    from gpumemd.probes.tensor_families import TensorFamilies
     from gpumemd.records.census import Census
     from gpumemd.records.samples import HostSample
     from gpumemd.records.step import StepRecord
@@ -68,40 +63,16 @@ at least this much per window: 16 KiB/step at the default 500-step window, more 
 COUNT_FLOOR = 0.1
 """Long-lived tensors per step below which a count series never fires (one per 10 steps)."""
 
-MAX_COUNT_SERIES = 16
-"""Tensor groups watched as count series at most (the first that reach ``_COUNT_MIN`` tensors)."""
-
 WAITING_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
 
-_COUNT_MIN = 8
-
-_COUNT_PAST = 64
-"""Scans whose group counts are kept (per family) to start a new count series with its past: 64
-scans span 640 to 3,200 steps, more than a detection window."""
-
-K = TypeVar("K", bound=Hashable)
-
-log = logging.getLogger("gpumemd")
+# ``_COUNT_MIN`` is ``leak_counts``'s now; tests still read it here.
+__all__ = ["COUNT_FLOOR", "NOISE_FLOOR_BYTES", "RSS_BURST_BYTES", "WAITING_MAX", "_COUNT_MIN", "LeakSeries"]
 
 
-class GroupSeries(Generic[K]):
-    """The count series of one family of groups (survivor groups, graph chains): a spec per watched
-    group, and the counts of every group at the last scans (bounded), to start a new series with its past."""
-
-    def __init__(self) -> None:
-        self.specs: dict[K, SeriesSpec] = {}
-        self.count_past: collections.deque[tuple[int, dict[K, int]]] = collections.deque(maxlen=_COUNT_PAST)
-
-    def key_of(self, spec: SeriesSpec) -> K | None:
-        return next((k for k, s in self.specs.items() if s is spec), None)
-
-    def names(self) -> set[str]:
-        return {spec.name for spec in self.specs.values()}
-
-
-class LeakSeries:
-    """Feeds the detector (one per start) and says what growth matters; see the module docstring.
+class LeakSeries(CountFeeding):
+    """Feeds the detector (one per start) and says what growth matters; see the module docstring. What
+    a survivor scan feeds (``feed_counts``) is ``leak_counts.CountFeeding``'s.
 
     ``tracker`` and ``chains`` (None when long-lived tensor tracking is off) give the count series."""
 
@@ -109,9 +80,7 @@ class LeakSeries:
                  chains: GraphChainTracker | None, families: TensorFamilies | None = None) -> None:
         self._options = options
         self._agent = agent
-        self._tracker = tracker
-        self._chains = chains
-        self.families = families
+        super().__init__(tracker=tracker, chains=chains, families=families)
         self.detector = LeakDetector(DetectorConfig(
             min_bytes_per_step=options.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
             warmup_steps=options.leak_warmup_steps,
@@ -125,18 +94,12 @@ class LeakSeries:
                           series_family("growing_tensor_bytes", CPU)))
         self.workers_spec = SeriesSpec(series_name("workers_rss_bytes"), "host_leak", CPU)
         self.worker_growth = WorkerGrowth()
-        self.counts: GroupSeries[GroupKey] = GroupSeries()
-        self.grown: GroupSeries[FamilyKey] = GroupSeries()  # growing tensors' byte series, per family
-        self.chain_nodes: GroupSeries[ChainKey] = GroupSeries()
         self.seconds_per_step: float | None = None  # the mean step time, pauses included: time-to-OOM projections
         self._known: set[str] = set()
         self._waiting: list[tuple[StepRecord, int]] = []  # records not yet fed (``wait``)
         self._own_record_bytes: float | None = None
         self._last_host: tuple[float, HostSample] | None = None  # the newest fed step's (wall time, host)
-        self._previous_scan_step: int | None = None
         self._last_census: Census | None = None
-        self._capped = False  # the tracker hit its cap: the count series are held (see _hold_counts)
-        self._long_lived: set[str] = set()  # names of the long-lived bytes series (one per device)
         # Per (series, phase): the stated rate since onset, with the onset and the step it was worked out at.
         self._rates: dict[tuple[str, str], tuple[int, int, float | None]] = {}
 
@@ -172,18 +135,18 @@ class LeakSeries:
                 # A private pool (CUDA graphs under "reduce-overhead") grows with each graph recorded
                 # and holds its blocks for replays: the pool's growth, not a tensor leak.
                 outside_pools = max(0, a.allocated_bytes - (a.private_pool_reserved_bytes or 0))
-                self._observe(_spec("allocated_bytes", "tensor_leak", d), step, outside_pools, phase)
+                self._observe(measure_spec("allocated_bytes", "tensor_leak", d), step, outside_pools, phase)
             if a.inactive_split_bytes is not None:
                 # Fragmentation is what empty_cache() cannot release: inactive split blocks. Reserved −
                 # allocated also holds whole cached segments, which the allocator frees and retries
                 # with before any OOM: their growth is a cache, not fragmentation.
-                self._observe(_spec("inactive_split_bytes", "fragmentation", d),
+                self._observe(measure_spec("inactive_split_bytes", "fragmentation", d),
                               step, a.inactive_split_bytes, phase)
             n = nvml.get(d)
             # This process's own use only: the device's total use would count other processes (and,
             # under torchrun, the other ranks) as this job's non-PyTorch growth.
             if n is not None and a.reserved_bytes is not None and n.process_used_bytes is not None:
-                self._observe(_spec("non_pytorch_bytes", "non_pytorch", d), step,
+                self._observe(measure_spec("non_pytorch_bytes", "non_pytorch", d), step,
                               n.process_used_bytes - a.reserved_bytes, phase)
         duration = record.duration_s
         if duration is not None and duration > 0:
@@ -215,108 +178,11 @@ class LeakSeries:
             # On CUDA the allocator's step-end bytes are the alarm; the census only attributes.
             # CPU tensors are watched by the count series and host RSS; the census attributes.
             alarm = False if dev.cuda_index is None else dev not in cuda_devices
-            self._observe(_spec("census_bytes", "tensor_leak", dev, sparse=True, alarm=alarm),
+            self._observe(measure_spec("census_bytes", "tensor_leak", dev, sparse=True, alarm=alarm),
                           step, nbytes, record.phase)
         for dev, nbytes in census.invisible_bytes_by_device.items():
-            self._observe(_spec("invisible_bytes", "graph_leak", dev, sparse=True, alarm=False),
+            self._observe(measure_spec("invisible_bytes", "graph_leak", dev, sparse=True, alarm=False),
                           step, nbytes, record.phase)
-
-    def feed_counts(self, record: StepRecord) -> None:
-        """Scan for long-lived tensors and feed the count series (every scan interval).
-
-        A tensor is counted at the first scan it outlives whole, so every tensor counted now already
-        existed at the previous scan: the counts are observed at that scan's step, which keeps a
-        leak's onset where it began rather than one scan interval later."""
-        tracker = self._tracker
-        if tracker is None:
-            return
-        tracker.scan()
-        step = self._previous_scan_step if self._previous_scan_step is not None else record.step
-        self._previous_scan_step = record.step
-        if tracker.capped:
-            self._hold_counts(tracker)
-        else:
-            self._feed_tensor_counts(tracker, step, record.phase)
-        if self._chains is not None:
-            self._feed_chains(self._chains, tracker, record)
-        if self.families is not None:
-            self._feed_families(self.families, tracker, record)
-
-    def _feed_families(self, families: TensorFamilies, tracker: SurvivorTracker, record: StepRecord) -> None:
-        """The bytes of the largest new tensor of each family that keeps growing: one series per
-        family once it is watched (``MAX_COUNT_SERIES`` at most), started with its past scans. The
-        tensors are alive now, so their sizes are this step's."""
-        tensors = tracker.new_tensors()
-        try:
-            seen = families.observe(tensors, record.step)
-        finally:
-            tensors.clear()
-        specs = self.grown.specs
-        for family in seen:
-            spec = specs.get(family.key)
-            if spec is None:
-                if not family.watched or len(specs) >= MAX_COUNT_SERIES:
-                    continue
-                spec = specs[family.key] = _family_spec(family)
-                for earlier, rows in list(family.past)[:-1]:
-                    self._observe(spec, earlier, rows * family.row_bytes, record.phase)
-            self._observe(spec, record.step, family.rows * family.row_bytes, record.phase)
-
-    def _feed_tensor_counts(self, tracker: SurvivorTracker, step: int, phase: str) -> None:
-        _, by_device = tracker.total()
-        for device, nbytes in by_device.items():
-            spec = _spec("long_lived_bytes", "tensor_leak", device, sparse=True, alarm=False)
-            self._long_lived.add(spec.name)
-            self._observe(spec, step, nbytes, phase)
-        self._observe_groups(self.counts, step, phase,
-                             [(g.key, g.count, functools.partial(_tensor_spec, g)) for g in tracker.groups()])
-
-    def _hold_counts(self, tracker: SurvivorTracker) -> None:
-        """Once the tracker is capped its counts stay flat however many tensors leak, which would read
-        as a leak that stopped: the count series are held (a finding stays as it was, saying why,
-        never cleared) and are fed no more. The bytes series (allocated, host RSS) still judge."""
-        if self._capped:
-            return
-        self._capped = True
-        reason = f"counting capped at {tracker.max_tracked:,} long-lived tensors (a lower bound from here on)"
-        for name in self.counts.names() | self._long_lived:
-            self.detector.hold(name, reason)
-        log.info("gpumemd: long-lived tensor %s; the count series keep their last state", reason)
-
-    def _feed_chains(self, chains: GraphChainTracker, tracker: SurvivorTracker, record: StepRecord) -> None:
-        """Follow autograd graphs chained across steps and feed their node counts."""
-        roots = _chain_roots(tracker)
-        try:
-            chains.scan(roots)
-        finally:
-            roots.clear()
-        self._observe_groups(self.chain_nodes, record.step, record.phase,
-                             [(g.key, g.nodes, functools.partial(_chain_spec, g)) for g in chains.groups()])
-
-    def _observe_groups(self, family: GroupSeries[K], step: int, phase: str,
-                        groups: list[tuple[K, int, Callable[[], SeriesSpec]]]) -> None:
-        """Feed one count series per group (key, count, how to make its spec): a group gets a series
-        once it reaches ``_COUNT_MIN`` (``MAX_COUNT_SERIES`` at most), and with it the counts it had
-        at the earlier scans (kept per family, bounded), so its series starts where the group did,
-        not where it crossed the threshold; a watched group that is gone (all its tensors died, its
-        chain ended) drops to 0."""
-        specs = family.specs
-        present: dict[K, int] = {}
-        for key, count, make_spec in groups:
-            present[key] = count
-            spec = specs.get(key)
-            if spec is None:
-                if count < _COUNT_MIN or len(specs) >= MAX_COUNT_SERIES:
-                    continue
-                spec = specs[key] = make_spec()
-                for earlier, counts in family.count_past:  # what this group counted at the scans before
-                    if earlier < step:
-                        self._observe(spec, earlier, counts.get(key, 0), phase)
-            self._observe(spec, step, count, phase)
-        for key, spec in specs.items():
-            if key not in present:
-                self._observe(spec, step, 0, phase)
-        family.count_past.append((step, present))
 
     # --- what matters --------------------------------------------------------------------------
 
@@ -412,18 +278,6 @@ class LeakSeries:
         return self.detector.slope_since(series_name("invisible_bytes", device), status.phase, status.window_start)
 
 
-def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:
-    """Tensors a chain may end in: new ones with a ``grad_fn`` and long-lived ones (in-place
-    accumulators). Strong references: the caller drops the list soon."""
-    roots: list[torch.Tensor] = tracker.new_graph_roots(MAX_ROOTS)
-    seen = {id(t) for t in roots}
-    roots.extend(t for t in tracker.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
-    return roots
-
-
-_SPECS: dict[tuple[str, Device, bool, bool], SeriesSpec] = {}
-
-
 def _family(name: str) -> str:
     """The noise-floor family of a series name."""
     if name.startswith(("host_", "workers_")):
@@ -450,48 +304,3 @@ def _deep_size(obj: object, depth: int = 4) -> int:
     return size
 
 
-def _spec(measure: str, kind: str, device: Device, *, sparse: bool = False, alarm: bool = True) -> SeriesSpec:
-    """The spec of series ``measure`` on ``device``."""
-    # Specs are immutable and few: cache them so the per-step path builds nothing (not even the name).
-    key = (measure, device, sparse, alarm)
-    spec = _SPECS.get(key)
-    if spec is None:
-        spec = SeriesSpec(series_name(measure, device), kind, device, sparse=sparse, alarm=alarm,
-                          explained_by=_explained_by(measure, device))
-        if len(_SPECS) < 1024:
-            _SPECS[key] = spec
-    return spec
-
-
-def _explained_by(measure: str, device: Device) -> tuple[str, ...]:
-    """What accounts for a series' growth when it grows as fast: the device's long-lived tensors, for
-    its allocated bytes."""
-    if measure != "allocated_bytes":
-        return ()
-    return (series_name("long_lived_bytes", device), series_family("tensors", device),
-            series_family("growing_tensor_bytes", device))
-
-
-def _tensor_spec(group: SurvivorGroup) -> SeriesSpec:
-    """The count series of a survivor group."""
-    described = group.describe()
-    return SeriesSpec(series_name("tensors", group.device, described),
-                      "graph_leak" if group.graph else "tensor_leak", group.device, sparse=True,
-                      unit="tensors", group=described,
-                      # a tensor with a grad_fn keeps its graph: its bytes are more than its own
-                      unit_bytes=0.0 if group.graph else group.nbytes / max(1, group.count))
-
-
-def _chain_spec(group: ChainGroup) -> SeriesSpec:
-    """The node-count series of a graph-chain group."""
-    described = group.describe()
-    return SeriesSpec(series_name("graph_nodes", group.device, described), "graph_leak", group.device,
-                      sparse=True, unit="nodes", group=described)
-
-
-def _family_spec(family: Family) -> SeriesSpec:
-    """The bytes series of a growing tensor's family."""
-    described = family.describe()
-    return SeriesSpec(series_name("growing_tensor_bytes", family.device, described),
-                      "graph_leak" if family.key[3] else "tensor_leak", family.device, sparse=True,
-                      group=described, row_bytes=family.row_bytes)

@@ -6,7 +6,7 @@ Moments, in order, for a CUDA OOM:
    observer also fires for OOMs PyTorch retries internally (cuDNN workspaces), so it only captures,
    and a burst of calls (cuDNN halving its workspace in a loop) takes one snapshot per step and second;
 2. the ``OutOfMemoryError`` propagates: ``gpumemd.oom_guard`` or an excepthook (uncaught, main or
-   other thread) hands it to ``handle``, which writes the report with the pending capture;
+   other thread) hands it to ``handle``, which writes the report with the pending capture (``oom_postmortem``);
 3. a capture no OOM claimed is of an OOM the job caught (or torch retried): counted at once, and
    reported at the next sampled step end (or at stop), never attached to another (``oom_capture``);
    one report per step, under the same cap and cooldown. ``find_batch_size``'s tries are not OOMs
@@ -27,28 +27,26 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.analysis.oom_message import classify_exception
-from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.components.base import ComponentBase
-from gpumemd.components.hook_printing import format_traceback, safe_str
 from gpumemd.components.oom_capture import Capture, CaptureSlot, CaughtTally, probing_now
 from gpumemd.components.oom_excepthooks import ExceptHooks
-from gpumemd.probes.environment import collect_environment
-from gpumemd.probes.package_dirs import internal_dirs, library_dirs
-from gpumemd.records.device import Device, cuda_index
+from gpumemd.components.oom_postmortem import PostMortem
+from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall, OomMessage
-from gpumemd.report.build import ReportInputs, build_report, oom_device
-from gpumemd.report.writer import render_files, report_dir_name, write_report_dir
+from gpumemd.report.writer import render_files
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.snapshot import SnapshotProbe
-    from gpumemd.records.census import Census
     from gpumemd.records.step import StepRecord
+
+# ``render_files`` is ``report.writer``'s (``oom_postmortem`` writes the report); tests still import it from here.
+__all__ = ["FatalOomListener", "OomComponent", "OomOptions", "render_files"]
 
 log = logging.getLogger("gpumemd")
 
@@ -134,6 +132,7 @@ class OomComponent(ComponentBase):
         self._cuda_possible = True
         self._running = False
         self._hooks = ExceptHooks(self._hook_report, self._fatal, handled_mark=_MARK)
+        self._postmortem = PostMortem(snapshot_probe, census, wall_clock)  # ``oom_postmortem``
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -341,10 +340,8 @@ class OomComponent(ComponentBase):
                          self._ooms, self._written, self.config.oom_max_reports, self.config.oom_cooldown_s)
                 return None
             self._last_report = now
-        path = self._write(agent, exc, message, source, capture)
-        with self._lock:
-            self._written += 1
-            agent.publish(reports=(*agent.state().reports, path))
+        path = self._postmortem.write(agent, exc, message, source, capture)
+        self._count_written(agent, path)
         log.warning("gpumemd: out-of-memory report written to %s", path)
         return path
 
@@ -362,82 +359,20 @@ class OomComponent(ComponentBase):
                 return
             self._last_report = now
         message = OomMessage(kind="cuda", format="unparsed", device=capture.call.device)
-        path = self._write(agent, None, message, "caught", capture, taken=(agent.state().census, _CAUGHT_NOTE))
-        with self._lock:
-            self._written += 1
-            agent.publish(reports=(*agent.state().reports, path))
+        path = self._postmortem.write(agent, None, message, "caught", capture,
+                                      taken=(agent.state().census, _CAUGHT_NOTE))
+        self._count_written(agent, path)
         log.warning("gpumemd: the job caught an out-of-memory error at step %d (%d in that step); report written "
                     "to %s", capture.step, capture.calls, path)
 
-    def _write(self, agent: AgentView, exc: BaseException | None, message: OomMessage | None, source: str,
-               capture: Capture | None, *, taken: tuple[Census | None, str | None] | None = None) -> str:
-        state = agent.state()
-        snapshot = capture.snapshot if capture else None
-        snapshot_source = "oom_observer" if snapshot is not None else None
-        on_cuda = message is not None and message.kind != "cpu"
-        if snapshot is None and on_cuda:
-            snapshot = self._probe.capture()  # no observer yet (OOM in the first step): the state now
-            snapshot_source = "report_time" if snapshot is not None else None
-        census_before = state.census  # the last census before the OOM's: what grew since
-        census, note = taken if taken is not None else self._census_at_oom(agent)
-        step = capture.step if source == "caught" and capture else 0 if state.step is None else state.step + 1
-        inputs = ReportInputs(
-            created_at=self._wall(),
-            identity=state.identity,
-            source=source,
-            exception_type=type(exc).__name__ if exc is not None else "none",
-            exception_message=safe_str(exc) if exc is not None else "report requested without an exception",
-            traceback_text=format_traceback(exc),
-            message=message,
-            step=step,
-            phase=agent.current_phase,
-            observer=capture.call if capture else None,
-            snapshot_summaries=summarize_snapshot(
-                snapshot, internal=internal_dirs(), library=library_dirs()) if snapshot is not None else {},
-            snapshot_source=snapshot_source,
-            snapshot_file="snapshot.pickle" if snapshot is not None else None,
-            expandable_segments=expandable_segments_enabled(snapshot) if snapshot is not None else None,
-            census=census,
-            census_note=note,
-            census_before=census_before if census_before is not census else None,
-            steps=agent.steps(),
-            history=agent.history(),
-            at_oom=_read_now(agent),
-            findings=state.findings,
-            host=state.host,
-            workers=state.workers,
-            allocator=state.allocator,
-            nvml=state.nvml,
-            step_profile=state.step_profile,
-        )
-        ordinal = cuda_index(oom_device(inputs))
-        summary = capture.memory_summary if capture and capture.memory_summary else (
-            self._probe.memory_summary(ordinal) if ordinal is not None else None)
-        env = collect_environment(state.identity, device=ordinal)
-        inputs = replace(inputs, environment=env, memory_summary=summary)
-        report = build_report(inputs)
-        files = render_files(report, snapshot)
-        name = report_dir_name(state.identity.rank, step, inputs.created_at)
-        return write_report_dir(agent.output_dir, name, files)
-
-    def _census_at_oom(self, agent: AgentView) -> tuple[Census | None, str | None]:
-        try:
-            return self._census.take_outside_step(), None  # now, while the failing frames still hold their tensors
-        except ImportError:
-            return agent.state().census, "the census module is not available; showing the last census"
-        except Exception as err:  # noqa: BLE001 - a census failure must not cost the report
-            return agent.state().census, f"census at the OOM failed ({type(err).__name__}: {err})"
+    def _count_written(self, agent: AgentView, path: str) -> None:
+        """A report written: it counts towards ``oom_max_reports`` and is published with the others."""
+        with self._lock:
+            self._written += 1
+            agent.publish(reports=(*agent.state().reports, path))
 
 
 def _interactive() -> bool:
     """A REPL (or ``python -i``) shows the traceback and goes on: no exit to linger before."""
     return hasattr(sys, "ps1") or bool(sys.flags.interactive) or bool(sys.flags.inspect) \
         or bool(os.environ.get("PYTHONINSPECT"))
-
-
-def _read_now(agent: AgentView) -> StepRecord | None:
-    """The memory at the OOM, in the failing step (the timeline's last row); None when unreadable."""
-    try:
-        return agent.read_now()
-    except Exception:  # noqa: BLE001 - a probe failing at the OOM must not cost the report
-        return None

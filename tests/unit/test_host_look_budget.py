@@ -11,9 +11,15 @@ from fakes import ManualClock
 from gpumemd import budget
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.config import Config
+from gpumemd.probes.stepwise import run_to_end
 
 LOOK_COST = 0.1  # seconds one heap look takes here
 STEP = 0.01  # the job's typical step time
+
+
+def look(component: HostLooks, step: int, agent: SimpleNamespace, *, force: bool = False) -> None:
+    """One whole look, as the leak component's step ends run it (``look_stepwise``, to its end)."""
+    run_to_end(component.look_stepwise(step, agent, force=force))
 
 
 @pytest.fixture
@@ -44,7 +50,7 @@ def test_a_heap_look_waits_until_the_job_has_paid_for_the_last_within_its_share(
     assert 8_800 < due < 8_900
     for steps_total in (0, 2_000, 8_000, 8_880, 8_900, 12_000, 17_700, 17_800):
         agent.steps_total = steps_total
-        component.look(steps_total, agent)
+        look(component, steps_total, agent)
     assert seen == [0, 8_900, 17_800]
 
 
@@ -52,10 +58,10 @@ def test_time_between_steps_does_not_pay_for_a_look(
     looks: tuple[HostLooks, SimpleNamespace, list[int]],
 ) -> None:
     component, agent, seen = looks
-    component.look(0, agent)
+    look(component, 0, agent)
     component._clock.now += 3600.0  # type: ignore[attr-defined]  # an hour outside the job's steps
     agent.steps_total = 2_000  # 20 s of steps: a look would cost 0.5% of them
-    component.look(2_000, agent)
+    look(component, 2_000, agent)
     assert seen == [0]
 
 
@@ -63,8 +69,8 @@ def test_a_state_change_looks_at_once_whatever_the_budget(
     looks: tuple[HostLooks, SimpleNamespace, list[int]],
 ) -> None:
     component, agent, seen = looks
-    component.look(0, agent)
+    look(component, 0, agent)
     agent.steps_total = 1_000  # two windows later, long before the budget allows a routine look
-    component.look(1_000, agent)
-    component.look(1_000, agent, force=True)
+    look(component, 1_000, agent)
+    look(component, 1_000, agent, force=True)
     assert seen == [0, 1_000]

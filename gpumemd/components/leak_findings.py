@@ -1,0 +1,206 @@
+"""The leak component's findings: from an evaluation's statuses and the evidence its culprit searches
+found to the findings it publishes.
+
+One finding per (series, phase), as the detector tracks them, is kept with the evidence behind it and
+the step it was last searched at; growth that is not a finding of its own (tensors a reported graph
+keeps, cyclic garbage, growth another series explains) is withheld. The findings of groups that grow
+together under one holder are published merged by cause (``analysis.leak_causes``); on a state change
+of a cause its headline is logged and the whole finding appended to the findings file (``leak_file``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, merge_causes, state_changes
+from gpumemd.analysis.leak_detector import LeakState, TrackStatus
+from gpumemd.analysis.leak_wording import build_finding, refine_kind
+from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
+from gpumemd.components.leak_file import FindingsFile
+from gpumemd.components.leak_pending import Key
+
+if TYPE_CHECKING:
+    from gpumemd.components.base import AgentView
+    from gpumemd.components.census_component import CensusComponent
+    from gpumemd.components.leak_options import LeakOptions
+    from gpumemd.components.leak_pending import PendingEvaluation
+    from gpumemd.components.leak_series import LeakSeries
+    from gpumemd.records.findings import Finding
+
+log = logging.getLogger("gpumemd")
+
+
+class LeakFindings:
+    """The leak component's findings, kept across its starts; see the module docstring. ``census`` (the
+    census component, None when censuses are off) is asked for a census that matches a confirmed leak;
+    ``wall_clock`` stamps the findings file."""
+
+    def __init__(self, options: LeakOptions, *, census: CensusComponent | None,
+                 wall_clock: Callable[[], float]) -> None:
+        self._options = options
+        self._census = census
+        self._wall = wall_clock
+        self._findings: dict[Key, Finding] = {}  # per (series, phase); published merged by cause
+        self._causes: Causes = NO_CAUSES
+        self._culprits: dict[Key, Evidence] = {}
+        self.attempts: dict[Key, int] = {}  # step of the last culprit search per finding
+        self._file: FindingsFile | None = None
+
+    def start(self, agent: AgentView) -> None:
+        self._file = FindingsFile(agent, self._wall)
+
+    @property
+    def path(self) -> str:
+        """The findings file (``leak_file``), created on the first state change."""
+        assert self._file is not None
+        return self._file.path
+
+    def conclude(self, agent: AgentView, series: LeakSeries, pending: PendingEvaluation) -> None:
+        self._culprits.update(pending.found)
+        statuses, rising = pending.statuses, pending.rising
+        if not statuses:
+            return
+        held_graphs = self._graphs_reported(series, statuses, rising)
+        before = dict(self._findings)
+        changed = [(s.spec.name, s.phase) for s in statuses
+                   if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found) and s.changed]
+        if not changed and before.keys() == self._findings.keys() and all(
+                self._findings[k] is f for k, f in before.items()):
+            return  # every finding stands as published (confirmed leaks between re-tests): nothing to say
+        # Groups that grow together under one holder are one cause: one finding, one line per
+        # state change of it (the per-series findings above stay the detector's bookkeeping).
+        previous, self._causes = self._causes, merge_causes(self._findings, self._causes)
+        reported = state_changes(previous, self._causes, changed)
+        for finding in reported:
+            self._report(finding)
+        agent.publish(findings=tuple(self._causes.findings.values()))
+        self._census_to_match(agent, reported)
+
+    def _census_to_match(self, agent: AgentView, reported: list[Finding]) -> None:
+        """A census soon after a leak is confirmed (or refreshed while the census predates it), so the
+        tensor figures tell the finding's story: a fast loop's census can be thousands of steps old."""
+        census = agent.published.census
+        taken = census.step if census is not None and census.step is not None else -1
+        confirmed = [f.first_step for f in self._causes.findings.values() if f.state == "confirmed"]
+        if self._census is not None and confirmed and (
+                any(f.state == "confirmed" for f in reported) or taken < max(confirmed)):
+            self._census.take_soon()
+
+    def _graphs_reported(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> bool:
+        """Is a retained graph reported by another finding, so tensors only a graph keeps are not?"""
+        # Tensors that only an autograd graph keeps (saved inputs whose wrapper torch preserved) grow
+        # with the graph tensors a Python container holds: one leak, reported once, by the latter.
+        active_keys = self._findings_or(statuses)
+        if any(e.kind == "graph_leak" and not e.graph_kept and key in active_keys
+               for key, e in self._culprits.items()):
+            return True
+        # ... or by a graph chain (``total += loss`` without backward keeps each step's saved tensors):
+        # the chain is the cause, and it is reported by its own series, rising now or active.
+        chains = series.chain_nodes.names()
+        return bool(chains & rising) or any(f.series in chains and f.state != "cleared"
+                                            for f in self._findings.values())
+
+    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool, *, fresh: bool) -> bool:
+        """Update one status's finding, unless it is not one (False). ``fresh``: a culprit search for
+        it concluded in this evaluation."""
+        key = (status.spec.name, status.phase)
+        evidence = self._culprits.get(key, NO_EVIDENCE)
+        if self._withheld(status, evidence, held_graphs):
+            return False
+        previous = self._findings.get(key)
+        if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
+            # The detector gave its last status again (a confirmed leak between its re-tests, every
+            # 4th check): the finding stands as built then; rebuilding its sentences every check of a
+            # finding that lasts for days was most of the cost of tracking it.
+            return True
+        active = status.state is not None and status.state.active
+        dated = _dated(status, evidence)
+        finding = build_finding(
+            dated, kind=self._kind(series, status, evidence), culprits=evidence.culprits if active else (),
+            culprit_steps=evidence.steps, headroom_bytes=series.headroom(status.spec), sites=evidence.sites,
+            bytes_per_unit=evidence.bytes_per_unit, seconds_per_step=series.seconds_per_step,
+            holder_sentence=evidence.sentence, per_step=series.stated_rate(dated),
+            culprits_step=self.attempts.get(key),
+        )
+        self._findings[key] = finding
+        if not active:
+            self._culprits.pop(key, None)
+        return True
+
+    def _withheld(self, status: TrackStatus, evidence: Evidence, held_graphs: bool) -> bool:
+        """Growth that is not a finding of its own: tensors a reported graph keeps, cyclic garbage,
+        or growth another series explains (its finding is withdrawn, never said to have stopped)."""
+        if (evidence.graph_kept and held_graphs) or evidence.garbage:
+            if status.changed:
+                log.debug("gpumemd: %s grows, but %s", status.spec.name, "cyclic garbage the collector will free"
+                          if evidence.garbage else "it is kept by a graph already reported")
+            return True
+        active = status.state is not None and status.state.active
+        if not active and status.verdict.reason.startswith("explained"):
+            # The growth goes on, as another series' finding: withdraw this one, never say it stopped.
+            key = (status.spec.name, status.phase)
+            self._findings.pop(key, None)
+            self._culprits.pop(key, None)
+            if status.changed:
+                log.info("gpumemd: %s growth is %s; reported there", status.spec.name, status.verdict.reason)
+            return True
+        return False
+
+    def _findings_or(self, statuses: list[TrackStatus]) -> set[Key]:
+        """Keys of the findings that are active now or in this evaluation."""
+        keys = {k for k, f in self._findings.items() if f.state != "cleared"}
+        keys.update((s.spec.name, s.phase) for s in statuses if s.state is not None and s.state.active)
+        return keys
+
+    def counts_active(self, series: LeakSeries, rising: set[str]) -> bool:
+        """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
+        the heap scans that look for other culprits are not worth their cost."""
+        names = series.counts.names() | series.chain_nodes.names() | series.grown.names()
+        if names & rising:
+            return True
+        return any(f.series in names and f.state != "cleared" for f in self._findings.values())
+
+    def retry_culprits(self, key: Key, step: int) -> bool:
+        """No culprit yet: look again, but at most once per window (each look scans the heap or takes
+        a census, which must not happen every check of a finding that lasts for days)."""
+        entry = self._culprits.get(key)
+        if entry is not None and entry.culprits:
+            return False
+        last = self.attempts.get(key)
+        return last is None or step - last >= self._options.leak_window_steps // 2
+
+    def _kind(self, series: LeakSeries, status: TrackStatus, evidence: Evidence) -> str:
+        previous = self._findings.get((status.spec.name, status.phase))
+        if status.state is LeakState.CLEARED and previous is not None:
+            return previous.kind
+        kind = evidence.kind if evidence.kind is not None else refine_kind(status.spec.kind, evidence.culprits)
+        if kind == "tensor_leak":
+            # allocated bytes that the census cannot see growing as fast: autograd-saved tensors
+            invisible = series.invisible_rate(status)
+            if invisible is not None and invisible >= 0.5 * status.verdict.slope.slope:
+                kind = "graph_leak"
+        return kind
+
+    # --- surfaces ------------------------------------------------------------------------------
+
+    def _report(self, finding: Finding) -> None:
+        # One short line a person reads once; the whole sentence goes to the file and the state.
+        log.warning("gpumemd: %s", finding.headline or finding.summary)
+        if self._file is not None:
+            self._file.append(finding)
+
+
+def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
+    """The status with the earlier of its onset and the evidence's. Host RSS lags a leak (freed heap
+    is reused first): a container's length at its rate dates it better. A count series' knee,
+    dated between scans, is already within a step or two; a chain's marks only place its start
+    within a scan interval, so they date it only when the series cannot."""
+    onset = evidence.onset_step
+    if onset is None or (status.onset_step is not None and status.spec.unit != "bytes"):
+        return status
+    if status.onset_step is not None:
+        onset = min(status.onset_step, onset)
+    return dataclasses.replace(status, onset_step=max(0, onset))  # a length at its rate may point before step 0
