@@ -37,14 +37,15 @@ Timing- and measurement-dependent (``--diff`` reports these as warnings, not dif
   sizes in the holder text ("list of 252 items") and the growth (seen once in the host-buffer
   scenario: 551/651 instead of 552/652). Each record keeps its ``sampling`` grid (runs of equal
   strides, ``first-last/stride``).
-- A host RSS finding (the host-buffer scenario). RSS is measured memory and differs by some KiB from
+- A host RSS finding (the host-buffer scenario, and the DataLoader workers' RSS in the worker-cache
+  one). RSS is measured memory and differs by some KiB from
   run to run: in sentences about ``host_rss_bytes`` its rate, 95% bound and growth become ``<rss>``
   (``growth_bytes``, slopes and ``p_value`` stay in the record). The noise can also move the
   evaluation that suspects it by one check (552 or 602 on the same grid), and the heap look that
   names its culprit is budgeted by measured seconds, so other containers may be named after the
   first ("(+2 more groups)").
 
-A scenario whose grids differ, or that has a host RSS finding, is compared loosely: every number
+A scenario whose grids differ, or that has a host or workers' RSS finding, is compared loosely: every number
 masked, "(+N more groups)" dropped, culprits after the first ignored; a field that then agrees is a
 warning, one that still differs (another kind, series, state, first holder or wording, a missing
 finding) is a difference. Every other scenario must agree exactly, field by field.
@@ -87,7 +88,7 @@ _OOM = re.compile(r"out of memory in ~(?:[\d.,]+ (?:s|min|h|days)(?: \(~[\d,]+ s
 _EXIT_WALL = re.compile(r"watched in [\d.,]+ (?:ms|s|min|h)")
 _EXIT_COST = re.compile(r"agent took [\d.,]+ (?:ms|s|min|h) \([^)]*\)")
 _PID = re.compile(r"\bpids? \d+(?:, \d+)*")
-_RSS_SERIES = "host_rss_bytes"
+_RSS_SERIES = ("host_rss_bytes", "workers_rss_bytes")
 _RSS_FIGURES = re.compile(r"(on host_rss_bytes(?: \(phase [^)]*\))?), \+[\d.,]+ \w+/step \(>= [\d.,]+ \w+/step at 95%\)"
                           r"((?:, since step \d+)?), \+[\d.,]+ \w+ so far")
 _MORE_GROUPS = re.compile(r" \(\+\d+ more groups?\)")
@@ -290,16 +291,16 @@ def _shown(value: Any) -> str:
 def _masked(value: Any) -> Any:
     """The value with every number masked and "(+N more groups)" dropped: what must agree in a loose
     comparison."""
-    if isinstance(value, bool) or value is None or value == _MISSING:
+    if isinstance(value, bool) or value == _MISSING:
         return value
-    if isinstance(value, int | float):
+    if value is None or isinstance(value, int | float):  # None: an unbounded slope interval's side (±inf)
         return "#"
     return _NUMBER.sub("#", _MORE_GROUPS.sub("", value)) if isinstance(value, str) else value
 
 
 def _rss_driven(record: dict[str, Any]) -> bool:
     """A scenario with a host RSS finding: measured RSS decides its steps and extra groups (docstring)."""
-    return any(e.get("series") == _RSS_SERIES for e in record.get("events", []))
+    return any(e.get("series") in _RSS_SERIES for e in record.get("events", []))
 
 
 def _timing(path: str, va: Any, vb: Any, loose: bool) -> bool:
