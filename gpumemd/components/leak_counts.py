@@ -54,14 +54,14 @@ class GroupSeries(Generic[K]):
 
 
 class CountFeeding:
-    """The scan's half of ``LeakSeries``, its base class: a base, not a part it calls, so a scan's
-    feeding costs no call more than when it was written in ``LeakSeries`` itself."""
+    """The scan's part of ``LeakSeries`` (its ``scans``): fed at each survivor scan, it observes into the
+    series' detector through ``observe`` (``LeakSeries._observe``, which adds a new series first)."""
 
-    detector: LeakDetector  # ``LeakSeries``'s
-    _observe: Callable[[SeriesSpec, int, float, str], None]  # ``LeakSeries._observe``: a new series is added first
-
-    def __init__(self, *, tracker: SurvivorTracker | None, chains: GraphChainTracker | None,
+    def __init__(self, detector: LeakDetector, observe: Callable[[SeriesSpec, int, float, str], None], *,
+                 tracker: SurvivorTracker | None, chains: GraphChainTracker | None,
                  families: TensorFamilies | None) -> None:
+        self.detector = detector
+        self._observe = observe
         self._tracker = tracker
         self._chains = chains
         self.families = families

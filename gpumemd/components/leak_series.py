@@ -70,9 +70,9 @@ WAITING_MAX = 32
 __all__ = ["COUNT_FLOOR", "NOISE_FLOOR_BYTES", "RSS_BURST_BYTES", "WAITING_MAX", "_COUNT_MIN", "LeakSeries"]
 
 
-class LeakSeries(CountFeeding):
+class LeakSeries:
     """Feeds the detector (one per start) and says what growth matters; see the module docstring. What
-    a survivor scan feeds (``feed_counts``) is ``leak_counts.CountFeeding``'s.
+    a survivor scan feeds (``feed_counts``) is its part ``scans``'s (``leak_counts.CountFeeding``).
 
     ``tracker`` and ``chains`` (None when long-lived tensor tracking is off) give the count series."""
 
@@ -80,13 +80,17 @@ class LeakSeries(CountFeeding):
                  chains: GraphChainTracker | None, families: TensorFamilies | None = None) -> None:
         self._options = options
         self._agent = agent
-        super().__init__(tracker=tracker, chains=chains, families=families)
         self.detector = LeakDetector(DetectorConfig(
             min_bytes_per_step=options.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
             warmup_steps=options.leak_warmup_steps,
             window_steps=options.leak_window_steps,
             check_every_steps=options.leak_check_every_steps,
         ))
+        self.scans = CountFeeding(self.detector, self._observe, tracker=tracker, chains=chains, families=families)
+        # The scan's series, read by the culprit search and the findings (the same objects, never replaced).
+        self.counts, self.grown, self.chain_nodes = self.scans.counts, self.scans.grown, self.scans.chain_nodes
+        self.families = families
+        self.feed_counts = self.scans.feed_counts
         self.host_spec = SeriesSpec(
             series_name("host_rss_bytes"), "host_leak", CPU,
             explained_by=(series_name("census_bytes", CPU), series_name("long_lived_bytes", CPU),

@@ -204,7 +204,7 @@ def test_a_count_series_of_a_group_born_later_starts_with_the_zeros_it_had() -> 
         groups = [("few", _COUNT_MIN - 1, lambda: few)]  # present at every scan, never watched
         if step == 450:
             groups.append(("leak", _COUNT_MIN + 1, lambda: spec))
-        series._observe_groups(series.counts, step, "train", groups)
+        series.scans._observe_groups(series.counts, step, "train", groups)
     assert [(s, v) for name, s, v in fed if name == spec.name] == [*((s, 0) for s in range(100, 450, 50)),
                                                                    (450, _COUNT_MIN + 1)]
     assert not any(name == few.name for name, _, _ in fed)
