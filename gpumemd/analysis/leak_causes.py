@@ -116,6 +116,19 @@ def state_changes(previous: Causes, now: Causes, changed: Sequence[Key]) -> list
     return list(out.values())
 
 
+def withdrawn(previous: Causes, now: Causes) -> list[Finding]:
+    """The causes a person was told of (suspected or confirmed) that are gone now: a finding leaves only
+    when withdrawn (another series accounts for its growth), and a cause goes with its last finding."""
+    return [f for key, f in previous.findings.items() if key not in now.findings and f.state != "cleared"]
+
+
+def accounting_for(finding: Finding, causes: Causes) -> Finding | None:
+    """The active cause on the same device that most likely accounts for a withdrawn ``finding``'s
+    growth: a confirmed one first, then the fastest."""
+    live = [f for f in causes.findings.values() if f.state != "cleared" and f.device == finding.device]
+    return max(live, key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), default=None)
+
+
 def _join(key: Key, finding: Finding, findings: Mapping[Key, Finding], members: Mapping[Key, Member]) -> Member:
     """A new finding's membership: a cause with the same root at about the same rate, or its own."""
     rate = finding.tensors_per_step

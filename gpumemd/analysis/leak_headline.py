@@ -122,6 +122,23 @@ def mention(finding: Finding) -> str:
     return f"{text} ({state})"
 
 
+def withdrawn_line(finding: Finding, by: Finding | None) -> str:
+    """The line that closes a finding a person was told of and that another accounts for now (host RSS
+    rising with the tensors of a tensor leak): withdrawn, not cleared, as its growth goes on as that
+    finding's ("host memory leak suspected since step 982 withdrawn: the tensor leak held by `kept` in
+    main() at train.py:12 accounts for its growth"). ``by``: that finding, when one is active."""
+    text = f"{KIND_WORDS.get(finding.kind, finding.kind)} {finding.state}"
+    if finding.onset_step is not None:
+        text += f" {since_words(finding.onset_step)}"
+    what = "the growth of the tensors the agent counts"
+    if by is not None:
+        what = "the " + KIND_WORDS.get(by.kind, by.kind)
+        holder = holder_words(_shared(by.culprits), by.sites)
+        if holder:
+            what += " " + fit_holder(holder, _MENTION_HOLDER_MAX)
+    return f"{text} withdrawn: {what} accounts for its growth"
+
+
 def fit_holder(holder: str, width: int) -> str:
     """A holder in ``width`` characters: without where it lives first (the name and the function say
     where; the summary keeps the line), then the directories of the line that adds to it ("appended

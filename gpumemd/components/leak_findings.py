@@ -15,8 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, merge_causes, state_changes
+from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, accounting_for, merge_causes, state_changes, withdrawn
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
+from gpumemd.analysis.leak_headline import withdrawn_line
 from gpumemd.analysis.leak_wording import build_finding, refine_kind
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_file import FindingsFile
@@ -76,6 +77,9 @@ class LeakFindings:
         reported = state_changes(previous, self._causes, changed)
         for finding in reported:
             self._report(finding)
+        for finding in withdrawn(previous, self._causes):  # said, so its end is said too (not to the file:
+            # its growth goes on in the finding that accounts for it, whose lines are there)
+            log.warning("gpumemd: %s", withdrawn_line(finding, accounting_for(finding, self._causes)))
         agent.publish(findings=tuple(self._causes.findings.values()))
         self._census_to_match(agent, reported)
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, Key, cause_root, merge_causes, state_changes
+from gpumemd.analysis.leak_causes import (
+    NO_CAUSES,
+    Causes,
+    Key,
+    accounting_for,
+    cause_root,
+    merge_causes,
+    state_changes,
+    withdrawn,
+)
 from gpumemd.records.device import CPU
 from gpumemd.records.findings import Culprit, Finding
 
@@ -153,3 +162,17 @@ def test_a_withdrawn_finding_leaves_its_cause() -> None:
 
     assert list(history[1].findings.values()) == [b]
     assert list(history[1].findings) == [_key(a)]  # the cause keeps its key
+
+
+def test_a_cause_a_person_was_told_of_and_that_is_withdrawn_is_listed_once() -> None:
+    host = dataclasses.replace(_finding("host", None), kind="host_leak", series="host_rss_bytes", culprits=(),
+                               tensors_per_step=None)
+    kept = _finding("float32[64]", HISTORY.format(n=501), state="confirmed")
+    before = merge_causes({_key(host): host, _key(kept): kept}, NO_CAUSES)
+    after = merge_causes({_key(kept): kept}, before)  # host RSS explained by the tensors: withdrawn
+
+    assert withdrawn(before, after) == [host]
+    assert withdrawn(after, after) == []
+    assert accounting_for(host, after) == kept
+    cleared = dataclasses.replace(host, state="cleared")
+    assert withdrawn(merge_causes({_key(cleared): cleared}, NO_CAUSES), NO_CAUSES) == []  # its end was said

@@ -11,6 +11,7 @@ from gpumemd.analysis.leak_headline import (
     holder_words,
     mention,
     short_path,
+    withdrawn_line,
 )
 from gpumemd.analysis.leak_track import hinge_onset, knee_between
 from gpumemd.analysis.leak_wording import chain_sentence
@@ -106,3 +107,21 @@ def test_a_chain_counted_to_its_bound_says_so() -> None:
     assert "(graph of 3,001 nodes now; backward() freed their saved tensors" in exact
     bounded = chain_sentence("float32[]", CHAIN_NODES_MAX, 0.0, None, at_least=True)
     assert "(holder not found) (graph of 20,000+ nodes now;" in bounded
+
+
+def test_a_withdrawn_finding_says_what_accounts_for_its_growth() -> None:
+    host = Finding(kind="host_leak", series="host_rss_bytes", state="suspected", slope_bytes_per_step=36e3,
+                   slope_low=3e4, slope_high=4e4, onset_step=982, growth_bytes=10**7, steps_to_oom=1e4, first_step=1352,
+                   updated_step=1352, summary="", headline="host memory leak suspected: +36.1 KiB/step")
+    holder = "`val_preds` in <module>() at proj/train.py:5, appended at proj/train.py:13 → list of 400 items"
+    kept = Finding(kind="tensor_leak", series="tensors{device=cpu,group=float32[64]}", state="confirmed",
+                   slope_bytes_per_step=256.0, slope_low=250.0, slope_high=260.0, onset_step=1000, growth_bytes=10**5,
+                   steps_to_oom=1e8, first_step=1405, updated_step=1505, summary="", headline="",
+                   culprits=(Culprit(description="float32[64]", count_delta=400, bytes_delta=10**5, holder=holder),))
+
+    line = withdrawn_line(host, kept)
+    assert line == ("host memory leak suspected since step 982 withdrawn: the tensor leak held by `val_preds` in "
+                    "<module>() at proj/train.py:5, appended at proj/train.py:13 accounts for its growth")
+    assert len(line) <= HEADLINE_MAX
+    assert withdrawn_line(host, None) == ("host memory leak suspected since step 982 withdrawn: the growth of the "
+                                          "tensors the agent counts accounts for its growth")
