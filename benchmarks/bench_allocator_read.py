@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     from cuda_recordings import nested_from_flat, recorded_memory_stats
     from test_probes import torch_stats
 
-    from gpumemd.probes.allocator import flat_from_nested, sample_from_stats
+    from gpumemd.probes.device.allocator import flat_from_nested, sample_from_stats
 
     recorded = recorded_memory_stats()
     flat = next(iter(recorded.values())) if recorded else dict(torch_stats(3 << 30, 4 << 30))

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from gpumemd.probes.census_steps import take_census
-    from gpumemd.probes.holders import who_holds
+    from gpumemd.probes.census.census_steps import take_census
+    from gpumemd.probes.holding.holders import who_holds
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

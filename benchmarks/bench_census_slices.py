@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from gpumemd.probes.census_steps import GRAPH_SLICE_NODES, CensusRequest, census_steps
-from gpumemd.probes.gc_pause import collector_paused, hold_automatic, release_automatic
+from gpumemd.probes.census.census_steps import GRAPH_SLICE_NODES, CensusRequest, census_steps
+from gpumemd.probes.heap.gc_pause import collector_paused, hold_automatic, release_automatic
 from gpumemd.records.census import Census
 
 

@@ -5,10 +5,10 @@
 Part 1, for each test model (fp32, Adam, one CPU training step):
 - analytic: ``gpumemd.analysis.memory_estimate`` from the parameter count alone (no activations), and for
   the GPT models also from the transformer shape (Korthikanti et al. activations);
-- traced: ``gpumemd.probes.trace.trace_model`` on the meta device;
+- traced: ``gpumemd.probes.planning.trace.trace_model`` on the meta device;
 - measured: a real CPU step after one warm-up step: the live bytes before it (parameters, buffers,
   optimizer state; exact) plus the peak of torch's CPU allocator events during zero_grad, forward,
-  backward and step (``gpumemd.probes.cpu_peak``). Saved-for-backward is counted in the real step
+  backward and step (``gpumemd.probes.planning.cpu_peak``). Saved-for-backward is counted in the real step
   with the same saved-tensor counter.
 
 Part 2: median wall time of a training step with the step profile off, on but the step not
@@ -35,8 +35,8 @@ from torch import nn
 import gpumemd
 from gpumemd.analysis.memory_estimate import TransformerShape, estimate
 from gpumemd.components.step_profiler import StepProfileComponent
-from gpumemd.probes.cpu_peak import measure_cpu_peak
-from gpumemd.probes.trace import SavedTensorCounter, scalar_loss, storage_key, trace_model
+from gpumemd.probes.planning.cpu_peak import measure_cpu_peak
+from gpumemd.probes.planning.trace import SavedTensorCounter, scalar_loss, storage_key, trace_model
 
 
 def gpt_medium() -> nn.Module:

@@ -59,7 +59,7 @@ def _stats(device: int) -> dict[str, int]:
 
 
 def big_state(groups: int) -> Any:
-    from gpumemd.probes.allocator import sample_from_stats
+    from gpumemd.probes.device.allocator import sample_from_stats
     from gpumemd.records.census import CATEGORIES, Census, CensusGroup, GroupKey
     from gpumemd.records.device import Device
     from gpumemd.records.findings import Finding

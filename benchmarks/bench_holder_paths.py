@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from gpumemd.probes import holders
+    from gpumemd.probes.holding import holders
 
     n = args.items
     callbacks = [functools.partial(print, torch.zeros(4)) for _ in range(n)]

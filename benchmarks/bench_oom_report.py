@@ -26,8 +26,8 @@ from gpumemd.api import build_agent
 from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census_steps import census_steps
-from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.probes.census.census_steps import census_steps
+from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 
 MiB = 2**20
 MESSAGE = ("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 79.10 GiB of which "

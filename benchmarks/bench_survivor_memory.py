@@ -18,7 +18,7 @@ import tracemalloc
 
 import torch
 
-from gpumemd.probes.survivors import SurvivorTracker
+from gpumemd.probes.survival.survivors import SurvivorTracker
 
 
 def _made(n: int, tracker: SurvivorTracker | None) -> tuple[int, list[torch.Tensor], tracemalloc.Snapshot]:

@@ -23,8 +23,8 @@ import time
 import torch
 
 from gpumemd.agent import WORKERS_EVERY
-from gpumemd.probes.tensor_families import TensorFamilies
-from gpumemd.probes.workers import WorkersProbe
+from gpumemd.probes.process.workers import WorkersProbe
+from gpumemd.probes.survival.tensor_families import TensorFamilies
 
 
 def _timed(fn: object, n: int) -> float:

@@ -88,7 +88,7 @@ def _call_costs(torch: Any, n: int = 2000) -> dict[str, float]:
     tests' CUDA-shaped allocator costs what these say (each the median of 5 runs of ``n`` calls)."""
     import statistics
 
-    from gpumemd.probes.allocator import flat_from_nested
+    from gpumemd.probes.device.allocator import flat_from_nested
 
     nested = torch.cuda.memory.memory_stats_as_nested_dict
     calls = {"memory_stats_as_nested_dict": lambda: nested(0),

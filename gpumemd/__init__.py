@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gpumemd.agent import Agent
     from gpumemd.batch_size import find_batch_size
     from gpumemd.guard import oom_guard, oom_report
-    from gpumemd.probes.holders import who_holds
+    from gpumemd.probes.holding.holders import who_holds
 
 __all__ = [
     "Agent",
@@ -41,7 +41,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "Agent": "gpumemd.agent",
     "find_batch_size": "gpumemd.batch_size",
-    "who_holds": "gpumemd.probes.holders",
+    "who_holds": "gpumemd.probes.holding.holders",
     "oom_guard": "gpumemd.guard",
     "oom_report": "gpumemd.guard",
 }

@@ -26,7 +26,7 @@ from gpumemd.component_set import ComponentSet
 from gpumemd.components.base import Serving, TakesCensus
 from gpumemd.config import Config
 from gpumemd.output_dir import settle_output_dir
-from gpumemd.probes.identity import RankLogFilter, current_identity
+from gpumemd.probes.process.identity import RankLogFilter, current_identity
 from gpumemd.records.step import AgentState, Identity, Overhead, StepRecord
 from gpumemd.sampler import Sampler
 from gpumemd.signal_endings import SignalEndings, ending_at_exit
@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from gpumemd.components.base import Component
-    from gpumemd.probes.allocator import AllocatorProbe
-    from gpumemd.probes.host import HostProbe
-    from gpumemd.probes.nvml import NvmlProbe
-    from gpumemd.probes.workers import WorkersProbe
+    from gpumemd.probes.device.allocator import AllocatorProbe
+    from gpumemd.probes.device.nvml import NvmlProbe
+    from gpumemd.probes.process.host import HostProbe
+    from gpumemd.probes.process.workers import WorkersProbe
     from gpumemd.records.census import Census
     from gpumemd.records.findings import Finding
     from gpumemd.state_board import Probe

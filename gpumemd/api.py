@@ -21,11 +21,11 @@ if TYPE_CHECKING:
     from gpumemd.agent import Agent
     from gpumemd.components.base import Component
     from gpumemd.components.census_component import CensusComponent
-    from gpumemd.probes.allocation_history import AllocationHistory
-    from gpumemd.probes.allocator import AllocatorProbe
-    from gpumemd.probes.host import HostProbe
-    from gpumemd.probes.nvml import NvmlProbe
-    from gpumemd.probes.workers import WorkersProbe
+    from gpumemd.probes.device.allocation_history import AllocationHistory
+    from gpumemd.probes.device.allocator import AllocatorProbe
+    from gpumemd.probes.device.nvml import NvmlProbe
+    from gpumemd.probes.process.host import HostProbe
+    from gpumemd.probes.process.workers import WorkersProbe
     from gpumemd.records.step import Identity, StepRecord
 
 _lock = threading.Lock()
@@ -183,14 +183,14 @@ def build_agent(
     """An agent (not started) with the probes and components ``config`` asks for; any of them can be
     given instead (tests and benchmarks do). ``components=None`` means the default set."""
     from gpumemd.agent import Agent
-    from gpumemd.probes.allocator import AllocatorProbe
-    from gpumemd.probes.host import HostProbe
-    from gpumemd.probes.workers import WorkersProbe
+    from gpumemd.probes.device.allocator import AllocatorProbe
+    from gpumemd.probes.process.host import HostProbe
+    from gpumemd.probes.process.workers import WorkersProbe
 
     if components is None:
         components = build_components(config, history=history)
     if nvml_probe is None and config.nvml:
-        from gpumemd.probes.nvml import NvmlProbe
+        from gpumemd.probes.device.nvml import NvmlProbe
 
         nvml_probe = NvmlProbe(defer=True)  # started on the sampler's thread (Sampler.start)
     return Agent(config, allocator_probe=allocator_probe or AllocatorProbe(), host_probe=host_probe or HostProbe(),
@@ -209,7 +209,7 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     shared by the leak detector and the OOM capture. The census component is always built: it is the
     one census path (the job's ``Agent.census()``, the census at an OOM); ``census=False`` only turns
     off its censuses at step ends, and the leak detector, which reads those, then gets none."""
-    from gpumemd.probes.allocation_history import process_history
+    from gpumemd.probes.device.allocation_history import process_history
 
     history = history if history is not None else process_history()
     components: list[Component] = []
@@ -217,7 +217,7 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     components.append(census)
     if config.leak_detection:
         from gpumemd.components.leak import LeakComponent, LeakOptions
-        from gpumemd.probes.long_lived import long_lived_probes
+        from gpumemd.probes.survival.long_lived import long_lived_probes
 
         components.append(LeakComponent(config.options(LeakOptions), census=census if config.census else None,
                                         history=history, probes=long_lived_probes))
@@ -231,7 +231,7 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     exporter = ExporterComponent(exporter_options) if exporter_options.enabled else None
     if config.oom_reports:
         from gpumemd.components.oom_component import OomComponent, OomOptions
-        from gpumemd.probes.snapshot import SnapshotProbe
+        from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 
         components.append(OomComponent(config.options(OomOptions), snapshot_probe=SnapshotProbe(history=history),
                                        census=census, on_fatal=exporter))
@@ -245,6 +245,6 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
 
 def _census_component(config: Config) -> CensusComponent:
     from gpumemd.components.census_component import CensusComponent, CensusOptions
-    from gpumemd.probes.census_steps import census_steps
+    from gpumemd.probes.census.census_steps import census_steps
 
     return CensusComponent(config.options(CensusOptions), census_fn=census_steps)

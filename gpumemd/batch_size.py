@@ -27,7 +27,7 @@ Capacity and measurement:
   processes on the GPU and the CUDA context take their share too. ``set_per_process_memory_fraction``
   is the way to test with a cap, and real OOMs (cuBLAS/cuDNN allocation failures included) end tries.
 - CPU (or any run with ``budget_bytes``): on CPU the peak is measured from the profiler's
-  allocator events (``gpumemd.probes.cpu_peak``): tensor bytes allocated since the search
+  allocator events (``gpumemd.probes.planning.cpu_peak``): tensor bytes allocated since the search
   started, so the model's parameters created before the call are not counted, while optimizer
   state created lazily by the first try is. A try whose measured peak exceeds ``budget_bytes``
   counts as out of memory, exactly like a real allocation failure, which also counts.
@@ -118,7 +118,7 @@ class _Runner:
         return True
 
     def _run_cpu(self, batch_size: int) -> tuple[bool, int | None]:
-        from gpumemd.probes.cpu_peak import memory_profile, peak_from_profiler
+        from gpumemd.probes.planning.cpu_peak import memory_profile, peak_from_profiler
 
         with memory_profile() as prof:
             ran = self._call(batch_size)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 log = logging.getLogger("gpumemd")
 
 if TYPE_CHECKING:
-    from gpumemd.probes.allocator import AllocatorProbe
-    from gpumemd.probes.host import HostProbe
-    from gpumemd.probes.nvml import NvmlProbe
-    from gpumemd.probes.workers import WorkersProbe
+    from gpumemd.probes.device.allocator import AllocatorProbe
+    from gpumemd.probes.device.nvml import NvmlProbe
+    from gpumemd.probes.process.host import HostProbe
+    from gpumemd.probes.process.workers import WorkersProbe
     from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 
 _ERRANDS_MAX = 4

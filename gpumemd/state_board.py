@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from gpumemd.probes.identity import refreshed_identity
+from gpumemd.probes.process.identity import refreshed_identity
 
 if TYPE_CHECKING:
     from gpumemd.probes.health import ProbeHealth

@@ -2,7 +2,7 @@
 processes, made into the step's record with the sampler's last NVML reading where it pairs.
 
 Every read here runs on the training thread right after a step of compute, where one syscall costs
-~20 µs: each is one kept-open ``pread`` (``probes.host``, ``probes.workers``) or the allocator's own
+~20 µs: each is one kept-open ``pread`` (``probes.process.host``, ``probes.process.workers``) or the allocator's own
 statistics, and the workers are read only every ``WORKERS_EVERY`` steps.
 """
 
@@ -17,9 +17,9 @@ from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 from gpumemd.records.step import AgentState, StepRecord, nvml_paired
 
 if TYPE_CHECKING:
-    from gpumemd.probes.allocator import AllocatorProbe
-    from gpumemd.probes.host import HostProbe
-    from gpumemd.probes.workers import WorkersProbe
+    from gpumemd.probes.device.allocator import AllocatorProbe
+    from gpumemd.probes.process.host import HostProbe
+    from gpumemd.probes.process.workers import WorkersProbe
 
 log = logging.getLogger("gpumemd")
 

@@ -20,7 +20,7 @@ NO_STACK = "<no stack recorded>"
 # Frames that are never "the user's line": C++ frames (stacks="all"), the interpreter's frozen
 # modules, torch.compile's generated code (Inductor's ``call`` in its cache directory, whichever
 # user's), and files under the directories the caller names (torch's and gpumemd's packages:
-# ``gpumemd.probes.package_dirs``). Real directories, not substrings: a user's own folder named
+# ``gpumemd.probes.holding.package_dirs``). Real directories, not substrings: a user's own folder named
 # "torch" or "gpumemd" (this repository's checkout on a CI runner) is user code.
 _NATIVE_SUFFIXES = (".cpp", ".cc", ".cu", ".cuh", ".h", ".hpp", ".c")
 _GENERATED_DIR = "/torchinductor_"

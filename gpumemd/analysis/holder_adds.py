@@ -3,7 +3,7 @@
 A holder path names where the holder lives ("`history` in main() at train.py:5", its first store);
 what a user changes is the line that keeps adding to it. ``scan(source)`` reads a file's source with
 ``ast`` (never executed) once into the statements that add to a name or attribute; ``adding_line``
-picks the one for a holder's expression. Pure: the probe reads the file (``probes.holder_roots``).
+picks the one for a holder's expression. Pure: the probe reads the file (``probes.holding.holder_roots``).
 
 What counts as adding: a call of a growing method on the expression (``history.append(x)``,
 ``self.outputs.extend(xs)``, ``seen.add(k)``, ``cache.update(d)``), an augmented assignment to it

@@ -1,7 +1,7 @@
 """Training memory from numbers alone: the arithmetic every GPU-memory tutorial does by hand.
 
 Pure: integers in, a frozen :class:`Estimate` out (no torch, no I/O). ``gpumemd estimate`` prints it;
-``gpumemd.probes.trace`` puts the exact figures of a real model next to it.
+``gpumemd.probes.planning.trace`` puts the exact figures of a real model next to it.
 
 The model (all figures per GPU, in bytes)
 ------------------------------------------

@@ -2,7 +2,7 @@
 
 Counted two ways: per parameter, for a precision and an optimizer (the table ``analysis.memory_estimate``
 sets out in its docstring, which ``estimate`` multiplies by a parameter count), and exactly, as what
-``torch.optim`` allocates for the parameters of a real model (``probes.trace``).
+``torch.optim`` allocates for the parameters of a real model (``probes.planning.trace``).
 """
 
 from __future__ import annotations

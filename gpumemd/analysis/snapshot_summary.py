@@ -105,7 +105,7 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
                        internal: Sequence[str] = (), library: Sequence[str] = ()) -> dict[Device, SnapshotSummary]:
     """CUDA device -> its summary. A bare list is read as ``memory_snapshot()``'s segment list.
     ``internal``, ``library``: directory prefixes of torch and gpumemd, and of the standard library and
-    installed packages (``gpumemd.probes.package_dirs``): a site is the first frame outside the former,
+    installed packages (``gpumemd.probes.holding.package_dirs``): a site is the first frame outside the former,
     with the first outside both when that is another."""
     if isinstance(snapshot, list):
         segments: list[Any] = snapshot

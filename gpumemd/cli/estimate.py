@@ -30,7 +30,7 @@ from gpumemd.analysis.memory_estimate import (
 )
 from gpumemd.analysis.units import format_bytes
 from gpumemd.cli.errors import CliError
-from gpumemd.probes.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model
+from gpumemd.probes.planning.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model
 
 _FSDP = {"no": 0, "grad-op": 2, "full": 3}
 _SHAPE_ARGS = ("layers", "hidden", "heads", "seq", "batch")

@@ -19,8 +19,8 @@ from typing import Any, TextIO
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli.errors import CliError
 from gpumemd.cli.escape import escaped
-from gpumemd.probes.snapshot_load import load_snapshot
-from gpumemd.probes.snapshot_rules import SnapshotLoadError
+from gpumemd.probes.snapshots.snapshot_load import load_snapshot
+from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
 from gpumemd.report.build import OUTCOME_WORDS, OUTCOMES
 from gpumemd.report.fmt import fmt_bytes, fmt_time

@@ -1,7 +1,7 @@
 """Tensor censuses at step ends, spaced so the agent stays inside its overhead budget (``census_cadence``:
 when the next census is due, and the back-off after a failing one).
 
-A census runs in slices (``probes.census_steps.census_steps``): at a step end the component runs its slices
+A census runs in slices (``probes.census.census_steps.census_steps``): at a step end the component runs its slices
 while the step end has paid less than ``CENSUS_SLICE_S``, and the rest at the next sampled step ends
 (it asks the agent to sample them). An ordinary heap's census is one step end, as before; a heap
 whose leak keeps 100k tensors is spread over a few, each pause bounded (``budget.STEP_END_PAUSE_S``).
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Protocol
 from gpumemd.budget import HEAP_PASS_START_S, STEP_END_PAUSE_S, census_share
 from gpumemd.components.base import ComponentBase
 from gpumemd.components.census_cadence import CensusCadence, other_share
-from gpumemd.probes.census_steps import GRAPH_SLICE_NODES, CensusRequest
-from gpumemd.probes.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
-from gpumemd.probes.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
+from gpumemd.probes.census.census_steps import GRAPH_SLICE_NODES, CensusRequest
+from gpumemd.probes.heap.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
+from gpumemd.probes.heap.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -54,7 +54,7 @@ milliseconds (the heap pass, at a census's first step end, and the holder lookup
 
 
 class CensusFn(Protocol):
-    """``gpumemd.probes.census_steps.census_steps``, as the component calls it (tests give their own)."""
+    """``gpumemd.probes.census.census_steps.census_steps``, as the component calls it (tests give their own)."""
 
     def __call__(self, request: CensusRequest, *, models: Sequence[object],
                  optimizers: Sequence[object]) -> Hinted[Census]: ...
@@ -66,7 +66,7 @@ class _Running:
 
     work: Hinted[Census]
     hold: AutomaticHold | None = None  # automatic collections wait while it holds tracked objects
-    heap_pass_next: bool = False  # its next slice scans the heap (``probes.stepwise.HEAP_PASS``)
+    heap_pass_next: bool = False  # its next slice scans the heap (``probes.heap.stepwise.HEAP_PASS``)
     cost: float = 0.0
     result: Census | None = None
     over: bool = False  # done, failed or dropped

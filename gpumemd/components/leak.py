@@ -31,18 +31,18 @@ from gpumemd.components.leak_pending import Key, PendingEvaluation
 from gpumemd.components.leak_scans import SCAN_EVERY, SCAN_EVERY_MAX, ScanSchedule
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
-from gpumemd.probes.gc_pause import collector_paused
-from gpumemd.probes.long_lived import LongLivedProbes, long_lived_probes
-from gpumemd.probes.stepwise import Stepwise
+from gpumemd.probes.heap.gc_pause import collector_paused
+from gpumemd.probes.heap.stepwise import Stepwise
+from gpumemd.probes.survival.long_lived import LongLivedProbes, long_lived_probes
 
 if TYPE_CHECKING:
     from gpumemd.analysis.leak_detector import TrackStatus
     from gpumemd.components.base import AgentView
     from gpumemd.components.census_component import CensusComponent
     from gpumemd.components.leak_evidence import Evidence
-    from gpumemd.probes.allocation_history import AllocationHistory
-    from gpumemd.probes.graph_chains import GraphChainTracker
-    from gpumemd.probes.survivors import SurvivorTracker
+    from gpumemd.probes.device.allocation_history import AllocationHistory
+    from gpumemd.probes.survival.graph_chains import GraphChainTracker
+    from gpumemd.probes.survival.survivors import SurvivorTracker
     from gpumemd.records.step import StepRecord
 
 __all__ = ["SCAN_EVERY", "SCAN_EVERY_MAX", "LeakComponent", "LeakOptions"]

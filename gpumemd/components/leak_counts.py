@@ -13,15 +13,15 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from gpumemd.components.leak_specs import chain_spec, family_spec, measure_spec, tensor_spec
-from gpumemd.probes.graph_chains import MAX_ROOTS
+from gpumemd.probes.survival.graph_chains import MAX_ROOTS
 
 if TYPE_CHECKING:
     import torch
 
     from gpumemd.analysis.leak_detector import LeakDetector, SeriesSpec
-    from gpumemd.probes.graph_chains import ChainKey, GraphChainTracker
-    from gpumemd.probes.survivors import GroupKey, SurvivorTracker
-    from gpumemd.probes.tensor_families import FamilyKey, TensorFamilies
+    from gpumemd.probes.survival.graph_chains import ChainKey, GraphChainTracker
+    from gpumemd.probes.survival.survivors import GroupKey, SurvivorTracker
+    from gpumemd.probes.survival.tensor_families import FamilyKey, TensorFamilies
     from gpumemd.records.step import StepRecord
 
 MAX_COUNT_SERIES = 16

@@ -27,16 +27,17 @@ from gpumemd.analysis.leak_wording import (
 )
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
-from gpumemd.probes import dataloaders, host_objects
-from gpumemd.probes.gc_pause import job_collector_enabled
-from gpumemd.probes.holder_groups import holder_of_group
-from gpumemd.probes.holders import (
+from gpumemd.probes.heap import host_objects
+from gpumemd.probes.heap.gc_pause import job_collector_enabled
+from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly
+from gpumemd.probes.holding.holder_groups import holder_of_group
+from gpumemd.probes.holding.holders import (
     HOLDER_BUDGET_S,
     PATH_CUT,
     cycle_holder,
     who_holds_stepwise,
 )
-from gpumemd.probes.stepwise import Stepwise, hold_weakly
+from gpumemd.probes.process import dataloaders
 from gpumemd.records.device import CPU, cuda_index
 from gpumemd.records.findings import Culprit
 
@@ -49,8 +50,8 @@ if TYPE_CHECKING:
     from gpumemd.components.leak_host import HostLooks
     from gpumemd.components.leak_series import LeakSeries
     from gpumemd.components.leak_sites import AllocationSites
-    from gpumemd.probes.graph_chains import GraphChainTracker
-    from gpumemd.probes.survivors import SurvivorTracker
+    from gpumemd.probes.survival.graph_chains import GraphChainTracker
+    from gpumemd.probes.survival.survivors import SurvivorTracker
     from gpumemd.records.census import GroupDelta
 
 _GRAPH_NODES_MAX = 5_000
@@ -93,7 +94,7 @@ class CulpritSearch:
         self._check_every_steps = check_every_steps
 
     def search(self, status: TrackStatus) -> Stepwise[Evidence]:
-        """The search, one heap pass between ``yield``s (see ``probes.stepwise``)."""
+        """The search, one heap pass between ``yield``s (see ``probes.heap.stepwise``)."""
         kind = status.spec.kind
         if status.spec is self._series.workers_spec:
             return self._workers_culprits(status)

@@ -13,9 +13,9 @@ from typing import Protocol
 from gpumemd import budget
 from gpumemd.analysis.leak_detector import TrackStatus
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
-from gpumemd.probes import host_objects
-from gpumemd.probes.holders import HOLDER_BUDGET_S
-from gpumemd.probes.stepwise import Stepwise
+from gpumemd.probes.heap import host_objects
+from gpumemd.probes.heap.stepwise import Stepwise
+from gpumemd.probes.holding.holders import HOLDER_BUDGET_S
 from gpumemd.records.findings import Culprit
 
 
@@ -32,7 +32,7 @@ class JobSteps(Protocol):
 class HostLooks:
     """Budgeted heap looks and the host culprits they name; see the module docstring.
 
-    ``container_lengths`` and ``largest_graph_nodes`` take one look (``probes.host_objects``'s, or a
+    ``container_lengths`` and ``largest_graph_nodes`` take one look (``probes.heap.host_objects``'s, or a
     test's); ``clock`` times them."""
 
     def __init__(self, *, window_steps: int, overhead_budget: float, clock: Callable[[], float],
@@ -88,7 +88,7 @@ class HostLooks:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
         without a baseline, or with nothing grown, a fresh look that the next evaluation compares
         with. ``ignore``: ids of containers that are the agent's own (the detector's buffers). One
-        heap pass between ``yield``s (``probes.stepwise``)."""
+        heap pass between ``yield``s (``probes.heap.stepwise``)."""
         baseline = self._baseline
         if baseline is None or baseline[0] >= status.step:
             self._baseline = None

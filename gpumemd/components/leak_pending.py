@@ -3,7 +3,7 @@
 A state change used to run its whole culprit search in the step end that found it: a census, a
 holder search, a look for the graph that keeps a tensor, a heap look for a host leak. On a heap of
 a million objects that was one pause of 0.5-1.7 s. The searches are generators that yield between
-heap passes (``probes.stepwise``); this runs them in order and stops once the step end has paid
+heap passes (``probes.heap.stepwise``); this runs them in order and stops once the step end has paid
 ``SLICE_START_S``, so the next pass waits for the next step end (which the component asks the agent
 to sample). On an ordinary heap every pass is a few milliseconds and all of them finish at once.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpumemd.budget import HEAP_PASS_START_S
-from gpumemd.probes.stepwise import Stepwise
+from gpumemd.probes.heap.stepwise import Stepwise
 
 if TYPE_CHECKING:
     from gpumemd.analysis.leak_detector import TrackStatus
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 SLICE_START_S = HEAP_PASS_START_S
 """A heap pass starts only while the step end has paid less than this; the longest pass (a holder
-search, within ``probes.holders.HOLDER_BUDGET_S``) then ends within ``STEP_END_PAUSE_S`` or about."""
+search, within ``probes.holding.holders.HOLDER_BUDGET_S``) then ends within ``STEP_END_PAUSE_S`` or about."""
 
 Key = tuple[str, str]  # a finding's (series, phase)
 

@@ -37,9 +37,9 @@ from gpumemd.records.device import CPU, cuda_index
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.leak_options import LeakOptions
-    from gpumemd.probes.graph_chains import GraphChainTracker
-    from gpumemd.probes.survivors import SurvivorTracker
-    from gpumemd.probes.tensor_families import TensorFamilies
+    from gpumemd.probes.survival.graph_chains import GraphChainTracker
+    from gpumemd.probes.survival.survivors import SurvivorTracker
+    from gpumemd.probes.survival.tensor_families import TensorFamilies
     from gpumemd.records.census import Census
     from gpumemd.records.samples import HostSample
     from gpumemd.records.step import StepRecord

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.alloc_sites import SiteBytes, diff_sites, live_by_site, site_sentence
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.probes.package_dirs import internal_dirs, library_dirs
+from gpumemd.probes.holding.package_dirs import internal_dirs, library_dirs
 from gpumemd.records.device import cuda_index
 
 if TYPE_CHECKING:
     from gpumemd.components.leak_options import LeakOptions
-    from gpumemd.probes.allocation_history import AllocationHistory
+    from gpumemd.probes.device.allocation_history import AllocationHistory
 
 log = logging.getLogger("gpumemd")
 _HISTORY_USER = "leak"  # this component's name among the users of the allocation history

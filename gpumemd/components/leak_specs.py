@@ -10,9 +10,9 @@ from gpumemd.analysis.leak_detector import SeriesSpec
 from gpumemd.analysis.leak_types import series_family, series_name
 
 if TYPE_CHECKING:
-    from gpumemd.probes.graph_chains import ChainGroup
-    from gpumemd.probes.survivors import SurvivorGroup
-    from gpumemd.probes.tensor_families import Family
+    from gpumemd.probes.survival.graph_chains import ChainGroup
+    from gpumemd.probes.survival.survivors import SurvivorGroup
+    from gpumemd.probes.survival.tensor_families import Family
     from gpumemd.records.device import Device
 
 

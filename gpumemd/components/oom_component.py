@@ -42,7 +42,7 @@ from gpumemd.report.writer import render_files
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census_component import CensusComponent
-    from gpumemd.probes.snapshot import SnapshotProbe
+    from gpumemd.probes.snapshots.snapshot import SnapshotProbe
     from gpumemd.records.step import StepRecord
 
 # ``render_files`` is ``report.writer``'s (``oom_postmortem`` writes the report); tests still import it from here.

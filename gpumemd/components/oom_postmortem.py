@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
 from gpumemd.components.hook_printing import format_traceback, safe_str
-from gpumemd.probes.environment import collect_environment
-from gpumemd.probes.package_dirs import internal_dirs, library_dirs
+from gpumemd.probes.holding.package_dirs import internal_dirs, library_dirs
+from gpumemd.probes.process.environment import collect_environment
 from gpumemd.records.device import cuda_index
 from gpumemd.report.build import ReportInputs, build_report, oom_device
 from gpumemd.report.writer import render_files, report_dir_name, write_report_dir
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
     from gpumemd.components.census_component import CensusComponent
     from gpumemd.components.oom_capture import Capture
-    from gpumemd.probes.snapshot import SnapshotProbe
+    from gpumemd.probes.snapshots.snapshot import SnapshotProbe
     from gpumemd.records.census import Census
     from gpumemd.records.oom import OomMessage
     from gpumemd.records.step import StepRecord

@@ -19,7 +19,7 @@ What is measured, and where:
   sampled steps only; ``max_memory_allocated()`` read by the job itself then covers only the time
   since that reset.
 - Everywhere (CPU included): bytes saved for backward, counted by
-  :class:`gpumemd.probes.trace.SavedTensorCounter` during the root forward (the tensors are handed
+  :class:`gpumemd.probes.planning.trace.SavedTensorCounter` during the root forward (the tensors are handed
   back as same-storage aliases, nothing is copied or changed in what autograd keeps), and the
   exact parameter, gradient and optimizer-state bytes of the root model and the job's optimizers.
 - On CPU no allocator statistic exists, so the device figures are left ``None`` rather than guessed.
@@ -40,7 +40,7 @@ from gpumemd.records.step_profile import StepProfile
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
-    from gpumemd.probes.trace import SavedTensorCounter
+    from gpumemd.probes.planning.trace import SavedTensorCounter
     from gpumemd.records.step import StepRecord
 
 log = logging.getLogger("gpumemd")
@@ -171,7 +171,7 @@ class StepProfileComponent(ComponentBase):
             return
         t0 = time.perf_counter()
         try:
-            from gpumemd.probes.trace import SavedTensorCounter
+            from gpumemd.probes.planning.trace import SavedTensorCounter
 
             params = list(module.parameters())
             buffers = list(module.buffers())
@@ -310,7 +310,7 @@ def _cuda_index(device: Any) -> int | None:
 
 def _tensor_bytes(tensors: list[Any]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and tied weights once)."""
-    from gpumemd.probes.trace import storage_key, storage_nbytes
+    from gpumemd.probes.planning.trace import storage_key, storage_nbytes
 
     seen: set[int] = set()
     total = 0

@@ -42,7 +42,7 @@ from gpumemd.doctor.torch_checks import (
     cuda_ready,
     import_torch,
 )
-from gpumemd.probes.identity import identity_from_env
+from gpumemd.probes.process.identity import identity_from_env
 
 __all__ = [
     "Check",

@@ -37,7 +37,7 @@ def check_psutil() -> Check:
 def check_memory_limits(root: str = "/") -> Check:
     """The memory limits this process runs under (host RAM, cgroup, rlimits) and which one binds: the
     agent's host headroom and its OOM projections are measured against that one."""
-    from gpumemd.probes.host import HostProbe
+    from gpumemd.probes.process.host import HostProbe
 
     probe = HostProbe(pinned_fn=lambda: None, root=root)
     try:

@@ -1,7 +1,7 @@
 """Read report directories back (``gpumemd report``), refusing anything that is not ours.
 
 Every failure is a ``ReportLoadError`` with a one-line message naming the file and what is wrong.
-Snapshots are loaded only through the restricted unpickler (``gpumemd.probes.snapshot_load``).
+Snapshots are loaded only through the restricted unpickler (``gpumemd.probes.snapshots.snapshot_load``).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from prometheus_server import Prometheus
 from gpumemd.api import build_agent
 from gpumemd.components.leak import LeakComponent
 from gpumemd.config import Config
-from gpumemd.probes.allocator import AllocatorProbe
-from gpumemd.probes.host import HostProbe
-from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.probes.device.allocator import AllocatorProbe
+from gpumemd.probes.device.nvml import NvmlProbe
+from gpumemd.probes.process.host import HostProbe
 
 pytestmark = pytest.mark.e2e
 

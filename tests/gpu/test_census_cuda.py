@@ -7,8 +7,8 @@ import gc
 import torch
 from torch import nn
 
-from gpumemd.probes.allocator import AllocatorProbe
-from gpumemd.probes.census_steps import take_census
+from gpumemd.probes.census.census_steps import take_census
+from gpumemd.probes.device.allocator import AllocatorProbe
 from gpumemd.records.device import Device
 
 

@@ -16,7 +16,7 @@ from gpumemd.records.device import Device
 
 _BEFORE_AND_AFTER = textwrap.dedent("""
     import json, torch
-    from gpumemd.probes.allocator import AllocatorProbe
+    from gpumemd.probes.device.allocator import AllocatorProbe
     probe = AllocatorProbe()
     before = [torch.cuda.is_initialized(), len(probe.read()), torch.cuda.is_initialized()]
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpumemd.probes.census_steps import take_census
+from gpumemd.probes.census.census_steps import take_census
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from torch import nn
 
 import gpumemd
 from gpumemd.components.census_component import CensusComponent
-from gpumemd.probes import census_steps as census_probe
+from gpumemd.probes.census import census_steps as census_probe
 
 SETTINGS: dict[str, Any] = {"sample_interval_s": 0, "nvml": False, "leak_detection": False}
 

@@ -27,8 +27,8 @@ from gpumemd.components import oom_component as oom_module
 from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census_steps import census_steps
-from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.probes.census.census_steps import census_steps
+from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 from gpumemd.report import writer
 
 MiB = 2**20

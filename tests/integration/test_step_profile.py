@@ -8,7 +8,7 @@ from torch import nn
 
 import gpumemd
 from gpumemd.components.step_profiler import StepProfileComponent
-from gpumemd.probes.trace import SavedTensorCounter
+from gpumemd.probes.planning.trace import SavedTensorCounter
 from gpumemd.records.device import CPU
 
 

@@ -80,7 +80,7 @@ def test_internal_dirs_are_torch_and_gpumemd_and_library_dirs_the_stdlib_and_pac
     import torch
 
     import gpumemd
-    from gpumemd.probes.package_dirs import internal_dirs, library_dirs
+    from gpumemd.probes.holding.package_dirs import internal_dirs, library_dirs
 
     dirs = internal_dirs()
     for module in (torch, gpumemd):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumemd.probes.allocation_history import AllocationHistory
-from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.probes.device.allocation_history import AllocationHistory
+from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 
 
 class FakeTorch:

@@ -88,7 +88,7 @@ def test_nvml_starts_on_the_sampler_thread_and_reads_at_once(tmp_path: Path) -> 
 
     from gpumemd.api import build_agent
     from gpumemd.config import Config
-    from gpumemd.probes.nvml import NvmlProbe
+    from gpumemd.probes.device.nvml import NvmlProbe
 
     inits: list[str] = []
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpumemd.probes.census_steps import take_census
+from gpumemd.probes.census.census_steps import take_census
 from gpumemd.records.census import CATEGORIES, Census
 from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample

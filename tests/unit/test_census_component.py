@@ -17,8 +17,8 @@ from gpumemd.budget import Part, clocked_plan, share
 from gpumemd.components.base import ComponentBase
 from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.config import Config
-from gpumemd.probes.census_steps import CensusRequest, census_steps
-from gpumemd.probes.stepwise import Stepwise
+from gpumemd.probes.census.census_steps import CensusRequest, census_steps
+from gpumemd.probes.heap.stepwise import Stepwise
 from gpumemd.records.census import Census
 
 

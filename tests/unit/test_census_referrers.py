@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import gpumemd
-from gpumemd.probes import census_steps as census_probe
-from gpumemd.probes.census_steps import take_census
-from gpumemd.probes.holders import who_holds, who_holds_stepwise
+from gpumemd.probes.census import census_steps as census_probe
+from gpumemd.probes.census.census_steps import take_census
+from gpumemd.probes.holding.holders import who_holds, who_holds_stepwise
 
 CACHE: dict[str, Any] = {}
 
@@ -251,7 +251,7 @@ def test_reading_frame_locals_does_not_keep_deleted_locals_alive() -> None:
 def test_who_holds_is_exported_lazily() -> None:
     assert gpumemd.who_holds is who_holds
     assert "who_holds" in gpumemd.__all__
-    assert "gpumemd.probes.holders" in sys.modules
+    assert "gpumemd.probes.holding.holders" in sys.modules
 
 
 def test_census_fills_holders_only_for_growing_anonymous_groups(monkeypatch: pytest.MonkeyPatch) -> None:

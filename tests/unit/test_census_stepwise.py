@@ -16,8 +16,8 @@ from test_census_component import CostlyCensus, _agent
 
 from gpumemd.agent import Agent
 from gpumemd.components.census_component import CENSUS_SLICE_S, CensusComponent, CensusOptions
-from gpumemd.probes.census_steps import CHUNK_TENSORS, CensusRequest, census_steps, take_census
-from gpumemd.probes.stepwise import HEAP_PASS, Hinted, run_to_end
+from gpumemd.probes.census.census_steps import CHUNK_TENSORS, CensusRequest, census_steps, take_census
+from gpumemd.probes.heap.stepwise import HEAP_PASS, Hinted, run_to_end
 from gpumemd.records.census import Census
 
 SLICED = 3 * CHUNK_TENSORS  # enough anonymous tensors for a census of several slices

@@ -15,7 +15,7 @@ from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.components.state_writer import LastStateComponent
 from gpumemd.config import Config
-from gpumemd.probes.allocation_history import AllocationHistory
+from gpumemd.probes.device.allocation_history import AllocationHistory
 
 PACKAGE = pathlib.Path(gpumemd.__file__).parent
 

@@ -360,7 +360,7 @@ def test_device_count_under_a_mig_list_says_it_poisons_fork() -> None:
 def test_gpumemd_leaves_the_device_count_alone_under_a_mig_list(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from gpumemd.probes.snapshot import SnapshotProbe
+    from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 
     def count() -> int:
         raise AssertionError("device_count() under a MIG list initialises CUDA")

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpumemd.exporter.collector import CounterBaseline, LiveFigures, StateCollector, StepClock, build_families
 from gpumemd.exporter.metrics import BASE_LABELS, SPECS, reference_table
-from gpumemd.probes.allocator import sample_from_stats
+from gpumemd.probes.device.allocator import sample_from_stats
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Finding

@@ -20,8 +20,8 @@ from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.api import build_agent
 from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.config import Config
-from gpumemd.probes.allocation_history import AllocationHistory
-from gpumemd.probes.allocator import AllocatorProbe, expandable_segments_from_env
+from gpumemd.probes.device.allocation_history import AllocationHistory
+from gpumemd.probes.device.allocator import AllocatorProbe, expandable_segments_from_env
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.step import Identity

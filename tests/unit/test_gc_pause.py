@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 
-from gpumemd.probes.gc_pause import collector_paused, hold_automatic, job_collector_enabled, release_automatic
+from gpumemd.probes.heap.gc_pause import collector_paused, hold_automatic, job_collector_enabled, release_automatic
 
 _WALKS = """
 import gc, json
-from gpumemd.probes.census_steps import take_census
-from gpumemd.probes.gc_pause import collector_paused
+from gpumemd.probes.census.census_steps import take_census
+from gpumemd.probes.heap.gc_pause import collector_paused
 started = []
 gc.callbacks.append(lambda phase, info: phase == "start" and started.append(info["generation"]))
 kept = [[] for _ in range(5000)]  # a heap for the census to walk

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gpumemd.probes.graph_chains import GraphChainTracker
+from gpumemd.probes.survival.graph_chains import GraphChainTracker
 
 
 def _model() -> torch.nn.Module:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from gpumemd.analysis.leak_wording import growth_sentence, rows_rate
-from gpumemd.probes.survivors import SurvivorTracker
-from gpumemd.probes.tensor_families import RECORDS_TO_WATCH, TensorFamilies
+from gpumemd.probes.survival.survivors import SurvivorTracker
+from gpumemd.probes.survival.tensor_families import RECORDS_TO_WATCH, TensorFamilies
 
 
 def test_the_largest_member_of_a_family_is_followed_across_shapes_and_watched_once_it_keeps_growing() -> None:

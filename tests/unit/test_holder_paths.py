@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from gpumemd.probes.holder_paths import Root, render
-from gpumemd.probes.holders import who_holds
+from gpumemd.probes.holding.holder_paths import Root, render
+from gpumemd.probes.holding.holders import who_holds
 
 _holds = functools.partial(who_holds, time_budget_s=60.0)  # generous: the bounds are tested apart
 

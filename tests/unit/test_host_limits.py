@@ -11,9 +11,9 @@ import pytest
 
 from gpumemd.analysis.breakdown import cpu_breakdown
 from gpumemd.doctor.host_checks import check_memory_limits
-from gpumemd.probes import host_limits
-from gpumemd.probes.host import HostProbe
-from gpumemd.probes.host_limits import CgroupMemory, binding, rlimits
+from gpumemd.probes.process import host_limits
+from gpumemd.probes.process.host import HostProbe
+from gpumemd.probes.process.host_limits import CgroupMemory, binding, rlimits
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import HostLimit, HostSample
 from gpumemd.report.view import host_words, item_label, total_axis_label

@@ -11,7 +11,7 @@ from fakes import ManualClock
 from gpumemd import budget
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.config import Config
-from gpumemd.probes.stepwise import run_to_end
+from gpumemd.probes.heap.stepwise import run_to_end
 
 LOOK_COST = 0.1  # seconds one heap look takes here
 STEP = 0.01  # the job's typical step time

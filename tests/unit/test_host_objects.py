@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpumemd.probes.host_objects import container_lengths, growing_containers, growing_graph, largest_graph_nodes
+from gpumemd.probes.heap.host_objects import container_lengths, growing_containers, growing_graph, largest_graph_nodes
 
 
 def test_growing_list_of_bytes_is_found_and_named() -> None:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from gpumemd.probes.identity import RankLogFilter, current_identity, identity_from_env, rank_prefix
+from gpumemd.probes.process.identity import RankLogFilter, current_identity, identity_from_env, rank_prefix
 from gpumemd.records.step import Identity
 
 

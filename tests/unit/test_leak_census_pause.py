@@ -14,7 +14,7 @@ from gpumemd.api import build_agent
 from gpumemd.components.census_component import CensusComponent
 from gpumemd.components.leak import LeakComponent
 from gpumemd.config import Config
-from gpumemd.probes.stepwise import Stepwise
+from gpumemd.probes.heap.stepwise import Stepwise
 from gpumemd.records.census import Census
 
 

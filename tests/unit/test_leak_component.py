@@ -19,9 +19,9 @@ from gpumemd.agent import Agent
 from gpumemd.api import build_agent
 from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.config import Config
-from gpumemd.probes.allocation_history import AllocationHistory
-from gpumemd.probes.allocator import AllocatorProbe
-from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.probes.device.allocation_history import AllocationHistory
+from gpumemd.probes.device.allocator import AllocatorProbe
+from gpumemd.probes.device.nvml import NvmlProbe
 from gpumemd.records.device import Device
 from gpumemd.records.step import Identity
 

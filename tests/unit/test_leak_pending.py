@@ -15,7 +15,7 @@ from gpumemd.api import build_agent
 from gpumemd.components.leak import LeakComponent
 from gpumemd.components.leak_pending import SLICE_START_S, PendingEvaluation
 from gpumemd.config import Config
-from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
 from tests.fakes import ManualClock
 
 
@@ -168,7 +168,7 @@ def _generator_in(module_name: str) -> Any:
 
 @pytest.mark.parametrize("ours", [True, False])
 def test_a_search_between_its_passes_is_not_the_holder_it_finds(ours: bool) -> None:
-    from gpumemd.probes.holders import who_holds
+    from gpumemd.probes.holding.holders import who_holds
 
     kept_by_the_job = [torch.ones(4)]
     search = _generator_in("gpumemd.components.a_search" if ours else "users_module")

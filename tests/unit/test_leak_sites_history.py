@@ -11,7 +11,7 @@ from gpumemd.analysis.trend import Slope, Verdict
 from gpumemd.components.leak_options import LeakOptions
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.config import Config
-from gpumemd.probes.allocation_history import AllocationHistory
+from gpumemd.probes.device.allocation_history import AllocationHistory
 from gpumemd.records.device import Device
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gpumemd
-from gpumemd.probes.cpu_peak import measure_cpu_peak
-from gpumemd.probes.native_stderr import is_kineto_line, native_stderr_filtered
+from gpumemd.probes.planning.cpu_peak import measure_cpu_peak
+from gpumemd.probes.planning.native_stderr import is_kineto_line, native_stderr_filtered
 
 KINETO = b"USDT:2026-11-23 19:23:58 16452:16452 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
 

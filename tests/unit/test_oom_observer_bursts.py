@@ -14,8 +14,8 @@ from fakes import ManualClock as _Clock
 from gpumemd.components.base import AgentView
 from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.components.oom_component import OomComponent, OomOptions
-from gpumemd.probes.census_steps import census_steps
-from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.probes.census.census_steps import census_steps
+from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 

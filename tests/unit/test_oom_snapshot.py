@@ -15,10 +15,10 @@ from oom_snapshot_data import SEG_A, MiB, make_snapshot
 
 from gpumemd.analysis.alloc_sites import live_by_site
 from gpumemd.analysis.snapshot_summary import expandable_segments_enabled, summarize_snapshot
-from gpumemd.probes.package_dirs import internal_dirs, library_dirs
-from gpumemd.probes.snapshot import SnapshotProbe
-from gpumemd.probes.snapshot_load import load_snapshot, loads_snapshot
-from gpumemd.probes.snapshot_rules import SnapshotLoadError
+from gpumemd.probes.holding.package_dirs import internal_dirs, library_dirs
+from gpumemd.probes.snapshots.snapshot import SnapshotProbe
+from gpumemd.probes.snapshots.snapshot_load import load_snapshot, loads_snapshot
+from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 from gpumemd.records.device import Device
 
 

@@ -15,8 +15,8 @@ from gpumemd.api import build_agent
 from gpumemd.components.census_component import CensusComponent, CensusOptions
 from gpumemd.components.oom_component import OomComponent, OomOptions
 from gpumemd.config import Config
-from gpumemd.probes.census_steps import census_steps
-from gpumemd.probes.snapshot import SnapshotProbe
+from gpumemd.probes.census.census_steps import census_steps
+from gpumemd.probes.snapshots.snapshot import SnapshotProbe
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import HostSample
 from gpumemd.records.step import Identity, StepRecord

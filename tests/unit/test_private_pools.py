@@ -9,7 +9,7 @@ from typing import Any
 from gpumemd.analysis.breakdown import cuda_breakdown
 from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
-from gpumemd.probes.allocator import sample_from_stats
+from gpumemd.probes.device.allocator import sample_from_stats
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 

@@ -23,9 +23,9 @@ from gpumemd.api import build_agent
 from gpumemd.components.leak import LeakComponent, LeakOptions
 from gpumemd.config import Config
 from gpumemd.exporter.collector import build_families
-from gpumemd.probes.allocation_history import AllocationHistory
-from gpumemd.probes.allocator import CAP_RECHECK_S, AllocatorProbe, torch_cap_reader
-from gpumemd.probes.nvml import NvmlProbe
+from gpumemd.probes.device.allocation_history import AllocationHistory
+from gpumemd.probes.device.allocator import CAP_RECHECK_S, AllocatorProbe, torch_cap_reader
+from gpumemd.probes.device.nvml import NvmlProbe
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.samples import AllocatorSample

@@ -192,8 +192,8 @@ def test_terminal_escapes_from_the_files_are_printed_escaped() -> None:
 
 
 def test_a_snapshot_that_expands_far_past_its_size_is_refused_before_it_is_built() -> None:
-    from gpumemd.probes.snapshot_load import loads_with_limits
-    from gpumemd.probes.snapshot_rules import Limits, SnapshotLoadError
+    from gpumemd.probes.snapshots.snapshot_load import loads_with_limits
+    from gpumemd.probes.snapshots.snapshot_rules import Limits, SnapshotLoadError
 
     limits = Limits(min_built_bytes=2**20)  # the per-byte bound binds at this small size too
     empty_sets = pickle.dumps({"segments": [set() for _ in range(20_000)]})  # 40 KB building ~4.5 MB of sets

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oom_snapshot_data import FRAMES, MiB, make_snapshot
 
-from gpumemd.probes.snapshot_load import loads_snapshot
-from gpumemd.probes.snapshot_rules import SnapshotLoadError
+from gpumemd.probes.snapshots.snapshot_load import loads_snapshot
+from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 
 _CHILD_ADDRESS_SPACE = 512 * MiB
 _CHILD_TIMEOUT_S = 20.0
@@ -36,8 +36,8 @@ _CHILD = """
 import json, resource, sys, time, tracemalloc
 limit = int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-from gpumemd.probes.snapshot_load import load_snapshot, loads_snapshot
-from gpumemd.probes.snapshot_rules import SnapshotLoadError
+from gpumemd.probes.snapshots.snapshot_load import load_snapshot, loads_snapshot
+from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 data = sys.stdin.buffer.read()
 tracemalloc.start()
 start = time.perf_counter()
@@ -178,7 +178,7 @@ def test_deep_nesting_is_refused() -> None:
 
 
 def test_a_recursion_error_while_loading_is_a_snapshot_load_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumemd.probes import snapshot_load
+    from gpumemd.probes.snapshots import snapshot_load
 
     def recurse(*args: Any) -> Any:
         raise RecursionError("maximum recursion depth exceeded")
@@ -227,9 +227,9 @@ def test_what_a_snapshot_never_holds_is_refused_by_name(data: bytes, pattern: st
 
 
 def test_the_limits_are_parameters_and_each_one_binds(tmp_path: Any) -> None:
-    from gpumemd.probes.snapshot_load import load_with_limits as _load_snapshot
-    from gpumemd.probes.snapshot_load import loads_with_limits as _loads_snapshot
-    from gpumemd.probes.snapshot_rules import Limits as _Limits
+    from gpumemd.probes.snapshots.snapshot_load import load_with_limits as _load_snapshot
+    from gpumemd.probes.snapshots.snapshot_load import loads_with_limits as _loads_snapshot
+    from gpumemd.probes.snapshots.snapshot_rules import Limits as _Limits
 
     data = pickle.dumps(make_snapshot(history=6))
     path = tmp_path / "snapshot.pickle"
@@ -273,9 +273,9 @@ def test_real_snapshots_and_resaved_containers_load_at_every_protocol(protocol: 
 def test_a_snapshot_sharing_frames_as_torch_does_stays_far_below_the_budget() -> None:
     # torch shares every frame dict between tracebacks, and one traceback list between a block's alloc,
     # free_requested and free_completed events and the block itself (_snapshot, py_symbolize)
-    from gpumemd.probes.snapshot_prescan import prescan as _prescan
-    from gpumemd.probes.snapshot_rules import DEFAULT_LIMITS as _DEFAULT_LIMITS
-    from gpumemd.probes.snapshot_rules import TREE_NODES_PER_BYTE as _TREE_NODES_PER_BYTE
+    from gpumemd.probes.snapshots.snapshot_prescan import prescan as _prescan
+    from gpumemd.probes.snapshots.snapshot_rules import DEFAULT_LIMITS as _DEFAULT_LIMITS
+    from gpumemd.probes.snapshots.snapshot_rules import TREE_NODES_PER_BYTE as _TREE_NODES_PER_BYTE
 
     frames = [{"filename": f"/job/f{i}.py", "line": i, "name": f"fn{i}"} for i in range(60)]
     tracebacks = [frames[i % 20:i % 20 + 40] for i in range(500)]
@@ -314,8 +314,8 @@ def _objects_as_a_walker_counts_them(root: Any) -> int:
 @settings(max_examples=150, deadline=None)
 @given(_shared_structures(), st.sampled_from([2, 3, 4, 5]))
 def test_the_prescan_counts_what_pickle_builds_exactly(obj: Any, protocol: int) -> None:
-    from gpumemd.probes.snapshot_prescan import prescan as _prescan
-    from gpumemd.probes.snapshot_rules import DEFAULT_LIMITS as _DEFAULT_LIMITS
+    from gpumemd.probes.snapshots.snapshot_prescan import prescan as _prescan
+    from gpumemd.probes.snapshots.snapshot_rules import DEFAULT_LIMITS as _DEFAULT_LIMITS
 
     data = pickle.dumps(obj, protocol=protocol)
     assert _prescan(data, _DEFAULT_LIMITS) == _objects_as_a_walker_counts_them(obj)

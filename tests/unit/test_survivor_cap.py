@@ -16,8 +16,8 @@ import torch
 import gpumemd
 import gpumemd.components.leak as leak_module
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec
-from gpumemd.probes import long_lived
-from gpumemd.probes.survivors import SurvivorTracker
+from gpumemd.probes.survival import long_lived
+from gpumemd.probes.survival.survivors import SurvivorTracker
 
 CAP = 600
 

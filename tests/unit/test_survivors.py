@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from gpumemd.probes.survivors import SurvivorTracker
+from gpumemd.probes.survival.survivors import SurvivorTracker
 
 
 def _tracker() -> SurvivorTracker:

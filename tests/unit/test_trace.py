@@ -9,7 +9,7 @@ import estimate_models as em
 import pytest
 import torch
 
-from gpumemd.probes.trace import (
+from gpumemd.probes.planning.trace import (
     SavedTensorCounter,
     TraceError,
     load_factory,

@@ -11,7 +11,7 @@ from pathlib import Path
 from gpumemd.analysis.leak_headline import holder_words
 from gpumemd.analysis.leak_wording import workers_holder, workers_noun, workers_sentence
 from gpumemd.analysis.worker_growth import WorkerGrowth
-from gpumemd.probes.workers import WorkersProbe
+from gpumemd.probes.process.workers import WorkersProbe
 from gpumemd.records.findings import Culprit
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 
-from gpumemd.probes.snapshot_rules import BuildCost, Limits, SnapshotLoadError
+from gpumemd.probes.snapshots.snapshot_rules import BuildCost, Limits, SnapshotLoadError
 
 # Container flags: hashable (a tuple or frozenset, or what a constructor returned: it may be one, and
 # hashing it walks it); placed (already inside another container).

@@ -12,21 +12,21 @@ What the pass does, in order (TORCH_MEMORY_API.md §7 has the facts it relies on
    own), optimizer state through the optimizers (``Adam[<fqn>].exp_avg``, ``step`` counters included),
    buffers. Then every scanned tensor not yet claimed becomes ``graph`` (it has a live ``grad_fn``)
    or ``other``.
-3. Storage identity is ``(device, storage data_ptr)`` (``probes.storages``): views fold into their
+3. Storage identity is ``(device, storage data_ptr)`` (``probes.heap.storages``): views fold into their
    base, bytes are the storage's bytes. Meta and fake tensors (data pointer 0, no memory) are
    excluded; sparse tensors count their component storages; wrapper subclasses (DTensor, jagged
    nested) count their inner tensors, so a DTensor's local shard is counted once, under the
    DTensor's name.
-4. Graph retention (``probes.census_graph``): from each live ``grad_fn`` the autograd-graph walk
+4. Graph retention (``probes.census.census_graph``): from each live ``grad_fn`` the autograd-graph walk
    reads the saved tensors; saved storages not counted anywhere else are charged to the tensor that
    keeps the graph alive. The walk is bounded in nodes (the bytes are then a lower bound).
-5. Grouping (``probes.census_groups``), then holders (``probes.holder_groups.fill_holders``) for the few
+5. Grouping (``probes.census.census_groups``), then holders (``probes.holding.holder_groups.fill_holders``) for the few
    anonymous groups that grew, once the pass has dropped every tensor it held.
 
-A census is stepwise (``census_steps``, a ``probes.stepwise`` generator): after the heap pass it
+A census is stepwise (``census_steps``, a ``probes.heap.stepwise`` generator): after the heap pass it
 yields every ``CHUNK_TENSORS`` tensors counted, after the graph walk, every ``CHUNK_RECORDS`` records
 grouped, and before the holder lookups, holding every tensor only weakly across a yield
-(``probes.census_pass``). ``take_census`` runs it whole; the census component runs it a step end at
+(``probes.census.census_pass``). ``take_census`` runs it whole; the census component runs it a step end at
 a time, so a leak that keeps 100k tensors (~6 µs each to count and group) costs the job several
 bounded pauses, not one of half a second.
 
@@ -44,10 +44,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpumemd.probes.census_groups import Grouping
-from gpumemd.probes.census_pass import CensusPass
-from gpumemd.probes.holder_groups import fill_holders
-from gpumemd.probes.stepwise import HEAP_PASS, Hinted, hold_weakly, run_to_end
+from gpumemd.probes.census.census_groups import Grouping
+from gpumemd.probes.census.census_pass import CensusPass
+from gpumemd.probes.heap.stepwise import HEAP_PASS, Hinted, hold_weakly, run_to_end
+from gpumemd.probes.holding.holder_groups import fill_holders
 from gpumemd.records.census import Census
 from gpumemd.records.samples import AllocatorSample
 

@@ -23,7 +23,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpumemd.probes.holder_roots import drop_locals_snapshot, where_added, where_assigned
+from gpumemd.probes.holding.holder_roots import drop_locals_snapshot, where_added, where_assigned
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
 _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})  # nn.Module children: `model.fc`, `model[1]`

@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpumemd.probes.autograd_graph import GraphWalk
+from gpumemd.probes.heap.autograd_graph import GraphWalk
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
-    from gpumemd.probes.census_groups import StorageRecord
-    from gpumemd.probes.storages import StorageKey, Storages
+    from gpumemd.probes.census.census_groups import StorageRecord
+    from gpumemd.probes.heap.storages import StorageKey, Storages
 
 Root = tuple[int, "StorageRecord", "Node"]  # a root's index, its counted storage and the live grad_fn of a tensor on it
 OnError = Callable[[str, BaseException], None]

@@ -18,8 +18,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from gpumemd.probes.holder_paths import Root
-from gpumemd.probes.holder_roots import is_our_generator
+from gpumemd.probes.holding.holder_paths import Root
+from gpumemd.probes.holding.holder_roots import is_our_generator
 
 _OBJECTS_MAX = 20_000
 _OBJECTS_MIN = 5_000  # visited whatever the clock says: a slow CPU still reaches a few levels down

@@ -13,8 +13,8 @@ import pickletools
 from array import array
 from collections.abc import Callable
 
-from gpumemd.probes.snapshot_containers import Containers
-from gpumemd.probes.snapshot_rules import (
+from gpumemd.probes.snapshots.snapshot_containers import Containers
+from gpumemd.probes.snapshots.snapshot_rules import (
     ALLOWED_GLOBALS,
     PY2_MODULES,
     BuildCost,

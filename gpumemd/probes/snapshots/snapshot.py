@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gpumemd.probes.allocation_history import AllocationHistory, process_history
+from gpumemd.probes.device.allocation_history import AllocationHistory, process_history
+from gpumemd.probes.device.nvml import counting_initialises_cuda
 from gpumemd.probes.health import ProbeHealth
-from gpumemd.probes.nvml import counting_initialises_cuda
 
 OomObserver = Callable[[int, int, int, int], None]
 _HISTORY_USER = "oom"  # this probe's name among the users of the allocation history

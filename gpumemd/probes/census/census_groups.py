@@ -3,7 +3,7 @@
 The census pass makes one ``StorageRecord`` per storage (classified and named, with the graph
 bytes charged to it); everything here reads those records and knows nothing of how they were found.
 A record describes its storage when it is made (device, dtype, shape of the tensor that represents
-it) and holds that tensor only weakly: a census spread over several step ends (``probes.census_steps``)
+it) and holds that tensor only weakly: a census spread over several step ends (``probes.census.census_steps``)
 must not keep a step's tensors alive into the next one. Grouping is incremental for the same reason:
 ``Grouping.add`` takes the records a slice at a time.
 """
@@ -21,14 +21,14 @@ from gpumemd.records.samples import AllocatorSample
 if TYPE_CHECKING:
     import torch
 
-    from gpumemd.probes.storages import Storages
+    from gpumemd.probes.heap.storages import Storages
 
 # (device name, dtype, shape, category, name) while aggregating: plain tuples of strings hash and
 # compare in C, the GroupKey and Device dataclasses' __hash__/__eq__ run in Python. Records get the
 # Device once per group.
 _Key: TypeAlias = "tuple[str, str, tuple[int, ...], str, str | None]"
 TensorRef: TypeAlias = "Callable[[], torch.Tensor | None]"
-"""How a record holds its tensor: a weak reference (``probes.stepwise.hold_weakly``)."""
+"""How a record holds its tensor: a weak reference (``probes.heap.stepwise.hold_weakly``)."""
 
 
 class StorageRecord:

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumemd.probes.autograd_graph import LEAF_SEQUENCE_NR, oldest_first
+from gpumemd.probes.heap.autograd_graph import LEAF_SEQUENCE_NR, oldest_first
 from gpumemd.records.device import Device
 
 if TYPE_CHECKING:

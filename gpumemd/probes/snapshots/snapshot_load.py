@@ -13,9 +13,9 @@ import pickle
 import stat
 from typing import Any
 
-from gpumemd.probes.snapshot_prescan import prescan
-from gpumemd.probes.snapshot_rules import DEFAULT_LIMITS, Limits, SnapshotLoadError
-from gpumemd.probes.snapshot_unpickle import unpickle
+from gpumemd.probes.snapshots.snapshot_prescan import prescan
+from gpumemd.probes.snapshots.snapshot_rules import DEFAULT_LIMITS, Limits, SnapshotLoadError
+from gpumemd.probes.snapshots.snapshot_unpickle import unpickle
 
 
 def loads_with_limits(data: bytes, limits: Limits) -> dict[str, Any] | list[Any]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from gpumemd.probes.holder_paths import Root
-from gpumemd.probes.holder_roots import first_stores, is_user_file, user_modules
+from gpumemd.probes.holding.holder_paths import Root
+from gpumemd.probes.holding.holder_roots import first_stores, is_user_file, user_modules
 
 
 def root_tiers(

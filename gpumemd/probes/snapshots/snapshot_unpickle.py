@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from gpumemd.probes.snapshot_rules import PY2_MODULES, Limits, SnapshotLoadError, refused_global
+from gpumemd.probes.snapshots.snapshot_rules import PY2_MODULES, Limits, SnapshotLoadError, refused_global
 
 
 def _hash_cost(item: Any, limit: int) -> int:

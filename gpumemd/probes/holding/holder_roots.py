@@ -16,7 +16,7 @@ import types
 from typing import Any
 
 from gpumemd.analysis.holder_adds import NOTHING, SourceAdds, adding_line, adding_words, scan
-from gpumemd.probes.package_dirs import not_user_dirs
+from gpumemd.probes.holding.package_dirs import not_user_dirs
 
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function frame, whose f_locals is a snapshot dict
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gpumemd.probes.graph_chains import GraphChainTracker
-from gpumemd.probes.survivors import SurvivorTracker
-from gpumemd.probes.tensor_families import TensorFamilies
+from gpumemd.probes.survival.graph_chains import GraphChainTracker
+from gpumemd.probes.survival.survivors import SurvivorTracker
+from gpumemd.probes.survival.tensor_families import TensorFamilies
 
 log = logging.getLogger("gpumemd")
 

@@ -19,7 +19,7 @@ the containers the caller passes in ``ignore`` are never reported.
 
 Every heap scan for "who holds X" lives here: ``who_holds`` (and ``who_holds_stepwise``) for one
 object, and ``cycle_holder`` for garbage that only a reference cycle keeps. Which census groups are
-worth a look-up is ``probes.holder_groups``.
+worth a look-up is ``probes.holding.holder_groups``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,17 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from gpumemd.probes.holder_paths import Root, render, top_name
-from gpumemd.probes.holder_reach import Reach, reach_down
-from gpumemd.probes.holder_roots import drop_locals_snapshot, is_our_generator, is_ours, live_frames, module_dicts
-from gpumemd.probes.holder_tiers import global_root, root_tiers, source_of
-from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.holding.holder_paths import Root, render, top_name
+from gpumemd.probes.holding.holder_reach import Reach, reach_down
+from gpumemd.probes.holding.holder_roots import (
+    drop_locals_snapshot,
+    is_our_generator,
+    is_ours,
+    live_frames,
+    module_dicts,
+)
+from gpumemd.probes.holding.holder_tiers import global_root, root_tiers, source_of
 
 _FRONTIER_MAX = 32  # get_referrers compares each reference it visits with every frontier object
 _UNTRACKED_CHUNK = 4096

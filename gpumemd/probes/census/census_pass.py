@@ -3,7 +3,7 @@
 ``begin`` is the one pass over the heap (``gc.get_objects()``, filtered in C) and claims the named
 tensors; the anonymous tensors it found are then held weakly and counted ``count(n)`` at a time, so a
 census of a heap whose leak keeps 100k tensors can be spread over step ends without keeping any of
-them alive across one (``probes.census_steps``). ``charge`` walks the autograd graphs of the tensors that
+them alive across one (``probes.census.census_steps``). ``charge`` walks the autograd graphs of the tensors that
 still have one. Between these calls the pass holds no tensor strongly: records hold theirs weakly.
 
 A tensor that dies between ``begin`` and its ``count`` is not counted (it is no longer memory); one
@@ -19,11 +19,11 @@ import logging
 import weakref
 from typing import Any
 
-from gpumemd.probes.autograd_graph import GraphWalk, tensors_in
-from gpumemd.probes.census_graph import GraphCharge, Root
-from gpumemd.probes.census_groups import StorageRecord, TensorRef, describe
-from gpumemd.probes.stepwise import hold_weakly
-from gpumemd.probes.storages import StorageKey, Storages
+from gpumemd.probes.census.census_graph import GraphCharge, Root
+from gpumemd.probes.census.census_groups import StorageRecord, TensorRef, describe
+from gpumemd.probes.heap.autograd_graph import GraphWalk, tensors_in
+from gpumemd.probes.heap.stepwise import hold_weakly
+from gpumemd.probes.heap.storages import StorageKey, Storages
 from gpumemd.records.census import CATEGORIES
 
 log = logging.getLogger("gpumemd")

@@ -21,8 +21,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from gpumemd.probes.health import ProbeHealth, log
-from gpumemd.probes.nvml_devices import (
+from gpumemd.probes.device.nvml_devices import (
     Gpu,
     counting_initialises_cuda,
     find_by_uuid,
@@ -35,6 +34,7 @@ from gpumemd.probes.nvml_devices import (
     visible_handles,
     visible_indices,
 )
+from gpumemd.probes.health import ProbeHealth, log
 from gpumemd.records.device import Device
 from gpumemd.records.samples import NvmlDeviceSample
 

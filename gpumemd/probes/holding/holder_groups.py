@@ -1,5 +1,5 @@
 """Holders for a census's groups: which few groups are worth a holder look-up, and one look-up each
-within a shared budget (``probes.holders.who_holds`` climbs; this chooses what it climbs from).
+within a shared budget (``probes.holding.holders.who_holds`` climbs; this chooses what it climbs from).
 
 ``fill_holders`` names the largest and fastest-growing groups of a census and the objects that own
 them; ``holder_of_group`` finds a group again by its key (a leak's culprit) and names its holder.
@@ -11,7 +11,7 @@ import gc
 import time
 from typing import TYPE_CHECKING
 
-from gpumemd.probes.holders import HOLDER_BUDGET_S, cycle_holder, who_holds
+from gpumemd.probes.holding.holders import HOLDER_BUDGET_S, cycle_holder, who_holds
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumemd.probes.health import ProbeHealth
-from gpumemd.probes.host_limits import CgroupMemory, binding, rlimits
+from gpumemd.probes.process.host_limits import CgroupMemory, binding, rlimits
 from gpumemd.records.samples import HostLimit, HostSample
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -1,6 +1,6 @@
 """Which NVML device each CUDA ordinal is: ``CUDA_VISIBLE_DEVICES`` read as torch reads it (integers,
 ``GPU-``/``MIG-`` UUID prefixes), MIG instances, and device UUIDs in CUDA's and NVML's spellings for
-matching an ordinal by UUID once the job has initialised CUDA (``NvmlProbe``, ``probes.nvml``).
+matching an ordinal by UUID once the job has initialised CUDA (``NvmlProbe``, ``probes.device.nvml``).
 """
 
 from __future__ import annotations

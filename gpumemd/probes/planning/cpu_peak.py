@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from gpumemd.probes.native_stderr import native_stderr_filtered
+from gpumemd.probes.planning.native_stderr import native_stderr_filtered
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ import site
 import sysconfig
 import tempfile
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))  # gpumemd/probes/package_dirs.py -> gpumemd/
+# gpumemd/probes/holding/package_dirs.py -> gpumemd/: three levels up (moving this file changes the count)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def _prefixes(roots: list[str]) -> tuple[str, ...]:

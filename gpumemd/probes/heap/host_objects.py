@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumemd.probes.autograd_graph import GraphWalk, count_nodes
-from gpumemd.probes.heap_tensors import live_tensors
-from gpumemd.probes.holders import who_holds
-from gpumemd.probes.stepwise import Stepwise, hold_weakly, run_to_end
-from gpumemd.probes.storages import StorageKey, Storages
+from gpumemd.probes.heap.autograd_graph import GraphWalk, count_nodes
+from gpumemd.probes.heap.heap_tensors import live_tensors
+from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.heap.storages import StorageKey, Storages
+from gpumemd.probes.holding.holders import who_holds
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""Snapshot files: checked opcode by opcode, then loaded without running code."""

@@ -1,0 +1,1 @@
+"""Long-lived tensors counted across steps: survivors, graph chains, growing tensor families."""
