@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpumemd.analysis.leak_headline import (
     HEADLINE_MAX,
     Facts,
@@ -121,7 +123,15 @@ def test_a_withdrawn_finding_says_what_accounts_for_its_growth() -> None:
 
     line = withdrawn_line(host, kept)
     assert line == ("host memory leak suspected since step 982 withdrawn: the tensor leak held by `val_preds` in "
-                    "<module>() at proj/train.py:5, appended at proj/train.py:13 accounts for its growth")
+                    "<module>() at proj/train.py:5, appended at proj/train.py:13 accounts for its growth, "
+                    "+35.2 KiB/step")
     assert len(line) <= HEADLINE_MAX
     assert withdrawn_line(host, None) == ("host memory leak suspected since step 982 withdrawn: the growth of the "
-                                          "tensors the agent counts accounts for its growth")
+                                          "tensors the agent counts accounts for its growth, +35.2 KiB/step")
+
+    deep = dataclasses.replace(kept, culprits=(Culprit(description="float32[64]", count_delta=400, bytes_delta=10**5,
+                                                       holder="`predictions_of_every_validation_step` in "
+                                                              "a_long_function_name() at a/deep/path/to/train.py:1234 "
+                                                              "→ " + " → ".join(f"hop{i}" for i in range(20))),))
+    long_line = withdrawn_line(dataclasses.replace(host, onset_step=1_234_567), deep)
+    assert len(long_line) <= HEADLINE_MAX and "`predictions_of_every_validation_step`" in long_line, long_line

@@ -66,7 +66,8 @@ def test_a_withdrawn_suspicion_is_said_with_what_accounts_for_it(
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     what = ("the tensor leak held by `val_preds` in <module>() at train.py:5" if with_tensors
             else "the growth of the tensors the agent counts")
-    assert lines == [f"gpumemd: host memory leak suspected since step 982 withdrawn: {what} accounts for its growth"]
+    assert lines == [f"gpumemd: host memory leak suspected since step 982 withdrawn: {what} accounts for its growth, "
+                     "+35.2 KiB/step"]
     assert [f.series for f in published[-1]] == ([KEPT.series] if with_tensors else [])
 
 
