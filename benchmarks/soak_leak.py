@@ -42,7 +42,7 @@ def _sizes(agent: gpumemd.Agent) -> dict[str, int]:
         "tensor groups": len(tracker._counts) if tracker else 0,
         "chains": len(chains._chains) if chains else 0,
         "chain marks": len(chains._marks) if chains else 0,
-        "past counts": len(parts.series.counts.count_past) + len(parts.series.chain_nodes.count_past),
+        "past counts": len(parts.series.scans.counts.count_past) + len(parts.series.scans.chain_nodes.count_past),
         "censuses kept": len(census.recent_censuses()) if census is not None else 0,  # type: ignore[attr-defined]
         "findings": len(agent.findings()),
         "samples": agent.samples_total,

@@ -6,7 +6,8 @@ says, per row, how many bytes per parameter, what PyTorch holds there, and how t
 
 from __future__ import annotations
 
-from gpumemd.analysis.memory_estimate import Estimate, bytes_per_param
+from gpumemd.analysis.memory_estimate import Estimate
+from gpumemd.analysis.model_state import bytes_per_param
 
 _STATE_WORDS: dict[str, str] = {
     "sgd": "plain SGD keeps no state",

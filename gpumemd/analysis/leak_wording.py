@@ -13,16 +13,11 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
-from gpumemd.analysis.census_culprits import culprit_sentence, culprits_from_diff, describe_group, refine_kind
+from gpumemd.analysis.census_culprits import culprit_sentence, refine_kind
 from gpumemd.analysis.culprit_sentences import (
-    chain_sentence,
     count_sentence,
-    growth_sentence,
     rows_rate,
     units_per_step,
-    workers_holder,
-    workers_noun,
-    workers_sentence,
 )
 from gpumemd.analysis.holder_adds import added_at
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
@@ -39,11 +34,7 @@ from gpumemd.analysis.units import format_bytes
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.findings import Culprit, Finding
 
-__all__ = [  # with the culprit words callers import from here (``census_culprits``, ``culprit_sentences``)
-    "CRITICAL_HOURS", "build_finding", "cause_finding", "chain_sentence", "count_sentence", "culprit_sentence",
-    "culprits_from_diff", "describe_group", "growth_sentence", "refine_kind", "rows_rate", "severity",
-    "workers_holder", "workers_noun", "workers_sentence",
-]
+__all__ = ["CRITICAL_HOURS", "build_finding", "cause_finding", "severity"]
 
 CRITICAL_HOURS = 24.0
 """A finding projected to run out of memory sooner than this is critical; later ones are warnings."""

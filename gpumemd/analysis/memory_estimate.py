@@ -64,21 +64,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpumemd.analysis.model_state import (
-    GRAD_DTYPES,
     OPTIMIZERS,
     PRECISIONS,
-    ParamInfo,
     adafactor_state_elements,
     bytes_per_param,
     check_choice,
-    optimizer_intermediate_bytes,
-    optimizer_state_bytes,
 )
 
-__all__ = [  # with the model-state names callers import from here (``analysis.model_state`` has them)
-    "GRAD_DTYPES", "OPTIMIZERS", "PRECISIONS", "Estimate", "ParamInfo", "TransformerShape", "bytes_per_param",
-    "estimate", "optimizer_intermediate_bytes", "optimizer_state_bytes",
-]
+__all__ = ["Estimate", "TransformerShape", "estimate"]
 
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
 #: Nominal device sizes, in GiB (the "80 GB" of an A100/H100 is 80 GiB of HBM; H200: 141).

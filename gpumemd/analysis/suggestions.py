@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpumemd.analysis.breakdown import fmt
-from gpumemd.analysis.capacity_rules import CAPACITY_RULES, autocast_bf16, capacity, chunk_operation, smaller_batch
+from gpumemd.analysis.capacity_rules import CAPACITY_RULES
 from gpumemd.analysis.leak_headline import since_words
 from gpumemd.analysis.oom_leak import holder_root
 from gpumemd.analysis.suggestion_facts import Facts, Rule
@@ -33,10 +33,7 @@ from gpumemd.records.census import TensorEntry
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, LeakCause, Suggestion
 
-__all__ = [  # with the facts and the capacity rules callers reach from here
-    "CAPACITY_RULES", "RULES", "Facts", "Rule", "autocast_bf16", "capacity", "chunk_operation", "smaller_batch",
-    "suggest", "why_none",
-]
+__all__ = ["RULES", "suggest", "why_none"]
 
 _DOMINANT = 0.20  # a share of the tensors' bytes above which a category is worth acting on
 _GRAD_SHARE = 0.02

@@ -18,16 +18,8 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from gpumemd.analysis.estimate_explain import explain
-from gpumemd.analysis.memory_estimate import (
-    GRAD_DTYPES,
-    OFFLOADS,
-    OPTIMIZERS,
-    PRECISIONS,
-    Estimate,
-    TransformerShape,
-    dominant_term,
-    estimate,
-)
+from gpumemd.analysis.memory_estimate import OFFLOADS, Estimate, TransformerShape, dominant_term, estimate
+from gpumemd.analysis.model_state import GRAD_DTYPES, OPTIMIZERS, PRECISIONS
 from gpumemd.analysis.units import format_bytes
 from gpumemd.cli.errors import CliError
 from gpumemd.probes.planning.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model

@@ -144,8 +144,8 @@ class LeakComponent:
                 parts.tracker.uninstall()
             if parts.chains is not None:
                 parts.chains.clear()
-            if parts.series.families is not None:
-                parts.series.families.clear()
+            if parts.series.scans.families is not None:
+                parts.series.scans.families.clear()
         self._sites.clear()
         self._host.clear()
 
@@ -179,7 +179,7 @@ class LeakComponent:
             if self._scans.due(total):
                 scan_started = self._clock()
                 try:
-                    series.feed_counts(record)
+                    series.scans.feed_counts(record)
                 finally:
                     self._scanned(agent, total, self._clock() - scan_started)
         detector = series.detector

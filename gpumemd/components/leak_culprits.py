@@ -15,12 +15,11 @@ import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpumemd.analysis.leak_wording import (
+from gpumemd.analysis.census_culprits import culprits_from_diff, refine_kind
+from gpumemd.analysis.culprit_sentences import (
     chain_sentence,
     count_sentence,
-    culprits_from_diff,
     growth_sentence,
-    refine_kind,
     workers_holder,
     workers_noun,
     workers_sentence,
@@ -115,7 +114,7 @@ class CulpritSearch:
     def _count_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         """Who holds the tensors of a growing count series: a sample of the group, looked up now (so
         the container's size is the one when the sentence is written), and what one of them costs."""
-        key = self._series.counts.key_of(status.spec)
+        key = self._series.scans.counts.key_of(status.spec)
         tracker = self._tracker
         if key is None or tracker is None:
             return NO_EVIDENCE
@@ -168,7 +167,7 @@ class CulpritSearch:
             return _SampleHolder(garbage=True)
         # The path first, over a few step ends if it must: a name is the common answer, and the cycle
         # check costs a heap scan or more (on a slow machine the two did not fit one budget).
-        search = who_holds_stepwise(sample, ignore=(self._series.counts.specs,))
+        search = who_holds_stepwise(sample, ignore=(self._series.scans.counts.specs,))
         del sample  # the search holds it weakly across its pauses
         path = yield from search
         if path is not None and PATH_CUT not in path:
@@ -226,13 +225,13 @@ class CulpritSearch:
         """Who holds the newest largest tensor of a growing family (alive: the scan that saw it ran
         at this step end), and how many rows it has now."""
         series = self._series
-        key = series.grown.key_of(status.spec)
-        families = series.families
+        key = series.scans.grown.key_of(status.spec)
+        families = series.scans.families
         family = families.get(key) if key is not None and families is not None else None
         if key is None or families is None or family is None:
             return NO_EVIDENCE
         sample = families.sample(key)
-        search = who_holds_stepwise(sample, ignore=(series.grown.specs,)) if sample is not None else None
+        search = who_holds_stepwise(sample, ignore=(series.scans.grown.specs,)) if sample is not None else None
         del sample
         holder = (yield from search) if search is not None else None
         row_bytes = status.spec.row_bytes
@@ -250,7 +249,7 @@ class CulpritSearch:
     def _chain_culprits(self, status: TrackStatus) -> Stepwise[Evidence]:
         """Who holds the newest tensor of a growing graph chain, how large the graph it reaches is,
         and what its saved tensors cost (zero once backward() freed them: the nodes alone grow)."""
-        key = self._series.chain_nodes.key_of(status.spec)
+        key = self._series.scans.chain_nodes.key_of(status.spec)
         chains = self._chains
         sample = chains.sample(key) if key is not None and chains is not None else None
         if key is None or chains is None or sample is None:
@@ -258,7 +257,7 @@ class CulpritSearch:
         try:
             nodes = host_objects.graph_size(sample, max_nodes=CHAIN_NODES_MAX)
             saved = host_objects.saved_bytes(sample)
-            search = who_holds_stepwise(sample, ignore=(self._series.chain_nodes.specs,))
+            search = who_holds_stepwise(sample, ignore=(self._series.scans.chain_nodes.specs,))
         finally:
             del sample
         holder = yield from search

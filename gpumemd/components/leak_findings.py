@@ -15,10 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpumemd.analysis.census_culprits import refine_kind
 from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, accounting_for, merge_causes, state_changes, withdrawn
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.analysis.leak_headline import withdrawn_line
-from gpumemd.analysis.leak_wording import build_finding, refine_kind
+from gpumemd.analysis.leak_wording import build_finding
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_file import FindingsFile
 from gpumemd.components.leak_pending import Key
@@ -103,7 +104,7 @@ class LeakFindings:
             return True
         # ... or by a graph chain (``total += loss`` without backward keeps each step's saved tensors):
         # the chain is the cause, and it is reported by its own series, rising now or active.
-        chains = series.chain_nodes.names()
+        chains = series.scans.chain_nodes.names()
         return bool(chains & rising) or any(f.series in chains and f.state != "cleared"
                                             for f in self._findings.values())
 
@@ -162,7 +163,7 @@ class LeakFindings:
     def counts_active(self, series: LeakSeries, rising: set[str]) -> bool:
         """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
         the heap scans that look for other culprits are not worth their cost."""
-        names = series.counts.names() | series.chain_nodes.names() | series.grown.names()
+        names = series.scans.counts.names() | series.scans.chain_nodes.names() | series.scans.grown.names()
         if names & rising:
             return True
         return any(f.series in names and f.state != "cleared" for f in self._findings.values())

@@ -30,7 +30,7 @@ from gpumemd.analysis.headroom import reservable_bytes
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_types import series_family, series_name
 from gpumemd.analysis.worker_growth import WorkerGrowth
-from gpumemd.components.leak_counts import _COUNT_MIN, CountFeeding
+from gpumemd.components.leak_counts import CountFeeding
 from gpumemd.components.leak_specs import measure_spec
 from gpumemd.records.device import CPU, cuda_index
 
@@ -67,12 +67,12 @@ WAITING_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
 
 # ``_COUNT_MIN`` is ``leak_counts``'s now; tests still read it here.
-__all__ = ["COUNT_FLOOR", "NOISE_FLOOR_BYTES", "RSS_BURST_BYTES", "WAITING_MAX", "_COUNT_MIN", "LeakSeries"]
+__all__ = ["COUNT_FLOOR", "NOISE_FLOOR_BYTES", "RSS_BURST_BYTES", "WAITING_MAX", "LeakSeries"]
 
 
 class LeakSeries:
     """Feeds the detector (one per start) and says what growth matters; see the module docstring. What
-    a survivor scan feeds (``feed_counts``) is its part ``scans``'s (``leak_counts.CountFeeding``).
+    a survivor scan feeds (``scans.feed_counts``) is its part ``scans`` (``leak_counts.CountFeeding``).
 
     ``tracker`` and ``chains`` (None when long-lived tensor tracking is off) give the count series."""
 
@@ -86,11 +86,8 @@ class LeakSeries:
             window_steps=options.leak_window_steps,
             check_every_steps=options.leak_check_every_steps,
         ))
+        # What a survivor scan feeds: its count, chain and family series (the culprit search reads them there).
         self.scans = CountFeeding(self.detector, self._observe, tracker=tracker, chains=chains, families=families)
-        # The scan's series, read by the culprit search and the findings (the same objects, never replaced).
-        self.counts, self.grown, self.chain_nodes = self.scans.counts, self.scans.grown, self.scans.chain_nodes
-        self.families = families
-        self.feed_counts = self.scans.feed_counts
         self.host_spec = SeriesSpec(
             series_name("host_rss_bytes"), "host_leak", CPU,
             explained_by=(series_name("census_bytes", CPU), series_name("long_lived_bytes", CPU),

@@ -37,7 +37,6 @@ from gpumemd.components.oom_excepthooks import ExceptHooks
 from gpumemd.components.oom_postmortem import PostMortem
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall, OomMessage
-from gpumemd.report.writer import render_files
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     from gpumemd.records.step import StepRecord
 
 # ``render_files`` is ``report.writer``'s (``oom_postmortem`` writes the report); tests still import it from here.
-__all__ = ["FatalOomListener", "OomComponent", "OomOptions", "render_files"]
+__all__ = ["FatalOomListener", "OomComponent", "OomOptions"]
 
 log = logging.getLogger("gpumemd")
 

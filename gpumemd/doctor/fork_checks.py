@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpumemd.doctor.check import Check
-from gpumemd.probes.device.nvml import parse_visible_devices
+from gpumemd.probes.device.nvml_devices import parse_visible_devices
 
 _NAME = "device count"
 _POISON = ("so torch.cuda.device_count() (and is_available()) before CUDA is up calls cudaGetDeviceCount, "

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpumemd.analysis.units import format_bytes
 from gpumemd.doctor.check import Check, Status
-from gpumemd.probes.device.nvml import visible_indices
+from gpumemd.probes.device.nvml_devices import visible_indices
 
 
 def import_nvml() -> Any:

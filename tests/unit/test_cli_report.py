@@ -20,14 +20,13 @@ from oom_snapshot_data import NEW_MESSAGE, MiB, make_snapshot
 from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
 from gpumemd.cli import main
-from gpumemd.components.oom_component import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import ObserverCall
 from gpumemd.records.step import Identity
 from gpumemd.report.build import ReportInputs, build_report
-from gpumemd.report.writer import report_dir_name, write_report_dir
+from gpumemd.report.writer import render_files, report_dir_name, write_report_dir
 from tests.json_paths import json_paths
 
 _KEPT = "`kept` in main() at train.py:12 → list of 4 items"

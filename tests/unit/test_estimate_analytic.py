@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpumemd.analysis.memory_estimate import (
-    GIB,
-    TransformerShape,
-    bytes_per_param,
-    estimate,
-    peak_bytes,
-    transformer_activation_bytes,
-)
+from gpumemd.analysis.memory_estimate import GIB, TransformerShape, estimate, peak_bytes, transformer_activation_bytes
+from gpumemd.analysis.model_state import bytes_per_param
 
 
 def model_state(est):  # weights + gradients + optimizer state, per GPU

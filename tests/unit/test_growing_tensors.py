@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpumemd.analysis.leak_wording import growth_sentence, rows_rate
+from gpumemd.analysis.culprit_sentences import growth_sentence, rows_rate
 from gpumemd.probes.survival.survivors import SurvivorTracker
 from gpumemd.probes.survival.tensor_families import RECORDS_TO_WATCH, TensorFamilies
 

@@ -190,7 +190,8 @@ def test_a_count_series_of_a_group_born_later_starts_with_the_zeros_it_had() -> 
     had at the earlier scans, zeros where it was absent: its track covers the job's history, so the
     detector can judge its ramp against a flat start at once, not a window after its birth."""
     from gpumemd.analysis.leak_types import SeriesSpec
-    from gpumemd.components.leak_series import _COUNT_MIN, LeakSeries
+    from gpumemd.components.leak_counts import _COUNT_MIN
+    from gpumemd.components.leak_series import LeakSeries
 
     series = LeakSeries(Config(output_dir="unused").options(LeakOptions), SimpleNamespace(),  # type: ignore[arg-type]
                         tracker=None, chains=None)
@@ -204,7 +205,7 @@ def test_a_count_series_of_a_group_born_later_starts_with_the_zeros_it_had() -> 
         groups = [("few", _COUNT_MIN - 1, lambda: few)]  # present at every scan, never watched
         if step == 450:
             groups.append(("leak", _COUNT_MIN + 1, lambda: spec))
-        series.scans._observe_groups(series.counts, step, "train", groups)
+        series.scans._observe_groups(series.scans.counts, step, "train", groups)
     assert [(s, v) for name, s, v in fed if name == spec.name] == [*((s, 0) for s in range(100, 450, 50)),
                                                                    (450, _COUNT_MIN + 1)]
     assert not any(name == few.name for name, _, _ in fed)

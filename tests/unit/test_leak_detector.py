@@ -8,16 +8,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from gpumemd.analysis.census_culprits import culprit_sentence, culprits_from_diff, refine_kind
+from gpumemd.analysis.culprit_sentences import count_sentence
 from gpumemd.analysis.leak_detector import DetectorConfig, LeakDetector, LeakState, SeriesSpec
 from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.analysis.leak_track import hinge_onset
-from gpumemd.analysis.leak_wording import (
-    build_finding,
-    count_sentence,
-    culprit_sentence,
-    culprits_from_diff,
-    refine_kind,
-)
+from gpumemd.analysis.leak_wording import build_finding
 from gpumemd.analysis.oom_leak import without_projection
 from gpumemd.records.census import GroupDelta, GroupKey
 from gpumemd.records.device import CPU, Device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gpumemd.analysis.culprit_sentences import chain_sentence
 from gpumemd.analysis.leak_headline import (
     HEADLINE_MAX,
     Facts,
@@ -16,7 +17,6 @@ from gpumemd.analysis.leak_headline import (
     withdrawn_line,
 )
 from gpumemd.analysis.leak_track import hinge_onset, knee_between
-from gpumemd.analysis.leak_wording import chain_sentence
 from gpumemd.components.leak_culprits import CHAIN_NODES_MAX
 from gpumemd.records.findings import Culprit, Finding
 

@@ -49,7 +49,7 @@ def _conclude(findings: dict[tuple[str, str], Finding], tmp_path: Any) -> list[A
                             state=lambda: SimpleNamespace(identity=SimpleNamespace(rank=0)))
     leak._findings = dict(findings)
     leak._causes = merge_causes(leak._findings, NO_CAUSES)
-    series = SimpleNamespace(chain_nodes=SimpleNamespace(names=set))
+    series = SimpleNamespace(scans=SimpleNamespace(chain_nodes=SimpleNamespace(names=set)))
     leak.conclude(agent, series, PendingEvaluation(1555, [_explained(1555)], set(), []))  # type: ignore[arg-type]
     return published
 

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.exporter.collector import StateCollector
-from gpumemd.probes.device.nvml import NvmlProbe, parse_visible_devices, uuids_to_indices, visible_indices
+from gpumemd.probes.device.nvml import NvmlProbe
+from gpumemd.probes.device.nvml_devices import parse_visible_devices, uuids_to_indices, visible_indices
 from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample, NvmlDeviceSample
 from gpumemd.records.step import NVML_PAIR_MAX_AGE_S, Identity, nvml_paired

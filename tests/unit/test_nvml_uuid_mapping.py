@@ -14,7 +14,8 @@ import pytest
 import torch
 from fakes import FakeGpu, FakeNvml, NvmlError
 
-from gpumemd.probes.device.nvml import NvmlProbe, torch_cuda_uuid, uuid_key
+from gpumemd.probes.device.nvml import NvmlProbe
+from gpumemd.probes.device.nvml_devices import torch_cuda_uuid, uuid_key
 
 GIB = 1 << 30
 A = "6c8d9b1e-0f3a-4e2b-9a7c-1d2e3f405162"  # NVML index 0: the slower GPU, PCI bus first

@@ -15,7 +15,6 @@ from oom_snapshot_data import NEW_MESSAGE, MiB, make_snapshot
 
 from gpumemd.analysis.oom_message import parse_oom_message
 from gpumemd.analysis.snapshot_summary import summarize_snapshot
-from gpumemd.components.oom_component import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
@@ -27,7 +26,7 @@ from gpumemd.report.build import SCHEMA_VERSION, ReportInputs, build_report
 from gpumemd.report.html import render_html
 from gpumemd.report.load import load_report
 from gpumemd.report.markdown import render_markdown
-from gpumemd.report.writer import report_dir_name, write_report_dir
+from gpumemd.report.writer import render_files, report_dir_name, write_report_dir
 
 
 def _inputs(**over: Any) -> ReportInputs:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from gpumemd.cli import main
-from gpumemd.components.oom_component import render_files
 from gpumemd.records.census import Census, CensusGroup, GroupKey, TensorEntry
 from gpumemd.records.device import CPU
 from gpumemd.records.findings import Culprit, Finding
@@ -22,7 +21,7 @@ from gpumemd.report.build import ReportInputs, build_report
 from gpumemd.report.markdown import render_markdown
 from gpumemd.report.svg import byte_ticks, step_ticks, timeline_chart
 from gpumemd.report.view import group_rows, sections, slug, timeline_columns
-from gpumemd.report.writer import write_report_dir
+from gpumemd.report.writer import render_files, write_report_dir
 
 MiB, GiB = 2**20, 2**30
 HOLDER = "`kept` in main() at train.py:12 → list of 770 items"

@@ -16,14 +16,13 @@ import torch
 
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.cli import main
-from gpumemd.components.oom_component import render_files
 from gpumemd.records.device import Device
 from gpumemd.records.oom import OomMessage
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample
 from gpumemd.records.step import Identity, StepRecord
 from gpumemd.report.build import ReportInputs, breakdown_device, build_report, oom_device
 from gpumemd.report.schema import schema_errors
-from gpumemd.report.writer import report_dir_name, write_report_dir
+from gpumemd.report.writer import render_files, report_dir_name, write_report_dir
 
 CUDA0 = Device.cuda(0)
 

@@ -9,7 +9,8 @@ from cuda_recordings import nested_from_flat, recorded_memory_stats
 from fakes import FakeGpu, FakeNvml, ManualClock
 
 from gpumemd.probes.device.allocator import DEVICE_RESCAN_S, AllocatorProbe, sample_from_stats, touched
-from gpumemd.probes.device.nvml import NvmlProbe, visible_indices
+from gpumemd.probes.device.nvml import NvmlProbe
+from gpumemd.probes.device.nvml_devices import visible_indices
 from gpumemd.probes.process.host import HostProbe
 from gpumemd.probes.process.identity import current_identity, identity_from_env
 from gpumemd.records.device import Device

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from gpumemd.analysis import suggestions as rules
-from gpumemd.analysis.suggestions import Facts, suggest
+from gpumemd.analysis.suggestion_facts import Facts
+from gpumemd.analysis.suggestions import suggest
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import Breakdown, BreakdownItem, LeakCause

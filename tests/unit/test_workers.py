@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpumemd.analysis.culprit_sentences import workers_holder, workers_noun, workers_sentence
 from gpumemd.analysis.leak_headline import holder_words
-from gpumemd.analysis.leak_wording import workers_holder, workers_noun, workers_sentence
 from gpumemd.analysis.worker_growth import WorkerGrowth
 from gpumemd.probes.process.workers import WorkersProbe
 from gpumemd.records.findings import Culprit

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpumemd.probes.device.nvml import counting_initialises_cuda
+from gpumemd.probes.device.nvml_devices import counting_initialises_cuda
 from gpumemd.probes.health import ProbeHealth
 from gpumemd.records.device import Device
 from gpumemd.records.samples import AllocatorSample

@@ -23,24 +23,19 @@ from typing import Any
 
 from gpumemd.probes.device.nvml_devices import (
     Gpu,
-    counting_initialises_cuda,
     find_by_uuid,
     nvml_gpus,
-    parse_visible_devices,
     place_of,
     torch_cuda_uuid,
     uuid_key,
-    uuids_to_indices,
     visible_handles,
-    visible_indices,
 )
 from gpumemd.probes.health import ProbeHealth, log
 from gpumemd.records.device import Device
 from gpumemd.records.samples import NvmlDeviceSample
 
 # Imported from here by the doctor, the allocator and snapshot probes, and tests.
-__all__ = ["NvmlProbe", "counting_initialises_cuda", "parse_visible_devices", "torch_cuda_uuid", "uuid_key",
-           "uuids_to_indices", "visible_indices"]
+__all__ = ["NvmlProbe"]
 
 
 class NvmlProbe:

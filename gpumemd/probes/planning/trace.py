@@ -29,12 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumemd.analysis.memory_estimate import (
-    ParamInfo,
-    optimizer_intermediate_bytes,
-    optimizer_state_bytes,
-    peak_bytes,
-)
+from gpumemd.analysis.memory_estimate import peak_bytes
+from gpumemd.analysis.model_state import ParamInfo, optimizer_intermediate_bytes, optimizer_state_bytes
 
 if TYPE_CHECKING:
     import torch

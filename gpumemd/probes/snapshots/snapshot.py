@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumemd.probes.device.allocation_history import AllocationHistory, process_history
-from gpumemd.probes.device.nvml import counting_initialises_cuda
+from gpumemd.probes.device.nvml_devices import counting_initialises_cuda
 from gpumemd.probes.health import ProbeHealth
 
 OomObserver = Callable[[int, int, int, int], None]
