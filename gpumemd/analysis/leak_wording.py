@@ -55,7 +55,7 @@ def build_finding(
     status: TrackStatus, *, kind: str | None = None, culprits: Sequence[Culprit] = (),
     culprit_steps: float = 0.0, headroom_bytes: float | None = None, sites: Sequence[str] = (),
     bytes_per_unit: float = 1.0, seconds_per_step: float | None = None, holder_sentence: str | None = None,
-    per_step: float | None = None, culprits_step: int | None = None,
+    per_step: float | None = None, culprits_step: int | None = None, host_bytes_per_step: float | None = None,
 ) -> Finding:
     """The user-facing record for one track status; ``summary`` is the one-line sentence.
 
@@ -64,23 +64,28 @@ def build_finding(
     component wrote it from the tensors themselves. ``per_step`` is the rate to state when the caller
     measured it better than the window's slope (a count series' slope since its onset).
     ``culprits_step`` is the step the culprits were looked up at: when it is earlier than this
-    status, the sentence says so (container sizes and holders are from then, not from now)."""
+    status, the sentence says so (container sizes and holders are from then, not from now).
+    ``host_bytes_per_step``: host RSS's growth since a CPU tensor finding's onset; at twice the
+    tensors' own bytes or more it is stated beside them and the out-of-memory projection is made from
+    it (the heap those tensors pin is what runs out)."""
     v = status.verdict
     kind = kind or refine_kind(status.spec.kind, culprits)
     counts = status.spec.unit != "bytes"
     per_step = v.slope.slope if per_step is None else per_step
     slope = per_step * bytes_per_unit if counts else per_step
     active = status.state is not None and status.state.active
-    steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes, slope, seconds_per_step) if active else (None, None)
+    host = host_bytes_per_step if counts and host_bytes_per_step and host_bytes_per_step >= 2 * slope else None
+    steps_to_oom, hours_to_oom = (_time_to_oom(headroom_bytes, host or slope, seconds_per_step) if active
+                                  else (None, None))
     projected, oom = projection_words(steps_to_oom, hours_to_oom)
     name = status.spec.name
-    summary = _summary(status, kind, per_step, slope, bytes_per_unit=bytes_per_unit, projected=projected)
+    summary = _summary(status, kind, per_step, slope, bytes_per_unit=bytes_per_unit, projected=projected, host=host)
     facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status.spec.device, status.phase),
                   stopped=None if active else v.reason)
     if active:
         summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
                                   culprits_step=culprits_step, sites=sites)
-        facts = dataclasses.replace(facts, rate=_stated_rate(status, per_step, slope, culprits),
+        facts = dataclasses.replace(facts, rate=_stated_rate(status, per_step, slope, culprits, host),
                                     holder=holder_words(culprits, sites), onset_step=status.onset_step,
                                     out_of_memory=oom)
     low, high = (v.slope.low, v.slope.high)
@@ -132,29 +137,32 @@ def _where(device: Device | None, phase: str) -> str | None:
     return ", ".join(parts) or None
 
 
-def _rate(status: TrackStatus, per_step: float, slope: float) -> str:
+def _rate(status: TrackStatus, per_step: float, slope: float, host: float | None = None) -> str:
     """"+1 tensor/step (~2.0 KiB/step)", "+128.2 KiB/step": the growth per step a headline states."""
     if status.spec.row_bytes:
         return rows_rate(slope / status.spec.row_bytes, status.spec.row_bytes)
     if status.spec.unit == "bytes":
         return f"+{format_bytes(slope)}/step"
-    return _count_rate(status.spec.unit, per_step, slope)
+    return _count_rate(status.spec.unit, per_step, slope, host)
 
 
-def _count_rate(unit: str, per_step: float, slope: float) -> str:
-    """"+1 tensor/step (~2.0 KiB/step)": a count series' rate, with its bytes when they are one or more."""
+def _count_rate(unit: str, per_step: float, slope: float, host: float | None = None) -> str:
+    """"+1 tensor/step (~2.0 KiB/step)": a count series' rate, with its bytes when they are one or more,
+    and host RSS's growth with it ("~256 B/step, host RSS +30.1 KiB/step") when that is stated."""
     rate = units_per_step(per_step, _UNIT_NOUNS.get(unit, unit))
-    return f"{rate} (~{format_bytes(slope)}/step)" if slope >= 1 else rate
+    host_words = f", host RSS +{format_bytes(host)}/step" if host else ""
+    return f"{rate} (~{format_bytes(slope)}/step{host_words})" if slope >= 1 else rate
 
 
-def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_unit: float) -> list[str]:
+def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_unit: float,
+                  host: float | None) -> list[str]:
     """The rate, the onset and the growth so far of an active finding."""
     v = status.verdict
     counts = status.spec.unit != "bytes"
     noun = _UNIT_NOUNS.get(status.spec.unit, status.spec.unit)
     parts: list[str] = []
     if counts:
-        parts.append(_count_rate(status.spec.unit, per_step, slope))
+        parts.append(_count_rate(status.spec.unit, per_step, slope, host))
     else:
         low = v.slope.low if math.isfinite(v.slope.low) else 0.0
         bounds = f">= {format_bytes(low)}/step at 95%"
@@ -173,7 +181,7 @@ def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_
 
 
 def _summary(status: TrackStatus, kind: str, per_step: float, slope: float, *, bytes_per_unit: float,
-             projected: str | None) -> str:
+             projected: str | None, host: float | None) -> str:
     """The summary up to its culprit: what, in what state, how fast and how soon out of memory."""
     parts = [f"{KIND_WORDS.get(kind, kind)} {status.state_name} on {status.spec.name}"]
     if status.phase != "train":
@@ -181,7 +189,7 @@ def _summary(status: TrackStatus, kind: str, per_step: float, slope: float, *, b
     if status.state is None or not status.state.active:
         parts.append(f"growth stopped ({status.verdict.reason})")
     else:
-        parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit))
+        parts.extend(_growth_parts(status, per_step, slope, bytes_per_unit, host))
         if status.held:  # its counter stopped: the rate and growth are as last measured, a lower bound
             parts.append(status.held)
         if projected is not None:
@@ -189,11 +197,12 @@ def _summary(status: TrackStatus, kind: str, per_step: float, slope: float, *, b
     return ", ".join(parts)
 
 
-def _stated_rate(status: TrackStatus, per_step: float, slope: float, culprits: Sequence[Culprit]) -> str:
+def _stated_rate(status: TrackStatus, per_step: float, slope: float, culprits: Sequence[Culprit],
+                 host: float | None) -> str:
     """The rate the headline states: per worker process for the DataLoader workers."""
     if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
         return f"+{format_bytes(slope / culprits[0].count_delta)}/step each"
-    return _rate(status, per_step, slope)
+    return _rate(status, per_step, slope, host)
 
 
 def _culprit_text(status: TrackStatus, culprits: Sequence[Culprit], culprit_steps: float, *,

@@ -23,6 +23,7 @@ from gpumemd.analysis.leak_wording import build_finding
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_file import FindingsFile
 from gpumemd.components.leak_pending import Key
+from gpumemd.records.device import cuda_index
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -67,8 +68,10 @@ class LeakFindings:
             return
         held_graphs = self._graphs_reported(series, statuses, rising)
         before = dict(self._findings)
+        host_claim = _host_claimant(statuses)
         changed = [(s.spec.name, s.phase) for s in statuses
-                   if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found) and s.changed]
+                   if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found,
+                                   host=s is host_claim) and s.changed]
         if not changed and before.keys() == self._findings.keys() and all(
                 self._findings[k] is f for k, f in before.items()):
             return  # every finding stands as published (confirmed leaks between re-tests): nothing to say
@@ -108,9 +111,10 @@ class LeakFindings:
         return bool(chains & rising) or any(f.series in chains and f.state != "cleared"
                                             for f in self._findings.values())
 
-    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool, *, fresh: bool) -> bool:
+    def _update(self, series: LeakSeries, status: TrackStatus, held_graphs: bool, *, fresh: bool,
+                host: bool) -> bool:
         """Update one status's finding, unless it is not one (False). ``fresh``: a culprit search for
-        it concluded in this evaluation."""
+        it concluded in this evaluation; ``host``: it states host RSS's growth (``_host_claimant``)."""
         key = (status.spec.name, status.phase)
         evidence = self._culprits.get(key, NO_EVIDENCE)
         if self._withheld(status, evidence, held_graphs):
@@ -128,7 +132,7 @@ class LeakFindings:
             culprit_steps=evidence.steps, headroom_bytes=series.headroom(status.spec), sites=evidence.sites,
             bytes_per_unit=evidence.bytes_per_unit, seconds_per_step=series.seconds_per_step,
             holder_sentence=evidence.sentence, per_step=series.stated_rate(dated),
-            culprits_step=self.attempts.get(key),
+            culprits_step=self.attempts.get(key), host_bytes_per_step=series.host_rate(dated) if host else None,
         )
         self._findings[key] = finding
         if not active:
@@ -196,6 +200,15 @@ class LeakFindings:
         log.warning("gpumemd: %s", finding.headline or finding.summary)
         if self._file is not None:
             self._file.append(finding)
+
+
+def _host_claimant(statuses: list[TrackStatus]) -> TrackStatus | None:
+    """The active CPU tensor finding that states host RSS's growth as its own: the fastest in bytes.
+    One, so two CPU leaks do not each project out-of-memory from the same growth."""
+    cpu = [s for s in statuses if s.spec.kind == "tensor_leak" and s.spec.unit == "tensors"
+           and s.spec.device is not None and cuda_index(s.spec.device) is None
+           and s.state is not None and s.state.active]
+    return max(cpu, key=lambda s: s.verdict.slope.slope * s.spec.unit_bytes, default=None)
 
 
 def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:

@@ -101,8 +101,10 @@ class LeakSeries:
         self._own_record_bytes: float | None = None
         self._last_host: tuple[float, HostSample] | None = None  # the newest fed step's (wall time, host)
         self._last_census: Census | None = None
-        # Per (series, phase): the stated rate since onset, with the onset and the step it was worked out at.
-        self._rates: dict[tuple[str, str], tuple[int, int, float | None]] = {}
+        # Per (measured series, finding's series, phase): the rate since the finding's onset, with the
+        # onset and the step it was worked out at (``_rate_since``).
+        self._rates: dict[tuple[str, str, str], tuple[int, int, float | None]] = {}
+        self._last_min_slopes: dict[str, float] = {}  # the last evaluation's thresholds (``host_rate``)
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -189,7 +191,8 @@ class LeakSeries:
 
     def evaluate(self, step: int) -> list[TrackStatus]:
         """The detector's statuses at this step, each series judged against the growth that matters."""
-        return self.detector.evaluate(step, self._min_slopes())
+        self._last_min_slopes = self._min_slopes()
+        return self.detector.evaluate(step, self._last_min_slopes)
 
     def rising_names(self) -> set[str]:
         """Series whose floor rose enough at the last evaluation to be assessed in full."""
@@ -250,25 +253,43 @@ class LeakSeries:
 
     def stated_rate(self, status: TrackStatus) -> float:
         """The growth per step a finding states. For a count series, the slope since its onset: the
-        window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step").
-
-        Worked out again at a state change, a new onset, and once the steps since the onset have
-        doubled since the last time (a window at least): a Theil-Sen slope over every floor since the
-        onset costs milliseconds, and a finding that lasts for days is evaluated every 50 steps, so
-        its cost per step falls as the episode lasts. The slope over a long episode moves little
-        between two of those: a stated rate is at most as old as the episode was when it was worked out."""
+        window's slope mixes in the flat steps before it (one tensor per step read "+0.91/step")."""
         slope = status.verdict.slope.slope
-        onset = status.onset_step
-        if status.spec.unit == "bytes" or onset is None:
+        if status.spec.unit == "bytes" or status.onset_step is None:
             return slope
-        key = (status.spec.name, status.phase)
+        since = self._rate_since(status.spec.name, status)
+        return since if since is not None and since > 0 else slope
+
+    def host_rate(self, status: TrackStatus) -> float | None:
+        """How fast host RSS grew since a CPU tensor finding's onset, when that is material (above the
+        host series' own threshold): the tensors a CPU leak keeps can cost the heap far more than their
+        own bytes (each small one pins memory the allocator cannot give back: 256 B/step of tensors
+        grew RSS by ~30 KiB/step in a plain MLP loop, measured without the agent), and RSS is what runs
+        out. None for other findings, or while RSS is flat."""
+        spec = status.spec
+        if spec.kind != "tensor_leak" or spec.unit != "tensors" or cuda_index(spec.device) is not None:
+            return None
+        if status.onset_step is None or not (status.state is not None and status.state.active):
+            return None
+        rate = self._rate_since(self.host_spec.name, status)
+        floor = self._last_min_slopes.get(self.host_spec.name)
+        return rate if rate is not None and floor is not None and rate >= floor else None
+
+    def _rate_since(self, name: str, status: TrackStatus) -> float | None:
+        """Series ``name``'s slope since ``status``'s onset, worked out again at a state change, a new
+        onset, and once the steps since the onset have doubled since the last time (a window at
+        least): a Theil-Sen slope over every floor since the onset costs milliseconds, and a finding
+        that lasts for days is evaluated every 50 steps, so its cost per step falls as the episode
+        lasts. The slope over a long episode moves little between two of those: a stated rate is at
+        most as old as the episode was when it was worked out."""
+        onset = status.onset_step
+        assert onset is not None
+        key = (name, status.spec.name, status.phase)
         cached = self._rates.get(key)
         if (cached is None or status.changed or cached[0] != onset
                 or status.step - cached[1] >= max(self._options.leak_window_steps, cached[1] - onset)):
-            cached = self._rates[key] = (onset, status.step,
-                                         self.detector.slope_since(status.spec.name, status.phase, onset))
-        since = cached[2]
-        return since if since is not None and since > 0 else slope
+            cached = self._rates[key] = (onset, status.step, self.detector.slope_since(name, status.phase, onset))
+        return cached[2]
 
     def invisible_rate(self, status: TrackStatus) -> float | None:
         """How fast the device's allocated bytes the census cannot see (autograd-saved tensors) grew
