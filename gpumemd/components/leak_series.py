@@ -32,7 +32,7 @@ from gpumemd.analysis.leak_types import series_family, series_name
 from gpumemd.analysis.worker_growth import WorkerGrowth
 from gpumemd.components.leak_counts import CountFeeding
 from gpumemd.components.leak_specs import measure_spec
-from gpumemd.records.device import CPU, cuda_index
+from gpumemd.records.device import CPU, Device, cuda_index
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -207,6 +207,7 @@ class LeakSeries:
         if self.seconds_per_step:
             horizon_steps = c.leak_horizon_hours * 3600 / self.seconds_per_step
         out: dict[str, float] = {}
+        headrooms: dict[Device | None, float | None] = {}  # one per device: each CUDA one builds a state
         for spec in self.detector.series():
             if spec.unit != "bytes":
                 out[spec.name] = COUNT_FLOOR
@@ -219,7 +220,9 @@ class LeakSeries:
             floor = NOISE_FLOOR_BYTES.get(family, NOISE_FLOOR_BYTES["allocated"])
             if family == "host":
                 floor = max(floor, RSS_BURST_BYTES / c.leak_window_steps)
-            headroom = self.headroom(spec)
+            if spec.device not in headrooms:
+                headrooms[spec.device] = self.headroom(spec)
+            headroom = headrooms[spec.device]
             material = headroom / horizon_steps if headroom is not None and horizon_steps else 0.0
             out[spec.name] = max(floor, material)
         return out
