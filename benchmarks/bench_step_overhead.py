@@ -3,6 +3,7 @@
 Usage: python benchmarks/bench_step_overhead.py [--seconds 60] [--steps-ms 0.2 1 10] [--block 20] [--batch 64]
        python benchmarks/bench_step_overhead.py --steps-ms 1 --inject-us 20   # the method's calibration
        python benchmarks/bench_step_overhead.py --cuda mlp transformer --seconds 30   # on a GPU
+       python benchmarks/bench_step_overhead.py --steps-ms 2 --leak   # while a leak is tracked
 
 One job (an MLP with AdamW, one intra-op thread, width calibrated to each step time; SGD and batch 8 for
 steps under 0.8 ms; under 0.45 ms, the MLP's shortest here, a linear classifier of width 8) and one
@@ -72,10 +73,12 @@ CAP = 2.0
 
 
 def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False,  # type: ignore[no-untyped-def]
-             py_objects: int = 0):
+             py_objects: int = 0, leak: list[bool] | None = None):
     """The MLP's training step (``linear``: a linear classifier, the shortest real training step).
     ``py_objects``: the step also builds that many small Python containers (a data pipeline's or a
-    framework's bookkeeping), so the collector runs every ~700 / ``py_objects`` steps."""
+    framework's bookkeeping), so the collector runs every ~700 / ``py_objects`` steps. ``leak``: the
+    step also makes one small tensor (``bench_leak_tracking.py``'s leak) and keeps it while ``leak[0]``
+    is true, so the agent tracks a leak."""
     import torch
 
     torch.manual_seed(0)
@@ -86,6 +89,7 @@ def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False
     opt = torch.optim.SGD(model.parameters(), lr=1e-4) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, hidden)
     y = torch.randint(0, 10, (batch,))
+    kept: list[torch.Tensor] = []
 
     def step() -> None:
         batch_info = [{"i": i} for i in range(py_objects)]
@@ -94,6 +98,10 @@ def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False
         opt.step()
         opt.zero_grad(set_to_none=True)
         batch_info.clear()
+        if leak is not None:
+            tensor = torch.zeros(16)
+            if leak[0]:
+                kept.append(tensor)
 
     return step
 
@@ -324,10 +332,15 @@ def cuda_job(name: str):  # type: ignore[no-untyped-def]
 
 
 def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: int = 20,
-            seed: int = 0, inject_s: float = 0.0, py_objects: int = 0, cuda: str = "") -> OverheadResult:
+            seed: int = 0, inject_s: float = 0.0, py_objects: int = 0, cuda: str = "",
+            leak: bool = False) -> OverheadResult:
     """Run the job at about ``target_s`` per step with the agent attached at its defaults and measure
     its cost for ``seconds`` of interleaved rounds (see the module docstring). ``inject_s``: a busy
-    wait added to every step while the agent is on, so the result should rise by exactly that much."""
+    wait added to every step while the agent is on, so the result should rise by exactly that much.
+    ``leak``: the job keeps one small tensor a step in the warm-up and the agent-on blocks (in the
+    agent-off ones it makes the tensor and drops it: the same work, no growth), so the agent sees one
+    tensor a step, as in ``bench_leak_tracking.py``, and the agent-on blocks pay for tracking it; the
+    findings say it was confirmed."""
     import torch
 
     torch.set_num_threads(1)
@@ -340,7 +353,9 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
     if sgd:
         batch = 8
     hidden = 0 if cuda else 8 if linear else calibrate(target_s, batch, sgd=sgd)
-    job = cuda_job(cuda) if cuda else make_job(hidden, batch, sgd=sgd, linear=linear, py_objects=py_objects)
+    leaking = [True] if leak else None
+    job = (cuda_job(cuda) if cuda
+           else make_job(hidden, batch, sgd=sgd, linear=linear, py_objects=py_objects, leak=leaking))
     time_steps(job, 20)
     # The warm-up covers the leak detector's first windows (50 + 500 steps, evaluated every 50): a job's
     # host RSS rises there as heaps warm up, and the first heap look for a host leak's culprit, a
@@ -367,6 +382,8 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
                 switch.on()  # every block pays the same switching, outside its timing
                 if kind:
                     switch.off()
+                if leaking is not None:
+                    leaking[0] = kind == 0
                 before = agent.overhead()
                 checks_before = _checks_seconds(leak)
                 censuses_before = agent.state().censuses_total
@@ -466,6 +483,9 @@ def main() -> None:
                          "ending each step (its own step time; --steps-ms is ignored)")
     ap.add_argument("--inject-us", type=float, default=0.0,
                     help="calibration: a busy wait of this many µs on every step while the agent is on")
+    ap.add_argument("--leak", action="store_true",
+                    help="the job keeps one small tensor a step while the agent is on: the cost while a leak "
+                         "is tracked")
     args = ap.parse_args()
     import torch
 
@@ -473,16 +493,17 @@ def main() -> None:
           f"step time (blocks of {args.block} steps: agent on, off, off, in random order)"
           + (f"; calibration: +{args.inject_us:g} µs injected on every agent-on step" if args.inject_us else "")
           + (f"; each step also builds {args.python_objects:,} Python objects" if args.python_objects else "")
+          + ("; the job keeps one 64 B tensor a step while the agent is on" if args.leak else "")
           + "\n")
     print(TABLE_HEADER)
     targets = {0.2: "≤ 30 µs", 1.0: "≤ 3% (≤ 30 µs)", 10.0: "≤ 1%"}
     runs = [(2.0 if job == "mlp" else 10.0, job) for job in args.cuda] or [(ms, "") for ms in args.steps_ms]
     for ms, cuda in runs:
         result = measure(ms / 1e3, args.seconds, batch=args.batch, block=args.block, seed=args.seed,
-                         inject_s=args.inject_us / 1e6, py_objects=args.python_objects, cuda=cuda)
+                         inject_s=args.inject_us / 1e6, py_objects=args.python_objects, cuda=cuda, leak=args.leak)
         target = ("≤ 20 µs" if cuda == "mlp" else "≤ 1%") if cuda else targets.get(ms, "-")
         print(table_row(result, target), flush=True)
-        for finding in result.findings:  # a healthy job: the agent should have found nothing
+        for finding in result.findings:  # a healthy job: nothing; with --leak: the leak, confirmed
             print(f"<!-- finding at {ms:g} ms: {finding} -->", flush=True)
     print("\n" + NOTES.format(block=args.block))
 
