@@ -24,7 +24,6 @@ from gpumemd.analysis.leak_detector import LeakState, TrackStatus
 from gpumemd.analysis.leak_headline import (
     KIND_WORDS,
     Facts,
-    duration_words,
     headline,
     holder_words,
     projection_words,
@@ -250,12 +249,9 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     if onset is not None:
         parts.append(since_words(onset))
     parts.append(f"+{format_bytes(sum(m.growth_bytes for m in active))} so far")
-    oom = (f"~{duration_words(hours_to_oom)}" if hours_to_oom is not None
-           else f"~{steps_to_oom:,.0f} steps" if steps_to_oom is not None else None)
-    if hours_to_oom is not None and steps_to_oom is not None:
-        parts.append(f"out of memory in {oom} (~{steps_to_oom:,.0f} steps)")
-    elif oom is not None:
-        parts.append(f"out of memory in {oom}")
+    projected, oom = projection_words(steps_to_oom, hours_to_oom)  # a member's hours come with its steps
+    if projected is not None:
+        parts.append(f"out of memory in {projected}")
     summary = ", ".join(parts) + "".join("; " + _group_sentence(m) for m in ranked if m.culprits)
     shared = (dataclasses.replace(culprits[0], holder=holder),) if culprits and holder else culprits
     facts = Facts(kind=lead.kind, state=state, rate=f"{rate} (~{format_bytes(slope)}/step, {len(active)} groups)",
