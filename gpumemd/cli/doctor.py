@@ -12,7 +12,8 @@ import json
 import sys
 from typing import Any, TextIO
 
-from gpumemd.doctor import Check, failed_needed, run_checks
+from gpumemd.doctor import run_checks
+from gpumemd.doctor.check import Check, failed_needed
 
 _OPTIONS = ("output_dir", "port", "bind")  # the Config fields doctor checks against this machine
 
