@@ -28,11 +28,11 @@ from gpumemd.report.last_state import StateLoadError, at_risk, ending, load_stat
 from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
 from gpumemd.report.markdown import headline
 from gpumemd.report.view import (
+    breakdown_rows,
     census_summary,
     group_cells,
     group_columns,
     group_rows,
-    item_label,
     leak_of,
     total_words,
     verdict_lines,
@@ -145,8 +145,7 @@ def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
               f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
         _say(out, f"  {total_words(b)}")
-    rows = [[item_label(item, b.get("device"), b.get("host_limit")), fmt_bytes(item["nbytes"]),
-             f"{100 * item['nbytes'] / total:.1f}%" if total else "-"] for item in b.get("items") or []]
+    rows = breakdown_rows(b)
     if rows:
         for line in _columns(rows, right=(1, 2)):
             _say(out, f"  {line}")
@@ -215,10 +214,8 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
             for r in view["reports"]]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    _say(out, "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
-    for row in rows:
-        _say(out, "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for line in _columns([head, *rows]):
+        _say(out, line)
 
 
 def _states(root: str) -> list[dict[str, Any]]:
