@@ -57,12 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # torch warns at import when NumPy is absent; gpumemd's own commands never need it
                 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
             return int(args.func(args))
-    except CliError as err:
+    except (CliError, ValueError) as err:  # ValueError: configuration errors raised by attach() and friends
         print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)  # it may quote a file's bytes
-        return err.exit_code
-    except ValueError as err:  # configuration errors raised by attach() and friends
-        print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)
-        return 2
+        return err.exit_code if isinstance(err, CliError) else 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -180,10 +180,8 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
 
 def _leak_cell(report: dict[str, Any]) -> str | None:
     """"`kept` 1.50 GiB": the leak active at this rank's OOM, or None."""
-    leak = report["breakdown"].get("leak")
-    if not isinstance(leak, dict):
-        return None
-    return f"{leak.get('holder')} {fmt_bytes(leak.get('held_bytes'))}"
+    leak = leak_of(report)
+    return None if leak is None else f"{leak.get('holder')} {fmt_bytes(leak.get('held_bytes'))}"
 
 
 def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:

@@ -208,7 +208,6 @@ def _run_script(target: str) -> None:
     import importlib.machinery
     import io
     import runpy
-    import types
 
     path = os.path.abspath(target)
     if not os.path.isfile(path) or (not path.endswith(".py") and _is_compiled_or_zip(path)):

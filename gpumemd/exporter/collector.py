@@ -327,9 +327,8 @@ def _findings(out: _Families, findings: Iterable[Finding], seconds_per_step: flo
     _growth_slopes(out, findings)
 
 
-def _growth_slopes(out: _Families, findings: Iterable[Finding]) -> None:
+def _growth_slopes(out: _Families, findings: tuple[Finding, ...]) -> None:
     """The two growths that have a figure of their own, with the leak series' labels (the fastest of each)."""
-    findings = tuple(findings)
     for name, prefix in (("gpumemd_leak_workers_slope_bytes_per_step", "workers_rss_bytes"),
                          ("gpumemd_leak_growing_tensor_slope_bytes_per_step", "growing_tensor_bytes")):
         fastest: dict[tuple[str, str], float] = {}
