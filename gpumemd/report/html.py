@@ -17,6 +17,7 @@ from gpumemd.report.markdown import headline, step_profile_note
 from gpumemd.report.svg import breakdown_bar, legend, timeline_chart
 from gpumemd.report.view import (
     GROUPS_SHOWN,
+    TIMELINE_COLUMNS,
     breakdown_rows,
     chart_markers,
     chart_series,
@@ -45,8 +46,7 @@ pre.wrap{white-space:pre-wrap;overflow-wrap:anywhere}
 nav{font-size:.9em}nav a{margin-right:.8em;white-space:nowrap}tr.leak td{background:#fff3e0}
 .also{border-left:4px solid #e8702a;padding-left:.6em}code{background:#f3f3f3;padding:0 .2em}
 """
-_NUMERIC = frozenset({"bytes", "graph kept alive", "allocated", "allocated peak", "reserved", "process RSS",
-                      "tensors (census)", "of total", "step"})
+_NUMERIC = frozenset({"bytes", "graph kept alive", "of total", "step", *(label for _, label in TIMELINE_COLUMNS)})
 
 
 def _e(value: Any) -> str:
