@@ -28,6 +28,7 @@ from gpumemd.report.last_state import StateLoadError, at_risk, ending, load_stat
 from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
 from gpumemd.report.markdown import headline
 from gpumemd.report.view import (
+    GROUPS_SHOWN,
     breakdown_rows,
     census_summary,
     group_cells,
@@ -38,7 +39,6 @@ from gpumemd.report.view import (
     verdict_lines,
 )
 
-_TENSORS = 10
 _SUGGESTIONS = 5
 _COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "reserved_unallocated")
 
@@ -132,7 +132,7 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
     rows = group_rows(tensors, leak_of(report))
     _say(out, f"largest tensor groups ({census_summary(tensors, rows)}):")
     columns = group_columns(rows)
-    cells = [group_cells(r, columns) for r in rows[:_TENSORS]]
+    cells = [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]]
     if cells:
         for line in _columns(cells, right=(0,)):
             _say(out, f"  {line}")
