@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # torch warns at import when NumPy is absent; gpumemd's own commands never need it
                 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
             return int(args.func(args))
-    except (CliError, ValueError) as err:  # ValueError: configuration errors raised by attach() and friends
+    # ValueError: bad input found below the commands (a configuration error from attach(), a malformed
+    # report or state file, a bad estimate): its message is the one line, as a CliError's
+    except (CliError, ValueError) as err:
         print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)  # it may quote a file's bytes
         return err.exit_code if isinstance(err, CliError) else 2
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from gpumemd.analysis.estimate_explain import explain
 from gpumemd.analysis.memory_estimate import OFFLOADS, Estimate, TransformerShape, dominant_term, estimate
 from gpumemd.analysis.model_state import GRAD_DTYPES, OPTIMIZERS, PRECISIONS
 from gpumemd.cli.errors import CliError
-from gpumemd.probes.planning.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model
+from gpumemd.probes.planning.trace import TraceResult, load_factory, parse_shape, trace_model
 from gpumemd.report.fmt import fmt_bytes
 
 _FSDP = {"no": 0, "grad-op": 2, "full": 3}
@@ -96,12 +96,9 @@ def _shape(args: argparse.Namespace) -> TransformerShape | None:
     if missing:
         raise CliError("a transformer shape needs all of --layers --hidden --heads --seq --batch; "
                        f"missing {' '.join(missing)}")
-    try:
-        return TransformerShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                                batch=args.batch, vocab=args.vocab, flash=args.flash,
-                                checkpointing=args.checkpointing)
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return TransformerShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                            batch=args.batch, vocab=args.vocab, flash=args.flash,
+                            checkpointing=args.checkpointing)
 
 
 def _stage(args: argparse.Namespace) -> int:
@@ -131,21 +128,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # the console script does not see the working directory
 
-        try:
-            input_shape = parse_shape(args.input_shape)
-            traced = trace_model(load_factory(args.model), input_shape, input_dtype=args.input_dtype,
-                                 optimizer=args.optimizer, precision=args.precision,
-                                 backend=args.trace_backend)
-        except TraceError as err:
-            raise CliError(str(err)) from None
+        input_shape = parse_shape(args.input_shape)
+        traced = trace_model(load_factory(args.model), input_shape, input_dtype=args.input_dtype,
+                             optimizer=args.optimizer, precision=args.precision,
+                             backend=args.trace_backend)
         params = traced.parameters
     else:
         params = _parse_params(args.params) if args.params is not None else None
-    try:
-        est = estimate(params, precision=args.precision, optimizer=args.optimizer, gpus=args.gpus,
-                       zero_stage=stage, offload=args.offload, shape=shape, grad_dtype=args.grad_dtype)
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    # a bad value found below (TransformerShape, trace_model's TraceError, estimate) is a ValueError, which
+    # cli.main prints as one line with exit code 2
+    est = estimate(params, precision=args.precision, optimizer=args.optimizer, gpus=args.gpus,
+                   zero_stage=stage, offload=args.offload, shape=shape, grad_dtype=args.grad_dtype)
     if args.json:
         doc = to_json(est, traced)
         if args.explain:

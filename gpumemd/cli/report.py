@@ -24,8 +24,8 @@ from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
 from gpumemd.report.build import OUTCOME_WORDS, OUTCOMES
 from gpumemd.report.fmt import fmt_bytes, fmt_time
-from gpumemd.report.last_state import StateLoadError, at_risk, ending, load_states, pid_alive, state_lines
-from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
+from gpumemd.report.last_state import at_risk, ending, load_states, pid_alive, state_lines
+from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, find_report_dirs, load_report
 from gpumemd.report.markdown import headline
 from gpumemd.report.view import (
     GROUPS_SHOWN,
@@ -216,13 +216,6 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
         _say(out, line)
 
 
-def _states(root: str) -> list[dict[str, Any]]:
-    try:
-        return load_states(root)
-    except StateLoadError as err:
-        raise CliError(str(err)) from None
-
-
 def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each state file as read, with what the report concludes: how it ended, and whether it vanished."""
     host = socket.gethostname()
@@ -263,14 +256,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     root = _root(args.dir)
     dirs = find_report_dirs(root)
-    states = _states(root)
+    states = load_states(root)  # a malformed file (or report below) is a ValueError: one line, exit 2 (cli.main)
     if not dirs and not states:
         raise CliError(f"no gpumemd report in {root} (expected report.json, report directories inside, or the "
                        "gpumemd-state-rank<R>.json an agent keeps in its output dir)")
-    try:
-        reports = [load_report(d) for d in dirs]
-    except ReportLoadError as err:
-        raise CliError(str(err)) from None
+    reports = [load_report(d) for d in dirs]
     if not reports:
         _print_states(states, args.json, out)
         return 0
