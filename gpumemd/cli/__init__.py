@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from gpumemd._version import __version__
 from gpumemd.cli import run
 from gpumemd.cli.errors import CliError
 from gpumemd.cli.escape import escaped
+from gpumemd.signal_endings import _die_by
 
 # Subcommand -> module. Each module defines ``add_parser(subparsers)``, which registers its parser
 # and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
@@ -76,5 +78,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> None:
     code = main()
     if run.interrupted and sys.platform != "win32":  # as python: die by the signal itself
-        run.die_by_sigint()
+        _die_by(signal.SIGINT)
     sys.exit(code)

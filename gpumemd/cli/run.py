@@ -285,16 +285,6 @@ interrupted = False
 launcher sees the signal, not exit 130), and so does the ``gpumemd`` command (``console_main``)."""
 
 
-def die_by_sigint() -> None:
-    """End this process as python does after an uncaught KeyboardInterrupt: SIGINT, default action."""
-    import signal
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-
-
 def _set_path0(path: str) -> None:
     if sys.path:
         sys.path[0] = path
