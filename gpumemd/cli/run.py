@@ -27,6 +27,7 @@ from typing import Any
 
 import gpumemd
 from gpumemd.cli.errors import CliError
+from gpumemd.components.hook_printing import print_hook_failure
 from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
 from gpumemd.config_renamed import RENAMED
 from gpumemd.log_once import log_once
@@ -317,13 +318,7 @@ def _report_uncaught() -> None:
     except SystemExit:
         raise  # python exits with the hook's code
     except BaseException as err:  # noqa: BLE001 - a failing hook: python's fallback, not ours
-        if err.__context__ is exc:
-            err.__context__ = None  # python calls the hook outside any except block
-        print("Error in sys.excepthook:", file=sys.stderr)
-        hook_tb = _user_frames(err.__traceback__)  # the hook's frames, not this one
-        sys.__excepthook__(type(err), err.with_traceback(hook_tb), hook_tb)
-        print("\nOriginal exception was:", file=sys.stderr)
-        sys.__excepthook__(exc_type, exc, trimmed)
+        print_hook_failure(err, exc_type, exc, trimmed, called_handling=True)
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
