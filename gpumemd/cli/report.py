@@ -40,6 +40,7 @@ from gpumemd.report.view import (
 )
 
 _SUGGESTIONS = 5
+# headed by breakdown_label; "activations" (graph retained + invisible, no item of its own) reads as itself
 _COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "reserved_unallocated")
 
 
@@ -93,11 +94,6 @@ def _snapshot_shape_error(snapshot: dict[str, Any] | list[Any]) -> str | None:
     if bad is not None:
         return f"segments[{bad}]: expected a segment dict, got {type(snapshot['segments'][bad]).__name__}"
     return None
-
-
-def _column_label(key: str) -> str:
-    """The overview's column heads, in the words of the Markdown and HTML reports."""
-    return "activations" if key == "activations" else breakdown_label(key)
 
 
 def _activations(report: dict[str, Any]) -> int:
@@ -206,7 +202,7 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
     first = view["first"]
     _say(out, f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
           f"first (step {first['step']}, {fmt_time(first['created_at'])})")
-    head = ["rank", "step", "time", "outcome", "device", "requested", "peak", *(_column_label(k) for k in _COLUMNS),
+    head = ["rank", "step", "time", "outcome", "device", "requested", "peak", *(breakdown_label(k) for k in _COLUMNS),
             "verdict", "leak"]
     rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["outcome"]), str(r["device"]),
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
