@@ -324,7 +324,9 @@ def _report_uncaught() -> None:
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """Drop the leading frames of this module and runpy, so the traceback starts in the script (None
     when no frame is the script's: a SyntaxError in it, which python shows with no frames either)."""
-    own = {os.path.abspath(__file__), os.path.abspath(_runpy_file()), "<frozen runpy>"}
+    import runpy
+
+    own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or "runpy.py"), "<frozen runpy>"}
     first = tb
     while first is not None and _frame_file(first) in own:
         first = first.tb_next
@@ -334,9 +336,3 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _frame_file(tb: types.TracebackType) -> str:
     name = tb.tb_frame.f_code.co_filename
     return name if name.startswith("<") else os.path.abspath(name)
-
-
-def _runpy_file() -> str:
-    import runpy
-
-    return runpy.__file__ or "runpy.py"
