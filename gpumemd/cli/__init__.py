@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from gpumemd._version import __version__
 from gpumemd.cli import run
 from gpumemd.cli.errors import CliError
 from gpumemd.cli.escape import escaped
+from gpumemd.signal_endings import _die_by
 
 # Subcommand -> module. Each module defines ``add_parser(subparsers)``, which registers its parser
 # and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
@@ -57,12 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # torch warns at import when NumPy is absent; gpumemd's own commands never need it
                 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
             return int(args.func(args))
-    except CliError as err:
+    # ValueError: bad input found below the commands (a configuration error from attach(), a malformed
+    # report or state file, a bad estimate): its message is the one line, as a CliError's
+    except (CliError, ValueError) as err:
         print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)  # it may quote a file's bytes
-        return err.exit_code
-    except ValueError as err:  # configuration errors raised by attach() and friends
-        print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)
-        return 2
+        return err.exit_code if isinstance(err, CliError) else 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -77,5 +78,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> None:
     code = main()
     if run.interrupted and sys.platform != "win32":  # as python: die by the signal itself
-        run.die_by_sigint()
+        _die_by(signal.SIGINT)
     sys.exit(code)

@@ -8,11 +8,13 @@ not an error: saying what is wrong with the configuration is part of doctor's jo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, TextIO
 
-from gpumemd.doctor import Check, failed_needed, run_checks
+from gpumemd.doctor import run_checks
+from gpumemd.doctor.check import Check, failed_needed
 
 _OPTIONS = ("output_dir", "port", "bind")  # the Config fields doctor checks against this machine
 
@@ -45,15 +47,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     checks = run_checks(overrides=overrides)
     ok = not failed_needed(checks)
     if args.json:
-        doc = {"ok": ok, "checks": [_as_dict(c) for c in checks]}
+        doc = {"ok": ok, "checks": [dataclasses.asdict(c) for c in checks]}
         print(json.dumps(doc, indent=2), file=stream)
     else:
         print(render(checks), file=stream)
     return 0 if ok else 1
-
-
-def _as_dict(check: Check) -> dict[str, Any]:
-    return {"name": check.name, "status": check.status, "detail": check.detail, "needed": check.needed}
 
 
 def render(checks: list[Check]) -> str:

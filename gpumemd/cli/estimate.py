@@ -20,9 +20,9 @@ from typing import Any, TextIO
 from gpumemd.analysis.estimate_explain import explain
 from gpumemd.analysis.memory_estimate import OFFLOADS, Estimate, TransformerShape, dominant_term, estimate
 from gpumemd.analysis.model_state import GRAD_DTYPES, OPTIMIZERS, PRECISIONS
-from gpumemd.analysis.units import format_bytes
 from gpumemd.cli.errors import CliError
-from gpumemd.probes.planning.trace import TraceError, TraceResult, load_factory, parse_shape, trace_model
+from gpumemd.probes.planning.trace import TraceResult, load_factory, parse_shape, trace_model
+from gpumemd.report.fmt import fmt_bytes
 
 _FSDP = {"no": 0, "grad-op": 2, "full": 3}
 _SHAPE_ARGS = ("layers", "hidden", "heads", "seq", "batch")
@@ -96,12 +96,9 @@ def _shape(args: argparse.Namespace) -> TransformerShape | None:
     if missing:
         raise CliError("a transformer shape needs all of --layers --hidden --heads --seq --batch; "
                        f"missing {' '.join(missing)}")
-    try:
-        return TransformerShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                                batch=args.batch, vocab=args.vocab, flash=args.flash,
-                                checkpointing=args.checkpointing)
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    return TransformerShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                            batch=args.batch, vocab=args.vocab, flash=args.flash,
+                            checkpointing=args.checkpointing)
 
 
 def _stage(args: argparse.Namespace) -> int:
@@ -131,21 +128,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # the console script does not see the working directory
 
-        try:
-            input_shape = parse_shape(args.input_shape)
-            traced = trace_model(load_factory(args.model), input_shape, input_dtype=args.input_dtype,
-                                 optimizer=args.optimizer, precision=args.precision,
-                                 backend=args.trace_backend)
-        except TraceError as err:
-            raise CliError(str(err)) from None
+        input_shape = parse_shape(args.input_shape)
+        traced = trace_model(load_factory(args.model), input_shape, input_dtype=args.input_dtype,
+                             optimizer=args.optimizer, precision=args.precision,
+                             backend=args.trace_backend)
         params = traced.parameters
     else:
         params = _parse_params(args.params) if args.params is not None else None
-    try:
-        est = estimate(params, precision=args.precision, optimizer=args.optimizer, gpus=args.gpus,
-                       zero_stage=stage, offload=args.offload, shape=shape, grad_dtype=args.grad_dtype)
-    except ValueError as err:
-        raise CliError(str(err)) from None
+    # a bad value found below (TransformerShape, trace_model's TraceError, estimate) is a ValueError, which
+    # cli.main prints as one line with exit code 2
+    est = estimate(params, precision=args.precision, optimizer=args.optimizer, gpus=args.gpus,
+                   zero_stage=stage, offload=args.offload, shape=shape, grad_dtype=args.grad_dtype)
     if args.json:
         doc = to_json(est, traced)
         if args.explain:
@@ -194,10 +187,6 @@ def _traced_dominant(traced: TraceResult) -> str:
     })
 
 
-def _fmt(n: int | None) -> str:
-    return format_bytes(n, digits=2)
-
-
 def render(est: Estimate, traced: TraceResult | None = None) -> str:
     """The human table: per-GPU terms (analytic, and traced with --model), peak, device fit."""
     lines = [
@@ -218,16 +207,16 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
     header = f"{'term (per GPU)':<26}{'analytic':>14}" + (f"{'traced':>14}" if traced else "")
     lines += ["", header, "-" * len(header)]
     for name, analytic, exact in rows:
-        line = f"{name:<26}{_fmt(analytic):>14}"
+        line = f"{name:<26}{fmt_bytes(analytic):>14}"
         if traced:
-            line += f"{_fmt(exact):>14}"
+            line += f"{fmt_bytes(exact):>14}"
         lines.append(line)
     lines.append("-" * len(header))
-    peak_line = f"{'peak':<26}{_fmt(est.peak_bytes):>14}"
+    peak_line = f"{'peak':<26}{fmt_bytes(est.peak_bytes):>14}"
     if traced:
-        peak_line += f"{_fmt(traced.peak_bytes):>14}"
+        peak_line += f"{fmt_bytes(traced.peak_bytes):>14}"
     lines.append(peak_line)
-    subtotal = f"before activations (weights + gradients + optimizer state): {_fmt(est.before_activations_bytes)}"
+    subtotal = f"before activations (weights + gradients + optimizer state): {fmt_bytes(est.before_activations_bytes)}"
     if est.zero_stage == 0 and est.offload == "none" and est.params:  # per-param figures only when unsharded
         subtotal += (f" per GPU, {est.before_activations_bytes / est.params:.1f} B/param "
                      f"({est.before_activations_bytes / 1e9:,.1f} GB)")
@@ -237,7 +226,7 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
     if est.activations_bytes is None:
         lines.append("(analytic activations unknown: give --layers --hidden --heads --seq --batch)")
     if est.host_bytes:
-        lines.append(f"host memory (offloaded, per GPU process): {_fmt(est.host_bytes)}")
+        lines.append(f"host memory (offloaded, per GPU process): {fmt_bytes(est.host_bytes)}")
     if traced and traced.tied_parameters:
         lines.append(f"tied parameters counted once: {traced.tied_parameters}")
     dominant = est.dominant if traced is None else _traced_dominant(traced)

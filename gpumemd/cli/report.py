@@ -24,22 +24,23 @@ from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
 from gpumemd.report.build import OUTCOME_WORDS, OUTCOMES
 from gpumemd.report.fmt import fmt_bytes, fmt_time
-from gpumemd.report.last_state import StateLoadError, at_risk, ending, load_states, pid_alive, state_lines
-from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, ReportLoadError, find_report_dirs, load_report
+from gpumemd.report.last_state import at_risk, ending, load_states, pid_alive, state_lines
+from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, find_report_dirs, load_report
 from gpumemd.report.markdown import headline
 from gpumemd.report.view import (
+    GROUPS_SHOWN,
+    breakdown_rows,
     census_summary,
     group_cells,
     group_columns,
     group_rows,
-    item_label,
     leak_of,
     total_words,
     verdict_lines,
 )
 
-_TENSORS = 10
 _SUGGESTIONS = 5
+# headed by breakdown_label; "activations" (graph retained + invisible, no item of its own) reads as itself
 _COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "reserved_unallocated")
 
 
@@ -95,11 +96,6 @@ def _snapshot_shape_error(snapshot: dict[str, Any] | list[Any]) -> str | None:
     return None
 
 
-def _column_label(key: str) -> str:
-    """The overview's column heads, in the words of the Markdown and HTML reports."""
-    return "activations" if key == "activations" else breakdown_label(key)
-
-
 def _activations(report: dict[str, Any]) -> int:
     items = {i.get("key"): i.get("nbytes", 0) for i in (report["breakdown"].get("items") or [])}
     return int(items.get("graph_retained", 0) or 0) + int(items.get("invisible", 0) or 0)
@@ -132,7 +128,7 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
     rows = group_rows(tensors, leak_of(report))
     _say(out, f"largest tensor groups ({census_summary(tensors, rows)}):")
     columns = group_columns(rows)
-    cells = [group_cells(r, columns) for r in rows[:_TENSORS]]
+    cells = [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]]
     if cells:
         for line in _columns(cells, right=(0,)):
             _say(out, f"  {line}")
@@ -145,8 +141,7 @@ def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
               f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
         _say(out, f"  {total_words(b)}")
-    rows = [[item_label(item, b.get("device"), b.get("host_limit")), fmt_bytes(item["nbytes"]),
-             f"{100 * item['nbytes'] / total:.1f}%" if total else "-"] for item in b.get("items") or []]
+    rows = breakdown_rows(b)
     if rows:
         for line in _columns(rows, right=(1, 2)):
             _say(out, f"  {line}")
@@ -181,10 +176,8 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
 
 def _leak_cell(report: dict[str, Any]) -> str | None:
     """"`kept` 1.50 GiB": the leak active at this rank's OOM, or None."""
-    leak = report["breakdown"].get("leak")
-    if not isinstance(leak, dict):
-        return None
-    return f"{leak.get('holder')} {fmt_bytes(leak.get('held_bytes'))}"
+    leak = leak_of(report)
+    return None if leak is None else f"{leak.get('holder')} {fmt_bytes(leak.get('held_bytes'))}"
 
 
 def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -209,23 +202,14 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
     first = view["first"]
     _say(out, f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
           f"first (step {first['step']}, {fmt_time(first['created_at'])})")
-    head = ["rank", "step", "time", "outcome", "device", "requested", "peak", *(_column_label(k) for k in _COLUMNS),
+    head = ["rank", "step", "time", "outcome", "device", "requested", "peak", *(breakdown_label(k) for k in _COLUMNS),
             "verdict", "leak"]
     rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["outcome"]), str(r["device"]),
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
             for r in view["reports"]]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    _say(out, "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
-    for row in rows:
-        _say(out, "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-
-
-def _states(root: str) -> list[dict[str, Any]]:
-    try:
-        return load_states(root)
-    except StateLoadError as err:
-        raise CliError(str(err)) from None
+    for line in _columns([head, *rows]):
+        _say(out, line)
 
 
 def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -268,14 +252,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     root = _root(args.dir)
     dirs = find_report_dirs(root)
-    states = _states(root)
+    states = load_states(root)  # a malformed file (or report below) is a ValueError: one line, exit 2 (cli.main)
     if not dirs and not states:
         raise CliError(f"no gpumemd report in {root} (expected report.json, report directories inside, or the "
                        "gpumemd-state-rank<R>.json an agent keeps in its output dir)")
-    try:
-        reports = [load_report(d) for d in dirs]
-    except ReportLoadError as err:
-        raise CliError(str(err)) from None
+    reports = [load_report(d) for d in dirs]
     if not reports:
         _print_states(states, args.json, out)
         return 0

@@ -27,6 +27,7 @@ from typing import Any
 
 import gpumemd
 from gpumemd.cli.errors import CliError
+from gpumemd.components.hook_printing import print_hook_failure
 from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
 from gpumemd.config_renamed import RENAMED
 from gpumemd.log_once import log_once
@@ -208,7 +209,6 @@ def _run_script(target: str) -> None:
     import importlib.machinery
     import io
     import runpy
-    import types
 
     path = os.path.abspath(target)
     if not os.path.isfile(path) or (not path.endswith(".py") and _is_compiled_or_zip(path)):
@@ -286,16 +286,6 @@ interrupted = False
 launcher sees the signal, not exit 130), and so does the ``gpumemd`` command (``console_main``)."""
 
 
-def die_by_sigint() -> None:
-    """End this process as python does after an uncaught KeyboardInterrupt: SIGINT, default action."""
-    import signal
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-
-
 def _set_path0(path: str) -> None:
     if sys.path:
         sys.path[0] = path
@@ -328,19 +318,15 @@ def _report_uncaught() -> None:
     except SystemExit:
         raise  # python exits with the hook's code
     except BaseException as err:  # noqa: BLE001 - a failing hook: python's fallback, not ours
-        if err.__context__ is exc:
-            err.__context__ = None  # python calls the hook outside any except block
-        print("Error in sys.excepthook:", file=sys.stderr)
-        hook_tb = _user_frames(err.__traceback__)  # the hook's frames, not this one
-        sys.__excepthook__(type(err), err.with_traceback(hook_tb), hook_tb)
-        print("\nOriginal exception was:", file=sys.stderr)
-        sys.__excepthook__(exc_type, exc, trimmed)
+        print_hook_failure(err, exc_type, exc, trimmed, called_handling=True)
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """Drop the leading frames of this module and runpy, so the traceback starts in the script (None
     when no frame is the script's: a SyntaxError in it, which python shows with no frames either)."""
-    own = {os.path.abspath(__file__), os.path.abspath(_runpy_file()), "<frozen runpy>"}
+    import runpy
+
+    own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or "runpy.py"), "<frozen runpy>"}
     first = tb
     while first is not None and _frame_file(first) in own:
         first = first.tb_next
@@ -350,9 +336,3 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _frame_file(tb: types.TracebackType) -> str:
     name = tb.tb_frame.f_code.co_filename
     return name if name.startswith("<") else os.path.abspath(name)
-
-
-def _runpy_file() -> str:
-    import runpy
-
-    return runpy.__file__ or "runpy.py"

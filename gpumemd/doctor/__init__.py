@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpumemd._version import __version__
-from gpumemd.doctor.allocator_checks import check_allocator, check_history, parse_alloc_conf
-from gpumemd.doctor.check import Check, Status, failed_needed
+from gpumemd.doctor.allocator_checks import check_allocator, check_history
+from gpumemd.doctor.check import Check
 from gpumemd.doctor.config_checks import INVALID, check_config, resolve_field
 from gpumemd.doctor.fork_checks import check_device_count
 from gpumemd.doctor.host_checks import (
@@ -33,41 +33,8 @@ from gpumemd.doctor.host_checks import (
     check_psutil,
 )
 from gpumemd.doctor.nvml_checks import check_nvml, import_nvml
-from gpumemd.doctor.torch_checks import (
-    TorchImport,
-    check_cuda,
-    check_numpy,
-    check_torch,
-    cuda_context,
-    cuda_ready,
-    import_torch,
-)
+from gpumemd.doctor.torch_checks import check_cuda, check_numpy, check_torch, cuda_context, cuda_ready, import_torch
 from gpumemd.probes.process.identity import identity_from_env
-
-__all__ = [
-    "Check",
-    "Status",
-    "TorchImport",
-    "check_allocator",
-    "check_config",
-    "check_cuda",
-    "check_frameworks",
-    "check_history",
-    "check_memory_limits",
-    "check_numpy",
-    "check_nvml",
-    "check_output_dir",
-    "check_port",
-    "check_prometheus",
-    "check_psutil",
-    "check_torch",
-    "failed_needed",
-    "guarded",
-    "import_nvml",
-    "import_torch",
-    "parse_alloc_conf",
-    "run_checks",
-]
 
 
 def guarded(name: str, needed: bool, fn: Callable[..., Check | list[Check]], *args: Any, **kw: Any) -> list[Check]:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd._version import __version__
-from gpumemd.analysis.leak_detector import LeakState
 from gpumemd.exporter.metrics import BASE_LABELS, BY_NAME, HOST_DEVICE_LABEL, LEAK_STATE_VALUES
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.samples import AllocatorSample
@@ -49,7 +48,6 @@ _ALLOCATOR_GAUGES: dict[str, str] = {
     "segment_count": "gpumemd_allocator_segments",
     "cap_bytes": "gpumemd_allocator_cap_bytes",  # None (no series) without a per-process cap
 }
-_SEVERITY = {state.value: state.severity for state in LeakState}
 
 
 class CounterBaseline:
@@ -327,9 +325,8 @@ def _findings(out: _Families, findings: Iterable[Finding], seconds_per_step: flo
     _growth_slopes(out, findings)
 
 
-def _growth_slopes(out: _Families, findings: Iterable[Finding]) -> None:
+def _growth_slopes(out: _Families, findings: tuple[Finding, ...]) -> None:
     """The two growths that have a figure of their own, with the leak series' labels (the fastest of each)."""
-    findings = tuple(findings)
     for name, prefix in (("gpumemd_leak_workers_slope_bytes_per_step", "workers_rss_bytes"),
                          ("gpumemd_leak_growing_tensor_slope_bytes_per_step", "growing_tensor_bytes")):
         fastest: dict[tuple[str, str], float] = {}
@@ -343,7 +340,7 @@ def _growth_slopes(out: _Families, findings: Iterable[Finding]) -> None:
 
 
 def _rank(finding: Finding) -> tuple[int, float]:
-    return (_SEVERITY.get(finding.state, 0), finding.slope_bytes_per_step)
+    return (LEAK_STATE_VALUES.get(finding.state, 0), finding.slope_bytes_per_step)
 
 
 def _agent(out: _Families, state: AgentState) -> None:

@@ -112,11 +112,10 @@ class _ContainedServer(ContainedServer):
 class MetricsServer:
     """One running ``/metrics`` endpoint. ``start`` raises OSError when the port is taken."""
 
-    def __init__(self, registry: Any, options: ServeOptions, *, max_connections: int = MAX_CONNECTIONS,
-                 max_waiting: int = MAX_WAITING, timeout: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, registry: Any, options: ServeOptions, *, max_waiting: int = MAX_WAITING,
+                 timeout: float = REQUEST_TIMEOUT_S) -> None:
         self._registry = registry
         self._options = options
-        self._max_connections = max_connections
         self._max_waiting = max_waiting
         self._timeout = timeout
         self._httpd: _ContainedServer | None = None
@@ -132,7 +131,7 @@ class MetricsServer:
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             tls.load_cert_chain(certfile=opts.certfile, keyfile=opts.keyfile)
         family = socket.AF_INET6 if ipaddress.ip_address(opts.bind).version == 6 else socket.AF_INET
-        httpd = _ContainedServer((opts.bind, opts.port), family, max_connections=self._max_connections,
+        httpd = _ContainedServer((opts.bind, opts.port), family, max_connections=MAX_CONNECTIONS,
                                  max_waiting=self._max_waiting, timeout=self._timeout, tls=tls)
         httpd.set_app(httpd.count(make_wsgi_app(self._registry)))
         httpd.watch_forks()

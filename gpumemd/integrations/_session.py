@@ -57,6 +57,15 @@ def guarded(method: _F) -> _F:
 _failed: set[str] = set()
 
 
+def rank_of(source: Any, rank: str, local_rank: str) -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) from the framework's trainer or arguments, whose attributes
+    ``rank`` and ``local_rank`` name the first two; None when it lacks them."""
+    try:
+        return int(getattr(source, rank)), int(getattr(source, local_rank)), int(source.world_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 class FrameworkSession:
     """One framework run as the agent sees it. ``options`` are ``attach()`` keyword arguments,
     validated now so a bad one fails when the callback is built, not mid-training."""

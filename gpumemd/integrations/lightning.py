@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumemd.integrations._session import FrameworkSession, guarded, missing_framework
+from gpumemd.integrations._session import FrameworkSession, guarded, missing_framework, rank_of
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -45,7 +45,7 @@ class GpumemdCallback(_Callback):  # type: ignore[misc,unused-ignore]  # Any to 
     @guarded
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.session.start(model=pl_module, optimizers=getattr(trainer, "optimizers", ()) or (),
-                           rank=_rank(trainer), global_step=int(trainer.global_step))
+                           rank=rank_of(trainer, "global_rank", "local_rank"), global_step=int(trainer.global_step))
 
     @guarded
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -82,10 +82,3 @@ class GpumemdCallback(_Callback):  # type: ignore[misc,unused-ignore]  # Any to 
             self.session.stop()
         else:
             self.session.exit_phase()
-
-
-def _rank(trainer: Any) -> tuple[int, int, int] | None:
-    try:
-        return int(trainer.global_rank), int(trainer.local_rank), int(trainer.world_size)
-    except (AttributeError, TypeError, ValueError):
-        return None

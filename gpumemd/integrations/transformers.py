@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumemd.integrations._session import FrameworkSession, guarded, missing_framework
+from gpumemd.integrations._session import FrameworkSession, guarded, missing_framework, rank_of
 
 try:
     from transformers import TrainerCallback as _TrainerCallback
@@ -40,7 +40,8 @@ class GpumemdCallback(_TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
 
     def _ensure_started(self, args: Any, state: Any, model: Any, optimizer: Any) -> None:
         if self.session.agent is None or not self.session.agent.running:
-            self.session.start(model=model, optimizers=(optimizer,), rank=_rank(args),
+            self.session.start(model=model, optimizers=(optimizer,),
+                               rank=rank_of(args, "process_index", "local_process_index"),
                                global_step=int(getattr(state, "global_step", 0) or 0))
         else:
             self.session.register(model, (optimizer,))
@@ -74,10 +75,3 @@ class GpumemdCallback(_TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
             self.session.stop()
         else:
             self.session.exit_phase()
-
-
-def _rank(args: Any) -> tuple[int, int, int] | None:
-    try:
-        return int(args.process_index), int(args.local_process_index), int(args.world_size)
-    except (AttributeError, TypeError, ValueError):
-        return None

@@ -17,13 +17,14 @@ from gpumemd.report.markdown import headline, step_profile_note
 from gpumemd.report.svg import breakdown_bar, legend, timeline_chart
 from gpumemd.report.view import (
     GROUPS_SHOWN,
+    TIMELINE_COLUMNS,
+    breakdown_rows,
     chart_markers,
     chart_series,
     group_cells,
     group_columns,
     group_rows,
     groups_note,
-    item_label,
     leak_of,
     sections,
     sentence,
@@ -45,8 +46,7 @@ pre.wrap{white-space:pre-wrap;overflow-wrap:anywhere}
 nav{font-size:.9em}nav a{margin-right:.8em;white-space:nowrap}tr.leak td{background:#fff3e0}
 .also{border-left:4px solid #e8702a;padding-left:.6em}code{background:#f3f3f3;padding:0 .2em}
 """
-_NUMERIC = frozenset({"bytes", "graph kept alive", "allocated", "allocated peak", "reserved", "process RSS",
-                      "tensors (census)", "of total", "step"})
+_NUMERIC = frozenset({"bytes", "graph kept alive", "of total", "step", *(label for _, label in TIMELINE_COLUMNS)})
 
 
 def _e(value: Any) -> str:
@@ -113,12 +113,9 @@ def _suggestions(report: dict[str, Any]) -> str:
 
 def _breakdown(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
-    device = b.get("device")
-    items = [{**i, "label": item_label(i, device, b.get("host_limit"))} for i in b.get("items", [])]
-    drawn = [i for i in items if i.get("nbytes")]
+    rows = breakdown_rows(b)
+    drawn = [{**i, "label": row[0]} for i, row in zip(b.get("items") or [], rows, strict=True) if i.get("nbytes")]
     total = b.get("total_bytes") or 0
-    rows = [[i["label"], fmt_bytes(i["nbytes"]), f"{100 * i['nbytes'] / total:.1f}%" if total else "-"]
-            for i in items]
     return "".join([
         _h2("Breakdown"), breakdown_bar(drawn, total or None, total_label=total_axis_label(b)),
         f"<p>{legend(drawn)}</p>",

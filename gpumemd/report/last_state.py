@@ -221,9 +221,7 @@ def pid_alive(doc: dict[str, Any], hostname: str) -> bool | None:
         return None
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OverflowError:  # no pid of this host is that large
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid of this host is that large
         return False
     except OSError:  # EPERM: it exists, owned by someone else
         return True

@@ -12,11 +12,11 @@ from typing import Any
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.view import (
     GROUPS_SHOWN,
+    breakdown_rows,
     group_cells,
     group_columns,
     group_rows,
     groups_note,
-    item_label,
     leak_of,
     sections,
     sentence,
@@ -103,10 +103,7 @@ def _suggestions(report: dict[str, Any]) -> list[str]:
 
 def _breakdown(report: dict[str, Any]) -> list[str]:
     b = report.get("breakdown") or {}
-    total = b.get("total_bytes") or 0
-    rows = [[item_label(i, b.get("device"), b.get("host_limit")), fmt_bytes(i["nbytes"]),
-             f"{100 * i['nbytes'] / total:.1f}%" if total else "-"] for i in b.get("items", [])]
-    return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], rows), "",
+    return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], breakdown_rows(b)), "",
             f"{total_words(b)}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
             f"reserved {fmt_bytes(b.get('reserved_bytes'))}; largest free block "
             f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]

@@ -46,9 +46,8 @@ REPORT_SCHEMA: _Spec = {
 _ROOM: _Spec = {"where": "str", "free_bytes": "int?", "total_bytes": "int?", "rss_bytes": "int?", "limit": "str?"}
 _ALLOCATOR: _Spec = {"device": "int?", "allocated_bytes": "int?", "reserved_bytes": "int?", "peak_bytes": "int?",
                      "cap_bytes": "int?"}
-_STATE_FINDING: _Spec = {"state": "str", "kind": "str", "series": "str", "summary": "str", "headline": "str?",
-                         "device": "int?", "slope_bytes_per_step": "num?", "growth_bytes": "num?",
-                         "steps_to_oom": "num?", "hours_to_oom": "num?", "updated_step": "int?",
+_STATE_FINDING: _Spec = {**_FINDING, "headline": "str?", "device": "int?", "slope_bytes_per_step": "num?",
+                         "growth_bytes": "num?", "steps_to_oom": "num?", "hours_to_oom": "num?", "updated_step": "int?",
                          "added_at": "str?"}
 STATE_SCHEMA: _Spec = {
     "pid": "int?", "rank": "int?", "world_size": "int?", "hostname": "str?", "attached_at": "time?",

@@ -15,12 +15,11 @@ from typing import Any
 
 from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.analysis.units import format_bytes
-from gpumemd.report.last_state import at_risk, ending
+from gpumemd.report.last_state import MAX_GROUPS, at_risk, ending
 from gpumemd.report.view import group_rows
 
 HISTORY_POINTS = 240
 """Readings kept per rank and memory line: four minutes at the state file's cadence of one a second."""
-GROUPS_SHOWN = 3
 _STATUS_ORDER = {"vanished": 0, "running": 1, "ended": 2}
 _FINDING_ORDER = {"confirmed": 0, "suspected": 1}
 
@@ -95,7 +94,7 @@ def rank_view(doc: dict[str, Any], *, alive: bool | None, now: float, history: H
     lines = [{**line, "history": history.values(doc["_file"], line["where"])} for line in memory_lines(doc)]
     tensors = doc.get("tensors") or {}
     groups = [{"bytes": row.total, "tensors": row.tensors, "category": row.category, "held_by": row.who}
-              for row in group_rows(tensors)[:GROUPS_SHOWN]] if tensors.get("groups") else []
+              for row in group_rows(tensors)[:MAX_GROUPS]] if tensors.get("groups") else []
     reports = doc.get("reports") or []
     return {
         "rank": doc.get("rank"), "host": doc.get("hostname"), "pid": doc.get("pid"), "status": status,

@@ -168,6 +168,13 @@ def item_label(item: dict[str, Any], device: Any, limit: Any = None) -> str:
     return breakdown_label(str(item.get("key")), known, item.get("label"), limit)
 
 
+def breakdown_rows(b: dict[str, Any]) -> list[list[str]]:
+    """Each breakdown item as [label, bytes, share of the total] ("-" without a total), in every rendering."""
+    total = b.get("total_bytes") or 0
+    return [[item_label(i, b.get("device"), b.get("host_limit")), fmt_bytes(i["nbytes"]),
+             f"{100 * i['nbytes'] / total:.1f}%" if total else "-"] for i in b.get("items") or []]
+
+
 def total_words(b: dict[str, Any]) -> str:
     """What the breakdown's items are measured against: "Device total: 79.10 GiB", or under a
     per-process cap "Process cap: 12.00 GiB (fraction 0.50 of the device's 24.00 GiB); free under it

@@ -16,7 +16,9 @@ import pytest
 
 from gpumemd import doctor
 from gpumemd.cli import main
-from gpumemd.doctor import Check
+from gpumemd.doctor.allocator_checks import parse_alloc_conf
+from gpumemd.doctor.check import Check, failed_needed
+from gpumemd.doctor.torch_checks import TorchImport
 
 GIB = 2**30
 
@@ -255,7 +257,7 @@ def test_two_differing_alloc_conf_variables_warn() -> None:
 
 
 def test_parse_alloc_conf_keeps_bracketed_lists() -> None:
-    assert doctor.parse_alloc_conf("max_split_size_mb:128, roundup_power2_divisions:[64:8,256:4],backend:native") \
+    assert parse_alloc_conf("max_split_size_mb:128, roundup_power2_divisions:[64:8,256:4],backend:native") \
         == {"max_split_size_mb": "128", "roundup_power2_divisions": "[64:8,256:4]", "backend": "native"}
 
 
@@ -312,7 +314,7 @@ def fake_cuda_machine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     nvml = fake_nvml()
     nvml.nvmlDeviceGetComputeRunningProcesses = lambda handle: (
         [SimpleNamespace(pid=os.getpid(), usedGpuMemory=2**29)] if torch.made and handle == 0 else procs)
-    monkeypatch.setattr(doctor, "import_torch", lambda: doctor.TorchImport(torch, None, None))
+    monkeypatch.setattr(doctor, "import_torch", lambda: TorchImport(torch, None, None))
     monkeypatch.setattr(doctor, "import_nvml", lambda: nvml)
     yield torch
 
@@ -335,7 +337,7 @@ def test_a_check_that_raises_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_p
         Check("cuda", "warn", "the check itself failed (RuntimeError: driver exploded)")]
     monkeypatch.setattr(doctor, "check_psutil", broken)
     psutil = next(c for c in doctor.run_checks({}, {"output_dir": str(tmp_path)}) if c.name == "psutil")
-    assert psutil.status == "warn" and psutil.needed and not doctor.failed_needed([psutil])
+    assert psutil.status == "warn" and psutil.needed and not failed_needed([psutil])
 
 
 def test_device_count_under_a_mig_list_says_it_poisons_fork() -> None:
