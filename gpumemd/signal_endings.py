@@ -149,7 +149,7 @@ class SignalEndings:
                 # died before that signal came (a DataLoader's SIGCHLD handler, when the same SIGTERM
                 # reached its workers, raises "worker killed by signal" into the main thread).
                 self._bounded(lambda: self._finish(name))
-            _die_by(signum)
+            die_by(signum)
             return None
         raised = self._bounded(self._flush_once) if active else None
         result = inner(signum, frame) if callable(inner) else None
@@ -247,7 +247,7 @@ def _set(signum: int, handler: Handler) -> bool:
     return True
 
 
-def _die_by(signum: int) -> None:
+def die_by(signum: int) -> None:
     """End the process of ``signum`` under its default action, as it would have without a handler."""
     import sys
 

@@ -13,7 +13,7 @@ from gpumemd._version import __version__
 from gpumemd.cli import run
 from gpumemd.cli.errors import CliError
 from gpumemd.cli.escape import escaped
-from gpumemd.signal_endings import _die_by
+from gpumemd.signal_endings import die_by
 
 # Subcommand -> module. Each module defines ``add_parser(subparsers)``, which registers its parser
 # and sets ``func=run`` where ``run(args) -> int``. Modules must not import torch at import time.
@@ -78,5 +78,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> None:
     code = main()
     if run.interrupted and sys.platform != "win32":  # as python: die by the signal itself
-        _die_by(signal.SIGINT)
+        die_by(signal.SIGINT)
     sys.exit(code)
