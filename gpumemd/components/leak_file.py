@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpumemd.files import append_line
-from gpumemd.records.plain import plain
+from gpumemd.records.plain import jsonable, plain
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -37,20 +36,10 @@ class FindingsFile:
         path = self.path
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            line = {"time": self._wall(), "run": self._agent.state().run, **_jsonable(plain(finding))}
+            line = {"time": self._wall(), "run": self._agent.state().run, **jsonable(plain(finding))}
             append_line(path, json.dumps(line, sort_keys=True))
             self._failed = False
         except OSError as exc:
             if not self._failed:
                 log.warning("gpumemd: could not append to %s (%s); findings stay in the agent state", path, exc)
             self._failed = True
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

@@ -10,9 +10,10 @@ instead of parsing names, and that the file formats never had).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpumemd.records.device import Device
 
@@ -52,3 +53,16 @@ def _value(value: object, ordinal: bool = False) -> object:
     if isinstance(value, dict):
         return type(value)((_value(k), _value(v)) for k, v in value.items())
     return value
+
+
+def jsonable(value: Any) -> Any:
+    """Tuples -> lists, non-finite floats -> None, keys -> str: what strict JSON can hold."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)

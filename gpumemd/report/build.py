@@ -7,7 +7,6 @@ it back. ``SCHEMA_VERSION`` changes when a key changes meaning or disappears (ad
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from gpumemd.records.census import Census, GroupKey, TensorEntry
 from gpumemd.records.device import Device
 from gpumemd.records.findings import Finding
 from gpumemd.records.oom import Breakdown, ObserverCall, OomMessage, SnapshotSummary
-from gpumemd.records.plain import plain
+from gpumemd.records.plain import jsonable, plain
 from gpumemd.records.samples import AllocatorSample, HostSample, NvmlDeviceSample, WorkersSample
 from gpumemd.records.step import Identity, StepRecord
 from gpumemd.records.step_profile import StepProfile
@@ -349,16 +348,3 @@ def build_report(inputs: ReportInputs) -> dict[str, Any]:
         "memory_summary": inputs.memory_summary,
     }
     return jsonable(report)
-
-
-def jsonable(value: Any) -> Any:
-    """Tuples -> lists, non-finite floats -> None, keys -> str: what strict JSON can hold."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)

@@ -28,9 +28,9 @@ from gpumemd.probes.device.allocator import CAP_RECHECK_S, AllocatorProbe, torch
 from gpumemd.probes.device.nvml import NvmlProbe
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall
+from gpumemd.records.plain import jsonable
 from gpumemd.records.samples import AllocatorSample
 from gpumemd.records.step import AgentState, Identity
-from gpumemd.report.build import jsonable
 from gpumemd.report.view import total_words
 
 CUDA0 = Device.cuda(0)
