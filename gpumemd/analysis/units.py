@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def format_bytes(n: object, *, digits: int = 1, missing: str = "-") -> str:
@@ -12,8 +12,8 @@ def format_bytes(n: object, *, digits: int = 1, missing: str = "-") -> str:
     value = float(n)
     sign = "-" if value < 0 else ""
     value = abs(value)
-    for unit in _UNITS:
-        if value < 1024 or unit == _UNITS[-1]:
+    for unit in UNITS:
+        if value < 1024 or unit == UNITS[-1]:
             return f"{sign}{value:.0f} B" if unit == "B" else f"{sign}{value:.{digits}f} {unit}"
         value /= 1024
     raise AssertionError("unreachable: the last unit always returns")

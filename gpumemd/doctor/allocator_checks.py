@@ -7,8 +7,7 @@ from typing import Any
 
 from gpumemd.doctor.check import Check, Status
 from gpumemd.doctor.torch_checks import cuda_ready
-
-_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+from gpumemd.probes.device.allocator import ALLOC_CONF_VARS
 
 
 def parse_alloc_conf(text: str) -> dict[str, str]:
@@ -32,7 +31,7 @@ def alloc_conf(environ: Mapping[str, str]) -> tuple[str | None, dict[str, str], 
     """(the variable read, its settings, a note when several are set and disagree). torch 2.13's CUDA
     config reads PYTORCH_CUDA_ALLOC_CONF first while its generic config calls PYTORCH_ALLOC_CONF the
     primary one, so two differing variables are a hazard worth a line, not a precedence to guess."""
-    present = [(var, environ[var]) for var in _CONF_VARS if environ.get(var, "").strip()]
+    present = [(var, environ[var]) for var in ALLOC_CONF_VARS if environ.get(var, "").strip()]
     if not present:
         return None, {}, None
     var, text = present[0]

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpumemd.analysis.units import format_bytes
 from gpumemd.doctor.check import Check, Status
-from gpumemd.probes.device.nvml_devices import visible_indices
+from gpumemd.probes.device.nvml_devices import nvml_text, visible_indices
 
 
 def import_nvml() -> Any:
@@ -21,10 +21,6 @@ def import_nvml() -> Any:
         except ImportError:
             return None
     return pynvml
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def check_nvml(nvml: Any, pid: int, *, visible: str | None = None, torch_sees_cuda: bool = False,
@@ -44,7 +40,7 @@ def check_nvml(nvml: Any, pid: int, *, visible: str | None = None, torch_sees_cu
     except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return [Check("nvml", absent, f"not available ({type(exc).__name__}: {exc}): {lost}"), skipped]
     try:
-        driver = _text(nvml.nvmlSystemGetDriverVersion())
+        driver = nvml_text(nvml.nvmlSystemGetDriverVersion())
         count = int(nvml.nvmlDeviceGetCount())
         indices = visible_indices(nvml, count, visible)
         handles = [(ordinal, nvml.nvmlDeviceGetHandleByIndex(i)) for ordinal, i in enumerate(indices)]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
+from gpumemd.analysis.units import UNITS
 from gpumemd.report.fmt import fmt_bytes
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#e15759",
@@ -21,7 +22,6 @@ MARKER_COLOURS = {"leak": "#e8702a", "oom": "#c0392b"}  # marker kind -> colour 
 ITEM_COLOURS = {"leaked": "#e15759", "free": "#e4e4e4", "headroom": "#e4e4e4", "reserved_unallocated": "#bab0ac",
                 "non_pytorch": "#9c755f", "process_other": "#c9c1bb"}
 _HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label legible over a line
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FONT = 'font-family="system-ui,sans-serif"'
 
 
@@ -37,12 +37,12 @@ def nice_step(span: float, ticks: int = 5) -> float:
 def byte_ticks(top: float, ticks: int = 5) -> tuple[list[float], str, float]:
     """Ticks from 0 to at least ``top`` bytes, round in one binary unit: ([0, 0.5, ..., 2.0], "GiB", 2**30)."""
     power = 0
-    while power < len(_UNITS) - 1 and top >= 1024 ** (power + 1):
+    while power < len(UNITS) - 1 and top >= 1024 ** (power + 1):
         power += 1
     scale = float(1024**power)
     step = nice_step(top / scale, ticks)
     count = max(1, math.ceil(top / scale / step - 1e-9))
-    return [i * step for i in range(count + 1)], _UNITS[power], scale
+    return [i * step for i in range(count + 1)], UNITS[power], scale
 
 
 def step_ticks(first: int, last: int, ticks: int = 8) -> list[int]:

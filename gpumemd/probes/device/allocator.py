@@ -31,7 +31,7 @@ CAP_RECHECK_S = 30.0
 the steps that sample the allocator (a clock read and a dict look-up between re-reads)."""
 
 # Where torch reads its allocator settings, in the order doctor reports them (gpumemd.doctor).
-_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 # AllocatorSample field -> flattened memory_stats key. Every key is optional (older torch,
 # cudaMallocAsync); a missing key becomes None, never 0.
@@ -66,7 +66,7 @@ def expandable_segments_from_env(environ: Mapping[str, str]) -> bool:
     """Is ``expandable_segments:True`` in the first allocator-settings variable set? torch reads these
     when CUDA initialises. A job that switches it at run time (``torch.cuda.memory._set_allocator_settings``)
     is not seen: the OOM report reads the snapshot's ``allocator_settings`` instead."""
-    text = next((environ[v] for v in _CONF_VARS if environ.get(v, "").strip()), "")
+    text = next((environ[v] for v in ALLOC_CONF_VARS if environ.get(v, "").strip()), "")
     for item in text.split(","):
         key, _, value = item.partition(":")
         if key.strip() == "expandable_segments":

@@ -61,7 +61,7 @@ def uuids_to_indices(candidates: list[str], uuids: list[str]) -> list[int]:
     return out
 
 
-def _text(raw: Any) -> str:
+def nvml_text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
@@ -74,7 +74,7 @@ def visible_indices(nvml: Any, count: int, visible: str | None) -> list[int]:
     if parsed and isinstance(parsed[0], str):
         if parsed[0].startswith("MIG-"):
             return []
-        uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        uuids = [nvml_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
         return uuids_to_indices([str(p) for p in parsed], uuids)
     out: list[int] = []
     for index in parsed:
@@ -110,7 +110,7 @@ def mig_instances(nvml: Any, parent: Any) -> list[tuple[str, Any]]:
             child = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
         except Exception:  # noqa: BLE001 - an empty slot
             continue
-        out.append((_text(nvml.nvmlDeviceGetUUID(child)), child))
+        out.append((nvml_text(nvml.nvmlDeviceGetUUID(child)), child))
     return out
 
 
@@ -123,7 +123,7 @@ def uuid_key(raw: Any) -> str | None:
     anything else, such as older drivers' ``MIG-GPU-<uuid>/<gi>/<ci>`` (which no CUDA UUID equals)."""
     if raw is None:
         return None
-    text = _text(raw).strip().lower()
+    text = nvml_text(raw).strip().lower()
     for prefix in ("mig-", "gpu-"):
         if text.startswith(prefix):
             text = text[len(prefix):]
