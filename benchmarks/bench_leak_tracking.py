@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 6000] [--no-leak] [--batch 64]
        python benchmarks/bench_leak_tracking.py --child on --hidden 8 --steps 3000   # one run (to profile)
+       python benchmarks/bench_leak_tracking.py --child on --no-leak --gap-ms 3   # one run, a 3 ms pause every 20 steps
 
 The job: a linear classifier (SGD, batch 8; an MLP with AdamW when its step is 1 ms or more) whose width
 is calibrated once to ``--step-ms``, leaking one small tensor a step from step 50 (``kept.append``): the
@@ -18,6 +19,10 @@ agent's own figure and the leak component's clocked time (scans and evaluations)
 step time: the on/off ratio (median over pairs, and its range), the difference in µs per step, the
 difference in process CPU time per step (all threads; a preemption by another process costs none, so it
 is the steadier figure on a loaded machine), and the agent's own figures over the measured steps.
+``--gap-ms N`` (one ``--child`` run): a busy pause of N ms after every 20th step, outside the timed
+steps; the agent's own figure is then that of an agent that runs after pauses, as it does in
+``bench_step_overhead.py``'s agent-on blocks, which follow 21 to 42 steps with it off (its work is the
+same, step for step, and costs ~1.5x there: docs/overhead-and-benchmarks.md).
 ``PYTHONPATH=DIR`` (run from outside the checkout) measures the gpumemd in DIR, e.g. an export of an
 earlier commit; the header says which one ran.
 """
@@ -95,6 +100,10 @@ def child(args: argparse.Namespace) -> None:
         if n >= LEAK_FROM and not args.no_leak:
             kept.append(torch.zeros(16))
         times.append(time.perf_counter() - t0)
+        if args.gap_ms and n % 20 == 0:
+            until = time.perf_counter() + args.gap_ms / 1e3
+            while time.perf_counter() < until:
+                pass
     cpu = time.process_time() - cpu0[0]
     own1 = own()
     measured = times[args.warmup:]
@@ -172,6 +181,7 @@ def main() -> None:
     parser.add_argument("--child", choices=["on", "off"])
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--mlp", action="store_true")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="(--child) a busy pause after every 20th step")
     parser.add_argument("--batch", type=int, default=64,
                         help="the MLP's batch (default 64); a larger one calibrates to a narrower MLP whose working "
                              "set stays in cache, so its step time varies less between processes")
