@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpumemd.analysis.leak_headline import mention
-from gpumemd.records.findings import Finding
+from gpumemd.records.findings import Finding, live_worst_first
 from gpumemd.records.step import AgentState, Overhead, ending_words
 
 status_log = logging.getLogger("gpumemd.status")
@@ -96,8 +96,7 @@ def fix_words(finding: Finding) -> str:
 def next_text(state: AgentState, output_dir: str) -> str | None:
     """What to do next, last on the exit line: the fix of the worst live finding in a few words, or
     the OOM to read, and the command that shows it all."""
-    live = sorted((f for f in state.findings if f.state != "cleared"),
-                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
+    live = live_worst_first(state.findings)
     see = f"gpumemd report {output_dir}"
     if live:
         return f"next: {fix_words(live[0])}; then {see}"
@@ -117,8 +116,7 @@ def caught_text(count: int, steps: Sequence[int]) -> str:
 def _findings_text(findings: Sequence[Finding]) -> str:
     """Each live finding named once, short: the WARNING line said the rest, and the sizes it saw
     are stale by now (the findings file and ``gpumemd report`` keep the whole sentence)."""
-    live = sorted((f for f in findings if f.state != "cleared"),
-                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
+    live = live_worst_first(findings)
     if not live:
         return "no leak found" if not findings else f"{len(findings)} growth{'s' if len(findings) > 1 else ''} cleared"
     shown = live[:_NAMED_MAX]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpumemd.records.device import Device
@@ -60,3 +61,9 @@ class Finding:
     # The group a count series follows ("float32[4, 8]"), for the OOM report to find it in a census;
     # not written (it is in the series name, which the files keep).
     group: str | None = field(default=None, metadata=IN_MEMORY_ONLY)
+
+
+def live_worst_first(findings: Iterable[Finding]) -> list[Finding]:
+    """The findings not cleared, the worst first: confirmed before suspected, then the fastest."""
+    return sorted((f for f in findings if f.state != "cleared"),
+                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from gpumemd.analysis.leak_headline import projection_words
 from gpumemd.announce import caught_text
 from gpumemd.records.device import cuda_index
+from gpumemd.records.findings import live_worst_first
 from gpumemd.records.plain import plain
 from gpumemd.records.step import ending_words
 from gpumemd.report.fmt import fmt_bytes, fmt_time
@@ -55,8 +56,7 @@ def state_file(output_dir: str, rank: int) -> str:
 def state_document(state: AgentState, *, written_at: float, seconds_per_step: float | None) -> dict[str, Any]:
     """What the file holds for ``state``: small, bounded, JSON-ready."""
     ident = state.identity
-    live = sorted((f for f in state.findings if f.state != "cleared"),
-                  key=lambda f: (f.state == "confirmed", f.slope_bytes_per_step), reverse=True)
+    live = live_worst_first(state.findings)
     return {
         "schema": SCHEMA, "pid": ident.pid or os.getpid(), "rank": ident.rank, "world_size": ident.world_size,
         "hostname": ident.hostname, "attached_at": state.attached_at, "written_at": written_at,
