@@ -18,15 +18,21 @@ log = logging.getLogger("gpumemd")
 FALLBACK_PREFIX = "gpumemd-out-"
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` if it exists, else its nearest existing parent: where the directory would be created."""
+    base = path
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    return base
+
+
 def output_dir_problem(path: str) -> str | None:
     """Why files cannot be written in the directory ``path`` (a sentence naming it), or None.
 
     One temp file is created and removed in ``path`` or, when it does not exist yet, in its nearest
     existing parent, where it would be created; the directory itself is never created here."""
     target = os.path.abspath(path)
-    base = target
-    while not os.path.lexists(base) and os.path.dirname(base) != base:
-        base = os.path.dirname(base)
+    base = nearest_existing(target)
     created = "" if base == target else f" cannot be created, {base}"
     if not os.path.isdir(base):
         return f"{target}{created} is not a directory"

@@ -11,7 +11,7 @@ import socket
 
 from gpumemd.analysis.units import format_bytes
 from gpumemd.doctor.check import Check, dist_version
-from gpumemd.output_dir import output_dir_problem
+from gpumemd.output_dir import nearest_existing, output_dir_problem
 
 _LOW_DISK_BYTES = 1 << 30  # an OOM report with an allocator snapshot can be hundreds of MiB
 _FRAMEWORKS = {  # distribution -> what gpumemd offers for it (never needed: gpumemd works without any)
@@ -80,9 +80,7 @@ def check_output_dir(path: str) -> Check:
         return Check(name, "fail", f"{problem}; the agent would write to a temporary directory instead "
                      "(its start line names it): set GPUMEMD_OUTPUT_DIR or output_dir= to a writable one",
                      needed=True)
-    base = target
-    while not os.path.lexists(base) and os.path.dirname(base) != base:
-        base = os.path.dirname(base)
+    base = nearest_existing(target)
     free = shutil.disk_usage(base).free
     where = f"{target} is writable" if base == target else \
         f"{target} does not exist yet and will be created on first write ({base} is writable)"
