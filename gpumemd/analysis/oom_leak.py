@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt
+from gpumemd.analysis.census_culprits import describe_key
 from gpumemd.analysis.leak_headline import projection_words, since_words
 from gpumemd.records.census import Census, CensusGroup, GroupKey
 from gpumemd.records.device import CPU, Device
@@ -58,17 +59,6 @@ def holder_variable(holder: str | None) -> str | None:
     return name.strip("`").rsplit(".", 1)[-1] or None
 
 
-def describe_key(dtype: str, shape: tuple[int, ...] | list[int], category: str, name: str | None) -> str:
-    """``float32[512, 1024]``, ``float32[] with grad_fn``, ``fc.bias float32[8] (parameter)``: the
-    words leak culprits use for a census group (``census_culprits.describe_group``), so they match."""
-    text = f"{dtype.removeprefix('torch.')}[{', '.join(str(d) for d in shape)}]"
-    if category == "graph":
-        text += " with grad_fn"
-    elif category != "other":
-        text += f" ({category})"
-    return f"{name} {text}" if name else text
-
-
 def _matching_groups(census: Census, finding: Finding, device: Device) -> list[CensusGroup]:
     """The census groups on ``device`` the finding's culprits name: by holder (every group the same
     variable keeps, its graphs' saved tensors included), else by the culprit's group."""
@@ -82,7 +72,7 @@ def _matching_groups(census: Census, finding: Finding, device: Device) -> list[C
         if g.key.device != device:
             continue
         by_holder = holder_root(g.holder) in roots or holder_variable(g.holder) in names
-        by_group = describe_key(g.key.dtype, g.key.shape, g.key.category, g.key.name) in wanted
+        by_group = describe_key(g.key) in wanted
         if by_holder or (by_group and g.key.category not in _MODEL_STATE):
             out.append(g)
     return out
@@ -118,7 +108,7 @@ def _held_by(groups: list[CensusGroup], holder: str | None) -> _Held:
     return _Held(
         held_bytes=sum(g.nbytes + g.graph_bytes for g in groups), graph_bytes=dict(by_cat).get("graph", 0),
         tensor_count=sum(g.count for g in groups),
-        description=describe_key(largest.key.dtype, largest.key.shape, largest.key.category, largest.key.name),
+        description=describe_key(largest.key),
         groups=len(groups), bytes_by_category=by_cat, holder_detail=holder,
         group_keys=tuple(g.key for g in sorted(groups, key=lambda g: g.nbytes + g.graph_bytes, reverse=True)),
     )

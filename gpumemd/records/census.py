@@ -60,22 +60,6 @@ class GroupDelta:
     def device(self) -> Device:
         return self.key.device
 
-    @property
-    def dtype(self) -> str:
-        return self.key.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.key.shape
-
-    @property
-    def category(self) -> str:
-        return self.key.category
-
-    @property
-    def name(self) -> str | None:
-        return self.key.name
-
 
 @dataclass(frozen=True, slots=True)
 class Census:
