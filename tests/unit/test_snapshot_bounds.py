@@ -227,8 +227,8 @@ def test_what_a_snapshot_never_holds_is_refused_by_name(data: bytes, pattern: st
 
 
 def test_the_limits_are_parameters_and_each_one_binds(tmp_path: Any) -> None:
-    from gpumemd.probes.snapshots.snapshot_load import load_with_limits as _load_snapshot
-    from gpumemd.probes.snapshots.snapshot_load import loads_with_limits as _loads_snapshot
+    from gpumemd.probes.snapshots.snapshot_load import load_snapshot as _load_snapshot
+    from gpumemd.probes.snapshots.snapshot_load import loads_snapshot as _loads_snapshot
     from gpumemd.probes.snapshots.snapshot_rules import Limits as _Limits
 
     data = pickle.dumps(make_snapshot(history=6))
