@@ -41,7 +41,6 @@ class MannKendall:
     variance: float
     z: float
     p_increasing: float
-    inflation: float  # variance inflation from autocorrelation (1.0: none detected)
 
 
 def _sign(v: float) -> int:
@@ -124,10 +123,9 @@ def mann_kendall(
     """
     n = len(ys)
     if n < 3:
-        return MannKendall(n, 0, 0.0, 0.0, 1.0, 1.0)
+        return MannKendall(n, 0, 0.0, 0.0, 1.0)
     s = _kendall_s(ys)
     variance = _tie_variance(ys)
-    inflation = 1.0
     if autocorrelation and n >= 8:
         x = list(xs) if xs is not None else [float(i) for i in range(n)]
         b = slope if slope is not None else theil_sen(x, ys).slope
@@ -138,14 +136,13 @@ def mann_kendall(
         # trend, and inflating by it would hide the plainest leaks.
         spread = max(residuals) - min(residuals)
         if spread >= 0.1 * abs(b) * (x[-1] - x[0]):
-            inflation = autocorrelation_inflation(residuals)
-        variance *= inflation
+            variance *= autocorrelation_inflation(residuals)
     if variance <= 0:
-        return MannKendall(n, s, 0.0, 0.0, 1.0, inflation)
+        return MannKendall(n, s, 0.0, 0.0, 1.0)
     # continuity correction: S moves in steps of 2
     z = (s - 1) / math.sqrt(variance) if s > 0 else ((s + 1) / math.sqrt(variance) if s < 0 else 0.0)
     p = 1.0 - _NORMAL.cdf(z)
-    return MannKendall(n, s, variance, z, p, inflation)
+    return MannKendall(n, s, variance, z, p)
 
 
 @dataclass(frozen=True, slots=True)
