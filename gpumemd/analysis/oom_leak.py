@@ -15,7 +15,7 @@ from typing import Any
 from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt
 from gpumemd.analysis.census_culprits import describe_key
 from gpumemd.analysis.leak_headline import projection_words, since_words
-from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.census import Census, CensusGroup, GroupKey, category_bytes
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import (
@@ -78,15 +78,6 @@ def _matching_groups(census: Census, finding: Finding, device: Device) -> list[C
     return out
 
 
-def _by_category(groups: list[CensusGroup]) -> tuple[tuple[str, int], ...]:
-    out: dict[str, int] = {}
-    for g in groups:
-        out[g.key.category] = out.get(g.key.category, 0) + g.nbytes
-        if g.graph_bytes:
-            out["graph"] = out.get("graph", 0) + g.graph_bytes
-    return tuple(sorted(out.items()))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Held:
     """What the leaking groups held at the OOM (the LeakCause fields the census decides)."""
@@ -103,7 +94,7 @@ class _Held:
 
 def _held_by(groups: list[CensusGroup], holder: str | None) -> _Held:
     largest = max(groups, key=lambda g: g.nbytes + g.graph_bytes)
-    by_cat = _by_category(groups)
+    by_cat = tuple(sorted((category, n) for category, n in category_bytes(groups).items() if n))
     holder = holder or next((g.holder for g in sorted(groups, key=lambda g: -g.nbytes) if g.holder), None)
     return _Held(
         held_bytes=sum(g.nbytes + g.graph_bytes for g in groups), graph_bytes=dict(by_cat).get("graph", 0),
