@@ -60,22 +60,18 @@ _GRAPH_HOLDERS = ("autograd graph of ", "an autograd graph")  # how the census n
 
 
 def _graph_kept(category: str | None, holder: str | None) -> bool:
-    return category == "graph" and (holder is None or holder.startswith(_GRAPH_HOLDERS))
-
-
-def kept_by_graph(c: Culprit) -> bool:
     """Tensors with a grad_fn that no Python object holds: autograd keeps them (saved activations
     whose Python wrapper torch preserved), so their bytes are graph bytes."""
-    return _graph_kept(c.category, c.holder)
+    return category == "graph" and (holder is None or holder.startswith(_GRAPH_HOLDERS))
 
 
 def refine_kind(kind: str, culprits: Sequence[Culprit]) -> str:
     """A tensor leak whose growth is mostly autograd graph kept alive is a graph leak."""
     if kind != "tensor_leak" or not culprits:
         return kind
-    graph = sum(max(0, c.graph_bytes_delta) + (max(0, c.bytes_delta) if kept_by_graph(c) else 0)
+    graph = sum(max(0, c.graph_bytes_delta) + (max(0, c.bytes_delta) if _graph_kept(c.category, c.holder) else 0)
                 for c in culprits)
-    own = sum(max(0, c.bytes_delta) for c in culprits if not kept_by_graph(c))
+    own = sum(max(0, c.bytes_delta) for c in culprits if not _graph_kept(c.category, c.holder))
     return "graph_leak" if graph > own else kind
 
 
@@ -94,7 +90,7 @@ def culprit_sentence(c: Culprit, steps: float) -> str:
         head = f"+{n} {c.noun}{'s' if n != 1 else ''}/step"
     else:
         head = f"+1 {c.noun} every {steps / c.count_delta:.0f} steps"
-    if kept_by_graph(c):
+    if _graph_kept(c.category, c.holder):
         # saved activations: what matters is the graph that keeps them and who holds its root
         holder = c.holder or "an autograd graph (its root's holder was not found)"
         return (f"{head.replace(c.noun, 'saved ' + c.noun, 1)}: {c.description} "
