@@ -275,7 +275,6 @@ def test_a_snapshot_sharing_frames_as_torch_does_stays_far_below_the_budget() ->
     # free_requested and free_completed events and the block itself (_snapshot, py_symbolize)
     from gpumemd.probes.snapshots.snapshot_prescan import prescan as _prescan
     from gpumemd.probes.snapshots.snapshot_rules import DEFAULT_LIMITS as _DEFAULT_LIMITS
-    from gpumemd.probes.snapshots.snapshot_rules import TREE_NODES_PER_BYTE as _TREE_NODES_PER_BYTE
 
     frames = [{"filename": f"/job/f{i}.py", "line": i, "name": f"fn{i}"} for i in range(60)]
     tracebacks = [frames[i % 20:i % 20 + 40] for i in range(500)]
@@ -284,7 +283,7 @@ def test_a_snapshot_sharing_frames_as_torch_does_stays_far_below_the_budget() ->
              for i in range(500) for action in ("alloc", "free_requested", "free_completed")]
     data = pickle.dumps({"segments": [{"device": 0, "blocks": blocks}], "device_traces": [trace]})
     nodes_per_byte = _prescan(data, _DEFAULT_LIMITS) / len(data)
-    assert 3 < nodes_per_byte < _TREE_NODES_PER_BYTE / 4
+    assert 3 < nodes_per_byte < _DEFAULT_LIMITS.tree_nodes_per_byte / 4
 
 
 @st.composite
