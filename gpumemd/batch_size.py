@@ -64,14 +64,6 @@ class Try:
     fits: bool  # ran, and the peak is within the budget
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation failure by the one classifier the OOM reports use: ``OutOfMemoryError`` on any
-    device, a CPU allocator failure, or a CUDA runtime / cuBLAS / cuDNN allocation failure."""
-    from gpumemd.analysis.oom_message import classify_exception
-
-    return classify_exception(exc) is not None
-
-
 def _release(exc: BaseException) -> None:
     """Drop what a caught exception keeps alive: the locals of every frame it unwound through."""
     seen: set[int] = set()
@@ -102,13 +94,14 @@ class _Runner:
         return result
 
     def _call(self, batch_size: int) -> bool:
+        from gpumemd.analysis.oom_message import classify_exception
         from gpumemd.components.oom_capture import probing  # not at import: ``import gpumemd`` stays light
 
         try:
             with probing():  # a try's OOM is gpumemd's own, not one the job caught: no report
                 self.step_fn(batch_size)  # the result is dropped at once
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            if classify_exception(exc) is None:  # the one classifier the OOM reports use
                 raise
             _release(exc)
             return False

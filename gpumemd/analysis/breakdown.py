@@ -11,7 +11,7 @@ import dataclasses
 
 from gpumemd.analysis.headroom import cap_from_observer, reservable_bytes
 from gpumemd.analysis.units import format_bytes
-from gpumemd.records.census import Census
+from gpumemd.records.census import Census, category_bytes
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.oom import (
     Breakdown,
@@ -38,17 +38,11 @@ def breakdown_item(key: str, nbytes: int, device: Device, limit: str | None = No
     return BreakdownItem(key, breakdown_label(key, device, limit=limit), nbytes)
 
 
-def census_bytes_on(census: Census | None, device: Device) -> dict[str, int]:
-    """Census bytes per category on one device; graph-retained bytes count towards ``graph``."""
-    out = dict.fromkeys(CATEGORY_KEYS, 0)
-    if census is None:
-        return out
-    for group in census.groups:
-        if group.key.device != device:
-            continue
-        out[group.key.category] = out.get(group.key.category, 0) + group.nbytes
-        out["graph"] += group.graph_bytes
-    return out
+def _census_items(census: Census | None, device: Device) -> tuple[list[BreakdownItem], int]:
+    """The items of the census's categories on ``device`` (graph-retained bytes count towards
+    ``graph``), and the bytes the census saw there."""
+    by_cat = category_bytes(g for g in (census.groups if census is not None else ()) if g.key.device == device)
+    return [breakdown_item(key, by_cat[cat], device) for cat, key in CATEGORY_KEYS.items()], sum(by_cat.values())
 
 
 def fmt(n: int | None) -> str:
@@ -148,9 +142,7 @@ def cuda_breakdown(
     limits = _limits(msg, observer=observer, allocator=allocator, snapshot=snapshot,
                      nvml_total_bytes=nvml_total_bytes, reserved=reserved)
     largest = snapshot.largest_free_block_bytes if snapshot else None
-    by_cat = census_bytes_on(census, device)
-    items = [breakdown_item(key, by_cat[cat], device) for cat, key in CATEGORY_KEYS.items()]
-    seen = sum(by_cat.values())
+    items, seen = _census_items(census, device)
     if allocated is not None and census is None:
         items.append(breakdown_item("unattributed", allocated, device))
     elif allocated is not None:
@@ -233,9 +225,7 @@ def cpu_breakdown(
     available = host.available_bytes if host else None
     rss = host.rss_bytes if host else None
     limit = host.limit if host else None
-    by_cat = census_bytes_on(census, CPU)
-    items = [breakdown_item(key, by_cat[cat], CPU) for cat, key in CATEGORY_KEYS.items()]
-    seen = sum(by_cat.values())
+    items, seen = _census_items(census, CPU)
     if rss is not None:
         items.append(breakdown_item("process_other", max(0, rss - seen), CPU))
     in_workers = _workers_bytes(workers)

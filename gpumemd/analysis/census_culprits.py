@@ -10,22 +10,20 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from gpumemd.analysis.units import format_bytes
-from gpumemd.records.census import GroupDelta
+from gpumemd.records.census import GroupDelta, GroupKey
 from gpumemd.records.findings import Culprit
 
 
-def describe_group(delta: GroupDelta) -> str:
-    """``float32[64, 256] with grad_fn`` / ``Adam[fc.weight].exp_avg float32[64, 256]``."""
-    dtype = delta.dtype.removeprefix("torch.")
-    shape = "[" + ", ".join(str(d) for d in delta.shape) + "]"
-    text = f"{dtype}{shape}"
-    if delta.category == "graph":
+def describe_key(key: GroupKey) -> str:
+    """``float32[64, 256] with grad_fn`` / ``Adam[fc.weight].exp_avg float32[64, 256]`` /
+    ``fc.bias float32[8] (parameter)``: the words leak culprits and the OOM report's leak use for a
+    census group, so that one finds the other's group by them."""
+    text = f"{key.dtype.removeprefix('torch.')}[{', '.join(str(d) for d in key.shape)}]"
+    if key.category == "graph":
         text += " with grad_fn"
-    elif delta.category not in ("other",):
-        text += f" ({delta.category})"
-    if delta.name:
-        text = f"{delta.name} {text}"
-    return text
+    elif key.category != "other":
+        text += f" ({key.category})"
+    return f"{key.name} {text}" if key.name else text
 
 
 def fold_graph_groups(deltas: Iterable[GroupDelta]) -> list[GroupDelta]:
@@ -34,8 +32,8 @@ def fold_graph_groups(deltas: Iterable[GroupDelta]) -> list[GroupDelta]:
     loss kept in a list — as its graph bytes: "+1 tensor/step: float32[] with grad_fn, held by list
     `losses`, keeping ~3 MiB/step of autograd graph alive"."""
     deltas = list(deltas)
-    kept = [d for d in deltas if _graph_kept(d.category, d.holder) and d.bytes_delta > 0]
-    roots = [d for d in deltas if d.category == "graph" and not _graph_kept(d.category, d.holder)
+    kept = [d for d in deltas if _graph_kept(d.key.category, d.holder) and d.bytes_delta > 0]
+    roots = [d for d in deltas if d.key.category == "graph" and not _graph_kept(d.key.category, d.holder)
              and d.count_delta > 0]
     if not kept or not roots:
         return deltas
@@ -52,8 +50,8 @@ def culprits_from_diff(deltas: Iterable[GroupDelta], *, limit: int = 3) -> tuple
         key=lambda d: (d.bytes_delta + d.graph_bytes_delta, d.count_delta), reverse=True,
     )
     return tuple(
-        Culprit(description=describe_group(d), count_delta=d.count_delta, bytes_delta=d.bytes_delta,
-                holder=d.holder, graph_bytes_delta=d.graph_bytes_delta, category=d.category)
+        Culprit(description=describe_key(d.key), count_delta=d.count_delta, bytes_delta=d.bytes_delta,
+                holder=d.holder, graph_bytes_delta=d.graph_bytes_delta, category=d.key.category)
         for d in ranked[:limit]
     )
 
@@ -62,22 +60,18 @@ _GRAPH_HOLDERS = ("autograd graph of ", "an autograd graph")  # how the census n
 
 
 def _graph_kept(category: str | None, holder: str | None) -> bool:
-    return category == "graph" and (holder is None or holder.startswith(_GRAPH_HOLDERS))
-
-
-def kept_by_graph(c: Culprit) -> bool:
     """Tensors with a grad_fn that no Python object holds: autograd keeps them (saved activations
     whose Python wrapper torch preserved), so their bytes are graph bytes."""
-    return _graph_kept(c.category, c.holder)
+    return category == "graph" and (holder is None or holder.startswith(_GRAPH_HOLDERS))
 
 
 def refine_kind(kind: str, culprits: Sequence[Culprit]) -> str:
     """A tensor leak whose growth is mostly autograd graph kept alive is a graph leak."""
     if kind != "tensor_leak" or not culprits:
         return kind
-    graph = sum(max(0, c.graph_bytes_delta) + (max(0, c.bytes_delta) if kept_by_graph(c) else 0)
+    graph = sum(max(0, c.graph_bytes_delta) + (max(0, c.bytes_delta) if _graph_kept(c.category, c.holder) else 0)
                 for c in culprits)
-    own = sum(max(0, c.bytes_delta) for c in culprits if not kept_by_graph(c))
+    own = sum(max(0, c.bytes_delta) for c in culprits if not _graph_kept(c.category, c.holder))
     return "graph_leak" if graph > own else kind
 
 
@@ -96,7 +90,7 @@ def culprit_sentence(c: Culprit, steps: float) -> str:
         head = f"+{n} {c.noun}{'s' if n != 1 else ''}/step"
     else:
         head = f"+1 {c.noun} every {steps / c.count_delta:.0f} steps"
-    if kept_by_graph(c):
+    if _graph_kept(c.category, c.holder):
         # saved activations: what matters is the graph that keeps them and who holds its root
         holder = c.holder or "an autograd graph (its root's holder was not found)"
         return (f"{head.replace(c.noun, 'saved ' + c.noun, 1)}: {c.description} "

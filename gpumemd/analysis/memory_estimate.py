@@ -60,7 +60,6 @@ memory), allocator fragmentation, communication buckets, kernel workspaces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpumemd.analysis.model_state import (
@@ -201,11 +200,11 @@ def peak_bytes(
     return weights + optimizer_state + max(gradients + intermediates, activations) + gather
 
 
-def device_fits(peak: int, sizes_gib: Sequence[int] = DEVICE_SIZES_GIB) -> tuple[DeviceFit, ...]:
+def device_fits(peak: int) -> tuple[DeviceFit, ...]:
     return tuple(
         DeviceFit(name=f"{gib} GiB", capacity_bytes=gib * GIB, fits=peak <= gib * GIB,
                   headroom_bytes=gib * GIB - peak)
-        for gib in sizes_gib
+        for gib in DEVICE_SIZES_GIB
     )
 
 
@@ -249,7 +248,6 @@ def estimate(
     zero_stage: int = 0,
     offload: str = "none",
     shape: TransformerShape | None = None,
-    sizes_gib: Sequence[int] = DEVICE_SIZES_GIB,
     grad_dtype: str | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step; ``params`` defaults to the shape's parameter count;
@@ -294,7 +292,7 @@ def estimate(
         host_bytes=host,
         peak_bytes=peak,
         dominant=dominant_term(terms),
-        devices=device_fits(peak, sizes_gib),
+        devices=device_fits(peak),
         shape=shape,
         grad_dtype=grad_dtype,
     )

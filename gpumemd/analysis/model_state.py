@@ -7,6 +7,7 @@ sets out in its docstring, which ``estimate`` multiplies by a parameter count), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,26 +59,22 @@ def bytes_per_param(precision: str, optimizer: str, grad_dtype: str | None = Non
     ``grad_dtype`` sets the gradients' dtype when it is not the precision's (fp32 gradients with bf16
     parameters, as with FSDP's ``MixedPrecision(reduce_dtype=torch.float32)`` or a gradient
     accumulation kept in fp32)."""
-    per = _bytes_per_param(precision, optimizer)
-    if grad_dtype is None:
-        return per
-    check_choice("grad_dtype", grad_dtype, tuple(GRAD_DTYPES))
-    return BytesPerParam(per.weights, float(GRAD_DTYPES[grad_dtype]), per.optimizer_state, per.optimizer_intermediates)
-
-
-def _bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     state = _STATE_FP32[optimizer]
     copies = _INTERMEDIATE_COPIES[optimizer]
     if precision == "fp32":
-        return BytesPerParam(4.0, 4.0, state, 4.0 * copies)
-    if precision.endswith("-mixed"):
+        per = BytesPerParam(4.0, 4.0, state, 4.0 * copies)
+    elif precision.endswith("-mixed"):
         # fp32 master weights live with the optimizer (and are sharded with it); state is fp32.
-        return BytesPerParam(2.0, 2.0, 4.0 + state, 4.0 * copies)
-    # Pure 16-bit: torch.optim keeps state in the parameter dtype; 8-bit Adam stays 1 byte/state.
-    pure_state = state if optimizer == "adam-8bit" else state / 2
-    return BytesPerParam(2.0, 2.0, pure_state, 2.0 * copies)
+        per = BytesPerParam(2.0, 2.0, 4.0 + state, 4.0 * copies)
+    else:
+        # Pure 16-bit: torch.optim keeps state in the parameter dtype; 8-bit Adam stays 1 byte/state.
+        per = BytesPerParam(2.0, 2.0, state if optimizer == "adam-8bit" else state / 2, 2.0 * copies)
+    if grad_dtype is None:
+        return per
+    check_choice("grad_dtype", grad_dtype, tuple(GRAD_DTYPES))
+    return dataclasses.replace(per, gradients=float(GRAD_DTYPES[grad_dtype]))
 
 
 def adafactor_state_elements(shapes: Iterable[Sequence[int]]) -> int:

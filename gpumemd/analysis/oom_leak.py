@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from gpumemd.analysis.breakdown import CATEGORY_KEYS, breakdown_item, fmt
+from gpumemd.analysis.census_culprits import describe_key
 from gpumemd.analysis.leak_headline import projection_words, since_words
-from gpumemd.records.census import Census, CensusGroup, GroupKey
+from gpumemd.records.census import Census, CensusGroup, category_bytes
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
 from gpumemd.records.oom import (
@@ -58,17 +58,6 @@ def holder_variable(holder: str | None) -> str | None:
     return name.strip("`").rsplit(".", 1)[-1] or None
 
 
-def describe_key(dtype: str, shape: tuple[int, ...] | list[int], category: str, name: str | None) -> str:
-    """``float32[512, 1024]``, ``float32[] with grad_fn``, ``fc.bias float32[8] (parameter)``: the
-    words leak culprits use for a census group (``census_culprits.describe_group``), so they match."""
-    text = f"{dtype.removeprefix('torch.')}[{', '.join(str(d) for d in shape)}]"
-    if category == "graph":
-        text += " with grad_fn"
-    elif category != "other":
-        text += f" ({category})"
-    return f"{name} {text}" if name else text
-
-
 def _matching_groups(census: Census, finding: Finding, device: Device) -> list[CensusGroup]:
     """The census groups on ``device`` the finding's culprits name: by holder (every group the same
     variable keeps, its graphs' saved tensors included), else by the culprit's group."""
@@ -82,66 +71,39 @@ def _matching_groups(census: Census, finding: Finding, device: Device) -> list[C
         if g.key.device != device:
             continue
         by_holder = holder_root(g.holder) in roots or holder_variable(g.holder) in names
-        by_group = describe_key(g.key.dtype, g.key.shape, g.key.category, g.key.name) in wanted
+        by_group = describe_key(g.key) in wanted
         if by_holder or (by_group and g.key.category not in _MODEL_STATE):
             out.append(g)
     return out
 
 
-def _by_category(groups: list[CensusGroup]) -> tuple[tuple[str, int], ...]:
-    out: dict[str, int] = {}
-    for g in groups:
-        out[g.key.category] = out.get(g.key.category, 0) + g.nbytes
-        if g.graph_bytes:
-            out["graph"] = out.get("graph", 0) + g.graph_bytes
-    return tuple(sorted(out.items()))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Held:
-    """What the leaking groups held at the OOM (the LeakCause fields the census decides)."""
-
-    held_bytes: int
-    graph_bytes: int
-    tensor_count: int
-    description: str
-    groups: int
-    bytes_by_category: tuple[tuple[str, int], ...]
-    holder_detail: str | None
-    group_keys: tuple[GroupKey, ...] = ()
-
-
-def _held_by(groups: list[CensusGroup], holder: str | None) -> _Held:
+def _held_by(groups: list[CensusGroup], holder: str | None) -> LeakCause:
+    """What the leaking groups held at the OOM: the fields the census decides (a finding's own
+    replace the rest)."""
     largest = max(groups, key=lambda g: g.nbytes + g.graph_bytes)
-    by_cat = _by_category(groups)
+    by_cat = tuple(sorted((category, n) for category, n in category_bytes(groups).items() if n))
     holder = holder or next((g.holder for g in sorted(groups, key=lambda g: -g.nbytes) if g.holder), None)
-    return _Held(
+    description = describe_key(largest.key)
+    return LeakCause(
+        holder=holder_name(holder) or f"{description} tensors",
         held_bytes=sum(g.nbytes + g.graph_bytes for g in groups), graph_bytes=dict(by_cat).get("graph", 0),
-        tensor_count=sum(g.count for g in groups),
-        description=describe_key(largest.key.dtype, largest.key.shape, largest.key.category, largest.key.name),
-        groups=len(groups), bytes_by_category=by_cat, holder_detail=holder,
+        tensor_count=sum(g.count for g in groups), description=description, source="census", groups=len(groups),
+        bytes_by_category=by_cat, holder_detail=holder,
         group_keys=tuple(g.key for g in sorted(groups, key=lambda g: g.nbytes + g.graph_bytes, reverse=True)),
     )
 
 
-def _held_per_finding(finding: Finding, culprit: Culprit | None) -> _Held:
+def _held_per_finding(finding: Finding, culprit: Culprit | None) -> LeakCause:
     """No census at the OOM, or it did not see the leak (host objects): the finding's own growth."""
     grown = max(0, finding.growth_bytes)
     category = "graph" if finding.kind == "graph_leak" else (culprit.category if culprit else None) or "other"
-    return _Held(
-        held_bytes=grown, graph_bytes=grown if category == "graph" else 0,
-        tensor_count=sum(max(0, c.count_delta) for c in finding.culprits),
-        description=culprit.description if culprit else (finding.group or finding.series),
-        groups=0, bytes_by_category=((category, grown),), holder_detail=culprit.holder if culprit else None,
-    )
-
-
-def _cause(held: _Held, **fields: Any) -> LeakCause:
+    description = culprit.description if culprit else (finding.group or finding.series)
+    holder = culprit.holder if culprit else None
     return LeakCause(
-        holder=holder_name(held.holder_detail) or f"{held.description} tensors", held_bytes=held.held_bytes,
-        graph_bytes=held.graph_bytes, tensor_count=held.tensor_count, description=held.description,
-        groups=held.groups, bytes_by_category=held.bytes_by_category, holder_detail=held.holder_detail,
-        group_keys=held.group_keys, **fields,
+        holder=holder_name(holder) or f"{description} tensors", held_bytes=grown,
+        graph_bytes=grown if category == "graph" else 0,
+        tensor_count=sum(max(0, c.count_delta) for c in finding.culprits), description=description,
+        source="finding", groups=0, bytes_by_category=((category, grown),), holder_detail=holder,
     )
 
 
@@ -155,9 +117,9 @@ def leak_from_finding(finding: Finding, census: Census | None, device: Device) -
     culprit = next((c for c in finding.culprits if c.holder), finding.culprits[0] if finding.culprits else None)
     groups = _matching_groups(census, finding, device) if census is not None else []
     held = _held_by(groups, culprit.holder if culprit else None) if groups else _held_per_finding(finding, culprit)
-    return _cause(held, source="finding", kind=finding.kind, state=finding.state,
-                  slope_bytes_per_step=finding.slope_bytes_per_step, onset_step=finding.onset_step,
-                  series=finding.series, estimated=not groups)
+    return dataclasses.replace(held, source="finding", kind=finding.kind, state=finding.state,
+                               slope_bytes_per_step=finding.slope_bytes_per_step, onset_step=finding.onset_step,
+                               series=finding.series, estimated=not groups)
 
 
 def leak_from_census(census: Census | None, before: Census | None, device: Device) -> LeakCause | None:
@@ -179,8 +141,9 @@ def leak_from_census(census: Census | None, before: Census | None, device: Devic
         return None
     top = max(grown, key=growth)
     kind = "graph_leak" if top.key.category == "graph" else "tensor_leak"
-    return _cause(_held_by([top], top.holder), source="census", kind=kind, state="grew",
-                  slope_bytes_per_step=growth(top) / max(1, census.step - before.step), onset_step=before.step)
+    return dataclasses.replace(_held_by([top], top.holder), kind=kind, state="grew",
+                               slope_bytes_per_step=growth(top) / max(1, census.step - before.step),
+                               onset_step=before.step)
 
 
 def leak_at_oom(

@@ -56,8 +56,6 @@ _XPU = re.compile(
     r"XPU out of memory\. Tried to allocate " + _SIZE + r"\. GPU (\d+) has a total capac(?:i)?ty of " + _SIZE
     + r"(?: of which " + _SIZE + r" is free)?\."
 )
-_XPU_PT = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, and " + _SIZE
-                     + r" is reserved by PyTorch but unallocated")
 _PT = re.compile(
     r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, (?:with " + _SIZE
     + r" allocated in private pools \(e\.g\., CUDA Graphs\), )?and " + _SIZE
@@ -148,7 +146,7 @@ def _async_message(device: Device, text: str) -> OomMessage:
 
 def _xpu_message(m: re.Match[str], text: str) -> OomMessage:
     """XPU's caching allocator: the request, the device total, what PyTorch holds and caches."""
-    pt = _XPU_PT.search(text)
+    pt = _PT.search(text)  # the same sentence as CUDA's, never with private pools
     return OomMessage(
         kind="device",
         format="xpu",
@@ -157,8 +155,8 @@ def _xpu_message(m: re.Match[str], text: str) -> OomMessage:
         total_bytes=parse_size(m[4], m[5]),
         free_bytes=parse_size(m[6], m[7]) if m[6] else None,
         allocated_bytes=parse_size(pt[1], pt[2]) if pt else None,
-        reserved_unallocated_bytes=parse_size(pt[3], pt[4]) if pt else None,
-        reserved_bytes=(parse_size(pt[1], pt[2]) + parse_size(pt[3], pt[4])) if pt else None,
+        reserved_unallocated_bytes=parse_size(pt[5], pt[6]) if pt else None,
+        reserved_bytes=(parse_size(pt[1], pt[2]) + parse_size(pt[5], pt[6])) if pt else None,
     )
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 _NORMAL = NormalDist()
+_CONFIDENCE = 0.90  # of Sen's two-sided interval: its low end is a one-sided 95% lower bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,6 @@ class MannKendall:
     variance: float
     z: float
     p_increasing: float
-    inflation: float  # variance inflation from autocorrelation (1.0: none detected)
 
 
 def _sign(v: float) -> int:
@@ -123,10 +123,9 @@ def mann_kendall(
     """
     n = len(ys)
     if n < 3:
-        return MannKendall(n, 0, 0.0, 0.0, 1.0, 1.0)
+        return MannKendall(n, 0, 0.0, 0.0, 1.0)
     s = _kendall_s(ys)
     variance = _tie_variance(ys)
-    inflation = 1.0
     if autocorrelation and n >= 8:
         x = list(xs) if xs is not None else [float(i) for i in range(n)]
         b = slope if slope is not None else theil_sen(x, ys).slope
@@ -137,14 +136,13 @@ def mann_kendall(
         # trend, and inflating by it would hide the plainest leaks.
         spread = max(residuals) - min(residuals)
         if spread >= 0.1 * abs(b) * (x[-1] - x[0]):
-            inflation = autocorrelation_inflation(residuals)
-        variance *= inflation
+            variance *= autocorrelation_inflation(residuals)
     if variance <= 0:
-        return MannKendall(n, s, 0.0, 0.0, 1.0, inflation)
+        return MannKendall(n, s, 0.0, 0.0, 1.0)
     # continuity correction: S moves in steps of 2
     z = (s - 1) / math.sqrt(variance) if s > 0 else ((s + 1) / math.sqrt(variance) if s < 0 else 0.0)
     p = 1.0 - _NORMAL.cdf(z)
-    return MannKendall(n, s, variance, z, p, inflation)
+    return MannKendall(n, s, variance, z, p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +156,7 @@ class Slope:
 
 
 @functools.lru_cache(maxsize=8)
-def _pairs(n: int, max_pairs: int, seed: int) -> tuple[array.array[int], array.array[int]]:
+def _pairs(n: int, max_pairs: int) -> tuple[array.array[int], array.array[int]]:
     """The (i, j) index pairs, i < j, whose slopes a window of ``n`` points takes: all of them, or a
     deterministic subsample of ``max_pairs`` (the same window size always gives the same pairs, so the
     same answer). Kept for the few window sizes in use (~80 KiB each): drawing 20,000 pairs took ~19 ms
@@ -169,9 +167,9 @@ def _pairs(n: int, max_pairs: int, seed: int) -> tuple[array.array[int], array.a
             first.extend([i] * (n - 1 - i))
             second.extend(range(i + 1, n))
         return first, second
-    # random.Random(seed).randrange(n), drawn as randrange draws it (getrandbits of n's bit length until
+    # random.Random(0).randrange(n), drawn as randrange draws it (getrandbits of n's bit length until
     # below n), without its per-call overhead: the same pairs as before, a few times faster.
-    bits, k = random.Random(seed).getrandbits, n.bit_length()
+    bits, k = random.Random(0).getrandbits, n.bit_length()
     for _ in range(max_pairs):
         i = bits(k)
         while i >= n:
@@ -188,13 +186,13 @@ def _pairs(n: int, max_pairs: int, seed: int) -> tuple[array.array[int], array.a
     return first, second
 
 
-def sorted_slopes(xs: Sequence[float], ys: Sequence[float], *, max_pairs: int = 20_000, seed: int = 0) -> list[float]:
+def sorted_slopes(xs: Sequence[float], ys: Sequence[float], *, max_pairs: int = 20_000) -> list[float]:
     """The pairwise slopes ``theil_sen`` takes its median and interval from, sorted (a deterministic
     subsample of ``max_pairs`` pairs past that many): the costly part, worked out once per window."""
     n = len(xs)
     if n != len(ys):
         raise ValueError(f"theil_sen: xs and ys differ in length ({n} != {len(ys)})")
-    first, second = _pairs(n, max_pairs, seed)
+    first, second = _pairs(n, max_pairs)
     return sorted((ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in zip(first, second, strict=True) if xs[j] != xs[i])
 
 
@@ -207,27 +205,27 @@ def _median(slopes: Sequence[float]) -> float:
 
 
 def theil_sen(
-    xs: Sequence[float], ys: Sequence[float], *, confidence: float = 0.90,
-    variance: float | None = None, max_pairs: int = 20_000, seed: int = 0, slopes: list[float] | None = None,
+    xs: Sequence[float], ys: Sequence[float], *, variance: float | None = None, max_pairs: int = 20_000,
+    slopes: list[float] | None = None,
 ) -> Slope:
     """Median of pairwise slopes; the interval is Sen's (1968), from the Mann-Kendall variance.
 
     ``variance`` is Var(S) (e.g. autocorrelation-inflated); by default the tie-corrected one.
-    A two-sided ``confidence`` of 0.90 gives a one-sided 95% lower bound. ``slopes``: this window's
+    The interval is two-sided at ``_CONFIDENCE``. ``slopes``: this window's
     ``sorted_slopes``, when the caller has them already.
     """
     n = len(xs)
     if n != len(ys):
         raise ValueError(f"theil_sen: xs and ys differ in length ({n} != {len(ys)})")
     if slopes is None:
-        slopes = sorted_slopes(xs, ys, max_pairs=max_pairs, seed=seed) if n >= 2 else []
+        slopes = sorted_slopes(xs, ys, max_pairs=max_pairs) if n >= 2 else []
     if n < 2 or not slopes:
         return Slope(0.0, -math.inf, math.inf, 0)
     m = len(slopes)
     median = _median(slopes)
     var_s = _tie_variance(ys) if variance is None else variance
     total = n * (n - 1) / 2.0
-    c = _NORMAL.inv_cdf(0.5 + confidence / 2.0) * math.sqrt(max(var_s, 0.0))
+    c = _NORMAL.inv_cdf(0.5 + _CONFIDENCE / 2.0) * math.sqrt(max(var_s, 0.0))
     scale = m / total  # rank positions scale with the subsample
     lo_rank = math.floor((total - c) / 2.0 * scale)
     hi_rank = math.ceil((total + c) / 2.0 * scale)
@@ -301,7 +299,7 @@ class Verdict:
 
 def assess(
     xs: Sequence[float], ys: Sequence[float], *, min_slope: float, min_growth: float = 0.0,
-    p_max: float = 1e-3, confidence: float = 0.90, min_points: int = 8, max_pairs: int = 20_000,
+    p_max: float = 1e-3, min_points: int = 8, max_pairs: int = 20_000,
 ) -> Verdict:
     """All the checks of one window: significance, effect size, total growth, ramp consistency."""
     n = len(ys)
@@ -310,7 +308,7 @@ def assess(
         return Verdict(False, "too few points", n, empty, 1.0, 0.0, 0)
     slopes = sorted_slopes(xs, ys, max_pairs=max_pairs)  # once: the point slope and its interval share them
     mk = mann_kendall(ys, xs=xs, slope=_median(slopes))
-    slope = theil_sen(xs, ys, confidence=confidence, variance=mk.variance, slopes=slopes)
+    slope = theil_sen(xs, ys, variance=mk.variance, slopes=slopes)
     growth = floor_growth(ys)
     span = xs[-1] - xs[0]
 
@@ -332,7 +330,7 @@ def assess(
 
 def assess_knee(
     xs: Sequence[float], ys: Sequence[float], knee: int, *, min_slope: float, min_growth: float,
-    p_max: float = 1e-3, confidence: float = 0.90, min_points: int = 8, max_pairs: int = 20_000,
+    p_max: float = 1e-3, min_points: int = 8, max_pairs: int = 20_000,
 ) -> Verdict:
     """A ramp that began inside the window, after index ``knee`` (the hinge of a flat-then-ramp fit),
     judged from its knee: its floors must all be above every floor before it, which the newest m of n
@@ -342,7 +340,7 @@ def assess_knee(
     n, flat, rx, ry = len(ys), ys[: knee + 1], xs[knee:], ys[knee:]
     if n < min_points or len(rx) < 4:
         return Verdict(False, "too few points", n, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, knee)
-    slope = theil_sen(rx, ry, confidence=confidence, max_pairs=max_pairs)
+    slope = theil_sen(rx, ry, max_pairs=max_pairs)
     above = min(ry[1:]) > max(flat)
     p = 1.0 / math.comb(n, len(ry) - 1) if above else 1.0
     growth = min(ry[-max(1, len(ry) // 4):]) - max(flat)

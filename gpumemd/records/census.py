@@ -6,7 +6,7 @@ report read them, and ``Census.diff`` is what names the culprits of a leak.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpumemd.records.device import Device, DeviceLike
@@ -60,22 +60,6 @@ class GroupDelta:
     def device(self) -> Device:
         return self.key.device
 
-    @property
-    def dtype(self) -> str:
-        return self.key.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.key.shape
-
-    @property
-    def category(self) -> str:
-        return self.key.category
-
-    @property
-    def name(self) -> str | None:
-        return self.key.name
-
 
 @dataclass(frozen=True, slots=True)
 class Census:
@@ -106,11 +90,7 @@ class Census:
 
     def bytes_by_category(self) -> dict[str, int]:
         """All six categories, always; graph-retained bytes count towards ``graph``."""
-        out = dict.fromkeys(CATEGORIES, 0)
-        for g in self.groups:
-            out[g.key.category] = out.get(g.key.category, 0) + g.nbytes
-        out["graph"] += self.graph_retained_bytes
-        return out
+        return category_bytes(self.groups)
 
     def count_by_category(self) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
@@ -155,3 +135,12 @@ class Census:
                 deltas.append(GroupDelta(g.key, count_delta, bytes_delta, graph_delta, g.holder))
         deltas.sort(key=lambda d: (d.bytes_delta + d.graph_bytes_delta, d.count_delta), reverse=True)
         return deltas
+
+
+def category_bytes(groups: Iterable[CensusGroup]) -> dict[str, int]:
+    """Storage bytes of ``groups`` per category, all six always; graph-retained bytes count towards ``graph``."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for g in groups:
+        out[g.key.category] = out.get(g.key.category, 0) + g.nbytes
+        out["graph"] += g.graph_bytes
+    return out

@@ -12,13 +12,6 @@ from gpumemd.records.census import GroupKey
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.plain import AS_ORDINAL
 
-OOM_KINDS: tuple[str, ...] = ("cuda", "device", "cpu", "mps")
-"""``cuda``: a CUDA caching-allocator OOM; ``device``: a ``torch.OutOfMemoryError`` of another
-accelerator; ``cpu``: ``DefaultCPUAllocator: can't allocate memory``; ``mps``: Apple's backend."""
-
-VERDICTS: tuple[str, ...] = ("request_exceeds_device", "leak", "fragmentation", "capacity", "unknown")
-"""``leak``: a leak held more than the failing request when the device ran out (``Breakdown.leak``)."""
-
 # The one set of words for breakdown items, used by report.md, report.html and ``gpumemd report``
 # alike (report.json keeps the stable keys). Host memory has its own words where a key means
 # something else there ("non_pytorch" is other processes on a host, the CUDA context on a GPU).
@@ -72,7 +65,7 @@ def breakdown_label(key: str, device: Device | None = None, default: str | None 
 class OomMessage:
     """The numbers in an out-of-memory message. ``None`` means "the message did not say"."""
 
-    kind: str
+    kind: str  # "cuda" (the caching allocator), "device" (another accelerator's OutOfMemoryError), "cpu", "mps"
     format: str  # "cuda-2.1+", "cuda-legacy", "cuda-async", "cuda-runtime", "xpu", "cpu", "mps" or "unparsed"
     # (ROCm's "HIP out of memory" is the CUDA caching allocator's text: "cuda-2.1+" or "cuda-legacy")
     requested_bytes: int | None = None
@@ -132,7 +125,9 @@ class Breakdown:
     reserved_bytes: int | None
     largest_free_block_bytes: int | None  # largest inactive large-pool block (on the failing stream)
     device_free_bytes: int | None  # free outside PyTorch's cache (driver view)
-    verdict: str  # one of VERDICTS
+    # "request_exceeds_device", "fragmentation", "capacity", "unknown", or "leak": a leak held more
+    # than the failing request when the device ran out (``leak``)
+    verdict: str
     verdict_why: str
     leak: LeakCause | None = None  # an active leak at the OOM (the cause when verdict == "leak")
     # Under torch.cuda.set_per_process_memory_fraction the items partition the cap (total_bytes): what

@@ -34,10 +34,6 @@ class StepProfile:
     overhead_s: float = 0.0  # the agent's own time on this step's hooks (training thread)
 
     @property
-    def activations_bytes(self) -> int:
-        return self.saved_for_backward_bytes
-
-    @property
     def optimizer_step_transient_bytes(self) -> int | None:
         """Temporaries of ``optimizer.step()``: its peak above the memory it started from."""
         if self.optimizer_step_peak_bytes is None or self.after_backward_bytes is None:

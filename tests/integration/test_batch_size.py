@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import gpumemd
-from gpumemd.batch_size import _Runner, find_batch_size, is_out_of_memory
+from gpumemd.analysis.oom_message import classify_exception
+from gpumemd.batch_size import _Runner, find_batch_size
 
 
 def make_step(calls: list[int] | None = None):  # type: ignore[no-untyped-def]
@@ -83,13 +84,13 @@ def test_nothing_fits_and_bad_arguments() -> None:
 
 
 def test_oom_classification() -> None:
-    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert classify_exception(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     try:
         torch.empty(2**60, dtype=torch.uint8)
     except RuntimeError as exc:
-        assert is_out_of_memory(exc)
-    assert not is_out_of_memory(RuntimeError("shape mismatch"))
-    assert not is_out_of_memory(ValueError("out of memory"))
+        assert classify_exception(exc)
+    assert classify_exception(RuntimeError("shape mismatch")) is None
+    assert classify_exception(ValueError("out of memory")) is None
 
 
 def test_exported_lazily() -> None:

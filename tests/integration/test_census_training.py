@@ -96,8 +96,8 @@ def test_a_list_held_leak_is_diffed_and_named_by_its_variable(out_dir: str, monk
 
     first, last = _leaky_training(15, agent)
 
-    deltas = [d for d in last.diff(first) if d.shape == (8, 4)]
-    assert [(d.count_delta, d.bytes_delta, d.category) for d in deltas] == [(10, 10 * 8 * 4 * 4, "other")]
+    deltas = [d for d in last.diff(first) if d.key.shape == (8, 4)]
+    assert [(d.count_delta, d.bytes_delta, d.key.category) for d in deltas] == [(10, 10 * 8 * 4 * 4, "other")]
     holder = deltas[0].holder
     assert holder is not None and holder.startswith("`outputs_seen` in _leaky_training() at ")
     assert holder.endswith("→ list of 15 items")
@@ -127,8 +127,8 @@ def test_a_loss_summed_with_its_graph_is_seen_as_growing_graph_memory(
 
     growth = late.bytes_by_category()["graph"] - early.bytes_by_category()["graph"]
     assert growth >= 10 * 16 * 256 * 4  # ten more steps of hidden activations
-    hidden = [d for d in late.diff(early) if d.shape == (16, 256)]
-    assert hidden and hidden[0].category == "graph" and hidden[0].count_delta == 10
+    hidden = [d for d in late.diff(early) if d.key.shape == (16, 256)]
+    assert hidden and hidden[0].key.category == "graph" and hidden[0].count_delta == 10
     assert hidden[0].holder is not None and "`running` in test_a_loss_summed" in hidden[0].holder
     del running
 

@@ -336,8 +336,8 @@ def test_diff_names_the_group_that_grew_with_its_deltas() -> None:
 
     deltas = after.diff(before)
 
-    grown = [d for d in deltas if d.shape == (7, 1021)]
-    assert [(d.count_delta, d.bytes_delta, d.category) for d in grown] == [(5, 5 * 7 * 1021 * 4, "other")]
+    grown = [d for d in deltas if d.key.shape == (7, 1021)]
+    assert [(d.count_delta, d.bytes_delta, d.key.category) for d in grown] == [(5, 5 * 7 * 1021 * 4, "other")]
     assert deltas[0].bytes_delta >= grown[0].bytes_delta
     del keep
 

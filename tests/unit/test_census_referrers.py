@@ -271,6 +271,6 @@ def test_census_fills_holders_only_for_growing_anonymous_groups(monkeypatch: pyt
     [attributed] = [g for g in after.groups if g.key.shape == (263, 3)]
     assert attributed.holder is not None and attributed.holder.startswith("`state.history` in test_census_fills")
     assert attributed.holder.endswith("→ list of 5 items")
-    deltas = {d.shape: d for d in after.diff(before)}
+    deltas = {d.key.shape: d for d in after.diff(before)}
     assert deltas[(257, 3)].holder == listed.holder and deltas[(257, 3)].count_delta == 5
     assert all(g.holder is None for g in after.groups if g.key.name is not None)

@@ -192,19 +192,19 @@ def test_terminal_escapes_from_the_files_are_printed_escaped() -> None:
 
 
 def test_a_snapshot_that_expands_far_past_its_size_is_refused_before_it_is_built() -> None:
-    from gpumemd.probes.snapshots.snapshot_load import loads_with_limits
+    from gpumemd.probes.snapshots.snapshot_load import loads_snapshot
     from gpumemd.probes.snapshots.snapshot_rules import Limits, SnapshotLoadError
 
     limits = Limits(min_built_bytes=2**20)  # the per-byte bound binds at this small size too
     empty_sets = pickle.dumps({"segments": [set() for _ in range(20_000)]})  # 40 KB building ~4.5 MB of sets
     try:
-        loads_with_limits(empty_sets, limits)
+        loads_snapshot(empty_sets, limits)
     except SnapshotLoadError as exc:
         assert "its objects would take more than the 1 MiB a" in str(exc)
     else:
         raise AssertionError("a file of empty sets was built")
     real = pickle.dumps(make_snapshot(history=2_000))  # 8.5x its size: loads under the same limits
-    assert loads_with_limits(real, limits)["segments"]
+    assert loads_snapshot(real, limits)["segments"]
 
 
 # --- the state file a job leaves beside its reports ----------------------------------------------------

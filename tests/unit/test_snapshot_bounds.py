@@ -227,8 +227,8 @@ def test_what_a_snapshot_never_holds_is_refused_by_name(data: bytes, pattern: st
 
 
 def test_the_limits_are_parameters_and_each_one_binds(tmp_path: Any) -> None:
-    from gpumemd.probes.snapshots.snapshot_load import load_with_limits as _load_snapshot
-    from gpumemd.probes.snapshots.snapshot_load import loads_with_limits as _loads_snapshot
+    from gpumemd.probes.snapshots.snapshot_load import load_snapshot as _load_snapshot
+    from gpumemd.probes.snapshots.snapshot_load import loads_snapshot as _loads_snapshot
     from gpumemd.probes.snapshots.snapshot_rules import Limits as _Limits
 
     data = pickle.dumps(make_snapshot(history=6))
@@ -275,7 +275,6 @@ def test_a_snapshot_sharing_frames_as_torch_does_stays_far_below_the_budget() ->
     # free_requested and free_completed events and the block itself (_snapshot, py_symbolize)
     from gpumemd.probes.snapshots.snapshot_prescan import prescan as _prescan
     from gpumemd.probes.snapshots.snapshot_rules import DEFAULT_LIMITS as _DEFAULT_LIMITS
-    from gpumemd.probes.snapshots.snapshot_rules import TREE_NODES_PER_BYTE as _TREE_NODES_PER_BYTE
 
     frames = [{"filename": f"/job/f{i}.py", "line": i, "name": f"fn{i}"} for i in range(60)]
     tracebacks = [frames[i % 20:i % 20 + 40] for i in range(500)]
@@ -284,7 +283,7 @@ def test_a_snapshot_sharing_frames_as_torch_does_stays_far_below_the_budget() ->
              for i in range(500) for action in ("alloc", "free_requested", "free_completed")]
     data = pickle.dumps({"segments": [{"device": 0, "blocks": blocks}], "device_traces": [trace]})
     nodes_per_byte = _prescan(data, _DEFAULT_LIMITS) / len(data)
-    assert 3 < nodes_per_byte < _TREE_NODES_PER_BYTE / 4
+    assert 3 < nodes_per_byte < _DEFAULT_LIMITS.tree_nodes_per_byte / 4
 
 
 @st.composite

@@ -34,9 +34,6 @@ from gpumemd.probes.health import ProbeHealth, log
 from gpumemd.records.device import Device
 from gpumemd.records.samples import NvmlDeviceSample
 
-# Imported from here by the doctor, the allocator and snapshot probes, and tests.
-__all__ = ["NvmlProbe"]
-
 
 class NvmlProbe:
     """Per visible device: total/used/free and this process's own use. Seams: ``nvml`` module;

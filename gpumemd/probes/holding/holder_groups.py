@@ -46,7 +46,6 @@ def holder_of_group(key: GroupKey) -> str | None:
         del sample
 
 
-
 def fill_holders(
     groups: list[CensusGroup],
     samples: dict[GroupKey, torch.Tensor],

@@ -177,13 +177,18 @@ def _hop(w: _Writer, chain: Sequence[object], i: int) -> int:
     return _object_hop(w, parent, child, chain, i)
 
 
-def _frame_hop(w: _Writer, frame: types.FrameType, child: object) -> None:
-    """A finished frame that a traceback keeps, holding ``child`` as a local."""
+def _local_name(frame: types.FrameType, child: object) -> str | None:
+    """The name of the local of ``frame`` that is ``child``, if one is."""
     f_locals = frame.f_locals
     name = next((k for k, v in list(f_locals.items()) if v is child), None)
     # frame.clear() (traceback.clear_frames) does not clear that snapshot: drop it now
     drop_locals_snapshot(frame, f_locals)
-    del f_locals
+    return name
+
+
+def _frame_hop(w: _Writer, frame: types.FrameType, child: object) -> None:
+    """A finished frame that a traceback keeps, holding ``child`` as a local."""
+    name = _local_name(frame, child)
     w.piece(f"frame {frame.f_code.co_name}()")
     if name is not None:
         w.start("local `", name, "`")
@@ -198,12 +203,7 @@ def _suspended_hop(w: _Writer, parent: object, child: object) -> None:
     ("local `produced` of generator `batches`"), else as its frame's."""
     what, frame = next(((word, getattr(parent, attr, None)) for kind, word, attr in _SUSPENDED
                         if isinstance(parent, kind)), ("generator", None))
-    name = None
-    if isinstance(frame, types.FrameType):
-        f_locals = frame.f_locals
-        name = next((k for k, v in list(f_locals.items()) if v is child), None)
-        drop_locals_snapshot(frame, f_locals)
-        del f_locals
+    name = _local_name(frame, child) if isinstance(frame, types.FrameType) else None
     where = f"{what} `{_short_qualname(parent)}`"
     w.piece(f"local `{name}` of {where}" if name is not None else f"a local of {where}")
 

@@ -82,8 +82,6 @@ def module_dicts() -> dict[int, str]:
     return out
 
 
-
-
 RUNNING_LINE = " (the line running when it was looked up)"
 """How ``where_assigned`` ends when no store names the variable: a parameter, most often."""
 

@@ -21,7 +21,6 @@ from gpumemd.probes.planning.native_stderr import native_stderr_filtered
 class CpuPeak:
     peak_bytes: int  # highest running total during the call, above what was live when it started
     net_bytes: int  # still allocated when the call returned (e.g. lazily created optimizer state)
-    events: int
 
 
 def measure_cpu_peak(fn: Callable[[], Any]) -> tuple[Any, CpuPeak]:
@@ -74,4 +73,4 @@ def peak_from_deltas(deltas: Iterable[tuple[int, int]]) -> CpuPeak:
     for _, _, delta in ordered:
         running += delta
         peak = max(peak, running)
-    return CpuPeak(peak_bytes=peak, net_bytes=running, events=len(ordered))
+    return CpuPeak(peak_bytes=peak, net_bytes=running)

@@ -116,10 +116,6 @@ class SavedTensorCounter:
             ctx.__exit__(None, None, None)
         self._seen.clear()  # bounded: the set lives only for one forward
 
-    @property
-    def active(self) -> bool:
-        return self._ctx is not None
-
     def __enter__(self) -> SavedTensorCounter:
         self.start()
         return self
@@ -217,15 +213,11 @@ class TraceResult:
         )
 
 
-def param_infos(params: Iterable[torch.Tensor]) -> list[ParamInfo]:
-    return [ParamInfo(tuple(p.shape), p.element_size()) for p in params]
-
-
 def count_model_state(model: Any, optimizer: str) -> tuple[int, int, int, int, int]:
     """(elements, parameter bytes, buffer bytes, optimizer state bytes, intermediates) of ``model``."""
     params = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    infos = param_infos(params)
+    infos = [ParamInfo(tuple(p.shape), p.element_size()) for p in params]
     elements = sum(i.numel for i in infos) + sum(p.numel() for p in frozen)
     param_bytes = sum(i.nbytes for i in infos) + sum(p.numel() * p.element_size() for p in frozen)
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -18,8 +18,11 @@ from gpumemd.probes.snapshots.snapshot_rules import DEFAULT_LIMITS, Limits, Snap
 from gpumemd.probes.snapshots.snapshot_unpickle import unpickle
 
 
-def loads_with_limits(data: bytes, limits: Limits) -> dict[str, Any] | list[Any]:
-    """``loads_snapshot`` under ``limits`` (tests pass small ones)."""
+def loads_snapshot(data: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any] | list[Any]:
+    """Unpickle a snapshot without running code, in memory and time bounded by the file's size (see
+    Limits; tests pass small ones); the result is a dict (``_snapshot``) or a list. Anything else
+    raises SnapshotLoadError."""
+    data = bytes(data)
     if len(data) > limits.max_bytes:
         raise SnapshotLoadError(f"refused a {len(data)}-byte snapshot: over the {limits.max_bytes}-byte limit")
     try:
@@ -41,14 +44,8 @@ def loads_with_limits(data: bytes, limits: Limits) -> dict[str, Any] | list[Any]
     )
 
 
-def loads_snapshot(data: bytes) -> dict[str, Any] | list[Any]:
-    """Unpickle a snapshot without running code, in memory and time bounded by the file's size (see
-    Limits); the result is a dict (``_snapshot``) or a list. Anything else raises SnapshotLoadError."""
-    return loads_with_limits(bytes(data), DEFAULT_LIMITS)
-
-
-def load_with_limits(path: str, limits: Limits) -> dict[str, Any] | list[Any]:
-    """``load_snapshot`` under ``limits``."""
+def load_snapshot(path: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any] | list[Any]:
+    """Read and safely unpickle ``path`` (see ``loads_snapshot``); a file over 2 GiB is refused unread."""
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):  # a FIFO blocks, /dev/zero never ends
@@ -60,9 +57,4 @@ def load_with_limits(path: str, limits: Limits) -> dict[str, Any] | list[Any]:
             data = f.read(limits.max_bytes + 1)  # a file that grew since stat is caught below
     except OSError as exc:
         raise SnapshotLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return loads_with_limits(data, limits)
-
-
-def load_snapshot(path: str) -> dict[str, Any] | list[Any]:
-    """Read and safely unpickle ``path`` (see ``loads_snapshot``); a file over 2 GiB is refused unread."""
-    return load_with_limits(path, DEFAULT_LIMITS)
+    return loads_snapshot(data, limits)

@@ -11,52 +11,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The biggest real snapshots (a long job's history with Python and C++ stacks) are hundreds of MB; 2 GiB
-# leaves headroom, and the loaded objects take several times the file in RAM anyway. Every opcode is at
-# least one byte, so this caps the opcode count too; the limits that grow with the file are per byte.
-_MAX_SNAPSHOT_BYTES = 2 * 2**30
-# A memo reference (BINGET) costs 2 bytes however big its object: PyTorch shares each frame dict between
-# all tracebacks and one traceback list between a block's alloc and free events, and a crafted file puts
-# a list into a list 1000 times per level. Counting each object every time a walker (json.dumps, ==, a
-# summary) reaches it, a real snapshot is a few objects per byte of pickle; 64 admits it with room to
-# spare, while a structure that multiplies per level passes any such bound within a few dozen levels.
-TREE_NODES_PER_BYTE = 64
-_MIN_TREE_NODES = 2**20  # small files: a million objects still walk in well under a second
-# A real snapshot nests about 7 deep (snapshot > segments > segment > blocks > block > frames > frame);
-# recursive walkers give up near 1000, and only a crafted file nests deeper.
-_MAX_DEPTH = 100
-# set(), frozenset() and bytearray() copy their argument, which a memo reference passes again for 2
-# bytes: a pickle writes each element once, so 4 copied elements per byte of file is ample.
-_COPY_ELEMENTS_PER_BYTE = 4
-_MIN_COPY_ELEMENTS = 2**20
-# Hashing (dict keys, set members) is where a few bytes get leverage: a tuple's hash is not cached and
-# walks all of it (tuples of shared tuples double per level; a deep one overflows the C stack, and
-# CPython 3.11 segfaults), and floats, ints past 2**63 and tuples hash predictably enough to collide on
-# purpose (quadratic inserts). str and bytes hashes are randomised and an int below 2**63 shares its hash
-# with at most a few others: those are free. Snapshots key everything with str, so the rest (tuples,
-# frozensets, floats, complex, big ints) get this many objects in all.
-_MAX_HASHED_NODES = 4096
-# Memory: what the objects built take, estimated per opcode (``BUILD_COST``), against the file's size. A
-# real snapshot builds 6-11 bytes per byte of pickle (measured: shared frames 6x, unshared 11x); one byte
-# of EMPTY_SET builds a 216-byte set, so a 10 MB file of empty sets took 2.6 GB. 32 per byte admits every
-# real snapshot three times over and holds a crafted one to the same multiple of its size.
-BUILT_BYTES_PER_BYTE = 32
-_MIN_BUILT_BYTES = 64 * 2**20
-
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds above; tests pass small ones (a 2 GiB file is no unit-test input)."""
+    """The bounds; tests pass small ones (a 2 GiB file is no unit-test input)."""
 
-    max_bytes: int = _MAX_SNAPSHOT_BYTES
-    tree_nodes_per_byte: int = TREE_NODES_PER_BYTE
-    min_tree_nodes: int = _MIN_TREE_NODES
-    max_depth: int = _MAX_DEPTH
-    copy_elements_per_byte: int = _COPY_ELEMENTS_PER_BYTE
-    min_copy_elements: int = _MIN_COPY_ELEMENTS
-    max_hashed_nodes: int = _MAX_HASHED_NODES
-    built_bytes_per_byte: int = BUILT_BYTES_PER_BYTE
-    min_built_bytes: int = _MIN_BUILT_BYTES
+    # The biggest real snapshots (a long job's history with Python and C++ stacks) are hundreds of MB;
+    # 2 GiB leaves headroom, and the loaded objects take several times the file in RAM anyway. Every
+    # opcode is at least one byte, so this caps the opcode count too; the limits that grow with the file
+    # are per byte.
+    max_bytes: int = 2 * 2**30
+    # A memo reference (BINGET) costs 2 bytes however big its object: PyTorch shares each frame dict
+    # between all tracebacks and one traceback list between a block's alloc and free events, and a
+    # crafted file puts a list into a list 1000 times per level. Counting each object every time a walker
+    # (json.dumps, ==, a summary) reaches it, a real snapshot is a few objects per byte of pickle; 64
+    # admits it with room to spare, while a structure that multiplies per level passes any such bound
+    # within a few dozen levels.
+    tree_nodes_per_byte: int = 64
+    min_tree_nodes: int = 2**20  # small files: a million objects still walk in well under a second
+    # A real snapshot nests about 7 deep (snapshot > segments > segment > blocks > block > frames >
+    # frame); recursive walkers give up near 1000, and only a crafted file nests deeper.
+    max_depth: int = 100
+    # set(), frozenset() and bytearray() copy their argument, which a memo reference passes again for 2
+    # bytes: a pickle writes each element once, so 4 copied elements per byte of file is ample.
+    copy_elements_per_byte: int = 4
+    min_copy_elements: int = 2**20
+    # Hashing (dict keys, set members) is where a few bytes get leverage: a tuple's hash is not cached
+    # and walks all of it (tuples of shared tuples double per level; a deep one overflows the C stack,
+    # and CPython 3.11 segfaults), and floats, ints past 2**63 and tuples hash predictably enough to
+    # collide on purpose (quadratic inserts). str and bytes hashes are randomised and an int below 2**63
+    # shares its hash with at most a few others: those are free. Snapshots key everything with str, so
+    # the rest (tuples, frozensets, floats, complex, big ints) get this many objects in all.
+    max_hashed_nodes: int = 4096
+    # Memory: what the objects built take, estimated per opcode (``BUILD_COST``), against the file's
+    # size. A real snapshot builds 6-11 bytes per byte of pickle (measured: shared frames 6x, unshared
+    # 11x); one byte of EMPTY_SET builds a 216-byte set, so a 10 MB file of empty sets took 2.6 GB. 32
+    # per byte admits every real snapshot three times over and holds a crafted one to the same multiple
+    # of its size.
+    built_bytes_per_byte: int = 32
+    min_built_bytes: int = 64 * 2**20
 
     def built_budget(self, nbytes: int) -> int:
         return max(self.min_built_bytes, self.built_bytes_per_byte * nbytes)
