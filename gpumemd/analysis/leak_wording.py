@@ -64,20 +64,18 @@ def build_finding(
     measured it better than the window's slope (a count series' slope since its onset).
     ``culprits_step`` is the step the culprits were looked up at: when it is earlier than this
     status, the sentence says so (container sizes and holders are from then, not from now).
-    ``host_bytes_per_step``: host RSS's growth since a CPU tensor finding's onset; at twice the
-    tensors' own bytes or more it is stated beside them and the out-of-memory projection is made from
-    it (the heap those tensors pin is what runs out)."""
+    ``host_bytes_per_step``: host RSS's growth since a CPU tensor finding's onset (``_stated_host``)."""
     v = status.verdict
     kind = kind or refine_kind(status.spec.kind, culprits)
     counts = status.spec.unit != "bytes"
+    scale = bytes_per_unit if counts else 1.0  # a count series' units to bytes
     per_step = v.slope.slope if per_step is None else per_step
-    slope = per_step * bytes_per_unit if counts else per_step
+    slope = per_step * scale
     active = status.state is not None and status.state.active
-    host = host_bytes_per_step if counts and host_bytes_per_step and host_bytes_per_step >= 2 * slope else None
-    steps_to_oom, hours_to_oom = (_time_to_oom(headroom_bytes, host or slope, seconds_per_step) if active
-                                  else (None, None))
+    host = _stated_host(host_bytes_per_step, slope) if counts else None
+    # an inactive finding projects nothing: as if no headroom were known
+    steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes if active else None, host or slope, seconds_per_step)
     projected, oom = projection_words(steps_to_oom, hours_to_oom)
-    name = status.spec.name
     summary = _summary(status, kind, per_step, slope, bytes_per_unit=bytes_per_unit, projected=projected, host=host)
     facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status.spec.device, status.phase),
                   stopped=None if active else v.reason)
@@ -87,18 +85,15 @@ def build_finding(
         facts = dataclasses.replace(facts, rate=_stated_rate(status, per_step, slope, culprits, host),
                                     holder=holder_words(culprits, sites), onset_step=status.onset_step,
                                     out_of_memory=oom)
-    low, high = (v.slope.low, v.slope.high)
-    if counts:
-        low, high = low * bytes_per_unit, high * bytes_per_unit
     return Finding(
         kind=kind,
-        series=name,
+        series=status.spec.name,
         state=status.state_name or "suspected",
         slope_bytes_per_step=slope,
-        slope_low=low,
-        slope_high=high,
+        slope_low=v.slope.low * scale,
+        slope_high=v.slope.high * scale,
         onset_step=status.onset_step,
-        growth_bytes=int(status.growth_bytes * (bytes_per_unit if counts else 1)),
+        growth_bytes=int(status.growth_bytes * scale),
         steps_to_oom=steps_to_oom,
         first_step=status.first_step if status.first_step is not None else status.step,
         updated_step=status.step,
@@ -115,6 +110,13 @@ def build_finding(
         severity=severity(hours_to_oom, status.state),
         group=status.spec.group,
     )
+
+
+def _stated_host(host_bytes_per_step: float | None, slope: float) -> float | None:
+    """Host RSS's growth since a CPU tensor finding's onset, when it is at least twice the tensors'
+    own bytes: then stated beside them, and the out-of-memory projection is made from it (the heap
+    those tensors pin is what runs out)."""
+    return host_bytes_per_step if host_bytes_per_step and host_bytes_per_step >= 2 * slope else None
 
 
 def _time_to_oom(headroom_bytes: float | None, slope: float,
