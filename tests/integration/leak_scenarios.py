@@ -601,9 +601,9 @@ class Outcome:
 
 class _Timed:
     """Wraps the leak component's on_step to measure its whole per-step cost (and, for leaking runs,
-    to end the run once the leak is confirmed)."""
+    to end the run once a finding of the leak's kind is confirmed: ``stop_when_confirmed``)."""
 
-    def __init__(self, agent: Any, component: Any, stop_when_confirmed: bool) -> None:
+    def __init__(self, agent: Any, component: Any, stop_when_confirmed: str | None) -> None:
         self.agent = agent
         self.seconds = 0.0
         self._inner = component.on_step
@@ -615,7 +615,7 @@ class _Timed:
             self._inner(record)
         finally:
             self.seconds += time.perf_counter() - start
-        if self._stop and any(f.state == "confirmed" for f in self.agent.state().findings):
+        if self._stop and any(f.state == "confirmed" and f.kind == self._stop for f in self.agent.state().findings):
             _STOP[0] = True
 
 
@@ -631,7 +631,7 @@ def run_scenario(scenario: Scenario, output_dir: str, steps: int | None = None, 
     with gpumemd.attached(output_dir=output_dir, **{**SETTINGS, **scenario.settings}) as agent:
         component = agent.component(LeakComponent)
         assert component is not None, "the leak component is not registered"
-        timed = _Timed(agent, component, stop_when_confirmed and scenario.leak)
+        timed = _Timed(agent, component, scenario.kind if stop_when_confirmed else None)
         component.on_step = timed  # type: ignore[method-assign]
         try:
             scenario.run(steps)
@@ -649,7 +649,8 @@ def run_scenario(scenario: Scenario, output_dir: str, steps: int | None = None, 
     return Outcome(events, findings, recorded, time.perf_counter() - start, eval_s, timed.seconds, scan_s)
 
 
-def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0) -> Outcome:
+def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0,
+                          stop_when_confirmed: bool = True) -> Outcome:
     """``run_scenario`` in a fresh interpreter: host-RSS scenarios measure the process's memory, which a
     test session's earlier tests have grown and fragmented (freed heap absorbs the first megabytes of
     a leak). Findings come back as namespaces with the ``Finding`` fields; WARNING lines in ``warnings``."""
@@ -663,7 +664,8 @@ def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0)
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
         "import leak_scenarios as ls\n"
         "with ls.warnings_collected() as lines, ls.log_collected() as log:\n"
-        f"    o = ls.run_scenario(ls.scenario_named({scenario.name!r}), {output_dir!r}, seed={seed})\n"
+        f"    o = ls.run_scenario(ls.scenario_named({scenario.name!r}), {output_dir!r}, seed={seed},\n"
+        f"                        stop_when_confirmed={stop_when_confirmed})\n"
         "out = dict(events=o.events, findings=[dataclasses.asdict(f) for f in o.findings], steps=o.steps,\n"
         "           wall_s=o.wall_s, leak_eval_s=o.leak_eval_s, leak_step_s=o.leak_step_s, scan_s=o.scan_s,\n"
         "           warnings=lines, log=log)\n"

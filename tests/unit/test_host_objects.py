@@ -24,6 +24,19 @@ def test_growing_list_of_bytes_is_found_and_named() -> None:
                for g in growing_containers(before, ignore={id(raw_buffers)}))
 
 
+def test_the_container_is_named_not_the_loop_variable_that_also_holds_its_newest_item() -> None:
+    """``sample = decode(...); kept_samples.append(sample)``: the newest item is held by the loop's
+    variable too, one hop away; the holder search starts from an older one, held by the list alone."""
+    kept_samples: list[bytes] = [b"x" * 1000 for _ in range(10)]
+    before = container_lengths()
+    for i in range(20):
+        sample = bytes([i]) * 4096
+        kept_samples.append(sample)
+    top = growing_containers(before)[0]
+    assert top.holder is not None and top.holder.startswith("`kept_samples`"), top.holder
+    assert sample is kept_samples[-1]
+
+
 def test_graph_that_gains_nodes_behind_one_tensor() -> None:
     w = torch.randn(4, requires_grad=True)
     running_total = (w * 2).sum()

@@ -3,7 +3,7 @@
 Bytes, strings and numpy arrays are not gc-tracked, but the lists, dicts, sets and deques that keep
 them are. Two passes over ``gc.get_objects()`` a few dozen steps apart (only when the detector
 already suspects a host leak: each pass scans the heap) show which containers gained items and
-roughly how many bytes per item (``sys.getsizeof`` of the newest item).
+roughly how many bytes per item (``sys.getsizeof`` of a recent item).
 
 The other host leak the census cannot see is an autograd graph that grows behind a single tensor
 (``total_loss += loss`` after ``backward()``: the saved tensors are freed, the graph's nodes are
@@ -40,9 +40,9 @@ class ContainerGrowth:
     """One container that gained items between two snapshots."""
 
     type_name: str  # "list", "dict", ...
-    item_type: str  # type of its newest item ("bytes", "dict", ...)
+    item_type: str  # type of a recent item ("bytes", "dict", ...)
     items_added: int
-    approx_bytes: int  # items_added x sys.getsizeof(newest item)
+    approx_bytes: int  # items_added x sys.getsizeof(a recent item)
     length: int
     holder: str | None = None
 
@@ -76,11 +76,16 @@ def _containers() -> list[Any]:
         objects.clear()
 
 
-def _newest_item(obj: Any) -> Any:
+def _recent_item(obj: Any) -> Any:
+    """The item added before the newest (the newest when it is the only one): the holder search starts
+    from it, and the newest is often still held by the loop's own variable as well (``x =
+    model(batch); kept.append(x)``), whose one hop would be named instead of the container."""
     if isinstance(obj, dict):
-        return next(reversed(obj.values())) if obj else None
+        values = reversed(obj.values())
+        newest = next(values, None)
+        return next(values, newest)
     if isinstance(obj, (list, collections.deque)):
-        return obj[-1] if obj else None
+        return obj[-2] if len(obj) >= 2 else (obj[-1] if obj else None)
     return next(iter(obj), None) if obj else None
 
 
@@ -110,7 +115,7 @@ def growing_containers_stepwise(
             added = len(obj) - was
             if added < min_added:
                 continue
-            item = _newest_item(obj)
+            item = _recent_item(obj)
             size = sys.getsizeof(item)
         except Exception:  # noqa: BLE001 - mutated while we looked, odd subclass: skip it
             continue
@@ -120,12 +125,12 @@ def growing_containers_stepwise(
     found.sort(key=lambda f: f[0], reverse=True)
     grown = [ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj))
              for approx, obj, added, item in found[:limit]]
-    newest = hold_weakly(found[0][3]) if found and found[0][3] is not None else None
+    recent = hold_weakly(found[0][3]) if found and found[0][3] is not None else None
     found.clear()
-    if newest is None:
+    if recent is None:
         return grown
     yield
-    item = newest()
+    item = recent()
     if item is not None:
         grown[0] = dataclasses.replace(grown[0], holder=who_holds(item, time_budget_s=holder_budget_s))
     del item
