@@ -172,7 +172,8 @@ class Agent:
         self._sampler.stop()
         if self.published.ended is None:  # a fatal OOM recorded its own end ("oom") already
             self.publish(ended=ending, ended_at=self._wall())
-        summary = exit_line(self.state(), self.output_dir) if self._attached else None
+        recent = self._step_ends.recent(self._clock())
+        summary = exit_line(self.state(), self.output_dir, recent=recent) if self._attached else None
         self._attached = False
         self._components.stop()
         self.step_clock.remove_hook()

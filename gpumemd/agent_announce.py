@@ -53,10 +53,10 @@ def warn_output(settled: SettledOutput, *, rank: int, quiet: bool) -> None:
         log.warning("gpumemd: output %s", settled.words())
 
 
-def exit_line(state: AgentState, output_dir: str) -> str | None:
+def exit_line(state: AgentState, output_dir: str, *, recent: tuple[int, float] | None = None) -> str | None:
     """The exit summary, or None when it cannot be made: stopping must finish whatever it meets."""
     try:
-        return exit_summary(state, output_dir)
+        return exit_summary(state, output_dir, recent=recent)
     except Exception:  # stopping must finish whatever the summary meets
         log.debug("gpumemd: no exit summary", exc_info=True)
         return None

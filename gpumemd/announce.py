@@ -49,8 +49,9 @@ def start_line(facts: StartFacts) -> str:
     return " · ".join(parts)
 
 
-def exit_summary(state: AgentState, output_dir: str) -> str:
-    """One line at detach: steps, findings, OOM reports, the agent's share of the job's time."""
+def exit_summary(state: AgentState, output_dir: str, *, recent: tuple[int, float] | None = None) -> str:
+    """One line at detach: steps, findings, OOM reports, the agent's share of the job's time (and of
+    its last steps: ``recent``, (steps, share), from ``StepEnds.recent``)."""
     overhead = state.overhead
     steps = state.steps_total
     parts = [f"gpumemd: {steps:,} step{'s' if steps != 1 else ''} watched in {_duration(overhead.wall_seconds)}"]
@@ -66,7 +67,7 @@ def exit_summary(state: AgentState, output_dir: str) -> str:
         parts.append(f"{state.ooms_total} OOM{'s' if state.ooms_total > 1 else ''}, no report written")
     else:
         parts.append("no OOM")
-    parts.append(_cost_text(overhead))
+    parts.append(_cost_text(overhead, recent))
     if state.findings or state.reports:
         parts.append(f"output {output_dir}")
     nxt = next_text(state, output_dir)
@@ -128,12 +129,15 @@ def _findings_text(findings: Sequence[Finding]) -> str:
 _NAMED_MAX = 3  # findings named in the exit summary; the findings file has them all
 
 
-def _cost_text(overhead: Overhead) -> str:
-    """Absolute seconds first: on a short run the one-off first census dominates the share, and a
-    bare "9% of the time" would read as the steady cost (which the budget holds near 1%)."""
+def _cost_text(overhead: Overhead, recent: tuple[int, float] | None = None) -> str:
+    """Absolute seconds first: on a short run the one-off costs (the first census, a finding's culprit
+    searches) dominate the share, and a bare "9% of the time" would read as the steady cost. So the
+    share of the last steps is said too when the whole run's is at least twice it."""
     text = f"agent took {_duration(overhead.seconds_total)} ({overhead.ratio:.1%} of the run"
     if overhead.census_seconds_total >= 0.5 * overhead.seconds_total > 0:
         text += f"; tensor censuses {_duration(overhead.census_seconds_total)} of it"
+    if recent is not None and overhead.ratio >= 2 * recent[1]:
+        text += f"; {recent[1]:.1%} over the last {recent[0]:,} steps"
     return text + ")"
 
 

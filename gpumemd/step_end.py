@@ -15,6 +15,7 @@ What one "step" is, and how steps are counted: ``gpumemd.step_clock``. What a sa
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -55,6 +56,9 @@ class StepEnds:
         self.thread_seconds = 0.0
         """The agent's training-thread time: step ends, and what components report (``add_thread_seconds``)."""
         self.census_seconds = 0.0
+        # (steps_total, thread_seconds, clock) every RECENT_STEPS steps, the two newest: ``recent``
+        self._marks: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=2)
+        self._mark_at = 0
         # Jobs often attach before init_process_group: re-read the rank on the first steps.
         self._identity_checks_left = 0 if identity_known else _IDENTITY_REFRESH_STEPS
         self._signals_due = 0.0  # clock time of the next look for handlers the job installed since
@@ -102,13 +106,28 @@ class StepEnds:
         end = self._clock()
         self.thread_seconds += end - start
         self.last_step_clock = end
+        if clock.steps_total >= self._mark_at:
+            self._mark_at = clock.steps_total + RECENT_STEPS
+            self._marks.append((clock.steps_total, self.thread_seconds, end))
         return record
+
+    def recent(self, now: float) -> tuple[int, float] | None:
+        """The agent's training-thread time over the last ``RECENT_STEPS`` to twice that many steps, as
+        (steps, share of the wall time they took); None before there are that many. The exit line
+        states it beside the whole run's share, which a short run's one-off costs (the first census,
+        a finding's culprit searches) dominate."""
+        if len(self._marks) < 2:
+            return None
+        steps, seconds, at = self._marks[0]
+        wall = now - at
+        return (self.step_clock.steps_total - steps, (self.thread_seconds - seconds) / wall) if wall > 0 else None
 
     def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
         """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
         self.step_clock.planned(self._planner.plan(cost, seconds_per_step))
 
 
+RECENT_STEPS = 1_000  # the exit line's recent cost covers the last 1,000 to 2,000 steps
 _IDENTITY_REFRESH_STEPS = 16  # steps on which a late init_process_group is noticed
 _SIGNAL_RECHECK_S = 5.0  # seconds between looks for signal handlers installed after attach
 

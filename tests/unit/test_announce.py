@@ -60,6 +60,26 @@ def test_exit_summary_of_a_healthy_run() -> None:
                                               "agent took 300 ms (1.0% of the run; tensor censuses 200 ms of it)")
 
 
+def test_exit_summary_says_the_recent_share_when_one_off_costs_dominate_the_run() -> None:
+    # a short run: the whole run's 1.0% is mostly its first census; its last 1,500 steps took 0.4%
+    assert exit_summary(_state(), "/out", recent=(1500, 0.004)).endswith(
+        "agent took 300 ms (1.0% of the run; tensor censuses 200 ms of it; 0.4% over the last 1,500 steps)")
+    # the whole run's share is the steady one: nothing more to say
+    assert exit_summary(_state(), "/out", recent=(1500, 0.008)).endswith("tensor censuses 200 ms of it)")
+
+
+def test_the_recent_share_covers_the_last_thousand_to_two_thousand_steps(out_dir: str) -> None:
+    with gpumemd.attached(output_dir=out_dir, quiet=True) as agent:
+        _train(900)
+        assert agent._step_ends.recent(agent._clock()) is None  # fewer than 1,000 steps
+        _train(1700)
+        recent = agent._step_ends.recent(agent._clock())
+        assert recent is not None
+        steps, share = recent
+        assert 1000 <= steps < 2000 + 50  # marks are taken at full step ends, at most 50 steps apart
+        assert 0 < share < 1
+
+
 def test_exit_summary_names_each_live_finding_once_worst_first_and_the_reports() -> None:
     findings = (_finding("cleared", "host growth cleared."), _finding("suspected", "small suspected.", 10.0),
                 _finding("confirmed", "tensor leak confirmed, ...; held by `losses` → list of 12 items.",
