@@ -264,15 +264,13 @@ class LeakSeries:
         return since if since is not None and since > 0 else slope
 
     def host_rate(self, status: TrackStatus) -> float | None:
-        """How fast host RSS grew since a CPU tensor finding's onset, when that is material (above the
-        host series' own threshold): the tensors a CPU leak keeps can cost the heap far more than their
-        own bytes (each small one pins memory the allocator cannot give back: 256 B/step of tensors
-        grew RSS by ~30 KiB/step in a plain MLP loop, measured without the agent), and RSS is what runs
-        out. None for other findings, or while RSS is flat."""
-        spec = status.spec
-        if spec.kind != "tensor_leak" or spec.unit != "tensors" or cuda_index(spec.device) is not None:
-            return None
-        if status.onset_step is None or not (status.state is not None and status.state.active):
+        """How fast host RSS grew since the onset of ``status`` (the CPU tensor finding that states it:
+        ``leak_findings._host_claimant``), when that is material (above the host series' own
+        threshold): the tensors a CPU leak keeps can cost the heap far more than their own bytes (each
+        small one pins memory the allocator cannot give back: 256 B/step of tensors grew RSS by ~30
+        KiB/step in a plain MLP loop, measured without the agent), and RSS is what runs out. None
+        without an onset, or while RSS is flat."""
+        if status.onset_step is None:
             return None
         rate = self._rate_since(self.host_spec.name, status)
         floor = self._last_min_slopes.get(self.host_spec.name)
