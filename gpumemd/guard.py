@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import traceback
 from collections.abc import Callable
 from types import CodeType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from gpumemd.log_once import log_once
 
 if TYPE_CHECKING:
     from gpumemd.components.oom_component import OomComponent
@@ -70,8 +71,9 @@ class oom_guard(contextlib.ContextDecorator):  # lower case: used like contextli
         try:
             return self._on_exception(exc, tb)
         except Exception as err:  # noqa: BLE001 - the job's exception propagates unchanged, always
-            _log_once(f"gpumemd: oom_guard could not handle {type(exc).__name__} ({type(err).__name__}: {err}); "
-                      "it propagates unchanged")
+            message = (f"gpumemd: oom_guard could not handle {type(exc).__name__} ({type(err).__name__}: {err}); "
+                       "it propagates unchanged")
+            log_once(message, message)
             return False
 
     def _on_exception(self, exc: BaseException, tb: TracebackType | None) -> bool:
@@ -100,7 +102,8 @@ def oom_report(exc: BaseException | None = None) -> str | None:
     try:
         result = component.write_report(exc, source="request")
     except Exception as err:  # noqa: BLE001 - a diagnostic must not raise into the job's handler
-        _log_once(f"gpumemd: oom_report failed ({type(err).__name__}: {err})")
+        message = f"gpumemd: oom_report failed ({type(err).__name__}: {err})"
+        log_once(message, message)
         return None
     return result if isinstance(result, str) else None
 
@@ -116,11 +119,3 @@ def _oom_component() -> OomComponent | None:
 
     return agent.component(OomComponent)
 
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED and len(_LOGGED) < 100:
-        _LOGGED.add(message)
-        logging.getLogger("gpumemd").warning(message)
