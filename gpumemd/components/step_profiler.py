@@ -159,15 +159,9 @@ class StepProfileComponent(ComponentBase):
             return
         self._on_forward_start(module, args)  # the per-instance hook starts with the next call
 
-    def _sampled(self) -> bool:
-        agent = self._agent
-        if agent is None or self._failed or not agent.running:
-            return False
-        every = self._every or 1
-        return (agent.steps_total + 1) % every == 0
-
     def _on_forward_start(self, module: Any, args: Any) -> None:
-        if self._state != _IDLE or not self._sampled():
+        agent = self._agent
+        if self._state != _IDLE or agent is None or not agent.running or not self._due():
             return
         t0 = time.perf_counter()
         try:
@@ -184,9 +178,7 @@ class StepProfileComponent(ComponentBase):
             self._counter = SavedTensorCounter(exclude=[*params, *buffers])
             self._counter.start()
             self._state = _FORWARD
-            agent = self._agent
-            if agent is not None:
-                agent.sample_within(1)  # this step's end must be a sampled one: on_step finishes it
+            agent.sample_within(1)  # this step's end must be a sampled one: on_step finishes it
         except Exception as exc:  # noqa: BLE001 - the job comes first
             self._fail("forward start", exc)
         self._overhead += time.perf_counter() - t0
