@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from gpumemd.probes.snapshots.snapshot import SnapshotProbe
     from gpumemd.records.step import StepRecord
 
-# ``render_files`` is ``report.writer``'s (``oom_postmortem`` writes the report); tests still import it from here.
 __all__ = ["FatalOomListener", "OomComponent", "OomOptions"]
 
 log = logging.getLogger("gpumemd")
@@ -299,7 +298,10 @@ class OomComponent(ComponentBase):
         """Write a report now (the user asked): for ``exc`` if given, else from the last capture.
         Subject to ``oom_max_reports`` but not to the cooldown. Returns the directory or None."""
         message = classify_exception(exc) if exc is not None else None
-        pending = self._recent_capture(self._agent) if self._agent is not None else None
+        # The observer's capture, unless a step ended after it fired or it is too old: that OOM was
+        # recovered (cuDNN retried with less workspace) and the capture is of a different moment.
+        agent = self._agent
+        pending = self._captures.peek(steps_total=agent.steps_total, now=self._clock()) if agent is not None else None
         if message is None and pending is not None:
             message = OomMessage(kind="cuda", format="unparsed", device=pending.call.device)
         try:
@@ -307,11 +309,6 @@ class OomComponent(ComponentBase):
         except Exception as err:  # noqa: BLE001
             log.warning("gpumemd: could not write the OOM report (%s: %s)", type(err).__name__, err)
             return None
-
-    def _recent_capture(self, agent: AgentView) -> Capture | None:
-        """The observer's capture, unless a step ended after it fired or it is too old: that OOM was
-        recovered (cuDNN retried with less workspace) and the capture is of a different moment."""
-        return self._captures.peek(steps_total=agent.steps_total, now=self._clock())
 
     def _may_write(self, now: float) -> bool:
         if self._written >= self.config.oom_max_reports:
