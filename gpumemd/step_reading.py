@@ -87,10 +87,7 @@ class StepReader:
         rss, wall = reading.rss, reading.wall
         previous = self._published()
         assert previous is not None
-        host = None
-        if rss is not None:
-            base = previous.host  # the sampler's fuller reading: keep its available/total/pinned figures
-            host = base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
+        host = _with_rss(previous.host, rss)
         nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
         return StepRecord(step=reading.step, wall_time=wall, duration_s=reading.duration, allocator=allocator,
                           host=host, nvml=nvml, phase=reading.phase, steps=reading.steps, workers=workers)
@@ -103,9 +100,7 @@ class StepReader:
             return None
         host = self._host.read()
         if host is None or host.available_bytes is None:
-            rss = host.rss_bytes if host is not None else self._host.rss()
-            host = base.host.with_rss(rss) if base.host is not None and rss is not None else (
-                HostSample(rss_bytes=rss) if rss is not None else None)
+            host = _with_rss(base.host, host.rss_bytes if host is not None else self._host.rss())
         return StepRecord(step=step, wall_time=self._wall(), duration_s=None, allocator=self._allocator.read(),
                           host=host, nvml=base.nvml, phase=phase, steps=steps)
 
@@ -119,6 +114,14 @@ class StepReader:
         sample = self._workers.rss()
         self._workers_every = WORKERS_EVERY if sample is None or sample.workers else WORKERS_IDLE_EVERY
         return sample
+
+
+def _with_rss(base: HostSample | None, rss: int | None) -> HostSample | None:
+    """The host reading at ``rss``: the sampler's fuller reading ``base`` keeps its available, total and
+    pinned figures."""
+    if rss is None:
+        return None
+    return base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
 
 
 def _reset_peaks(devices: Iterable[str]) -> None:
