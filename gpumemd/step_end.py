@@ -101,7 +101,7 @@ class StepEnds:
             self._signals_due = start + _SIGNAL_RECHECK_S
             self._signals.recheck()
         end = self._clock()
-        self._plan_next_sample(end - start, duration)
+        self.step_clock.planned(self._planner.plan(end - start, duration))  # the stride, and the next eve
         # Clocked after planning: the planning (~10 µs after a step of compute) is the agent's time too.
         end = self._clock()
         self.thread_seconds += end - start
@@ -121,10 +121,6 @@ class StepEnds:
         steps, seconds, at = self._marks[0]
         wall = now - at
         return (self.step_clock.steps_total - steps, (self.thread_seconds - seconds) / wall) if wall > 0 else None
-
-    def _plan_next_sample(self, cost: float, seconds_per_step: float | None) -> None:
-        """The stride from here on (``gpumemd.stride``), and the eve of the next sampled step."""
-        self.step_clock.planned(self._planner.plan(cost, seconds_per_step))
 
 
 RECENT_STEPS = 1_000  # the exit line's recent cost covers the last 1,000 to 2,000 steps
