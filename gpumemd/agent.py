@@ -335,7 +335,7 @@ class Agent:
     def census(self) -> Census:
         """Run a tensor census now and return it (it is also kept in the state): the census
         component's when one runs, so it joins the censuses the leak detector and OOM reports compare."""
-        for component in self._components:
+        for component in self._components.items:
             if isinstance(component, TakesCensus):
                 return component.take_outside_step()
         raise RuntimeError("gpumemd: this agent has no census component (gpumemd.attach() always builds one; "
@@ -344,7 +344,7 @@ class Agent:
     @property
     def exporter_url(self) -> str | None:
         """URL of this agent's ``/metrics`` endpoint, or None when the exporter is off."""
-        for component in self._components:
+        for component in self._components.items:
             if isinstance(component, Serving) and component.url:
                 return component.url
         return None

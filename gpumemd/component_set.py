@@ -4,7 +4,7 @@ a component that fails to stop or flush is logged and the others go on."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumemd.components.base import ComponentBase, Flushes
@@ -47,9 +47,6 @@ class ComponentSet:
         """The ``on_eve`` of the components that do something on an eve (``ComponentBase``'s is a no-op,
         and a call per component every 10 steps adds up)."""
         return [c.on_eve for c in self.items if getattr(type(c), "on_eve", None) is not ComponentBase.on_eve]
-
-    def __iter__(self) -> Iterator[Component]:
-        return iter(self.items)
 
     def start(self, agent: Any) -> None:
         """Start each in order; if one fails, stop those started (in reverse) and raise its error."""

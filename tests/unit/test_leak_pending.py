@@ -94,7 +94,8 @@ def kept_outputs_run(out_dir: str, caplog: pytest.LogCaptureFixture) -> Iterator
         the findings."""
         config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False)
         agent = build_agent(config)
-        leak = next(c for c in agent._components if isinstance(c, LeakComponent))
+        leak = agent.component(LeakComponent)
+        assert leak is not None
         clock = ManualClock()
         leak._clock = clock
         passes: list[int] = []
