@@ -112,8 +112,7 @@ class CaptureSlot:
 
     def take(self, *, steps_total: int, now: float, device: Device | None) -> Capture | None:
         """The capture if it is of this OOM (see ``belongs_to``); the slot is emptied either way."""
-        with self._lock:
-            capture, self._pending = self._pending, None
+        capture = self.pop()
         if capture is None or not belongs_to(capture, steps_total=steps_total, now=now, device=device):
             return None
         return capture
@@ -142,10 +141,6 @@ class CaptureSlot:
         with self._lock:
             capture, self._pending = self._pending, None
             return capture
-
-    def clear(self) -> None:
-        with self._lock:
-            self._pending = None
 
 
 STEPS_SHOWN = 20  # steps of caught OOMs kept for the exit line and the state file (the latest)
