@@ -13,9 +13,10 @@ first step end (it measures the cost). A failing census is retried after 2, 4, 8
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from gpumemd.budget import steps_between
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -43,8 +44,7 @@ class CensusCadence:
         seconds_per_step = agent.seconds_per_step if agent is not None else None
         if self._last_cost is None or not seconds_per_step:
             return 1 if self._last_cost is None else MAX_INTERVAL
-        steps = math.ceil(self._last_cost / (self._share(seconds_per_step) * seconds_per_step))
-        return max(1, min(MAX_INTERVAL, steps))
+        return min(MAX_INTERVAL, steps_between(self._last_cost, self._share(seconds_per_step), seconds_per_step))
 
     def due(self, agent: AgentView | None) -> bool:
         if self.steps_since < self.retry_after:
