@@ -2,9 +2,9 @@
 
 The ring of recent steps (``keep_steps`` records) shows the last stretch in full, but a leak's onset
 may lie thousands of steps before an OOM, far behind it. Beside the ring the agent keeps this: records
-at least ``spacing`` steps apart; when ``capacity`` is reached every other one goes and the spacing
+at least ``spacing`` steps apart; when ``LONG_HISTORY_POINTS`` are kept every other one goes and the spacing
 doubles, so the points always span the whole run, evenly, whatever its length. Memory stays at most
-``capacity`` records; each append is O(1) amortised.
+``LONG_HISTORY_POINTS`` records; each append is O(1) amortised.
 """
 
 from __future__ import annotations
@@ -21,10 +21,7 @@ LONG_HISTORY_POINTS = 256
 class StepHistory:
     """Step records from the first on, ``spacing`` steps apart or more (see the module docstring)."""
 
-    def __init__(self, capacity: int = LONG_HISTORY_POINTS) -> None:
-        if capacity < 2:
-            raise ValueError(f"capacity={capacity!r} is not valid: expected an integer >= 2")
-        self._capacity = capacity
+    def __init__(self) -> None:
         self._points: list[StepRecord] = []
         self.spacing = 1
         """Steps between kept records at least; at least doubles each time the history thins."""
@@ -35,7 +32,7 @@ class StepHistory:
         if points and record.step - points[-1].step < self.spacing and record.step >= points[-1].step:
             return  # (a step number going back, a job that restarted its count, starts a new stretch)
         points.append(record)
-        if len(points) >= self._capacity:
+        if len(points) >= LONG_HISTORY_POINTS:
             del points[1::2]  # the first (attach) stays; the rest thin out evenly
             # New records come at the gap the kept ones now have (not less: sampled every Nth step,
             # records arrive N apart whatever the spacing), so the recent stretch is no denser.
@@ -45,6 +42,3 @@ class StepHistory:
     def records(self) -> list[StepRecord]:
         """The kept records, oldest first."""
         return list(self._points)
-
-    def __len__(self) -> int:
-        return len(self._points)
