@@ -249,8 +249,6 @@ def _set(signum: int, handler: Handler) -> bool:
 
 def die_by(signum: int) -> None:
     """End the process of ``signum`` under its default action, as it would have without a handler."""
-    import sys
-
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
