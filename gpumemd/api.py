@@ -6,6 +6,7 @@ allocation history and the components, and hands each its dependencies and its o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from gpumemd.probes.process.host import HostProbe
     from gpumemd.probes.process.workers import WorkersProbe
     from gpumemd.records.step import Identity, StepRecord
+
+log = logging.getLogger("gpumemd")
 
 _lock = threading.Lock()
 _agent: Agent | None = None
@@ -78,20 +81,14 @@ def _reimporting_main() -> bool:
 
 def _unstarted(config: Config, *, model: Any, optimizer: Any) -> Agent:
     """An agent that never starts: it records, serves and says nothing (``current()`` stays None)."""
-    import logging
-
-    logging.getLogger("gpumemd").debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)",
-                                       os.getpid())
+    log.debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)", os.getpid())
     return build_agent(config, model=model, optimizer=optimizer, components=())
 
 
 def _absent(config: Config, agent: Agent | None, exc: Exception, *, model: Any, optimizer: Any) -> Agent:
     """``attach()`` could not build or start the agent (a thread the process may not start, a probe's
     library failing in an unforeseen way): the job goes on unwatched, and one line says why."""
-    import logging
-
-    logging.getLogger("gpumemd").warning("gpumemd: not attached (%s: %s); the job runs without gpumemd",
-                                         type(exc).__name__, exc)
+    log.warning("gpumemd: not attached (%s: %s); the job runs without gpumemd", type(exc).__name__, exc)
     if agent is not None:
         with contextlib.suppress(Exception):
             agent.stop()  # whatever start() installed before it failed (hooks, components)
@@ -105,11 +102,9 @@ def _say_kept_settings(agent: Agent, asked: Config, overrides: dict[str, Any]) -
     differ = sorted(k for k in names if getattr(asked, k, None) != getattr(agent.config, k, None))
     if not differ:
         return
-    import logging
-
     wanted = ", ".join(f"{k}={getattr(asked, k)!r}" for k in differ)
     running = ", ".join(f"{k}={getattr(agent.config, k)!r}" for k in differ)
-    logging.getLogger("gpumemd").warning(
+    log.warning(
         "gpumemd: attach(%s) found an agent already attached (by `gpumemd run` or an earlier attach) and "
         "kept its settings (%s); give these options to `gpumemd run` or to the first attach()",
         wanted, running)
