@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from gpumemd.agent import WORKERS_EVERY
 from gpumemd.probes.process.workers import WorkersProbe
 from gpumemd.probes.survival.tensor_families import TensorFamilies
+from gpumemd.step_reading import WORKERS_EVERY
 
 
 def _timed(fn: object, n: int) -> float:

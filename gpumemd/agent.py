@@ -33,7 +33,7 @@ from gpumemd.signal_endings import SignalEndings, ending_at_exit
 from gpumemd.state_board import StateBoard
 from gpumemd.step_end import StepEnds
 from gpumemd.step_log import StepLog
-from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, StepReader
+from gpumemd.step_reading import StepReader
 from gpumemd.stride import MAX_STRIDE, StridePlanner
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from gpumemd.records.findings import Finding
     from gpumemd.state_board import Probe
 
-__all__ = ["MAX_STRIDE", "WORKERS_EVERY", "WORKERS_IDLE_EVERY", "Agent"]
+__all__ = ["MAX_STRIDE", "Agent"]
 
 log = logging.getLogger("gpumemd")
 
