@@ -149,10 +149,6 @@ class OomComponent(ComponentBase):
                 self._queue_history()
         self._maybe_hook_cuda()
 
-    @property
-    def _pending(self) -> Capture | None:
-        return self._captures.pending
-
     def on_step(self, record: StepRecord) -> None:
         if not self._cuda_hooked and self._cuda_possible:
             self._maybe_hook_cuda()

@@ -228,10 +228,10 @@ def test_the_next_step_end_settles_an_unclaimed_capture_as_caught(fresh_process:
         component.observe(0, 64 * MiB, 40 * MiB, 3 * MiB)  # the job catches it: no exception reaches us
         assert agent.published["ooms_caught"] == 1 and agent.published["oom_caught_steps"] == (7,)
         component.on_step(cast(Any, None))  # the same step: it may still propagate
-        assert component._pending is not None
+        assert component._captures.pending is not None
         agent.steps_total += 1
         component.on_step(cast(Any, None))
-        assert component._pending is None  # settled as caught; the snapshot's memory is given back
+        assert component._captures.pending is None  # settled as caught; the snapshot's memory is given back
         assert agent.published["ooms_total"] == 1
     finally:
         component.stop()

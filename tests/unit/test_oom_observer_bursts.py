@@ -79,7 +79,7 @@ def setup() -> Iterator[tuple[OomComponent, _Probe, _Agent, _Clock]]:
 
 
 def _pending_call(component: OomComponent) -> ObserverCall:
-    pending = component._pending
+    pending = component._captures.pending
     assert pending is not None
     return pending.call
 
@@ -91,7 +91,7 @@ def test_a_burst_in_one_step_takes_one_snapshot_and_keeps_the_last_calls_numbers
         component.observe(0, (64 >> (i % 7)) * MiB, 80 * GiB, (3 + i) * MiB)
         clock.now += 0.001
     assert probe.captures == 1 and probe.summaries == [0]
-    pending = component._pending
+    pending = component._captures.pending
     assert pending is not None and pending.snapshot is not None and pending.snapshot["capture"] == 1
     assert pending.memory_summary == "summary of device 0" and pending.steps_total == 41
     assert _pending_call(component) == ObserverCall(device=Device.cuda(0), requested_bytes=(64 >> (49 % 7)) * MiB,
@@ -100,7 +100,7 @@ def test_a_burst_in_one_step_takes_one_snapshot_and_keeps_the_last_calls_numbers
     agent.steps_total += 1  # the next step: its OOM is another moment
     component.observe(0, 2 * MiB, 80 * GiB, 1 * MiB)
     assert probe.captures == 2
-    pending = component._pending
+    pending = component._captures.pending
     assert pending is not None and pending.snapshot is not None and pending.snapshot["capture"] == 2
     assert pending.steps_total == 42 and _pending_call(component).requested_bytes == 2 * MiB
 
@@ -115,7 +115,7 @@ def test_a_step_that_never_ends_still_gets_a_fresh_snapshot_each_second(
     clock.now += 0.002  # 1.001 s after the snapshot: a stale one would miss this OOM's trace entry
     component.observe(0, 2 * MiB, 80 * GiB, 3 * MiB)
     assert probe.captures == 2
-    pending = component._pending
+    pending = component._captures.pending
     assert pending is not None and pending.captured_at == clock.now
 
 
@@ -125,7 +125,7 @@ def test_another_device_in_the_window_reuses_the_snapshot_but_gets_its_own_summa
     component.observe(0, 8 * MiB, 80 * GiB, 3 * MiB)
     component.observe(1, 8 * MiB, 80 * GiB, 5 * MiB)  # the snapshot covers every device
     assert probe.captures == 1 and probe.summaries == [0, 1]
-    pending = component._pending
+    pending = component._captures.pending
     assert pending is not None and pending.memory_summary == "summary of device 1"
     assert _pending_call(component).device == Device.cuda(1) and _pending_call(component).device_free_bytes == 5 * MiB
 
@@ -136,6 +136,6 @@ def test_no_snapshot_when_no_report_could_be_written(setup: tuple[OomComponent, 
     for _ in range(5):
         component.observe(0, 8 * MiB, 80 * GiB, 3 * MiB)
     assert probe.captures == 0
-    pending = component._pending
+    pending = component._captures.pending
     assert pending is not None and pending.snapshot is None and pending.captured_at is None
     assert _pending_call(component).requested_bytes == 8 * MiB
