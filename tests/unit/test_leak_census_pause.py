@@ -24,8 +24,9 @@ def _run(out_dir: str, census_every_steps: int, steps: int) -> tuple[list[int], 
     config = Config(output_dir=out_dir, sample_interval_s=0, nvml=False, quiet=True,
                     census_every_steps=census_every_steps)
     agent = build_agent(config)
-    leak = next(c for c in agent._components if isinstance(c, LeakComponent))
-    census = next(c for c in agent._components if isinstance(c, CensusComponent))
+    leak = agent.component(LeakComponent)
+    census = agent.component(CensusComponent)
+    assert leak is not None and census is not None
     evaluated: list[int] = []
     censused: list[int] = []
     evaluate, begin = leak._evaluate, census._begin
