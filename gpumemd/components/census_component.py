@@ -13,8 +13,8 @@ interval can be thousands of steps, and the census's figures then predate the le
 
 The component keeps a few recent censuses (thinned so they span the whole run, not just the last few
 intervals) for the leak detector and the OOM report: ``recent_censuses()``, ``at_or_after(step)``
-and ``take_now()``. It is the one way a census is taken: periodic ones, the leak detector's
-``take_now()``, and ``take_outside_step()`` for the job's ``Agent.census()`` and the census at an OOM.
+and ``census_now()``. It is the one way a census is taken: periodic ones, the leak detector's
+``census_now()``, and ``take_outside_step()`` for the job's ``Agent.census()`` and the census at an OOM.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class CensusComponent(ComponentBase):
         self._clock = clock
         self._census_fn = census_fn
         self._agent: AgentView | None = None
-        self._lock = threading.Lock()  # take_now() may come from another component or thread
+        self._lock = threading.Lock()  # a census outside a step may come from another thread (an OOM's)
         self._recent: list[Census] = []
         self._running: _Running | None = None  # the census under way (training thread only advances it)
         self._soon = False  # a census is asked for at the next step end (``take_soon``)
