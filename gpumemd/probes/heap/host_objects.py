@@ -14,25 +14,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
-import itertools
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.probes.heap.autograd_graph import GraphWalk, count_nodes
-from gpumemd.probes.heap.heap_tensors import live_tensors
-from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.heap.heap_tensors import live_tensors, objects_of
+from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly
 from gpumemd.probes.heap.storages import StorageKey, Storages
 from gpumemd.probes.holding.holders import who_holds
 
 if TYPE_CHECKING:
     import torch
 
-_CONTAINERS = frozenset({list, dict, set, collections.deque})
+_CONTAINERS: frozenset[type] = frozenset({list, dict, set, collections.deque})  # exact types
 _MIN_LEN = 8  # smaller containers are not where a leak lives after a few hundred steps
 _MAX_TRACKED = 50_000  # bounded memory for one snapshot: ids -> lengths
+_MIN_ADDED = 4  # items a container must gain to be a culprit
+_GROWN_SHOWN = 3  # grown containers named at most, most bytes first
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class ContainerGrowth:
 def container_lengths() -> dict[int, int]:
     """id -> length of every gc-tracked container with at least ``_MIN_LEN`` items (bounded)."""
     out: dict[int, int] = {}
-    containers = _containers()
+    containers = objects_of(_CONTAINERS)
     try:
         for obj in containers:
             try:
@@ -66,16 +66,6 @@ def container_lengths() -> dict[int, int]:
     return out
 
 
-def _containers() -> list[Any]:
-    """The gc-tracked lists, dicts, sets and deques (exact types), selected in C: a heap of a million
-    objects is walked in a fraction of what a Python-level type test per object costs."""
-    objects = gc.get_objects()
-    try:
-        return list(itertools.compress(objects, map(_CONTAINERS.__contains__, map(type, objects))))
-    finally:
-        objects.clear()
-
-
 def _recent_item(obj: Any) -> Any:
     """The item added before the newest (the newest when it is the only one): the holder search starts
     from it, and the newest is often still held by the loop's own variable as well (``x =
@@ -89,23 +79,15 @@ def _recent_item(obj: Any) -> Any:
     return next(iter(obj), None) if obj else None
 
 
-def growing_containers(
-    before: dict[int, int], *, limit: int = 3, min_added: int = 4, ignore: set[int] | frozenset[int] = frozenset(),
-) -> list[ContainerGrowth]:
-    """Containers from ``before`` that gained at least ``min_added`` items, most bytes first; the
-    first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
-    ids of containers that are the caller's own bounded buffers."""
-    return run_to_end(growing_containers_stepwise(before, limit=limit, min_added=min_added, ignore=ignore,
-                                                  holder_budget_s=0.5))
-
-
 def growing_containers_stepwise(
-    before: dict[int, int], *, limit: int = 3, min_added: int = 4, ignore: set[int] | frozenset[int] = frozenset(),
-    holder_budget_s: float,
+    before: dict[int, int], *, ignore: set[int] | frozenset[int] = frozenset(), holder_budget_s: float,
 ) -> Stepwise[list[ContainerGrowth]]:
-    """``growing_containers`` in two passes: the heap scan, then (after a ``yield``) the holder search."""
+    """Containers from ``before`` that gained at least ``_MIN_ADDED`` items, most bytes first; the
+    first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
+    ids of containers that are the caller's own bounded buffers. Two passes: the heap scan, then
+    (after a ``yield``) the holder search."""
     found: list[tuple[int, Any, int, Any]] = []
-    for obj in _containers():
+    for obj in objects_of(_CONTAINERS):
         if id(obj) in ignore:
             continue
         was = before.get(id(obj))
@@ -113,7 +95,7 @@ def growing_containers_stepwise(
             continue
         try:
             added = len(obj) - was
-            if added < min_added:
+            if added < _MIN_ADDED:
                 continue
             item = _recent_item(obj)
             size = sys.getsizeof(item)
@@ -124,7 +106,7 @@ def growing_containers_stepwise(
         found.append((added * size, obj, added, item))
     found.sort(key=lambda f: f[0], reverse=True)
     grown = [ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj))
-             for approx, obj, added, item in found[:limit]]
+             for approx, obj, added, item in found[:_GROWN_SHOWN]]
     recent = hold_weakly(found[0][3]) if found and found[0][3] is not None else None
     found.clear()
     if recent is None:
