@@ -28,7 +28,7 @@ from gpumemd.components.leak_findings import LeakFindings
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.components.leak_options import LeakOptions
 from gpumemd.components.leak_pending import Key, PendingEvaluation
-from gpumemd.components.leak_scans import SCAN_EVERY, SCAN_EVERY_MAX, ScanSchedule
+from gpumemd.components.leak_scans import ScanSchedule
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.probes.heap.gc_pause import collector_paused
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gpumemd.probes.survival.survivors import SurvivorTracker
     from gpumemd.records.step import StepRecord
 
-__all__ = ["SCAN_EVERY", "SCAN_EVERY_MAX", "LeakComponent", "LeakOptions"]
+__all__ = ["LeakComponent", "LeakOptions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -66,9 +66,6 @@ COUNT_FLOOR = 0.1
 WAITING_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
 
-# ``_COUNT_MIN`` is ``leak_counts``'s now; tests still read it here.
-__all__ = ["COUNT_FLOOR", "NOISE_FLOOR_BYTES", "RSS_BURST_BYTES", "WAITING_MAX", "LeakSeries"]
-
 
 class LeakSeries:
     """Feeds the detector (one per start) and says what growth matters; see the module docstring. What
@@ -162,7 +159,7 @@ class LeakSeries:
             self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
         workers = record.workers
         if workers is not None and (workers.workers or self.worker_growth.seen):
-            grown = self.worker_growth.update(step, ((w.pid, w.rss_bytes) for w in workers.workers))
+            grown = self.worker_growth.update((w.pid, w.rss_bytes) for w in workers.workers)
             self._observe(self.workers_spec, step, grown, phase)
 
     def _own_bytes(self, record: StepRecord, samples: int) -> float:
