@@ -106,7 +106,6 @@ class GraphChainTracker:
         self._chains: list[_Chain] = []
         self.errors = 0
         self.popped = 0  # nodes popped over all searches (what the searches cost; tests read it)
-        self.available = _next_sequence_nr() is not None
 
     def groups(self) -> list[ChainGroup]:
         by_key: dict[ChainKey, list[_Chain]] = {}

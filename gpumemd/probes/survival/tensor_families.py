@@ -80,7 +80,6 @@ class TensorFamilies:
         self._families: collections.OrderedDict[FamilyKey, Family] = collections.OrderedDict()
         self._dtypes: dict[Any, tuple[str, int]] = {}
         self._devices: dict[Any, str] = {}
-        self.errors = 0
 
     def families(self) -> list[Family]:
         return list(self._families.values())
@@ -107,7 +106,6 @@ class TensorFamilies:
                 key = (t.device, t.dtype, shape[1:], t.grad_fn is not None)
                 rows = shape[0]
             except Exception:  # noqa: BLE001 - an exotic tensor: not followed
-                self.errors += 1
                 continue
             seen = largest.get(key)
             if seen is None or rows > seen[0]:
@@ -117,7 +115,6 @@ class TensorFamilies:
             try:
                 key, row_bytes = self._family_key(device, dtype, trailing, graph, t)
             except Exception:  # noqa: BLE001
-                self.errors += 1
                 continue
             seen_now.append(self._update(key, rows, row_bytes, t, step))
         largest.clear()
