@@ -100,12 +100,11 @@ class SurvivorGroup:
 class SurvivorTracker:
     """Counts tensors promoted to the oldest gc generation, per group; see the module docstring."""
 
-    def __init__(self, *, max_tracked: int = MAX_TRACKED, max_groups: int = MAX_GROUPS) -> None:
+    def __init__(self, *, max_tracked: int = MAX_TRACKED) -> None:
         import torch
 
         self._tensor_types = frozenset({torch.Tensor})  # exact type: parameters are not the leak
         self._max_tracked = max_tracked
-        self._max_groups = max_groups
         self._refs: dict[int, _Ref] = {}
         self._counts: dict[GroupKey, int] = {}
         self._bytes: dict[GroupKey, int] = {}
@@ -325,7 +324,7 @@ class SurvivorTracker:
 
     def _add(self, key: GroupKey, group: list[_Ref]) -> None:
         """Count a scan's new members of one group (their refs already carry the described key)."""
-        if key not in self._counts and len(self._counts) >= self._max_groups:
+        if key not in self._counts and len(self._counts) >= MAX_GROUPS:
             key = OVERFLOW
         key = self._keys.get(key) or self._intern(key)
         for r in group:
@@ -338,7 +337,7 @@ class SurvivorTracker:
         samples.extend(group[-_SAMPLES:])
 
     def _intern(self, key: GroupKey) -> GroupKey:
-        if len(self._keys) > 2 * self._max_groups:  # groups that died and left their keys behind
+        if len(self._keys) > 2 * MAX_GROUPS:  # groups that died and left their keys behind
             self._keys = {k: k for k in self._counts}
             self._keys[OVERFLOW] = OVERFLOW
         key = (key[0], key[1], tuple(key[2]), key[3])  # a plain tuple, not the torch.Size it was read as

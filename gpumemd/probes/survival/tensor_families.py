@@ -65,10 +65,10 @@ class Family:
     def watched(self) -> bool:
         return self.records >= RECORDS_TO_WATCH and self.best_rows >= GROWTH_TO_WATCH * max(1, self.first_rows)
 
-    def describe(self, rows: str = "N") -> str:
-        """``float32[N, 10]``: the family, its leading dimension named (or given)."""
+    def describe(self) -> str:
+        """``float32[N, 10]``: the family, its leading dimension named."""
         _, dtype, trailing, graph = self.key
-        text = f"{dtype}[{', '.join([rows, *(str(d) for d in trailing)])}]"
+        text = f"{dtype}[{', '.join(['N', *(str(d) for d in trailing)])}]"
         return text + " with grad_fn" if graph else text
 
 
