@@ -64,8 +64,7 @@ class LeakComponent:
 
     ``census`` (the census component, None when censuses are off) gives the censuses that name
     culprits; ``history`` is the process's allocation history, switched on at suspicion on CUDA.
-    ``snapshot_fn`` replaces torch's allocator snapshot; ``clock`` times the budgeted work (scans,
-    evaluations, heap looks); ``wall_clock`` stamps the findings file."""
+    ``snapshot_fn`` replaces torch's allocator snapshot."""
 
     name = "leak"
 
@@ -76,22 +75,19 @@ class LeakComponent:
         census: CensusComponent | None,
         history: AllocationHistory,
         snapshot_fn: Callable[[], Mapping[str, Any]] | None = None,
-        wall_clock: Callable[[], float] = time.time,
-        clock: Callable[[], float] = time.perf_counter,
         probes: Callable[[], LongLivedProbes] = long_lived_probes,
     ) -> None:
         self._options = options
         self._new_probes = probes  # fresh long-lived tensor trackers at each start
         self._census = census
-        self._history = history
-        self._clock = clock
+        self._clock = time.perf_counter  # times the budgeted work: scans, evaluations, heap looks
         # Kept across starts: heap-look baselines and their budget, allocation sites noted at suspicion.
         self._host = HostLooks(window_steps=options.leak_window_steps, overhead_budget=options.overhead_budget,
-                               clock=clock)
+                               clock=self._clock)
         self._sites = AllocationSites(options, history, snapshot_fn=snapshot_fn)
         self._agent: AgentView | None = None
         self._parts: _Parts | None = None
-        self._findings = LeakFindings(options, census=census, wall_clock=wall_clock)  # ``leak_findings``
+        self._findings = LeakFindings(options, census=census, wall_clock=time.time)  # ``leak_findings``
         self._scans = self._new_scans()
         self._deferred = False  # the last due evaluation waited for the step after a census
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
