@@ -104,7 +104,7 @@ class SurvivorTracker:
         import torch
 
         self._tensor_types = frozenset({torch.Tensor})  # exact type: parameters are not the leak
-        self._max_tracked = max_tracked
+        self.max_tracked = max_tracked
         self._refs: dict[int, _Ref] = {}
         self._counts: dict[GroupKey, int] = {}
         self._bytes: dict[GroupKey, int] = {}
@@ -120,7 +120,9 @@ class SurvivorTracker:
         self.collections = 0  # collections seen
         self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
-        self.truncated = False  # the cap was reached: counts are lower bounds from then on (see ``capped``)
+        # The tracker reached its cap at least once: tensors made while it was there were never counted,
+        # so from then on every count is a lower bound, and one that stays flat says nothing.
+        self.capped = False
         self.errors = 0
         self._dtypes: dict[Any, str] = {}
         self._devices: dict[Any, str] = {}
@@ -151,21 +153,8 @@ class SurvivorTracker:
 
     # --- reading (training thread, every few steps) ------------------------------------------
 
-    @property
-    def max_tracked(self) -> int:
-        return self._max_tracked
-
-    @property
-    def capped(self) -> bool:
-        """Did the tracker ever reach its cap? Tensors made while it was there were never counted, so
-        from then on every count is a lower bound, and one that stays flat says nothing."""
-        return self.truncated
-
     def groups(self) -> list[SurvivorGroup]:
         return [SurvivorGroup(k, c, self._bytes.get(k, 0)) for k, c in list(self._counts.items())]
-
-    def count(self, key: GroupKey) -> int:
-        return self._counts.get(key, 0)
 
     def total(self) -> tuple[int, dict[Device, int]]:
         """(tensors, bytes per device) of everything tracked."""
@@ -252,8 +241,8 @@ class SurvivorTracker:
         return seconds
 
     def _young(self, *, collect: bool = False) -> list[weakref.ref[Any]]:
-        if len(self._refs) >= self._max_tracked:
-            self.truncated = True
+        if len(self._refs) >= self.max_tracked:
+            self.capped = True
             return []
         types = self._tensor_types
         # Generation 0 only: every collection (the callback above) lists it before moving its
@@ -296,8 +285,8 @@ class SurvivorTracker:
             tid = id(t)
             if tid in bases or tid in batch:
                 continue
-            if len(refs) >= self._max_tracked:
-                self.truncated = True
+            if len(refs) >= self.max_tracked:
+                self.capped = True
                 break
             try:
                 key, nbytes = self._describe(t)
