@@ -81,9 +81,6 @@ class TensorFamilies:
         self._dtypes: dict[Any, tuple[str, int]] = {}
         self._devices: dict[Any, str] = {}
 
-    def families(self) -> list[Family]:
-        return list(self._families.values())
-
     def get(self, key: FamilyKey) -> Family | None:
         return self._families.get(key)
 
