@@ -122,6 +122,7 @@ def growing_containers_stepwise(
 # --- autograd graphs that grow behind one tensor (``total_loss += loss``) ------------------------
 
 _GRAPH_NODE_BUDGET = 50_000  # nodes walked per look, over all graphs
+_SAVED_WALK_NODES = 5_000  # nodes walked for the tensors one tensor's graph saved
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +183,15 @@ def growing_graph(before_nodes: int, *, min_added: int, holder_budget_s: float =
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
 
 
-def saved_by_a_graph(sample: Any, *, max_nodes: int = _GRAPH_NODE_BUDGET) -> bool:
+def saved_by_a_graph(sample: Any) -> bool:
     """Does a live autograd graph save a tensor on ``sample``'s storage? The graphs of the tensors
-    with a ``grad_fn`` are walked newest first, each node once, ``max_nodes`` in all. What makes a
+    with a ``grad_fn`` are walked newest first, each node once, ``_GRAPH_NODE_BUDGET`` in all. What makes a
     tensor that nothing in Python holds "kept by a graph", rather than unexplained."""
     try:
         ptr = sample.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - no storage (a wrapper subclass): nothing to compare
         return False
-    walk = GraphWalk(max_nodes)
+    walk = GraphWalk(_GRAPH_NODE_BUDGET)
     tensors = live_tensors()
     try:
         for index, obj in enumerate(reversed(tensors)):
@@ -216,13 +217,13 @@ def _saves(walk: GraphWalk, fn: Any, index: int, ptr: int) -> bool:
     return False
 
 
-def graph_size(tensor: Any, *, max_nodes: int = 200_000) -> int:
+def graph_size(tensor: Any, *, max_nodes: int) -> int:
     """Nodes in the autograd graph ``tensor`` keeps (a bounded walk: at most ``max_nodes``)."""
     fn = getattr(tensor, "grad_fn", None)
     return 0 if fn is None else count_nodes(fn, max_nodes)
 
 
-def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
+def saved_bytes(tensor: Any) -> int:
     """Bytes of the tensors that ``tensor``'s autograd graph saved (each storage once; a bounded
     walk): what keeping this one tensor alive costs beyond its own storage. A saved tensor counts its
     own storage only (none for sparse or wrapper tensors), unlike the census, which counts their
@@ -231,7 +232,7 @@ def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
     fn = getattr(tensor, "grad_fn", None)
     if torch is None or fn is None:
         return 0
-    walk = GraphWalk(max_nodes, overrun=True)
+    walk = GraphWalk(_SAVED_WALK_NODES, overrun=True)
     counted: set[StorageKey] = set()
     total = 0
     try:
