@@ -273,7 +273,7 @@ class CulpritSearch:
                           noun="autograd node")
         # What a node itself costs is not measurable from Python: bytes (and a time to OOM) only
         # when the chain also keeps saved tensors worth a noise floor.
-        material = saved_per_step >= NOISE_FLOOR_BYTES["census"] and per_step > 0
+        material = saved_per_step >= NOISE_FLOOR_BYTES["graph_leak"] and per_step > 0
         began = next((g.began_at for g in chains.groups() if g.key == key), None)
         return Evidence((culprit,), status.step - since, (), "graph_leak",
                         bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence,
