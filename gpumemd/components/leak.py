@@ -148,7 +148,8 @@ class LeakComponent:
     @property
     def findings_path(self) -> str:
         """The findings file (``leak_file``), created on the first state change."""
-        return self._findings.path
+        assert self._findings.file is not None
+        return self._findings.file.path
 
     # --- per step ------------------------------------------------------------------------------
 
