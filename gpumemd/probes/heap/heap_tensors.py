@@ -17,8 +17,8 @@ from typing import Any
 
 def subclasses(*bases: type) -> frozenset[type]:
     """``bases`` and every live subclass of them."""
-    found: set[type] = set(bases)
-    stack: list[type] = list(bases)
+    found: set[type] = {*bases}
+    stack: list[type] = [*bases]
     while stack:
         subs: list[type] = type.__subclasses__(stack.pop())
         for sub in subs:

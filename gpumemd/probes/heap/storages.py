@@ -114,4 +114,4 @@ def _no_memory_types() -> frozenset[type]:
     module = sys.modules.get("torch._subclasses.fake_tensor")
     parameter = sys.modules.get("torch.nn.parameter")
     bases = [getattr(module, "FakeTensor", None), getattr(parameter, "UninitializedTensorMixin", None)]
-    return subclasses(*(b for b in bases if isinstance(b, type)))
+    return subclasses(*[b for b in bases if isinstance(b, type)])
