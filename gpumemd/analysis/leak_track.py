@@ -155,13 +155,13 @@ class Track:
         return list(xs), list(ys)
 
 
-def thin(xs: list[float], ys: list[float], max_points: int = MAX_WINDOW_POINTS) -> tuple[list[float], list[float]]:
+def thin(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
     """Floors of floors: merge neighbours (min y, mean x) so a window never has more than
-    ``max_points`` points and the O(n²) tests stay cheap on long windows."""
+    ``MAX_WINDOW_POINTS`` points and the O(n²) tests stay cheap on long windows."""
     n = len(xs)
-    if n <= max_points:
+    if n <= MAX_WINDOW_POINTS:
         return xs, ys
-    k = math.ceil(n / max_points)
+    k = math.ceil(n / MAX_WINDOW_POINTS)
     start = n % k  # keep the newest points aligned; drop the oldest remainder
     # Groups of k neighbours, as k strided slices zipped (every group is whole: n - start is a
     # multiple of k), in C; sum() adds each group's x in order, so the means are a loop's to the bit.

@@ -43,22 +43,15 @@ def series_family(measure: str, device: Device) -> str:
 
 
 class LeakState(enum.Enum):
-    """Where one (series, phase) stands; ``severity`` is the number the exporter serves."""
+    """Where one (series, phase) stands."""
 
     SUSPECTED = "suspected"
     CONFIRMED = "confirmed"
     CLEARED = "cleared"
 
     @property
-    def severity(self) -> int:
-        return SEVERITY[self]
-
-    @property
     def active(self) -> bool:
         return self is not LeakState.CLEARED
-
-
-SEVERITY = {LeakState.CLEARED: 0, LeakState.SUSPECTED: 1, LeakState.CONFIRMED: 2}
 
 
 @dataclass(frozen=True, slots=True)

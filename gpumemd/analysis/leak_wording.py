@@ -33,8 +33,6 @@ from gpumemd.analysis.units import format_bytes
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.findings import Culprit, Finding
 
-__all__ = ["CRITICAL_HOURS", "build_finding", "cause_finding", "severity"]
-
 CRITICAL_HOURS = 24.0
 """A finding projected to run out of memory sooner than this is critical; later ones are warnings."""
 
@@ -44,7 +42,7 @@ CRITICAL_HOURS = 24.0
 _UNIT_NOUNS = {"tensors": "tensor", "nodes": "autograd node"}
 
 
-def severity(hours_to_oom: float | None, state: LeakState | None) -> str | None:
+def _severity(hours_to_oom: float | None, state: LeakState | None) -> str | None:
     if state is None or not state.active:
         return None
     return "critical" if hours_to_oom is not None and hours_to_oom < CRITICAL_HOURS else "warning"
@@ -107,7 +105,7 @@ def build_finding(
         sites=tuple(sites),
         tensors_per_step=per_step if status.spec.unit == "tensors" else None,
         hours_to_oom=hours_to_oom,
-        severity=severity(hours_to_oom, status.state),
+        severity=_severity(hours_to_oom, status.state),
         group=status.spec.group,
     )
 
@@ -268,7 +266,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
         p_value=max((m.p_value for m in active if m.p_value is not None), default=None),
         sites=tuple(dict.fromkeys(s for m in active for s in m.sites)), tensors_per_step=per_step,
         hours_to_oom=hours_to_oom,
-        severity="critical" if hours_to_oom is not None and hours_to_oom < CRITICAL_HOURS else "warning",
+        severity=_severity(hours_to_oom, LeakState(state)),
     )
 
 

@@ -30,6 +30,7 @@ from statistics import NormalDist
 
 _NORMAL = NormalDist()
 _CONFIDENCE = 0.90  # of Sen's two-sided interval: its low end is a one-sided 95% lower bound
+_MAX_LAG = 32  # autocorrelation lags counted at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ def _ranks(values: Sequence[float]) -> list[float]:
     return ranks
 
 
-def autocorrelation_inflation(residuals: Sequence[float], max_lag: int = 32) -> float:
+def autocorrelation_inflation(residuals: Sequence[float]) -> float:
     """Hamed & Rao's n/n* for the ranks of detrended data, counting only significant positive lags.
 
     Negative autocorrelation would shrink the variance and raise false alarms, so it is ignored
@@ -89,7 +90,7 @@ def autocorrelation_inflation(residuals: Sequence[float], max_lag: int = 32) -> 
         return 1.0
     bound = _NORMAL.inv_cdf(0.975) / math.sqrt(n)
     total = 0.0
-    for lag in range(1, min(n - 3, max_lag) + 1):
+    for lag in range(1, min(n - 3, _MAX_LAG) + 1):
         rho = sum(centred[i] * centred[i + lag] for i in range(n - lag)) / denom
         if rho > bound:
             total += (n - lag) * (n - lag - 1) * (n - lag - 2) * rho
@@ -253,22 +254,19 @@ def cusum_onset(ys: Sequence[float]) -> int:
     return arg
 
 
-def ramp_consistent(
-    xs: Sequence[float], ys: Sequence[float], slope: float, *, parts: int = 2, fraction: float = 0.5,
-    max_pairs: int = 5_000,
-) -> bool:
-    """Does every one of ``parts`` consecutive pieces rise at more than ``fraction`` of ``slope``?
+def ramp_consistent(xs: Sequence[float], ys: Sequence[float], slope: float) -> bool:
+    """Do both halves rise at more than half of ``slope``?
 
-    A one-off jump lives in one piece and leaves the others flat; a leak raises them all.
+    A one-off jump lives in one half and leaves the other flat; a leak raises both.
     """
     n = len(xs)
-    if slope <= 0 or n < 2 * parts:
+    if slope <= 0 or n < 4:
         return False
-    size = n / parts
-    for p in range(parts):
+    size = n / 2
+    for p in range(2):
         lo, hi = round(p * size), round((p + 1) * size)
-        piece = theil_sen(xs[lo:hi], ys[lo:hi], max_pairs=max_pairs).slope
-        if piece <= fraction * slope:
+        piece = theil_sen(xs[lo:hi], ys[lo:hi], max_pairs=5_000).slope
+        if piece <= 0.5 * slope:
             return False
     return True
 

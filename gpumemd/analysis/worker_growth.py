@@ -27,7 +27,7 @@ class WorkerGrowth:
     def seen(self) -> bool:
         return bool(self._first)
 
-    def update(self, step: int, readings: Iterable[tuple[int, int]]) -> float:
+    def update(self, readings: Iterable[tuple[int, int]]) -> float:
         pairs = list(readings)
         pids = tuple(sorted(pid for pid, _ in pairs))
         if pids != self.pids:

@@ -28,7 +28,7 @@ from gpumemd.components.leak_findings import LeakFindings
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.components.leak_options import LeakOptions
 from gpumemd.components.leak_pending import Key, PendingEvaluation
-from gpumemd.components.leak_scans import SCAN_EVERY, SCAN_EVERY_MAX, ScanSchedule
+from gpumemd.components.leak_scans import ScanSchedule
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.probes.heap.gc_pause import collector_paused
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gpumemd.probes.survival.survivors import SurvivorTracker
     from gpumemd.records.step import StepRecord
 
-__all__ = ["SCAN_EVERY", "SCAN_EVERY_MAX", "LeakComponent", "LeakOptions"]
+__all__ = ["LeakComponent", "LeakOptions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,8 +64,7 @@ class LeakComponent:
 
     ``census`` (the census component, None when censuses are off) gives the censuses that name
     culprits; ``history`` is the process's allocation history, switched on at suspicion on CUDA.
-    ``snapshot_fn`` replaces torch's allocator snapshot; ``clock`` times the budgeted work (scans,
-    evaluations, heap looks); ``wall_clock`` stamps the findings file."""
+    ``snapshot_fn`` replaces torch's allocator snapshot."""
 
     name = "leak"
 
@@ -76,22 +75,19 @@ class LeakComponent:
         census: CensusComponent | None,
         history: AllocationHistory,
         snapshot_fn: Callable[[], Mapping[str, Any]] | None = None,
-        wall_clock: Callable[[], float] = time.time,
-        clock: Callable[[], float] = time.perf_counter,
         probes: Callable[[], LongLivedProbes] = long_lived_probes,
     ) -> None:
         self._options = options
         self._new_probes = probes  # fresh long-lived tensor trackers at each start
         self._census = census
-        self._history = history
-        self._clock = clock
+        self._clock = time.perf_counter  # times the budgeted work: scans, evaluations, heap looks
         # Kept across starts: heap-look baselines and their budget, allocation sites noted at suspicion.
         self._host = HostLooks(window_steps=options.leak_window_steps, overhead_budget=options.overhead_budget,
-                               clock=clock)
+                               clock=self._clock)
         self._sites = AllocationSites(options, history, snapshot_fn=snapshot_fn)
         self._agent: AgentView | None = None
         self._parts: _Parts | None = None
-        self._findings = LeakFindings(options, census=census, wall_clock=wall_clock)  # ``leak_findings``
+        self._findings = LeakFindings(options, census=census, wall_clock=time.time)  # ``leak_findings``
         self._scans = self._new_scans()
         self._deferred = False  # the last due evaluation waited for the step after a census
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
@@ -152,7 +148,8 @@ class LeakComponent:
     @property
     def findings_path(self) -> str:
         """The findings file (``leak_file``), created on the first state change."""
-        return self._findings.path
+        assert self._findings.file is not None
+        return self._findings.file.path
 
     # --- per step ------------------------------------------------------------------------------
 

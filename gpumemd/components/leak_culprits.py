@@ -197,10 +197,9 @@ class CulpritSearch:
         if unsaved:
             return _SampleHolder(garbage=garbage)
         yield
-        root = _growing_graph()
-        if root is not None and root.holder is not None:
-            return _SampleHolder(f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
-                                 f"held by {root.holder}", graph_kept=True, garbage=garbage)
+        graph = _graph_holder()
+        if graph is not None:
+            return _SampleHolder(graph, graph_kept=True, garbage=garbage)
         return _SampleHolder(garbage=garbage)
 
     # --- the job's child processes -------------------------------------------------------------
@@ -274,7 +273,7 @@ class CulpritSearch:
                           noun="autograd node")
         # What a node itself costs is not measurable from Python: bytes (and a time to OOM) only
         # when the chain also keeps saved tensors worth a noise floor.
-        material = saved_per_step >= NOISE_FLOOR_BYTES["census"] and per_step > 0
+        material = saved_per_step >= NOISE_FLOOR_BYTES["graph_leak"] and per_step > 0
         began = next((g.began_at for g in chains.groups() if g.key == key), None)
         return Evidence((culprit,), status.step - since, (), "graph_leak",
                         bytes_per_unit=saved_per_step / per_step if material else 0.0, sentence=sentence,
@@ -325,10 +324,13 @@ class CulpritSearch:
         return (yield from self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids()))
 
 
-def _growing_graph() -> host_objects.GraphGrowth | None:
+def _graph_holder() -> str | None:
     """The root of the largest live autograd graph and who holds it, in one step end: the root is
     often this step's loss, gone by the next (callers yield before it, so it starts a step end)."""
-    return host_objects.growing_graph(0, min_added=1, holder_budget_s=HOLDER_BUDGET_S)
+    root = host_objects.growing_graph(0, min_added=1, holder_budget_s=HOLDER_BUDGET_S)
+    if root is None or root.holder is None:
+        return None
+    return f"the autograd graph ({root.nodes:,} nodes) of {root.description}, held by {root.holder}"
 
 
 def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Stepwise[Culprit]:
@@ -336,11 +338,9 @@ def _name_holder(culprit: Culprit, deltas: list[GroupDelta]) -> Stepwise[Culprit
     if culprit.category == "graph":
         # Tensors with a grad_fn that nothing in Python holds are kept by an autograd graph:
         # name the tensor at the root of the largest live graph and who holds it.
-        root = _growing_graph()
-        if root is not None and root.holder is not None:
-            return dataclasses.replace(
-                culprit, holder=f"the autograd graph ({root.nodes:,} nodes) of {root.description}, "
-                                f"held by {root.holder}")
+        graph = _graph_holder()
+        if graph is not None:
+            return dataclasses.replace(culprit, holder=graph)
         yield
     top = next((d for d in deltas if _describes(d, culprit)), None)
     holder = holder_of_group(top.key) if top is not None else None

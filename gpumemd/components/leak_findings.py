@@ -50,16 +50,10 @@ class LeakFindings:
         self._causes: Causes = NO_CAUSES
         self._culprits: dict[Key, Evidence] = {}
         self.attempts: dict[Key, int] = {}  # step of the last culprit search per finding
-        self._file: FindingsFile | None = None
+        self.file: FindingsFile | None = None  # the findings file (``leak_file``), made at start
 
     def start(self, agent: AgentView) -> None:
-        self._file = FindingsFile(agent, self._wall)
-
-    @property
-    def path(self) -> str:
-        """The findings file (``leak_file``), created on the first state change."""
-        assert self._file is not None
-        return self._file.path
+        self.file = FindingsFile(agent, self._wall)
 
     def conclude(self, agent: AgentView, series: LeakSeries, pending: PendingEvaluation) -> None:
         self._culprits.update(pending.found)
@@ -198,8 +192,8 @@ class LeakFindings:
     def _report(self, finding: Finding) -> None:
         # One short line a person reads once; the whole sentence goes to the file and the state.
         log.warning("gpumemd: %s", finding.headline or finding.summary)
-        if self._file is not None:
-            self._file.append(finding)
+        if self.file is not None:
+            self.file.append(finding)
 
 
 def _host_claimant(statuses: list[TrackStatus]) -> TrackStatus | None:

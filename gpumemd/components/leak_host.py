@@ -8,7 +8,7 @@ on a big one), so looks are spaced by their share of the overhead budget.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from gpumemd import budget
 from gpumemd.analysis.leak_detector import TrackStatus
@@ -18,15 +18,8 @@ from gpumemd.probes.heap.stepwise import Stepwise
 from gpumemd.probes.holding.holders import HOLDER_BUDGET_S
 from gpumemd.records.findings import Culprit
 
-
-class JobSteps(Protocol):
-    """What a budgeted look reads of the job: its steps so far and its typical step time."""
-
-    @property
-    def steps_total(self) -> int: ...
-
-    @property
-    def seconds_per_step(self) -> float | None: ...
+if TYPE_CHECKING:
+    from gpumemd.components.base import AgentView
 
 
 class HostLooks:
@@ -51,7 +44,7 @@ class HostLooks:
     def clear(self) -> None:
         self._baseline = None
 
-    def look_stepwise(self, step: int, job: JobSteps, *, force: bool = False) -> Stepwise[None]:
+    def look_stepwise(self, step: int, job: AgentView, *, force: bool = False) -> Stepwise[None]:
         """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
         while host RSS is rising (two heap scans: 0.1-0.3 s on a big heap), in two passes (containers,
         then graphs), one step end each in a training loop. At most once per two windows, and, unless
@@ -75,7 +68,7 @@ class HostLooks:
         self._look_cost = took + self._clock() - started
         self.seconds += self._look_cost
 
-    def _due(self, step: int, job: JobSteps, *, force: bool) -> bool:
+    def _due(self, step: int, job: AgentView, *, force: bool) -> bool:
         if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
             return False
         if not force and self._look_at is not None:
@@ -84,7 +77,7 @@ class HostLooks:
                 return False  # the job has not yet paid for the last look within this share of the budget
         return True
 
-    def culprits(self, status: TrackStatus, job: JobSteps, *, ignore: set[int]) -> Stepwise[Evidence]:
+    def culprits(self, status: TrackStatus, job: AgentView, *, ignore: set[int]) -> Stepwise[Evidence]:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
         without a baseline, or with nothing grown, a fresh look that the next evaluation compares
         with. ``ignore``: ids of containers that are the agent's own (the detector's buffers). One

@@ -42,11 +42,11 @@ class PendingEvaluation:
     work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]]
     found: dict[Key, Evidence] = field(default_factory=dict)
 
-    def advance(self, clock: Callable[[], float], started: float, *, slice_start_s: float = SLICE_START_S) -> bool:
-        """Run passes while the step end (begun at ``started``) has paid less than ``slice_start_s``;
+    def advance(self, clock: Callable[[], float], started: float) -> bool:
+        """Run passes while the step end (begun at ``started``) has paid less than ``SLICE_START_S``;
         True when every search is done."""
         work = self.work
-        while work and clock() - started < slice_start_s:
+        while work and clock() - started < SLICE_START_S:
             key, search = work[0]
             try:
                 next(search)

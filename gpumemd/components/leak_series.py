@@ -45,13 +45,14 @@ if TYPE_CHECKING:
     from gpumemd.records.step import StepRecord
 
 
-# Noise floors: the smallest growth per step each kind of series can tell from its own noise, whatever
-# the materiality. The allocator's and the census's counters are exact; host RSS moves in pages and
-# malloc chunks; inactive split bytes and NVML move in allocator blocks and segments.
+# Noise floors: the smallest growth per step each kind of series (its finding kind) can tell from its
+# own noise, whatever the materiality. The allocator's and the census's counters (tensor and graph
+# series) are exact; host RSS moves in pages and malloc chunks; inactive split bytes and NVML move in
+# allocator blocks and segments.
 NOISE_FLOOR_BYTES = {
-    "allocated": 1024.0,
-    "census": 1024.0,
-    "host": 16 * 1024.0,  # a Hugging Face Trainer fit drifts by ~2-9 KiB/step of RSS while it warms up
+    "tensor_leak": 1024.0,
+    "graph_leak": 1024.0,
+    "host_leak": 16 * 1024.0,  # a Hugging Face Trainer fit drifts by ~2-9 KiB/step of RSS while it warms up
     "fragmentation": 256 * 1024.0,
     "non_pytorch": 256 * 1024.0,
 }
@@ -66,9 +67,6 @@ COUNT_FLOOR = 0.1
 WAITING_MAX = 32
 """Records waiting for the detector at most (they are fed at each evaluation, every 50 steps by default)."""
 
-# ``_COUNT_MIN`` is ``leak_counts``'s now; tests still read it here.
-__all__ = ["COUNT_FLOOR", "NOISE_FLOOR_BYTES", "RSS_BURST_BYTES", "WAITING_MAX", "LeakSeries"]
-
 
 class LeakSeries:
     """Feeds the detector (one per start) and says what growth matters; see the module docstring. What
@@ -81,7 +79,7 @@ class LeakSeries:
         self._options = options
         self._agent = agent
         self.detector = LeakDetector(DetectorConfig(
-            min_bytes_per_step=options.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["allocated"],
+            min_bytes_per_step=options.leak_min_bytes_per_step or NOISE_FLOOR_BYTES["tensor_leak"],
             warmup_steps=options.leak_warmup_steps,
             window_steps=options.leak_window_steps,
             check_every_steps=options.leak_check_every_steps,
@@ -162,7 +160,7 @@ class LeakSeries:
             self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
         workers = record.workers
         if workers is not None and (workers.workers or self.worker_growth.seen):
-            grown = self.worker_growth.update(step, ((w.pid, w.rss_bytes) for w in workers.workers))
+            grown = self.worker_growth.update((w.pid, w.rss_bytes) for w in workers.workers)
             self._observe(self.workers_spec, step, grown, phase)
 
     def _own_bytes(self, record: StepRecord, samples: int) -> float:
@@ -212,13 +210,13 @@ class LeakSeries:
             if spec.unit != "bytes":
                 out[spec.name] = COUNT_FLOOR
                 continue
-            family = _family(spec.name)
-            fixed = c.leak_host_min_bytes_per_step if family == "host" else c.leak_min_bytes_per_step
+            host = spec.kind == "host_leak"
+            fixed = c.leak_host_min_bytes_per_step if host else c.leak_min_bytes_per_step
             if fixed is not None:
                 out[spec.name] = float(fixed)
                 continue
-            floor = NOISE_FLOOR_BYTES.get(family, NOISE_FLOOR_BYTES["allocated"])
-            if family == "host":
+            floor = NOISE_FLOOR_BYTES[spec.kind]
+            if host:
                 floor = max(floor, RSS_BURST_BYTES / c.leak_window_steps)
             if spec.device not in headrooms:
                 headrooms[spec.device] = self.headroom(spec)
@@ -299,19 +297,6 @@ class LeakSeries:
         if cuda_index(device) is None:
             return None
         return self.detector.slope_since(series_name("invisible_bytes", device), status.phase, status.window_start)
-
-
-def _family(name: str) -> str:
-    """The noise-floor family of a series name."""
-    if name.startswith(("host_", "workers_")):
-        return "host"
-    if name.startswith("inactive_split"):
-        return "fragmentation"
-    if name.startswith("non_pytorch"):
-        return "non_pytorch"
-    if name.startswith(("census", "invisible", "long_lived")):
-        return "census"
-    return "allocated"
 
 
 def _deep_size(obj: object, depth: int = 4) -> int:

@@ -52,7 +52,7 @@ def test_one_allocation_history_is_shared_and_siblings_are_given_not_looked_up(o
     exporter = next(c for c in components if isinstance(c, ExporterComponent))
     assert [type(c) for c in components] == [CensusComponent, LeakComponent, OomComponent, LastStateComponent,
                                              ExporterComponent]
-    assert leak._census is census and leak._history is history
+    assert leak._census is census and leak._sites._history is history
     assert oom._probe._history is history and oom._on_fatal is exporter
     assert oom._census is census  # one census path: the OOM report's census is the census component's
 

@@ -28,15 +28,15 @@ def test_a_same_size_replacement_or_a_varying_batch_is_never_watched() -> None:
     families = TensorFamilies()
     sizes = [4, 48, 17, 33, 48, 5, 40, 48, 12, 48, 30] * 5
     for scan, b in enumerate(sizes):
-        families.observe([torch.zeros(b, 16), torch.zeros(64, 10)], step=scan)
-    assert not any(f.watched for f in families.families())
+        seen = families.observe([torch.zeros(b, 16), torch.zeros(64, 10)], step=scan)
+        assert len(seen) == 2 and not any(f.watched for f in seen)
 
 
 def test_families_are_bounded_least_recently_seen_first() -> None:
     families = TensorFamilies(max_families=4)
     for width in range(10):
         families.observe([torch.zeros(2, width + 1)], step=width)
-    assert [f.key[2] for f in families.families()] == [(7,), (8,), (9,), (10,)]
+    assert [width for width in range(1, 11) if families.get(("cpu", "float32", (width,), False))] == [7, 8, 9, 10]
 
 
 def test_the_tracker_lists_the_new_tensors_a_scan_saw() -> None:

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from gpumemd.probes.heap.host_objects import container_lengths, growing_containers, growing_graph, largest_graph_nodes
+from gpumemd.probes.heap.host_objects import (
+    ContainerGrowth,
+    container_lengths,
+    growing_containers_stepwise,
+    growing_graph,
+    largest_graph_nodes,
+)
+from gpumemd.probes.heap.stepwise import run_to_end
+
+
+def growing_containers(before: dict[int, int], ignore: frozenset[int] = frozenset()) -> list[ContainerGrowth]:
+    """The whole search at once, as a caller that can pause the job runs it."""
+    return run_to_end(growing_containers_stepwise(before, ignore=ignore, holder_budget_s=0.5))
 
 
 def test_growing_list_of_bytes_is_found_and_named() -> None:
@@ -21,7 +33,7 @@ def test_growing_list_of_bytes_is_found_and_named() -> None:
     assert all(g.items_added >= 4 for g in grown)  # the list that only changed an item is not there
     # the caller's own buffers can be left out
     assert all(g.type_name != "list" or g.item_type != "bytes"
-               for g in growing_containers(before, ignore={id(raw_buffers)}))
+               for g in growing_containers(before, ignore=frozenset({id(raw_buffers)})))
 
 
 def test_the_container_is_named_not_the_loop_variable_that_also_holds_its_newest_item() -> None:

@@ -71,12 +71,12 @@ def test_a_real_child_is_seen_by_the_training_thread_without_the_sampler() -> No
 
 def test_growth_since_first_seen_ramps_for_a_growing_worker_and_a_restart_starts_again() -> None:
     growth = WorkerGrowth()
-    assert growth.update(0, [(1, 1000), (2, 1000)]) == 0
-    assert growth.update(10, [(1, 1500), (2, 1200)]) == 700
+    assert growth.update([(1, 1000), (2, 1000)]) == 0
+    assert growth.update([(1, 1500), (2, 1200)]) == 700
     # a new epoch's workers: their growth starts from nothing, the old ones' went with them
-    assert growth.update(20, [(3, 5000), (4, 5000)]) == 0
+    assert growth.update([(3, 5000), (4, 5000)]) == 0
     # an eval loader's short-lived worker beside them adds nothing until it grows
-    assert growth.update(30, [(3, 5100), (4, 5000), (9, 9000)]) == 100
+    assert growth.update([(3, 5100), (4, 5000), (9, 9000)]) == 100
 
 
 def test_a_workers_finding_names_them_their_dataset_and_what_to_try() -> None:

@@ -3,7 +3,8 @@
 The passes that look for a graph or a tensor on a heap of a million objects are paid on the training
 thread. ``issubclass(type(o), Tensor)`` per object costs ~0.2 s at 1M objects; a set of the tensor
 types, tested in C (``itertools.compress``), costs a fraction of that. The set is built from
-``__subclasses__`` at each pass, so subclasses defined since the last one are in it.
+``__subclasses__`` at each pass, so subclasses defined since the last one are in it. ``objects_of`` is
+the same pass for any set of exact types (the host-object look's containers).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import sys
 from typing import Any
 
 
-def tensor_types(torch: Any) -> frozenset[type]:
-    """``torch.Tensor`` and every live subclass of it (``Parameter``, ``FakeTensor``, ...)."""
-    found: set[type] = {torch.Tensor}
-    stack: list[type] = [torch.Tensor]
+def subclasses(*bases: type) -> frozenset[type]:
+    """``bases`` and every live subclass of them."""
+    found: set[type] = {*bases}
+    stack: list[type] = [*bases]
     while stack:
         subs: list[type] = type.__subclasses__(stack.pop())
         for sub in subs:
@@ -34,17 +35,22 @@ def live_tensors() -> list[Any]:
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    types = tensor_types(torch)
+    return objects_of(subclasses(torch.Tensor))
+
+
+def objects_of(types: frozenset[type]) -> list[Any]:
+    """The gc-tracked objects whose exact type is in ``types``, in ``gc.get_objects()`` order,
+    selected in C. The caller owns the list."""
     objects = gc.get_objects()
     try:
         return list(itertools.compress(objects, map(types.__contains__, map(type, objects))))
     except TypeError:  # a metaclass that makes its types unhashable: one object at a time
-        return [o for o in objects if _is_tensor(o, types)]
+        return [o for o in objects if _is_one_of(o, types)]
     finally:
         objects.clear()
 
 
-def _is_tensor(obj: Any, types: frozenset[type]) -> bool:
+def _is_one_of(obj: Any, types: frozenset[type]) -> bool:
     try:
         return type(obj) in types
     except TypeError:

@@ -14,25 +14,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
-import itertools
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.probes.heap.autograd_graph import GraphWalk, count_nodes
-from gpumemd.probes.heap.heap_tensors import live_tensors
-from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
+from gpumemd.probes.heap.heap_tensors import live_tensors, objects_of
+from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly
 from gpumemd.probes.heap.storages import StorageKey, Storages
 from gpumemd.probes.holding.holders import who_holds
 
 if TYPE_CHECKING:
     import torch
 
-_CONTAINERS = frozenset({list, dict, set, collections.deque})
+_CONTAINERS: frozenset[type] = frozenset({list, dict, set, collections.deque})  # exact types
 _MIN_LEN = 8  # smaller containers are not where a leak lives after a few hundred steps
 _MAX_TRACKED = 50_000  # bounded memory for one snapshot: ids -> lengths
+_MIN_ADDED = 4  # items a container must gain to be a culprit
+_GROWN_SHOWN = 3  # grown containers named at most, most bytes first
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class ContainerGrowth:
 def container_lengths() -> dict[int, int]:
     """id -> length of every gc-tracked container with at least ``_MIN_LEN`` items (bounded)."""
     out: dict[int, int] = {}
-    containers = _containers()
+    containers = objects_of(_CONTAINERS)
     try:
         for obj in containers:
             try:
@@ -66,16 +66,6 @@ def container_lengths() -> dict[int, int]:
     return out
 
 
-def _containers() -> list[Any]:
-    """The gc-tracked lists, dicts, sets and deques (exact types), selected in C: a heap of a million
-    objects is walked in a fraction of what a Python-level type test per object costs."""
-    objects = gc.get_objects()
-    try:
-        return list(itertools.compress(objects, map(_CONTAINERS.__contains__, map(type, objects))))
-    finally:
-        objects.clear()
-
-
 def _recent_item(obj: Any) -> Any:
     """The item added before the newest (the newest when it is the only one): the holder search starts
     from it, and the newest is often still held by the loop's own variable as well (``x =
@@ -89,23 +79,15 @@ def _recent_item(obj: Any) -> Any:
     return next(iter(obj), None) if obj else None
 
 
-def growing_containers(
-    before: dict[int, int], *, limit: int = 3, min_added: int = 4, ignore: set[int] | frozenset[int] = frozenset(),
-) -> list[ContainerGrowth]:
-    """Containers from ``before`` that gained at least ``min_added`` items, most bytes first; the
-    first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
-    ids of containers that are the caller's own bounded buffers."""
-    return run_to_end(growing_containers_stepwise(before, limit=limit, min_added=min_added, ignore=ignore,
-                                                  holder_budget_s=0.5))
-
-
 def growing_containers_stepwise(
-    before: dict[int, int], *, limit: int = 3, min_added: int = 4, ignore: set[int] | frozenset[int] = frozenset(),
-    holder_budget_s: float,
+    before: dict[int, int], *, ignore: set[int] | frozenset[int] = frozenset(), holder_budget_s: float,
 ) -> Stepwise[list[ContainerGrowth]]:
-    """``growing_containers`` in two passes: the heap scan, then (after a ``yield``) the holder search."""
+    """Containers from ``before`` that gained at least ``_MIN_ADDED`` items, most bytes first; the
+    first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
+    ids of containers that are the caller's own bounded buffers. Two passes: the heap scan, then
+    (after a ``yield``) the holder search."""
     found: list[tuple[int, Any, int, Any]] = []
-    for obj in _containers():
+    for obj in objects_of(_CONTAINERS):
         if id(obj) in ignore:
             continue
         was = before.get(id(obj))
@@ -113,7 +95,7 @@ def growing_containers_stepwise(
             continue
         try:
             added = len(obj) - was
-            if added < min_added:
+            if added < _MIN_ADDED:
                 continue
             item = _recent_item(obj)
             size = sys.getsizeof(item)
@@ -124,7 +106,7 @@ def growing_containers_stepwise(
         found.append((added * size, obj, added, item))
     found.sort(key=lambda f: f[0], reverse=True)
     grown = [ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj))
-             for approx, obj, added, item in found[:limit]]
+             for approx, obj, added, item in found[:_GROWN_SHOWN]]
     recent = hold_weakly(found[0][3]) if found and found[0][3] is not None else None
     found.clear()
     if recent is None:
@@ -140,6 +122,7 @@ def growing_containers_stepwise(
 # --- autograd graphs that grow behind one tensor (``total_loss += loss``) ------------------------
 
 _GRAPH_NODE_BUDGET = 50_000  # nodes walked per look, over all graphs
+_SAVED_WALK_NODES = 5_000  # nodes walked for the tensors one tensor's graph saved
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,15 +183,15 @@ def growing_graph(before_nodes: int, *, min_added: int, holder_budget_s: float =
     return GraphGrowth(f"{dtype}{shape} with grad_fn", n, n - before_nodes, holder)
 
 
-def saved_by_a_graph(sample: Any, *, max_nodes: int = _GRAPH_NODE_BUDGET) -> bool:
+def saved_by_a_graph(sample: Any) -> bool:
     """Does a live autograd graph save a tensor on ``sample``'s storage? The graphs of the tensors
-    with a ``grad_fn`` are walked newest first, each node once, ``max_nodes`` in all. What makes a
+    with a ``grad_fn`` are walked newest first, each node once, ``_GRAPH_NODE_BUDGET`` in all. What makes a
     tensor that nothing in Python holds "kept by a graph", rather than unexplained."""
     try:
         ptr = sample.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - no storage (a wrapper subclass): nothing to compare
         return False
-    walk = GraphWalk(max_nodes)
+    walk = GraphWalk(_GRAPH_NODE_BUDGET)
     tensors = live_tensors()
     try:
         for index, obj in enumerate(reversed(tensors)):
@@ -234,13 +217,13 @@ def _saves(walk: GraphWalk, fn: Any, index: int, ptr: int) -> bool:
     return False
 
 
-def graph_size(tensor: Any, *, max_nodes: int = 200_000) -> int:
+def graph_size(tensor: Any, *, max_nodes: int) -> int:
     """Nodes in the autograd graph ``tensor`` keeps (a bounded walk: at most ``max_nodes``)."""
     fn = getattr(tensor, "grad_fn", None)
     return 0 if fn is None else count_nodes(fn, max_nodes)
 
 
-def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
+def saved_bytes(tensor: Any) -> int:
     """Bytes of the tensors that ``tensor``'s autograd graph saved (each storage once; a bounded
     walk): what keeping this one tensor alive costs beyond its own storage. A saved tensor counts its
     own storage only (none for sparse or wrapper tensors), unlike the census, which counts their
@@ -249,7 +232,7 @@ def saved_bytes(tensor: Any, *, max_nodes: int = 5_000) -> int:
     fn = getattr(tensor, "grad_fn", None)
     if torch is None or fn is None:
         return 0
-    walk = GraphWalk(max_nodes, overrun=True)
+    walk = GraphWalk(_SAVED_WALK_NODES, overrun=True)
     counted: set[StorageKey] = set()
     total = 0
     try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, TypeAlias
 
+from gpumemd.probes.heap.heap_tensors import subclasses
+
 if TYPE_CHECKING:
     import torch
 
@@ -105,19 +107,11 @@ class Storages:
         return out
 
 
-def _no_memory_types() -> set[type]:
+def _no_memory_types() -> frozenset[type]:
     """Tensor types that have a size but no memory: FakeTensor (if torch has loaded it; never imported
     just for this: its data_ptr() warns) and lazy modules' UninitializedParameter/Buffer (any torch
     call on them raises), with their subclasses."""
     module = sys.modules.get("torch._subclasses.fake_tensor")
     parameter = sys.modules.get("torch.nn.parameter")
     bases = [getattr(module, "FakeTensor", None), getattr(parameter, "UninitializedTensorMixin", None)]
-    out: set[type] = {b for b in bases if isinstance(b, type)}
-    stack: list[type] = list(out)
-    while stack:
-        sub: type
-        for sub in type.__subclasses__(stack.pop()):
-            if sub not in out:
-                out.add(sub)
-                stack.append(sub)
-    return out
+    return subclasses(*[b for b in bases if isinstance(b, type)])

@@ -96,12 +96,10 @@ class HostProbe:
             self._fast_rss.close()
             self._fast_rss = None
 
-    def read(self, *, full: bool = True) -> HostSample | None:
+    def read(self) -> HostSample | None:
         rss = self.rss()
         if rss is None:
             return None
-        if not full:
-            return HostSample(rss_bytes=rss)
         limits = self.limits()
         bound = binding(limits)
         self.health.ok()

@@ -99,14 +99,12 @@ def _next_sequence_nr() -> int | None:
 class GraphChainTracker:
     """Follows autograd graphs that reach back across steps; see the module docstring."""
 
-    def __init__(self, *, max_chains: int = MAX_CHAINS) -> None:
-        self._max_chains = max_chains
+    def __init__(self) -> None:
         self._mark: int | None = None  # the next sequence number at the end of the last step noted
         self._marks: deque[tuple[int, int]] = deque(maxlen=MAX_MARKS)  # (step, mark) to date chains
         self._chains: list[_Chain] = []
         self.errors = 0
         self.popped = 0  # nodes popped over all searches (what the searches cost; tests read it)
-        self.available = _next_sequence_nr() is not None
 
     def groups(self) -> list[ChainGroup]:
         by_key: dict[ChainKey, list[_Chain]] = {}
@@ -182,7 +180,7 @@ class GraphChainTracker:
                     continue  # two roots on one chain: counted once
                 chain.nodes += walked
                 chain.root_seq, chain.root = seq, weakref.ref(t)
-            elif len(self._chains) < self._max_chains:
+            elif len(self._chains) < MAX_CHAINS:
                 key = (str(t.device), str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 chain = _Chain(key, seq, weakref.ref(t), 1, self._oldest(fn))
                 self._chains.append(chain)

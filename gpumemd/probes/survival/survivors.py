@@ -100,12 +100,11 @@ class SurvivorGroup:
 class SurvivorTracker:
     """Counts tensors promoted to the oldest gc generation, per group; see the module docstring."""
 
-    def __init__(self, *, max_tracked: int = MAX_TRACKED, max_groups: int = MAX_GROUPS) -> None:
+    def __init__(self, *, max_tracked: int = MAX_TRACKED) -> None:
         import torch
 
         self._tensor_types = frozenset({torch.Tensor})  # exact type: parameters are not the leak
-        self._max_tracked = max_tracked
-        self._max_groups = max_groups
+        self.max_tracked = max_tracked
         self._refs: dict[int, _Ref] = {}
         self._counts: dict[GroupKey, int] = {}
         self._bytes: dict[GroupKey, int] = {}
@@ -121,7 +120,9 @@ class SurvivorTracker:
         self.collections = 0  # collections seen
         self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
-        self.truncated = False  # the cap was reached: counts are lower bounds from then on (see ``capped``)
+        # The tracker reached its cap at least once: tensors made while it was there were never counted,
+        # so from then on every count is a lower bound, and one that stays flat says nothing.
+        self.capped = False
         self.errors = 0
         self._dtypes: dict[Any, str] = {}
         self._devices: dict[Any, str] = {}
@@ -152,21 +153,8 @@ class SurvivorTracker:
 
     # --- reading (training thread, every few steps) ------------------------------------------
 
-    @property
-    def max_tracked(self) -> int:
-        return self._max_tracked
-
-    @property
-    def capped(self) -> bool:
-        """Did the tracker ever reach its cap? Tensors made while it was there were never counted, so
-        from then on every count is a lower bound, and one that stays flat says nothing."""
-        return self.truncated
-
     def groups(self) -> list[SurvivorGroup]:
         return [SurvivorGroup(k, c, self._bytes.get(k, 0)) for k, c in list(self._counts.items())]
-
-    def count(self, key: GroupKey) -> int:
-        return self._counts.get(key, 0)
 
     def total(self) -> tuple[int, dict[Device, int]]:
         """(tensors, bytes per device) of everything tracked."""
@@ -253,8 +241,8 @@ class SurvivorTracker:
         return seconds
 
     def _young(self, *, collect: bool = False) -> list[weakref.ref[Any]]:
-        if len(self._refs) >= self._max_tracked:
-            self.truncated = True
+        if len(self._refs) >= self.max_tracked:
+            self.capped = True
             return []
         types = self._tensor_types
         # Generation 0 only: every collection (the callback above) lists it before moving its
@@ -297,8 +285,8 @@ class SurvivorTracker:
             tid = id(t)
             if tid in bases or tid in batch:
                 continue
-            if len(refs) >= self._max_tracked:
-                self.truncated = True
+            if len(refs) >= self.max_tracked:
+                self.capped = True
                 break
             try:
                 key, nbytes = self._describe(t)
@@ -325,7 +313,7 @@ class SurvivorTracker:
 
     def _add(self, key: GroupKey, group: list[_Ref]) -> None:
         """Count a scan's new members of one group (their refs already carry the described key)."""
-        if key not in self._counts and len(self._counts) >= self._max_groups:
+        if key not in self._counts and len(self._counts) >= MAX_GROUPS:
             key = OVERFLOW
         key = self._keys.get(key) or self._intern(key)
         for r in group:
@@ -338,7 +326,7 @@ class SurvivorTracker:
         samples.extend(group[-_SAMPLES:])
 
     def _intern(self, key: GroupKey) -> GroupKey:
-        if len(self._keys) > 2 * self._max_groups:  # groups that died and left their keys behind
+        if len(self._keys) > 2 * MAX_GROUPS:  # groups that died and left their keys behind
             self._keys = {k: k for k in self._counts}
             self._keys[OVERFLOW] = OVERFLOW
         key = (key[0], key[1], tuple(key[2]), key[3])  # a plain tuple, not the torch.Size it was read as

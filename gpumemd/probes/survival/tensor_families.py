@@ -65,10 +65,10 @@ class Family:
     def watched(self) -> bool:
         return self.records >= RECORDS_TO_WATCH and self.best_rows >= GROWTH_TO_WATCH * max(1, self.first_rows)
 
-    def describe(self, rows: str = "N") -> str:
-        """``float32[N, 10]``: the family, its leading dimension named (or given)."""
+    def describe(self) -> str:
+        """``float32[N, 10]``: the family, its leading dimension named."""
         _, dtype, trailing, graph = self.key
-        text = f"{dtype}[{', '.join([rows, *(str(d) for d in trailing)])}]"
+        text = f"{dtype}[{', '.join(['N', *(str(d) for d in trailing)])}]"
         return text + " with grad_fn" if graph else text
 
 
@@ -80,10 +80,6 @@ class TensorFamilies:
         self._families: collections.OrderedDict[FamilyKey, Family] = collections.OrderedDict()
         self._dtypes: dict[Any, tuple[str, int]] = {}
         self._devices: dict[Any, str] = {}
-        self.errors = 0
-
-    def families(self) -> list[Family]:
-        return list(self._families.values())
 
     def get(self, key: FamilyKey) -> Family | None:
         return self._families.get(key)
@@ -107,7 +103,6 @@ class TensorFamilies:
                 key = (t.device, t.dtype, shape[1:], t.grad_fn is not None)
                 rows = shape[0]
             except Exception:  # noqa: BLE001 - an exotic tensor: not followed
-                self.errors += 1
                 continue
             seen = largest.get(key)
             if seen is None or rows > seen[0]:
@@ -117,7 +112,6 @@ class TensorFamilies:
             try:
                 key, row_bytes = self._family_key(device, dtype, trailing, graph, t)
             except Exception:  # noqa: BLE001
-                self.errors += 1
                 continue
             seen_now.append(self._update(key, rows, row_bytes, t, step))
         largest.clear()
