@@ -215,7 +215,7 @@ class LeakSeries:
             if fixed is not None:
                 out[spec.name] = float(fixed)
                 continue
-            floor = NOISE_FLOOR_BYTES[spec.kind]
+            floor = NOISE_FLOOR_BYTES.get(spec.kind, NOISE_FLOOR_BYTES["tensor_leak"])  # exact counters by default
             if host:
                 floor = max(floor, RSS_BURST_BYTES / c.leak_window_steps)
             if spec.device not in headrooms:
