@@ -601,13 +601,13 @@ class Outcome:
 
 class _Timed:
     """Wraps the leak component's on_step to measure its whole per-step cost (and, for leaking runs,
-    to end the run once a finding of the leak's kind is confirmed: ``stop_when_confirmed``)."""
+    to end the run once a finding of the leak's kind, ``stop_at``, is confirmed)."""
 
-    def __init__(self, agent: Any, component: Any, stop_when_confirmed: str | None) -> None:
+    def __init__(self, agent: Any, component: Any, stop_at: str | None) -> None:
         self.agent = agent
         self.seconds = 0.0
         self._inner = component.on_step
-        self._stop = stop_when_confirmed
+        self._stop = stop_at
 
     def __call__(self, record: Any) -> None:
         start = time.perf_counter()
