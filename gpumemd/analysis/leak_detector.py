@@ -45,6 +45,8 @@ from gpumemd.analysis.leak_track import Track
 from gpumemd.analysis.leak_types import DetectorConfig, LeakState, SeriesSpec, TrackStatus
 from gpumemd.analysis.leak_verdicts import (
     CONFIRMED_EVERY,
+    NEAR_OOM_EVERY,
+    NEAR_OOM_RESTS,
     UNCOVERED,
     explained_at_rest,
     knee_verdict,
@@ -78,6 +80,13 @@ class LeakDetector:
         self._lent: dict[tuple[str, str], tuple[float, float, int]] = {}
         long_points = math.ceil(config.long_window_steps / config.block) + 2 * config.min_points
         self._max_floors = max(64, min(4096, long_points))
+        self.check_every = config.check_every_steps
+        self.near_oom: set[str] = set()
+        """Series whose confirmed finding projects the out-of-memory within ``near_oom_within`` steps
+        (the component says which): re-tested every ``NEAR_OOM_EVERY`` checks, not ``CONFIRMED_EVERY``."""
+        self.near_oom_within = NEAR_OOM_RESTS * CONFIRMED_EVERY * config.check_every_steps
+        """Steps between evaluations now: ``check_every_steps``, or longer while the component only tracks
+        confirmed findings over its budget (``components.leak_scans``)."""
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -161,7 +170,7 @@ class LeakDetector:
         """The first step at which an evaluation is due."""
         if self._last_check is None:
             return self.config.warmup_steps
-        return max(self.config.warmup_steps, self._last_check + self.config.check_every_steps)
+        return max(self.config.warmup_steps, self._last_check + self.check_every)
 
     def evaluate(self, step: int, min_slopes: Mapping[str, float] | None = None) -> list[TrackStatus]:
         """Assess every track; returns the status of each track that has ever fired (changed or not).
@@ -261,12 +270,18 @@ class LeakDetector:
 
     def _resting(self, track: Track, step: int) -> TrackStatus | None:
         """A confirmed leak is re-tested less often: the O(n²) tests on every check of a finding
-        that lasts for days would be the detector's main cost. Its last status, unchanged, meanwhile."""
+        that lasts for days would be the detector's main cost. Its last status, unchanged, meanwhile.
+        Not after a failed re-test: it is tested at every check until it passes again or is cleared,
+        so a leak that stops is cleared as soon as when it was re-tested every check."""
         last = track.last_status
-        if (track.state is LeakState.CONFIRMED and last is not None
-                and step - last.step < CONFIRMED_EVERY * self.config.check_every_steps):
+        if (track.state is LeakState.CONFIRMED and last is not None and not track.consecutive_fail
+                and step - last.step < self.rest_steps(track.spec.name)):
             return dataclasses.replace(last, changed=False)
         return None
+
+    def rest_steps(self, name: str) -> int:
+        """Steps a confirmed track of series ``name`` rests between its re-tests."""
+        return (NEAR_OOM_EVERY if name in self.near_oom else CONFIRMED_EVERY) * self.config.check_every_steps
 
     def _verdict(self, track: Track, phase: str, step: int, steps: float, min_slope: float, *, covered: bool,
                  ) -> tuple[Verdict, float, list[float], list[float]]:

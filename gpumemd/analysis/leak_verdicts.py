@@ -16,7 +16,18 @@ from gpumemd.analysis.leak_track import Track, hinge_onset
 from gpumemd.analysis.leak_types import DetectorConfig, LeakState
 from gpumemd.analysis.trend import Slope, Verdict, assess_knee, theil_sen
 
-CONFIRMED_EVERY = 4  # confirmed tracks are re-tested every this many checks
+CONFIRMED_EVERY = 10
+"""Checks between two re-tests of a confirmed track (and of a track its finding explains): one a
+window. A re-test is the detector's costliest work (the window's O(n²) tests and the finding's sentences
+rebuilt); at every 4th check it was a third of what tracking a leak cost a 2 ms step."""
+
+NEAR_OOM_EVERY = 4
+"""Checks between re-tests of a confirmed track whose finding projects the out-of-memory within
+``NEAR_OOM_RESTS`` rests of ``CONFIRMED_EVERY`` checks (10,000 steps at the defaults): its figures, the
+projection among them, are refreshed at re-tests, and this close they must not lag by more than a few
+percent of the time left."""
+
+NEAR_OOM_RESTS = 20
 
 
 def explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int,

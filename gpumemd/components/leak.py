@@ -11,7 +11,8 @@ the findings and says their state changes.
 
 This module runs them on the training thread. The detector folds values into block floors every
 step (O(1)) and is evaluated every ``leak_check_every_steps``; survivor scans are spaced within the
-overhead budget. On a state change of a cause the component logs one WARNING line (the finding's
+overhead budget, and while only confirmed findings are tracked both may be spaced further
+(``leak_scans.TRACKING_STRETCH``). On a state change of a cause the component logs one WARNING line (the finding's
 headline, at most 200 characters), appends the whole finding to
 ``leak-findings-rank<R>.jsonl`` in the output directory and publishes ``findings`` in the agent state.
 """
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gpumemd.analysis.leak_types import LeakState
 from gpumemd.components.leak_culprits import CulpritSearch
 from gpumemd.components.leak_findings import LeakFindings
 from gpumemd.components.leak_host import HostLooks
@@ -237,6 +239,7 @@ class LeakComponent:
         findings = self._findings
         statuses = series.evaluate(step)
         rising = series.rising_names()
+        self._track_only(series, statuses, rising)
         work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)
@@ -250,6 +253,18 @@ class LeakComponent:
             work.append((None, self._host.look_stepwise(step, self._agent)))  # a baseline: nothing waits on it
         self._pending = PendingEvaluation(step, statuses, rising, work)
 
+    def _track_only(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> None:
+        """Tracking: every finding is confirmed, none projects the out-of-memory soon, and nothing else
+        rises or is suspected. Scans and evaluations may then be spaced further apart when the budget asks
+        (``leak_scans.TRACKING_STRETCH``); anything that rises ends it at once, so the next evaluation is at
+        the usual interval."""
+        scans, detector = self._scans, series.detector
+        states = {s.state for s in statuses}
+        scans.tracking = (LeakState.CONFIRMED in states and LeakState.SUSPECTED not in states
+                          and not rising and not detector.near_oom)
+        every = detector.config.check_every_steps
+        detector.check_every = max(every, scans.interval) if scans.tracking else every
+
     def _advance(self, agent: AgentView, parts: _Parts, started: float) -> None:
         """Run the pending searches within this step end's share; when all are done, update the
         findings and say their state changes."""
@@ -262,6 +277,8 @@ class LeakComponent:
             return
         self._pending = None
         self._findings.conclude(agent, parts.series, pending)
+        detector = parts.series.detector
+        detector.near_oom = self._findings.near_oom(detector.near_oom_within)
 
 
 def _search_order(status: TrackStatus) -> int:

@@ -158,6 +158,11 @@ class LeakFindings:
         keys.update((s.spec.name, s.phase) for s in statuses if s.state is not None and s.state.active)
         return keys
 
+    def near_oom(self, within_steps: float) -> set[str]:
+        """Series whose confirmed finding projects the out-of-memory within ``within_steps``."""
+        return {f.series for f in self._findings.values() if f.state == "confirmed" and f.steps_to_oom is not None
+                and f.steps_to_oom < within_steps}
+
     def counts_active(self, series: LeakSeries, rising: set[str]) -> bool:
         """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
         the heap scans that look for other culprits are not worth their cost."""

@@ -14,6 +14,15 @@ SCAN_EVERY_MAX = 50
 """Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
 10 points of every count series, so the budget never starves detection."""
 
+TRACKING_STRETCH = 2
+"""While the only findings are confirmed ones and nothing else rises (``tracking``), scans and
+evaluations may be this many times further apart than ``SCAN_EVERY_MAX`` and ``check_every_steps``
+when the budget asks: a leak that lasts for days is then tracked inside it (a 1-tensor/step leak on
+2 ms steps cost 1.4% at 50 steps; benchmarks/bench_step_overhead.py --leak). What it costs: a second
+leak that starts meanwhile is first assessed up to one interval later (the first assessment ends
+tracking); a confirmed track's re-tests keep their min_points floors (its window lengthens to cover
+them), and their spacing in steps is the detector's (``CONFIRMED_EVERY``)."""
+
 
 class ScanSchedule:
     """Counts in the agent's ``steps_total`` (every step, sampled or not). ``seconds`` is what the scans
@@ -21,6 +30,7 @@ class ScanSchedule:
 
     def __init__(self, *, window_steps: int, overhead_budget: float) -> None:
         self._longest = max(1, min(SCAN_EVERY_MAX, window_steps // 10))  # 10 points per window
+        self.tracking = False  # the component says so at each evaluation (TRACKING_STRETCH)
         self._allowed = budget.share(overhead_budget, budget.Part.LEAK_CHECKS)
         self.interval = SCAN_EVERY  # steps between scans now
         self.next_total = SCAN_EVERY  # steps_total at which the next scan runs
@@ -43,7 +53,8 @@ class ScanSchedule:
         if seconds_per_step:  # the typical step: pauses between steps do not count
             allowed = max(self._allowed / 2, self._allowed - evaluations_share)
             interval = budget.steps_between(cost, allowed, seconds_per_step)
-        self.interval = max(min(SCAN_EVERY, self._longest), min(self._longest, interval))
+        longest = self._longest * (TRACKING_STRETCH if self.tracking else 1)
+        self.interval = max(min(SCAN_EVERY, self._longest), min(longest, interval))
 
     def plan(self, total: int, steps_to_evaluation: int | None) -> None:
         """After a step end at ``total``: the next scan ``interval`` steps after the last, or at the next

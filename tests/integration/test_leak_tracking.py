@@ -1,0 +1,66 @@
+"""While a confirmed leak is tracked, scans and evaluations space out within the budget, and a second
+leak that starts meanwhile is still found and named. At default settings, on a fast loop (the budget
+asks for the stretch there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from leak_scenarios import SUSPECT_WITHIN_LARGE
+
+import gpumemd
+from gpumemd.components.leak import LeakComponent
+from gpumemd.components.leak_scans import SCAN_EVERY_MAX, TRACKING_STRETCH
+from gpumemd.records.findings import Finding
+
+FIRST = "float32[16]"
+SECOND = "float32[256]"
+
+
+def _finding(agent: gpumemd.Agent, group: str) -> Finding | None:
+    return next((f for f in agent.state().findings if group in f.series and f.state != "cleared"), None)
+
+
+@pytest.mark.slow
+def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 8), torch.randint(0, 10, (8,))
+    first_kept: list[torch.Tensor] = []
+    second_kept: list[torch.Tensor] = []
+    confirmed_at: int | None = None
+    second_onset: int | None = None
+    intervals: set[int] = set()
+    with gpumemd.attached(output_dir=str(tmp_path), quiet=True) as agent:
+        detector = agent.component(LeakComponent)._parts.series.detector  # type: ignore[union-attr]
+        for step in range(8_000):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= 50:
+                first_kept.append(torch.zeros(16))
+            first = _finding(agent, FIRST)
+            if second_onset is None:
+                if first is not None and first.state == "confirmed":
+                    confirmed_at = step if confirmed_at is None else confirmed_at
+                    intervals.add(detector.check_every)
+                    if step >= confirmed_at + 1_000:  # tracked for two windows: the stretch is on
+                        second_onset = step
+                continue
+            second_kept.append(torch.zeros(256))
+            second = _finding(agent, SECOND)
+            if second is not None and second.state == "confirmed":
+                break
+    assert second_onset is not None, "the first leak was never confirmed"
+    # Tracking the first alone, the budget spaced the evaluations beyond the usual 50 steps.
+    assert max(intervals) == SCAN_EVERY_MAX * TRACKING_STRETCH, intervals
+    second = _finding(agent, SECOND)
+    assert second is not None and second.state == "confirmed", [f.headline for f in agent.state().findings]
+    # Suspected ~450 steps after its onset at the usual interval (measured: 452), up to one stretched
+    # interval later while the first was tracked alone (502): the stretch's whole cost.
+    assert second.first_step - second_onset <= SUSPECT_WITHIN_LARGE + SCAN_EVERY_MAX * TRACKING_STRETCH, (
+        second_onset, second.first_step)
+    assert "second_kept" in second.summary, second.summary
+    first = _finding(agent, FIRST)
+    assert first is not None and first.state == "confirmed" and "first_kept" in first.summary, first
