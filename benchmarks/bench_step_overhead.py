@@ -342,9 +342,9 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
     ``leak``: the job keeps one small tensor a step in the warm-up, then one every third step in every
     block: the agent's steps are the agent-on blocks' (its step clock skips the others), a third of the
     job's, so it sees about one a step, as in ``bench_leak_tracking.py``, and the leak's own cost to the
-    job is the same in both arms. (Keeping it in the agent-on blocks only put that cost in them: on this
-    box a kept tensor a step slows the 2 ms MLP by ~150 µs a step, agent or not, as the heap it pins
-    grows.) The findings say it was confirmed."""
+    job is the same in both arms. (Keeping it in the agent-on blocks only put that cost in them: a kept
+    tensor a step slows the 2 ms MLP by itself, as the heap it pins grows.) The findings say it was
+    confirmed."""
     import torch
 
     torch.set_num_threads(1)

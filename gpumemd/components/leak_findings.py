@@ -115,8 +115,8 @@ class LeakFindings:
             return False
         previous = self._findings.get(key)
         if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
-            # The detector gave its last status again (a confirmed leak between its re-tests, every
-            # 4th check): the finding stands as built then; rebuilding its sentences every check of a
+            # The detector gave its last status again (a confirmed leak between its re-tests,
+            # ``CONFIRMED_EVERY``): the finding stands as built then; rebuilding its sentences every check of a
             # finding that lasts for days was most of the cost of tracking it.
             return True
         active = status.state is not None and status.state.active
