@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import itertools
 import sys
+from collections.abc import Container
 from typing import Any
 
 
@@ -38,11 +39,16 @@ def live_tensors() -> list[Any]:
     return objects_of(subclasses(torch.Tensor))
 
 
-def objects_of(types: frozenset[type]) -> list[Any]:
+def objects_of(types: Container[type]) -> list[Any]:
     """The gc-tracked objects whose exact type is in ``types``, in ``gc.get_objects()`` order,
     selected in C. The caller owns the list."""
-    objects = gc.get_objects()
+    return select(gc.get_objects(), types)
+
+
+def select(objects: list[Any], types: Container[type]) -> list[Any]:
+    """The objects of ``objects`` (which it clears) whose exact type is in ``types``, in order."""
     try:
+        # The same as [o for o in objects if type(o) in types], iterated in C: about twice as fast.
         return list(itertools.compress(objects, map(types.__contains__, map(type, objects))))
     except TypeError:  # a metaclass that makes its types unhashable: one object at a time
         return [o for o in objects if _is_one_of(o, types)]
@@ -50,7 +56,7 @@ def objects_of(types: frozenset[type]) -> list[Any]:
         objects.clear()
 
 
-def _is_one_of(obj: Any, types: frozenset[type]) -> bool:
+def _is_one_of(obj: Any, types: Container[type]) -> bool:
     try:
         return type(obj) in types
     except TypeError:
