@@ -166,7 +166,8 @@ class _Climb:
             roots, following = self._climb(frontier, frontier_ids)
             depth, climbed = depth + 1, climbed + 1
             if roots:
-                return self._render(*min(roots, key=lambda r: r[0])[1:])
+                _, root, start_id = min(roots, key=lambda r: r[0])
+                return render(root, self._chain(start_id))
             if not following and not searched_untracked:
                 # nothing tracked refers to what was reached: an untracked holder, perhaps
                 following, searched_untracked = self._untracked(set(self.nodes)), True
@@ -270,9 +271,6 @@ class _Climb:
             objects.clear()
         return found
 
-    def _render(self, root: Root, start_id: int) -> str:
-        return render(root, self._chain(start_id))
-
     def _cut(self, depth: int) -> str | None:
         """The path from the nearest named owner, when the bounds stopped the climb below any root."""
         if self.owner is None:
@@ -307,10 +305,7 @@ def _class_namespace(cls: type) -> Any:
 
 
 def _held_child(ref: Any, frontier_ids: set[int]) -> Any:
-    for referent in gc.get_referents(ref):
-        if id(referent) in frontier_ids:
-            return referent
-    return None
+    return next((r for r in gc.get_referents(ref) if id(r) in frontier_ids), None)
 
 
 def _key_text(mapping: Any, child: Any) -> str:

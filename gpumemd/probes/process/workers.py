@@ -65,7 +65,7 @@ class WorkersProbe:
         fd = self._children_fds.get(tid)
         if fd is None:
             if len(self._children_fds) >= 8:  # steps ended on ever new threads: keep a few files only
-                self._close_children()
+                _close_all(self._children_fds)
             try:
                 fd = os.open(os.path.join(self._proc, str(self._pid), "task", str(tid), "children"), _FLAGS)
             except OSError:
@@ -79,7 +79,7 @@ class WorkersProbe:
         tid = threading.get_native_id()
         with self._lock:  # one thread at a time opens, reads and closes the statm files
             if self._statm_owner != tid:
-                self._close_statm()
+                _close_all(self._statm)
                 self._statm_owner = tid
             fds = self._statm
             out: list[WorkerSample] = []
@@ -100,12 +100,6 @@ class WorkersProbe:
                 with contextlib.suppress(OSError):
                     os.close(fds.pop(pid))
             return out
-
-    def _close_statm(self) -> None:
-        for fd in self._statm.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._statm.clear()
 
     # --- the sampler thread --------------------------------------------------------------------
 
@@ -165,18 +159,19 @@ class WorkersProbe:
                     out.append(WorkerSample(pid, int(p.memory_info().rss)))
         return WorkersSample(tuple(out))
 
-    def _close_children(self) -> None:
-        for fd in self._children_fds.values():
-            with contextlib.suppress(OSError):
-                if fd < 0:
-                    continue
-                os.close(fd)
-        self._children_fds.clear()
-
     def close(self) -> None:
-        self._close_children()
+        _close_all(self._children_fds)
         with self._lock:
-            self._close_statm()
+            _close_all(self._statm)
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    """Close every open file of ``fds`` (-1: none was opened) and forget them."""
+    for fd in fds.values():
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    fds.clear()
 
 
 def _kib_fields(raw: bytes) -> dict[bytes, int]:

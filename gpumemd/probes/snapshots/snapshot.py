@@ -140,9 +140,6 @@ class SnapshotProbe:
         if ``wanted()`` still says so (the queue runs once, maybe long after a detach), under ``lock``,
         which the caller also holds while it switches history off (a detach racing the job's CUDA init).
         False: this torch has no queue (the caller switches it on at a step end instead)."""
-        lazy_call = getattr(getattr(self._t(), "cuda", None), "_lazy_call", None)
-        if lazy_call is None:
-            return False
         health = self.health
 
         def at_init() -> None:
@@ -154,7 +151,7 @@ class SnapshotProbe:
                 with contextlib.suppress(Exception):
                     health.failed(exc)
 
-        return self._queue_at_init(lazy_call, at_init)
+        return self._queue_at_init(at_init)
 
     def attach_oom_observer_at_init(self, observer: OomObserver, attached: Callable[[bool], None]) -> bool:
         """Have ``observer`` attached when CUDA initialises, through torch's lazy-init queue
@@ -165,10 +162,8 @@ class SnapshotProbe:
 
         The queued call must never raise: ``_lazy_init`` turns an exception from it into a
         ``DeferredCudaCallError`` in the job's first CUDA call."""
-        torch = self._t()
-        lazy_call = getattr(getattr(torch, "cuda", None), "_lazy_call", None)
-        attach = getattr(getattr(torch, "_C", None), "_cuda_attach_out_of_memory_observer", None)
-        if lazy_call is None or attach is None:
+        attach = getattr(getattr(self._t(), "_C", None), "_cuda_attach_out_of_memory_observer", None)
+        if attach is None:
             return False
         health = self.health
 
@@ -183,10 +178,13 @@ class SnapshotProbe:
             with contextlib.suppress(Exception):  # see above: never into the job's CUDA init
                 attached(ok)
 
-        return self._queue_at_init(lazy_call, at_init)
+        return self._queue_at_init(at_init)
 
-    def _queue_at_init(self, lazy_call: Callable[[Callable[[], None]], None], at_init: Callable[[], None]) -> bool:
-        """Queue ``at_init`` on torch's lazy-init queue; False when the queue refused it."""
+    def _queue_at_init(self, at_init: Callable[[], None]) -> bool:
+        """Queue ``at_init`` on torch's lazy-init queue; False when this torch has none or it refused."""
+        lazy_call = getattr(getattr(self._t(), "cuda", None), "_lazy_call", None)
+        if lazy_call is None:
+            return False
         try:
             lazy_call(at_init)
         except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
