@@ -12,14 +12,9 @@ What the pass does, in order (TORCH_MEMORY_API.md §7 has the facts it relies on
    own), optimizer state through the optimizers (``Adam[<fqn>].exp_avg``, ``step`` counters included),
    buffers. Then every scanned tensor not yet claimed becomes ``graph`` (it has a live ``grad_fn``)
    or ``other``.
-3. Storage identity is ``(device, storage data_ptr)`` (``probes.heap.storages``): views fold into their
-   base, bytes are the storage's bytes. Meta and fake tensors (data pointer 0, no memory) are
-   excluded; sparse tensors count their component storages; wrapper subclasses (DTensor, jagged
-   nested) count their inner tensors, so a DTensor's local shard is counted once, under the
-   DTensor's name.
-4. Graph retention (``probes.census.census_graph``): from each live ``grad_fn`` the autograd-graph walk
-   reads the saved tensors; saved storages not counted anywhere else are charged to the tensor that
-   keeps the graph alive. The walk is bounded in nodes (the bytes are then a lower bound).
+3. Each storage is counted once, by its identity (``probes.heap.storages`` says what folds into one).
+4. Graph retention (``probes.census.census_graph``): saved storages counted nowhere else are charged
+   to the tensor whose autograd graph keeps them, in a walk bounded in nodes.
 5. Grouping (``probes.census.census_groups``), then holders (``probes.holding.holder_groups.fill_holders``) for the few
    anonymous groups that grew, once the pass has dropped every tensor it held.
 
@@ -165,12 +160,7 @@ def _holders_budget(request: CensusRequest) -> float:
 
 
 def _alive(held: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:
-    out = {}
-    for key, ref in held.items():
-        obj = ref()
-        if obj is not None:
-            out[key] = obj
-    return out
+    return {key: obj for key, ref in held.items() if (obj := ref()) is not None}
 
 
 def _distinct(objects: Iterable[Any]) -> list[Any]:

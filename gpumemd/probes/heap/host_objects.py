@@ -160,9 +160,7 @@ def _largest_graph() -> tuple[int, Any]:
 
 def largest_graph_nodes() -> int:
     """Nodes in the largest autograd graph that a live tensor keeps (bounded walk)."""
-    n, tensor = _largest_graph()
-    del tensor
-    return n
+    return _largest_graph()[0]  # the tensor is let go with the tuple
 
 
 def growing_graph(before_nodes: int, *, min_added: int, holder_budget_s: float = 0.5) -> GraphGrowth | None:

@@ -12,12 +12,14 @@ forward and backward on a meta input, and counts:
 and from them the peak with the same rule as the analytic estimate
 (``params + optimizer state + max(gradients + intermediates, saved for backward)``).
 
-Two ways to build without memory (``backend``): ``"meta"`` (the default) and ``"fake-cpu"``
-(``FakeTensorMode`` with CPU tensors, so kernel choices — SDPA's flash kernel, autocast — are those
-of a CPU run; mixed precision always uses it). Known limits: dedupe is by storage identity, which
-only a storage freed *during* the forward could confuse; a model whose forward reads tensor values
-(``.item()``, data-dependent control flow) cannot be traced; allocator rounding and kernel
-temporaries are not part of the terms.
+Two ways to build without memory (``backend``): ``"meta"`` (the default: under ``torch.device("meta")``)
+and ``"fake-cpu"`` (``FakeTensorMode`` with fake *CPU* tensors: every op takes the decisions the CPU
+kernels take, so ``scaled_dot_product_attention`` picks the CPU flash kernel, where meta falls back to
+the math path that saves the seq² attention matrix, and ``torch.autocast("cpu")`` applies: mixed
+precision, ``bf16-mixed``/``fp16-mixed`` with fp32 weights and an autocast forward, always uses it).
+Known limits: dedupe is by storage identity, which only a storage freed *during* the forward could
+confuse; a model whose forward reads tensor values (``.item()``, data-dependent control flow) cannot
+be traced; allocator rounding and kernel temporaries are not part of the terms.
 """
 
 from __future__ import annotations
@@ -234,15 +236,7 @@ def trace_model(
     precision: str = "fp32",
     backend: str = "meta",
 ) -> TraceResult:
-    """Build ``factory()`` without memory and trace one forward/backward (see module doc).
-
-    ``backend="meta"`` builds under ``torch.device("meta")``. ``backend="fake-cpu"`` builds under
-    ``FakeTensorMode`` with fake *CPU* tensors: still no memory, but every op takes the decisions
-    the CPU kernels take — ``scaled_dot_product_attention`` picks the CPU flash kernel (on meta it
-    falls back to the math path, which saves the seq² attention matrix) and ``torch.autocast("cpu")``
-    applies, so mixed precision (``bf16-mixed``/``fp16-mixed``: fp32 weights, autocast forward) is
-    traced with it, and selects it automatically.
-    """
+    """Build ``factory()`` without memory on ``backend`` and trace one forward/backward (see module doc)."""
     import torch
 
     if precision not in TRACE_PRECISIONS:

@@ -81,9 +81,7 @@ def refreshed_identity(previous: Identity) -> Identity | None:
     if previous.source not in _ENV_SOURCES or _initialized_dist() is None:
         return None
     now = current_identity()
-    if now.source != "torch.distributed":
-        return None
-    return now
+    return now if now.source == "torch.distributed" else None
 
 
 def _initialized_dist() -> Any:

@@ -111,9 +111,7 @@ class SnapshotProbe:
         Costs about 2 µs per allocation and several KB per entry (PyTorch's docstring), hence off by
         default. Feature-detected: the string API (2.1+), else the legacy boolean one.
         """
-        if not self.cuda_initialized():
-            return False
-        return self._acquire_history(max_entries)
+        return self.cuda_initialized() and self._acquire_history(max_entries)
 
     def _acquire_history(self, max_entries: int) -> bool:
         if self.history_enabled:
