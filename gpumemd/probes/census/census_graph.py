@@ -118,5 +118,4 @@ class GraphCharge:
         return i
 
     def _absorb(self, i: int, *, into: int) -> None:
-        if self._find(i) != self._find(into):
-            self.parent[self._find(i)] = self._find(into)
+        self.parent[self._find(i)] = self._find(into)  # one set already: its root points at itself again

@@ -37,7 +37,7 @@ def _prefixes(roots: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _inductor_cache_dir() -> str | None:
+def _inductor_cache_dir() -> str:
     """Inductor's default cache (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``)."""
     configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if configured:
@@ -56,11 +56,7 @@ def internal_dirs() -> tuple[str, ...]:
 
     # gpumemd's own directory from this file's place in it: importing the package here would close
     # a circle (gpumemd -> api -> components -> this module -> gpumemd)
-    roots = [os.path.dirname(torch.__file__), _PACKAGE_DIR]
-    inductor = _inductor_cache_dir()
-    if inductor:
-        roots.append(inductor)
-    return _prefixes(roots)
+    return _prefixes([os.path.dirname(torch.__file__), _PACKAGE_DIR, _inductor_cache_dir()])
 
 
 @functools.cache

@@ -7,6 +7,7 @@ per step. Relies on the multiprocessing iterator's private attributes (``_worker
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import sys
@@ -30,7 +31,7 @@ def loaders_of(pids: Iterable[int]) -> list[LoaderWorkers]:
         return []
     wanted = set(pids)
     out: list[LoaderWorkers] = []
-    try:
+    with contextlib.suppress(Exception):  # a diagnostic: unknown, never an error
         objects = gc.get_objects()
         iterators = [o for o in objects if issubclass(type(o), cls)]  # type(): no __class__ lookups
         objects.clear()
@@ -41,6 +42,4 @@ def loaders_of(pids: Iterable[int]) -> list[LoaderWorkers]:
             dataset = type(getattr(it, "_dataset", None))
             name = f"{dataset.__qualname__} ({dataset.__module__})"
             out.append(LoaderWorkers(workers, name, getattr(it, "_persistent_workers", None)))
-    except Exception:  # noqa: BLE001 - a diagnostic: unknown, never an error
-        return out
     return out

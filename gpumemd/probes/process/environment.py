@@ -6,6 +6,7 @@ has done so) and never raises.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
@@ -45,15 +46,11 @@ def collect_environment(identity: Identity, *, device: int | None = None) -> dic
     env["torch"] = str(getattr(torch, "__version__", "?"))
     env["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
     get_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if get_settings is not None:
-        try:
+    with contextlib.suppress(Exception):  # a report section, never worth failing the report for
+        if get_settings is not None:
             env["allocator_settings"] = str(get_settings())
-        except Exception:  # noqa: BLE001 - a report section, never worth failing the report for
-            env["allocator_settings"] = None
-    try:
+    with contextlib.suppress(Exception):
         env["cuda_initialized"] = bool(torch.cuda.is_initialized())
         if env["cuda_initialized"] and device is not None:
             env["device_name"] = str(torch.cuda.get_device_name(device))
-    except Exception:  # noqa: BLE001
-        pass
     return env

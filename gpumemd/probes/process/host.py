@@ -3,6 +3,7 @@ RAM, its cgroup's memory limit, its rlimits), torch's pinned-host bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -69,10 +70,8 @@ class HostProbe:
             psutil_error = f"psutil cannot read this process ({type(exc).__name__}: {exc})"
         self._fast_rss: _StatmReader | None = None
         if os.path.exists("/proc/self/statm"):
-            try:
+            with contextlib.suppress(OSError):  # psutil below
                 self._fast_rss = _StatmReader()
-            except OSError:
-                self._fast_rss = None  # psutil below
         self._pinned_fn = pinned_fn if pinned_fn is not None else _torch_pinned_bytes
         if psutil_error is not None:  # RSS may still come from /proc/self/statm; RAM totals cannot
             if self._fast_rss is None:
