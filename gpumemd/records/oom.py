@@ -151,10 +151,7 @@ class Breakdown:
 
     def get(self, key: str) -> int:
         """Bytes of the item ``key`` (0 when the breakdown has no such item)."""
-        for item in self.items:
-            if item.key == key:
-                return item.nbytes
-        return 0
+        return next((item.nbytes for item in self.items if item.key == key), 0)
 
     @property
     def activations_bytes(self) -> int:

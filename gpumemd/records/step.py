@@ -39,10 +39,7 @@ class StepRecord:
     def allocator_for(self, device: DeviceLike) -> AllocatorSample | None:
         """The allocator sample of ``device``: an ordinal, ``"cuda:0"``, a ``torch.device`` or a ``Device``."""
         device = Device.of(device)
-        for sample in self.allocator:
-            if sample.device == device:
-                return sample
-        return None
+        return next((sample for sample in self.allocator if sample.device == device), None)
 
 
 NVML_PAIR_MAX_AGE_S = 1.0

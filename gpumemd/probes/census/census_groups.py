@@ -117,12 +117,8 @@ class Grouping:
     def _invisible(self, allocator: Sequence[AllocatorSample]) -> dict[Device, int]:
         """CUDA allocated bytes minus the gc-visible storages on that device (graph estimates excluded:
         what autograd saved is part of what the census cannot see)."""
-        out = {}
-        for sample in allocator:
-            if sample.allocated_bytes is None:
-                continue
-            out[sample.device] = max(0, sample.allocated_bytes - self.visible.get(sample.device.name, 0))
-        return out
+        return {s.device: max(0, s.allocated_bytes - self.visible.get(s.device.name, 0))
+                for s in allocator if s.allocated_bytes is not None}
 
     def _entry(self, record: StorageRecord) -> TensorEntry:
         return TensorEntry(

@@ -82,12 +82,8 @@ class Storages:
         if depth >= _MAX_WRAPPER_DEPTH:
             return []
         inner_names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass's protocol
-        out: list[Part] = []
-        for inner_name in inner_names:
-            inner = getattr(t, inner_name, None)
-            if isinstance(inner, self.tensor_type):
-                out.extend(self.parts(inner, depth + 1))
-        return out
+        inners = (getattr(t, name, None) for name in inner_names)
+        return [p for inner in inners if isinstance(inner, self.tensor_type) for p in self.parts(inner, depth + 1)]
 
     def _sparse_parts(self, t: torch.Tensor, layout: torch.layout, depth: int) -> list[Part]:
         if depth >= _MAX_WRAPPER_DEPTH:
@@ -101,10 +97,7 @@ class Storages:
             components = (t.ccol_indices(), t.row_indices(), t.values())
         else:
             return []  # an unknown layout: nothing we can attribute bytes to
-        out: list[Part] = []
-        for component in components:
-            out.extend(self.parts(component, depth + 1))
-        return out
+        return [p for component in components for p in self.parts(component, depth + 1)]
 
 
 def _no_memory_types() -> frozenset[type]:
