@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 log = logging.getLogger("gpumemd")
+_T = TypeVar("_T")
+_D = TypeVar("_D")
 
 
 class ProbeHealth:
@@ -44,3 +48,11 @@ class ProbeHealth:
 
     def ok(self) -> None:
         self.available = True
+
+    def call(self, fn: Callable[[], _T], default: _D) -> _T | _D:
+        """``fn()``, or ``default`` when it raises: the probe ``failed``, the job never sees it."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
+            self.failed(exc)
+            return default

@@ -233,7 +233,7 @@ class AllocatorProbe:
         self._scanned_at: float | None = None  # when every visible device was last looked at
 
     def read(self) -> tuple[AllocatorSample, ...]:
-        if self._never or not self._safe_initialized():
+        if self._never or not self.health.call(self._is_initialized, False):
             return ()  # normal before the job's first CUDA op: nothing to read, nothing to say
         try:
             if self._count is None:
@@ -343,10 +343,3 @@ class AllocatorProbe:
             return str(self._backend_fn())
         except Exception:  # noqa: BLE001 - torch < 2.0 has no get_allocator_backend: native was the only one
             return "native"
-
-    def _safe_initialized(self) -> bool:
-        try:
-            return bool(self._is_initialized())
-        except Exception as exc:  # noqa: BLE001
-            self.health.failed(exc)
-            return False

@@ -102,10 +102,11 @@ class HostProbe:
         limits = self.limits()
         bound = binding(limits)
         self.health.ok()
+        pinned = self.health.call(self._pinned_fn, None)
         if bound is None:
-            return HostSample(rss_bytes=rss, pinned_bytes=self._pinned())
+            return HostSample(rss_bytes=rss, pinned_bytes=pinned)
         return HostSample(rss_bytes=rss, available_bytes=bound.headroom_bytes, total_bytes=bound.limit_bytes,
-                          pinned_bytes=self._pinned(), limit=bound.kind, limits=tuple(limits))
+                          pinned_bytes=pinned, limit=bound.kind, limits=tuple(limits))
 
     def limits(self) -> list[HostLimit]:
         """Every memory limit found now, host RAM first; each one that cannot be read is left out."""
@@ -134,13 +135,6 @@ class HostProbe:
             return None, None
         info = self._process.memory_info()
         return int(info.vms), getattr(info, "data", None)
-
-    def _pinned(self) -> int | None:
-        try:
-            return self._pinned_fn()
-        except Exception as exc:  # noqa: BLE001
-            self.health.failed(exc)
-            return None
 
 
 def _torch_pinned_bytes() -> int | None:

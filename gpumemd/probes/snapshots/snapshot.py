@@ -56,11 +56,7 @@ class SnapshotProbe:
 
     def cuda_initialized(self) -> bool:
         """True once the job has initialised CUDA (never initialises it)."""
-        try:
-            return bool(self._t().cuda.is_initialized())
-        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
-            self.health.failed(exc)
-            return False
+        return bool(self.health.call(lambda: self._t().cuda.is_initialized(), False))  # noqa: PLW0108 - _t() may raise
 
     def capture(self) -> dict[str, Any] | None:
         """``torch.cuda.memory._snapshot()`` (all devices), or None when there is no CUDA allocator."""
@@ -98,11 +94,8 @@ class SnapshotProbe:
         """``torch.cuda.memory_summary(device)`` text, or None without CUDA."""
         if not self.cuda_initialized():
             return None
-        try:
-            return str(self._t().cuda.memory_summary(device))
-        except Exception as exc:  # noqa: BLE001 - KeyError on CPU builds, RuntimeError elsewhere
-            self.health.failed(exc)
-            return None
+        # KeyError on CPU builds, RuntimeError elsewhere
+        return self.health.call(lambda: str(self._t().cuda.memory_summary(device)), None)
 
     def enable_history(self, max_entries: int) -> bool:
         """Record allocation history with Python stacks in a ring buffer of ``max_entries``, through
