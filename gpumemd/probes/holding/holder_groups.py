@@ -86,8 +86,6 @@ def fill_holders(
         del owner
         if holder is not None:
             found[group.key] = holder
-    if not found:
-        return groups
     return [
         CensusGroup(g.key, g.count, g.nbytes, g.graph_bytes, found[g.key]) if g.key in found else g
         for g in groups

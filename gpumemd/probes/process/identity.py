@@ -89,11 +89,9 @@ def _initialized_dist() -> Any:
     if torch is None:
         return None
     dist = getattr(torch, "distributed", None)
-    try:
+    with contextlib.suppress(RuntimeError, ValueError, AttributeError):
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist
-    except (RuntimeError, ValueError, AttributeError):
-        return None
     return None
 
 
