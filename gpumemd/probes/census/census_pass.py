@@ -85,16 +85,14 @@ class CensusPass:
         tensors.clear()
         keep.clear()
 
-    def count(self, n: int) -> bool:
-        """Count the next ``n`` scanned tensors; whether any are left."""
+    def count(self, n: int) -> None:
+        """Count the next ``n`` scanned tensors (``left`` says how many remain)."""
         start = self.position
         self.position = min(len(self.pending), start + n)
         self._count(self.pending[start:self.position])
-        if self.position < len(self.pending):
-            return True
-        self.pending = []
-        self.position = 0
-        return False
+        if self.position == len(self.pending):
+            self.pending = []
+            self.position = 0
 
     def charge(self, slice_nodes: int | None = None) -> bool:
         """Walk the autograd graphs of the counted tensors that still have one (``census_graph``),

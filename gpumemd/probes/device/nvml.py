@@ -161,9 +161,8 @@ class NvmlProbe:
         if missed:
             log.info("gpumemd: NVML device of CUDA device %s not found by UUID; numbering it by "
                      "CUDA_VISIBLE_DEVICES", ", ".join(missed))
-        merged = dict(self._handles or ())
-        merged.update({o: h for o, h in self._by_uuid.items() if h is not None})
-        self._targets = sorted(merged.items(), key=lambda pair: pair[0])
+        env.update({o: h for o, h in self._by_uuid.items() if h is not None})  # now what read() reads
+        self._targets = sorted(env.items(), key=lambda pair: pair[0])
 
     def _memory(self, handle: Any) -> Any:
         """Memory info v2 where the driver has it: v1's ``used`` includes the driver's reserved
