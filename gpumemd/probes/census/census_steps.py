@@ -93,13 +93,27 @@ class CensusRequest:
     wall_clock: Callable[[], float] = time.time
 
 
-def take_census(*, models: Iterable[Any] = (), optimizers: Iterable[Any] = (), **options: Any) -> Census:
-    """Count every live tensor storage once, classify and name it, all now. ``options`` are
-    ``CensusRequest``'s fields (it says what each does; ``census_steps`` how)."""
-    request = CensusRequest(**options)
-    started = request.clock()
+def take_census(
+    *,
+    models: Iterable[Any] = (),
+    optimizers: Iterable[Any] = (),
+    step: int | None = None,
+    holders: int = 3,
+    graph: bool = True,
+    previous: Census | None = None,
+    allocator: Sequence[AllocatorSample] | None = None,
+    largest: int = LARGEST,
+    graph_max_nodes: int = GRAPH_MAX_NODES,
+    clock: Callable[[], float] = time.perf_counter,
+    wall_clock: Callable[[], float] = time.time,
+) -> Census:
+    """Count every live tensor storage once, classify and name it, all now (``CensusRequest`` says what
+    each option does; ``census_steps`` how)."""
+    request = CensusRequest(step=step, holders=holders, graph=graph, previous=previous, allocator=allocator,
+                            largest=largest, graph_max_nodes=graph_max_nodes, clock=clock, wall_clock=wall_clock)
+    started = clock()
     census = run_to_end(census_steps(request, models=models, optimizers=optimizers))
-    return dataclasses.replace(census, duration_s=request.clock() - started)
+    return dataclasses.replace(census, duration_s=clock() - started)
 
 
 def census_steps(request: CensusRequest = CensusRequest(), *, models: Iterable[Any] = (),
