@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import warnings
@@ -69,8 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # `gpumemd report ... | head`: the reader left; say nothing more (and let the interpreter's
         # final flush of stdout go nowhere instead of raising again).
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
 

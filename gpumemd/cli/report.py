@@ -96,18 +96,12 @@ def _snapshot_shape_error(snapshot: dict[str, Any] | list[Any]) -> str | None:
     return None
 
 
-def _activations(report: dict[str, Any]) -> int:
-    items = {i.get("key"): i.get("nbytes", 0) for i in (report["breakdown"].get("items") or [])}
-    return int(items.get("graph_retained", 0) or 0) + int(items.get("invisible", 0) or 0)
-
-
 def _item(report: dict[str, Any], key: str) -> int | None:
+    items = report["breakdown"].get("items") or []
     if key == "activations":
-        return _activations(report)
-    for item in (report["breakdown"].get("items") or []):
-        if item.get("key") == key:
-            return int(item.get("nbytes", 0))
-    return None
+        nbytes = {i.get("key"): i.get("nbytes", 0) for i in items}
+        return int(nbytes.get("graph_retained", 0) or 0) + int(nbytes.get("invisible", 0) or 0)
+    return next((int(i.get("nbytes", 0)) for i in items if i.get("key") == key), None)
 
 
 def _columns(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
@@ -215,12 +209,8 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
 def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each state file as read, with what the report concludes: how it ended, and whether it vanished."""
     host = socket.gethostname()
-    views = []
-    for doc in states:
-        alive = pid_alive(doc, host)
-        views.append({**doc, "ending": ending(doc, alive=alive), "vanished": not doc.get("ended") and alive is False,
-                      "at_risk": at_risk(doc)})
-    return views
+    return [{**doc, "ending": ending(doc, alive=alive), "vanished": not doc.get("ended") and alive is False,
+             "at_risk": at_risk(doc)} for doc in states for alive in [pid_alive(doc, host)]]
 
 
 def _print_states(states: list[dict[str, Any]], as_json: bool, out: TextIO) -> None:

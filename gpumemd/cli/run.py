@@ -253,12 +253,11 @@ def _execute(target: str, script_args: list[str], is_module: bool) -> tuple[int,
 
     saved_argv, saved_path0 = sys.argv, (sys.path[0] if sys.path else None)
     try:
+        sys.argv = [target, *script_args]  # for a module, run_module(alter_sys=True) puts its file in [0]
         if is_module:
-            sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in [0]
             _set_path0(os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *script_args]
             _set_path0(os.path.dirname(os.path.abspath(target)))
             _run_script(target)
     except SystemExit as exc:

@@ -213,7 +213,6 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     return out.result()
 
 
-
 def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:
     for sample in state.allocator:
         device = sample.device.label
