@@ -28,19 +28,15 @@ from typing import Any
 import gpumemd
 from gpumemd.cli.errors import CliError
 from gpumemd.components.hook_printing import print_hook_failure
-from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
+from gpumemd.config import Config, ConfigError, field_docs, field_types
 from gpumemd.config_renamed import RENAMED
+from gpumemd.doctor.config_checks import option_name, parse_override
 from gpumemd.log_once import log_once
 from gpumemd.records.step import exit_ending
 from gpumemd.signal_endings import uncaught_ending
 
 # Options of ``gpumemd run`` itself that are not Config fields (names must never collide).
 _OWN_DESTS = frozenset({"target", "module", "func", "command"})
-
-
-def option_name(field: str) -> str:
-    """``leak_min_bytes_per_step`` -> ``--leak-min-bytes-per-step``."""
-    return "--" + field.replace("_", "-")
 
 
 def add_parser(sub: Any) -> None:
@@ -133,10 +129,8 @@ def _parse_option(name: str, field: str, raw: str | bool) -> Any:
     """One option's value for Config ``field``, given as ``--name``; a bad one is a CliError naming it."""
     if isinstance(raw, bool):
         return raw
-    if raw.strip() == "" and is_optional(field):
-        return None  # `--port ''` unsets a GPUMEMD_PORT from the environment
     try:
-        return parse_value(field_types()[field], raw)
+        return parse_override(field, raw)  # `--port ''` unsets a GPUMEMD_PORT from the environment
     except ConfigError as err:
         raise CliError(f"{option_name(name)}={raw!r} is not valid: expected {err.accepted}") from None
 

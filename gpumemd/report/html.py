@@ -76,11 +76,6 @@ def _h2(title: str) -> str:
     return f'<h2 id="{slug(title)}">{_e(title)}</h2>'
 
 
-def _contents(report: dict[str, Any]) -> str:
-    links = "".join(f'<a href="#{slug(t)}">{_e(t)}</a>' for t in sections(report))
-    return f"<nav>Contents: {links}</nav>"
-
-
 def _verdict(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
     first, *rest = verdict_lines(report)
@@ -190,7 +185,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"<h1>gpumemd OOM report — rank {_e(report.get('rank'))}, step {_e(report.get('step'))}</h1>",
         f"<p>{_e(headline(report))}</p>",
         f"<p>Written {_e(fmt_time(report.get('created_at')))} via {_e(report.get('source'))}.</p>",
-        _contents(report),
+        "<nav>Contents: " + "".join(f'<a href="#{slug(t)}">{_e(t)}</a>' for t in sections(report)) + "</nav>",
     ]
     parts += [part(report) for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings,
                                         _timeline, _snapshot, _exception, _environment)]

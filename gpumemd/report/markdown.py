@@ -65,10 +65,6 @@ def _heading(title: str) -> list[str]:
     return ["", f"## {title}", ""]
 
 
-def _contents(report: dict[str, Any]) -> list[str]:
-    return ["Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
-
-
 def _verdict(report: dict[str, Any]) -> list[str]:
     b = report.get("breakdown") or {}
     first, *rest = verdict_lines(report)
@@ -160,7 +156,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# gpumemd OOM report — rank {report.get('rank')}, step {report.get('step')}", "",
            headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.",
            *([f"Outcome: {report['outcome']}."] if report.get("outcome") else []), "",
-           *_contents(report)]
+           "Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
     for part in (_verdict, _groups, _suggestions, _breakdown):
         out += part(report)
     out += _step_profile(report.get("step_profile"))
