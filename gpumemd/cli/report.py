@@ -104,14 +104,12 @@ def _item(report: dict[str, Any], key: str) -> int | None:
     return next((int(i.get("nbytes", 0)) for i in items if i.get("key") == key), None)
 
 
-def _columns(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
-    """Rows of cells as aligned text (columns in ``right`` right-aligned), two spaces apart."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
+def _say_columns(out: TextIO, rows: list[list[str]], right: tuple[int, ...] = (), indent: str = "") -> None:
+    """Rows of cells as aligned lines (columns in ``right`` right-aligned), two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
     for row in rows:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    return lines
+        _say(out, indent + "  ".join(cells).rstrip())
 
 
 def _print_groups(report: dict[str, Any], out: TextIO) -> None:
@@ -122,10 +120,7 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
     rows = group_rows(tensors, leak_of(report))
     _say(out, f"largest tensor groups ({census_summary(tensors, rows)}):")
     columns = group_columns(rows)
-    cells = [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]]
-    if cells:
-        for line in _columns(cells, right=(0,)):
-            _say(out, f"  {line}")
+    _say_columns(out, [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]], right=(0,), indent="  ")
 
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
@@ -135,10 +130,7 @@ def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
               f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
         _say(out, f"  {total_words(b)}")
-    rows = breakdown_rows(b)
-    if rows:
-        for line in _columns(rows, right=(1, 2)):
-            _say(out, f"  {line}")
+    _say_columns(out, breakdown_rows(b), right=(1, 2), indent="  ")
 
 
 def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
@@ -202,8 +194,7 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
             for r in view["reports"]]
-    for line in _columns([head, *rows]):
-        _say(out, line)
+    _say_columns(out, [head, *rows])
 
 
 def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
