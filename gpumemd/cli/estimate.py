@@ -105,9 +105,7 @@ def _stage(args: argparse.Namespace) -> int:
     if args.zero is not None and args.fsdp is not None and args.zero != _FSDP[args.fsdp]:
         raise CliError(f"--zero {args.zero} and --fsdp {args.fsdp} disagree "
                        f"(fsdp {args.fsdp} is ZeRO stage {_FSDP[args.fsdp]})")
-    if args.fsdp is not None:
-        return _FSDP[args.fsdp]
-    return args.zero or 0
+    return _FSDP[args.fsdp] if args.fsdp is not None else args.zero or 0
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

@@ -1,8 +1,7 @@
 """``gpumemd report DIR``: summarise one OOM report, or every rank's reports side by side.
 
 DIR is one report directory, or a directory holding several (an output dir, every rank's). In an
-output dir, each rank's last known state (``gpumemd-state-rank<R>.json``) is shown too: how the
-process ended, or that it vanished (a SIGKILL, the OOM killer) and what it was doing then. Missing,
+output dir, each rank's last known state (``report.last_state``) is shown too. Missing,
 truncated or foreign files give one line and exit code 2. ``snapshot.pickle`` is checked through the
 restricted unpickler only: a report someone sends you cannot run code on your machine.
 """

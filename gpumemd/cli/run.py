@@ -19,7 +19,11 @@ script, everything after the script belongs to it. Launchers:
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
+import io
 import os
+import runpy
 import sys
 import types
 from collections.abc import Sequence
@@ -179,8 +183,6 @@ def _check_script(target: str) -> None:
 def _check_module(name: str) -> None:
     """``-m name`` must be importable from here (as ``python -m`` resolves it: the working directory
     first); one line and exit 2 otherwise, not a traceback through gpumemd."""
-    import importlib.util
-
     saved = sys.path[0] if sys.path else None
     _set_path0(os.getcwd())
     try:
@@ -200,10 +202,6 @@ def _run_script(target: str) -> None:
     script that chdirs and then reads next to ``__file__`` must work the same) and ``sys.argv[0]`` as
     typed (``runpy.run_path`` would make it absolute). A directory or zip with a ``__main__.py``, or
     a compiled file, goes through ``runpy``."""
-    import importlib.machinery
-    import io
-    import runpy
-
     path = os.path.abspath(target)
     if not os.path.isfile(path) or (not path.endswith(".py") and _is_compiled_or_zip(path)):
         runpy.run_path(path, run_name="__main__")
@@ -232,7 +230,6 @@ report names its tensors by (``module global `__main__.x```), not a library fram
 
 
 def _is_compiled_or_zip(path: str) -> bool:
-    import importlib.util
     import zipfile
 
     with open(path, "rb") as f:
@@ -243,8 +240,6 @@ def _is_compiled_or_zip(path: str) -> bool:
 def _execute(target: str, script_args: list[str], is_module: bool) -> tuple[int, str]:
     """Run the target as ``__main__`` and turn its ending into an exit code, as ``python`` does, and
     into the agent's ``ended``."""
-    import runpy
-
     saved_argv, saved_path0 = sys.argv, (sys.path[0] if sys.path else None)
     try:
         sys.argv = [target, *script_args]  # for a module, run_module(alter_sys=True) puts its file in [0]
@@ -317,8 +312,6 @@ def _report_uncaught() -> None:
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """Drop the leading frames of this module and runpy, so the traceback starts in the script (None
     when no frame is the script's: a SyntaxError in it, which python shows with no frames either)."""
-    import runpy
-
     own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or "runpy.py"), "<frozen runpy>"}
     first = tb
     while first is not None and _frame_file(first) in own:

@@ -1,9 +1,8 @@
 """``report.html``: one self-contained page (inline style and SVG; no script, font, image or link
 that loads anything; the only links are the table of contents' in-page anchors).
 
-The first screen is the story: headline, table of contents, verdict (naming a leak and its holder
-when one was active), the largest tensor groups with their holders, the suggestions; the charts and
-the details come after. Every value from the report is escaped: messages and holder lines are user data.
+The sections come in report.md's order (``markdown``), a table of contents first. Every value from
+the report is escaped: messages and holder lines are user data.
 """
 
 from __future__ import annotations
