@@ -28,10 +28,6 @@ from gpumemd.report.view import (
 )
 
 
-def _cell(value: Any) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
 def _code(text: str) -> str:
     """Inline code that may itself hold backticks (a holder's name)."""
     return f"`` {text} ``" if "`" in text else f"`{text}`"
@@ -39,7 +35,7 @@ def _code(text: str) -> str:
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in rows]
     return lines
 
 
