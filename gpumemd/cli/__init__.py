@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # report or state file, a bad estimate): its message is the one line, as a CliError's
     except (CliError, ValueError) as err:
         print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)  # it may quote a file's bytes
-        return err.exit_code if isinstance(err, CliError) else 2
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
