@@ -124,8 +124,7 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
     b = report["breakdown"]
-    total = b.get("total_bytes") or 0
-    _say(out, f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
+    _say(out, f"breakdown of {b.get('device')} (total {fmt_bytes(b.get('total_bytes') or None)}, peak seen "
               f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
         _say(out, f"  {total_words(b)}")
