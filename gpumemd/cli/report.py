@@ -202,10 +202,7 @@ def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "at_risk": at_risk(doc)} for doc in states for alive in [pid_alive(doc, host)]]
 
 
-def _print_states(states: list[dict[str, Any]], as_json: bool, out: TextIO) -> None:
-    if as_json:
-        print(json.dumps({"last_state": _state_views(states)}, indent=1), file=out)
-        return
+def _print_states(states: list[dict[str, Any]], out: TextIO) -> None:
     host = socket.gethostname()
     for n, doc in enumerate(states):
         if n:
@@ -236,12 +233,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise CliError(f"no gpumemd report in {root} (expected report.json, report directories inside, or the "
                        "gpumemd-state-rank<R>.json an agent keeps in its output dir)")
     reports = [load_report(d) for d in dirs]
-    if not reports:
-        _print_states(states, args.json, out)
-        return 0
     if states and not args.json:
-        _print_states(states, False, out)
-        print(file=out)
+        _print_states(states, out)
+        if reports:
+            print(file=out)
+    if not reports:  # then there are states
+        if args.json:
+            print(json.dumps({"last_state": _state_views(states)}, indent=1), file=out)
+        return 0
     if len(reports) == 1:
         report = reports[0]
         snap = _snapshot_check(report["_dir"])
