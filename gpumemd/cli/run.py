@@ -94,12 +94,8 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         assert name not in _OWN_DESTS, f"Config field {name} collides with a `gpumemd run` option"
         default = getattr(defaults, name)
         help_text = (doc + f" (default: {default}; env GPUMEMD_{name.upper()})").replace("%", "%%")
-        if field_types()[name] is bool:
-            group.add_argument(option_name(name), dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            group.add_argument(option_name(name), dest=name, default=None, metavar=name.upper(),
-                               help=help_text)
+        shown = {"action": argparse.BooleanOptionalAction} if field_types()[name] is bool else {"metavar": name.upper()}
+        group.add_argument(option_name(name), dest=name, default=None, help=help_text, **shown)
     for old, new in RENAMED.items():  # the old names still work, out of --help
         action = argparse.BooleanOptionalAction if field_types()[new] is bool else "store"
         group.add_argument(option_name(old), dest=old, action=action, default=None, help=argparse.SUPPRESS)
