@@ -143,9 +143,7 @@ def _timeline(report: dict[str, Any]) -> str:
     chart = timeline_chart(timeline, chart_series(timeline, device), chart_markers(report))
     out = [_h2("Timeline"), chart or "<p>No step was recorded before the OOM.</p>"]
     if timeline:
-        headers, rows = timeline_table(timeline)
-        out.append(f"<p>{_e(timeline_intro(timeline))}</p>")
-        out.append(_table(headers, rows))
+        out += [f"<p>{_e(timeline_intro(timeline))}</p>", _table(*timeline_table(timeline))]
     return "".join(out)
 
 

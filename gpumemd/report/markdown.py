@@ -119,8 +119,7 @@ def _timeline(report: dict[str, Any]) -> list[str]:
     out = _heading("Timeline")
     if not timeline:
         return [*out, "No steps."]
-    headers, rows = timeline_table(timeline)
-    return [*out, timeline_intro(timeline), "", *_table(headers, rows)]
+    return [*out, timeline_intro(timeline), "", *_table(*timeline_table(timeline))]
 
 
 def _snapshot(report: dict[str, Any]) -> list[str]:
