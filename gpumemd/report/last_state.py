@@ -181,9 +181,8 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
     risk = at_risk(doc)
     if risk and not doc.get("ended"):
         lines.append(f"  at risk when last seen: {risk}")
-    for room in doc.get("headroom") or []:
-        lines.append(f"  headroom {room['where']}: {fmt_bytes(room.get('free_bytes'))} free of "
-                     f"{fmt_bytes(room.get('total_bytes'))}")
+    lines += [f"  headroom {room['where']}: {fmt_bytes(room.get('free_bytes'))} free of "
+              f"{fmt_bytes(room.get('total_bytes'))}" for room in doc.get("headroom") or []]
     for f in doc.get("findings") or []:
         steps, hours = f.get("steps_to_oom"), f.get("hours_to_oom")
         to_oom = projection_words(steps, hours if isinstance(hours, int | float) else None)[0] \
@@ -199,9 +198,7 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
     if isinstance(doc.get("ooms_caught"), int) and doc["ooms_caught"] > 0:
         steps = [s for s in doc.get("oom_caught_steps") or [] if isinstance(s, int)]
         lines.append(f"  {caught_text(doc['ooms_caught'], steps)}")
-    for path in doc.get("reports") or []:
-        lines.append(f"  OOM report: {path}")
-    return lines
+    return lines + [f"  OOM report: {path}" for path in doc.get("reports") or []]
 
 
 def pid_alive(doc: dict[str, Any], hostname: str) -> bool | None:
