@@ -136,9 +136,8 @@ class MetricsServer:
         thread = threading.Thread(target=httpd.serve, name=THREAD_NAME, daemon=True)
         thread.start()
         self._httpd, self._thread = httpd, thread
-        port = int(httpd.server_address[1])
         scheme = "https" if opts.certfile else "http"
-        self.url = f"{scheme}://{_url_host(opts.bind)}:{port}/metrics"
+        self.url = f"{scheme}://{_url_host(opts.bind)}:{self.port}/metrics"
         return self.url
 
     @property
