@@ -101,7 +101,8 @@ def _breakdown(report: dict[str, Any]) -> list[str]:
             f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
 
 
-def _step_profile(profile: Any) -> list[str]:
+def _step_profile(report: dict[str, Any]) -> list[str]:
+    profile = report.get("step_profile")
     if not isinstance(profile, dict):
         return []  # not measured (attach(step_profile=True) turns it on)
     rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in profile.get("figures", [])]
@@ -152,9 +153,7 @@ def render_markdown(report: dict[str, Any]) -> str:
            headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.",
            *([f"Outcome: {report['outcome']}."] if report.get("outcome") else []), "",
            "Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
-    for part in (_verdict, _groups, _suggestions, _breakdown):
-        out += part(report)
-    out += _step_profile(report.get("step_profile"))
-    for part in (_findings, _timeline, _snapshot, _exception, _environment):
+    for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings, _timeline, _snapshot,
+                 _exception, _environment):
         out += part(report)
     return "\n".join(out) + "\n"
