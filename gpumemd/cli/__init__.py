@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import warnings
@@ -63,14 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # report or state file, a bad estimate): its message is the one line, as a CliError's
     except (CliError, ValueError) as err:
         print(f"gpumemd {args.command}: {escaped(str(err))}", file=sys.stderr)  # it may quote a file's bytes
-        return err.exit_code if isinstance(err, CliError) else 2
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         # `gpumemd report ... | head`: the reader left; say nothing more (and let the interpreter's
         # final flush of stdout go nowhere instead of raising again).
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
 

@@ -73,10 +73,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
           f"({overhead.ratio:.1%} of wall time): {columns.first_census_ms:.0f} ms the one-off first tensor census, "
           f"then {columns.steady_share:.1%} of the time since (this demo checks for leaks every 10 steps and "
           f"attributes what it finds; a long job is held to its {agent.config.overhead_budget:.0%} budget)", file=out)
-    if findings:
-        for finding in findings:
-            print(f"[{finding.state}] {finding.summary}", file=out)
-    else:
+    for finding in findings:
+        print(f"[{finding.state}] {finding.summary}", file=out)
+    if not findings:
         print("no leak findings", file=out)
     return 0
 

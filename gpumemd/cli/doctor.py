@@ -47,8 +47,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     checks = run_checks(overrides=overrides)
     ok = not failed_needed(checks)
     if args.json:
-        doc = {"ok": ok, "checks": [dataclasses.asdict(c) for c in checks]}
-        print(json.dumps(doc, indent=2), file=stream)
+        print(json.dumps({"ok": ok, "checks": [dataclasses.asdict(c) for c in checks]}, indent=2), file=stream)
     else:
         print(render(checks), file=stream)
     return 0 if ok else 1

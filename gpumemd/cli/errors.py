@@ -5,8 +5,4 @@ from __future__ import annotations
 
 
 class CliError(Exception):
-    """A user-facing error: printed as one line (no traceback) and turned into ``exit_code``."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+    """A user-facing error: printed as one line (no traceback), exit code 2."""

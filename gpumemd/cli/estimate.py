@@ -105,9 +105,7 @@ def _stage(args: argparse.Namespace) -> int:
     if args.zero is not None and args.fsdp is not None and args.zero != _FSDP[args.fsdp]:
         raise CliError(f"--zero {args.zero} and --fsdp {args.fsdp} disagree "
                        f"(fsdp {args.fsdp} is ZeRO stage {_FSDP[args.fsdp]})")
-    if args.fsdp is not None:
-        return _FSDP[args.fsdp]
-    return args.zero or 0
+    return _FSDP[args.fsdp] if args.fsdp is not None else args.zero or 0
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -204,18 +202,13 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
     ]
     if est.gather_bytes:
         rows.append(("stage-3 gather buffer", est.gather_bytes, None))
+    rows.append(("peak", est.peak_bytes, traced.peak_bytes if traced else None))
     header = f"{'term (per GPU)':<26}{'analytic':>14}" + (f"{'traced':>14}" if traced else "")
     lines += ["", header, "-" * len(header)]
     for name, analytic, exact in rows:
-        line = f"{name:<26}{fmt_bytes(analytic):>14}"
-        if traced:
-            line += f"{fmt_bytes(exact):>14}"
-        lines.append(line)
-    lines.append("-" * len(header))
-    peak_line = f"{'peak':<26}{fmt_bytes(est.peak_bytes):>14}"
-    if traced:
-        peak_line += f"{fmt_bytes(traced.peak_bytes):>14}"
-    lines.append(peak_line)
+        if name == "peak":
+            lines.append("-" * len(header))
+        lines.append(f"{name:<26}{fmt_bytes(analytic):>14}" + (f"{fmt_bytes(exact):>14}" if traced else ""))
     subtotal = f"before activations (weights + gradients + optimizer state): {fmt_bytes(est.before_activations_bytes)}"
     if est.zero_stage == 0 and est.offload == "none" and est.params:  # per-param figures only when unsharded
         subtotal += (f" per GPU, {est.before_activations_bytes / est.params:.1f} B/param "

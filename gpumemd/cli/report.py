@@ -1,8 +1,7 @@
 """``gpumemd report DIR``: summarise one OOM report, or every rank's reports side by side.
 
 DIR is one report directory, or a directory holding several (an output dir, every rank's). In an
-output dir, each rank's last known state (``gpumemd-state-rank<R>.json``) is shown too: how the
-process ended, or that it vanished (a SIGKILL, the OOM killer) and what it was doing then. Missing,
+output dir, each rank's last known state (``report.last_state``) is shown too. Missing,
 truncated or foreign files give one line and exit code 2. ``snapshot.pickle`` is checked through the
 restricted unpickler only: a report someone sends you cannot run code on your machine.
 """
@@ -96,28 +95,20 @@ def _snapshot_shape_error(snapshot: dict[str, Any] | list[Any]) -> str | None:
     return None
 
 
-def _activations(report: dict[str, Any]) -> int:
-    items = {i.get("key"): i.get("nbytes", 0) for i in (report["breakdown"].get("items") or [])}
-    return int(items.get("graph_retained", 0) or 0) + int(items.get("invisible", 0) or 0)
-
-
 def _item(report: dict[str, Any], key: str) -> int | None:
+    items = report["breakdown"].get("items") or []
     if key == "activations":
-        return _activations(report)
-    for item in (report["breakdown"].get("items") or []):
-        if item.get("key") == key:
-            return int(item.get("nbytes", 0))
-    return None
+        nbytes = {i.get("key"): i.get("nbytes", 0) for i in items}
+        return int(nbytes.get("graph_retained", 0) or 0) + int(nbytes.get("invisible", 0) or 0)
+    return next((int(i.get("nbytes", 0)) for i in items if i.get("key") == key), None)
 
 
-def _columns(rows: list[list[str]], right: tuple[int, ...] = ()) -> list[str]:
-    """Rows of cells as aligned text (columns in ``right`` right-aligned), two spaces apart."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
+def _say_columns(out: TextIO, rows: list[list[str]], right: tuple[int, ...] = (), indent: str = "") -> None:
+    """Rows of cells as aligned lines (columns in ``right`` right-aligned), two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
     for row in rows:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    return lines
+        _say(out, indent + "  ".join(cells).rstrip())
 
 
 def _print_groups(report: dict[str, Any], out: TextIO) -> None:
@@ -128,23 +119,16 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
     rows = group_rows(tensors, leak_of(report))
     _say(out, f"largest tensor groups ({census_summary(tensors, rows)}):")
     columns = group_columns(rows)
-    cells = [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]]
-    if cells:
-        for line in _columns(cells, right=(0,)):
-            _say(out, f"  {line}")
+    _say_columns(out, [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]], right=(0,), indent="  ")
 
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
     b = report["breakdown"]
-    total = b.get("total_bytes") or 0
-    _say(out, f"breakdown of {b.get('device')} (total {fmt_bytes(total or None)}, peak seen "
+    _say(out, f"breakdown of {b.get('device')} (total {fmt_bytes(b.get('total_bytes') or None)}, peak seen "
               f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
         _say(out, f"  {total_words(b)}")
-    rows = breakdown_rows(b)
-    if rows:
-        for line in _columns(rows, right=(1, 2)):
-            _say(out, f"  {line}")
+    _say_columns(out, breakdown_rows(b), right=(1, 2), indent="  ")
 
 
 def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
@@ -208,25 +192,17 @@ def _print_overview(view: dict[str, Any], out: TextIO) -> None:
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
             for r in view["reports"]]
-    for line in _columns([head, *rows]):
-        _say(out, line)
+    _say_columns(out, [head, *rows])
 
 
 def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each state file as read, with what the report concludes: how it ended, and whether it vanished."""
     host = socket.gethostname()
-    views = []
-    for doc in states:
-        alive = pid_alive(doc, host)
-        views.append({**doc, "ending": ending(doc, alive=alive), "vanished": not doc.get("ended") and alive is False,
-                      "at_risk": at_risk(doc)})
-    return views
+    return [{**doc, "ending": ending(doc, alive=alive), "vanished": not doc.get("ended") and alive is False,
+             "at_risk": at_risk(doc)} for doc in states for alive in [pid_alive(doc, host)]]
 
 
-def _print_states(states: list[dict[str, Any]], as_json: bool, out: TextIO) -> None:
-    if as_json:
-        print(json.dumps({"last_state": _state_views(states)}, indent=1), file=out)
-        return
+def _print_states(states: list[dict[str, Any]], out: TextIO) -> None:
     host = socket.gethostname()
     for n, doc in enumerate(states):
         if n:
@@ -257,12 +233,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise CliError(f"no gpumemd report in {root} (expected report.json, report directories inside, or the "
                        "gpumemd-state-rank<R>.json an agent keeps in its output dir)")
     reports = [load_report(d) for d in dirs]
-    if not reports:
-        _print_states(states, args.json, out)
-        return 0
     if states and not args.json:
-        _print_states(states, False, out)
-        print(file=out)
+        _print_states(states, out)
+        if reports:
+            print(file=out)
+    if not reports:  # then there are states
+        if args.json:
+            print(json.dumps({"last_state": _state_views(states)}, indent=1), file=out)
+        return 0
     if len(reports) == 1:
         report = reports[0]
         snap = _snapshot_check(report["_dir"])

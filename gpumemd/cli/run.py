@@ -19,7 +19,11 @@ script, everything after the script belongs to it. Launchers:
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
+import io
 import os
+import runpy
 import sys
 import types
 from collections.abc import Sequence
@@ -28,19 +32,15 @@ from typing import Any
 import gpumemd
 from gpumemd.cli.errors import CliError
 from gpumemd.components.hook_printing import print_hook_failure
-from gpumemd.config import Config, ConfigError, field_docs, field_types, is_optional, parse_value
+from gpumemd.config import Config, ConfigError, field_docs, field_types
 from gpumemd.config_renamed import RENAMED
+from gpumemd.doctor.config_checks import option_name, parse_override
 from gpumemd.log_once import log_once
 from gpumemd.records.step import exit_ending
 from gpumemd.signal_endings import uncaught_ending
 
 # Options of ``gpumemd run`` itself that are not Config fields (names must never collide).
 _OWN_DESTS = frozenset({"target", "module", "func", "command"})
-
-
-def option_name(field: str) -> str:
-    """``leak_min_bytes_per_step`` -> ``--leak-min-bytes-per-step``."""
-    return "--" + field.replace("_", "-")
 
 
 def add_parser(sub: Any) -> None:
@@ -94,12 +94,8 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         assert name not in _OWN_DESTS, f"Config field {name} collides with a `gpumemd run` option"
         default = getattr(defaults, name)
         help_text = (doc + f" (default: {default}; env GPUMEMD_{name.upper()})").replace("%", "%%")
-        if field_types()[name] is bool:
-            group.add_argument(option_name(name), dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            group.add_argument(option_name(name), dest=name, default=None, metavar=name.upper(),
-                               help=help_text)
+        shown = {"action": argparse.BooleanOptionalAction} if field_types()[name] is bool else {"metavar": name.upper()}
+        group.add_argument(option_name(name), dest=name, default=None, help=help_text, **shown)
     for old, new in RENAMED.items():  # the old names still work, out of --help
         action = argparse.BooleanOptionalAction if field_types()[new] is bool else "store"
         group.add_argument(option_name(old), dest=old, action=action, default=None, help=argparse.SUPPRESS)
@@ -133,10 +129,8 @@ def _parse_option(name: str, field: str, raw: str | bool) -> Any:
     """One option's value for Config ``field``, given as ``--name``; a bad one is a CliError naming it."""
     if isinstance(raw, bool):
         return raw
-    if raw.strip() == "" and is_optional(field):
-        return None  # `--port ''` unsets a GPUMEMD_PORT from the environment
     try:
-        return parse_value(field_types()[field], raw)
+        return parse_override(field, raw)  # `--port ''` unsets a GPUMEMD_PORT from the environment
     except ConfigError as err:
         raise CliError(f"{option_name(name)}={raw!r} is not valid: expected {err.accepted}") from None
 
@@ -185,8 +179,6 @@ def _check_script(target: str) -> None:
 def _check_module(name: str) -> None:
     """``-m name`` must be importable from here (as ``python -m`` resolves it: the working directory
     first); one line and exit 2 otherwise, not a traceback through gpumemd."""
-    import importlib.util
-
     saved = sys.path[0] if sys.path else None
     _set_path0(os.getcwd())
     try:
@@ -206,10 +198,6 @@ def _run_script(target: str) -> None:
     script that chdirs and then reads next to ``__file__`` must work the same) and ``sys.argv[0]`` as
     typed (``runpy.run_path`` would make it absolute). A directory or zip with a ``__main__.py``, or
     a compiled file, goes through ``runpy``."""
-    import importlib.machinery
-    import io
-    import runpy
-
     path = os.path.abspath(target)
     if not os.path.isfile(path) or (not path.endswith(".py") and _is_compiled_or_zip(path)):
         runpy.run_path(path, run_name="__main__")
@@ -238,7 +226,6 @@ report names its tensors by (``module global `__main__.x```), not a library fram
 
 
 def _is_compiled_or_zip(path: str) -> bool:
-    import importlib.util
     import zipfile
 
     with open(path, "rb") as f:
@@ -249,16 +236,13 @@ def _is_compiled_or_zip(path: str) -> bool:
 def _execute(target: str, script_args: list[str], is_module: bool) -> tuple[int, str]:
     """Run the target as ``__main__`` and turn its ending into an exit code, as ``python`` does, and
     into the agent's ``ended``."""
-    import runpy
-
     saved_argv, saved_path0 = sys.argv, (sys.path[0] if sys.path else None)
     try:
+        sys.argv = [target, *script_args]  # for a module, run_module(alter_sys=True) puts its file in [0]
         if is_module:
-            sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in [0]
             _set_path0(os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *script_args]
             _set_path0(os.path.dirname(os.path.abspath(target)))
             _run_script(target)
     except SystemExit as exc:
@@ -324,8 +308,6 @@ def _report_uncaught() -> None:
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """Drop the leading frames of this module and runpy, so the traceback starts in the script (None
     when no frame is the script's: a SyntaxError in it, which python shows with no frames either)."""
-    import runpy
-
     own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or "runpy.py"), "<frozen runpy>"}
     first = tb
     while first is not None and _frame_file(first) in own:

@@ -127,12 +127,8 @@ def frame_lines(view: dict[str, Any], width: int, *, live: bool = False) -> list
     return lines
 
 
-def _colour(out: TextIO) -> bool:
-    return out.isatty() and not os.environ.get("NO_COLOR")  # https://no-color.org: set and not empty
-
-
 def print_once(view: dict[str, Any], out: TextIO) -> None:
-    colour = _colour(out)
+    colour = out.isatty() and not os.environ.get("NO_COLOR")  # https://no-color.org: set and not empty
     for text, tag in frame_lines(view, 120):
         safe = escaped(text)
         print(f"{ANSI[tag]}{safe}\033[0m" if colour and tag else safe, file=out)

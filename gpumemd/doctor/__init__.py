@@ -7,9 +7,6 @@ becomes a "warn" line, never a crash: doctor is what people run when something i
 
 Unlike the agent's probes, doctor may initialise CUDA and create a context: it runs in its own process,
 and NVML lists a process only once it has a context.
-
-The checks live by area (``config_checks``, ``torch_checks``, ``allocator_checks``, ``nvml_checks``,
-``host_checks``); this module composes them.
 """
 
 from __future__ import annotations

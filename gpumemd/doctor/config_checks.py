@@ -19,11 +19,12 @@ from gpumemd.config_renamed import RENAMED
 from gpumemd.doctor.check import Check
 
 
-def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def option_name(field: str) -> str:
+    """``leak_min_bytes_per_step`` -> ``--leak-min-bytes-per-step``."""
+    return "--" + field.replace("_", "-")
 
 
-def _parse_override(name: str, raw: str) -> Any:
+def parse_override(name: str, raw: str) -> Any:
     """Command-line text -> a field value, as ``gpumemd run`` parses it ('' unsets an optional field)."""
     if raw.strip() == "" and is_optional(name):
         return None
@@ -49,14 +50,14 @@ def check_config(environ: Mapping[str, str], overrides: Mapping[str, str]) -> li
     parsed: dict[str, Any] = {}
     try:
         for name, raw in overrides.items():
-            parsed[name] = _parse_override(name, raw)
+            parsed[name] = parse_override(name, raw)
         Config.resolve(_known_env(environ), parsed)
     except ConfigError as err:
-        message = err.render(f"{_option(err.field)}={{value}}") if err.field in overrides else str(err)
+        message = err.render(f"{option_name(err.field)}={{value}}") if err.field in overrides else str(err)
         out.append(Check("config", "fail", message, needed=True))
     else:
         given = [f"{k}={v}" for k, v in sorted(_known_env(environ).items())]
-        given += [f"{_option(n)}={overrides[n]}" for n in sorted(overrides)]
+        given += [f"{option_name(n)}={overrides[n]}" for n in sorted(overrides)]
         out.append(Check("config", "ok", f"valid ({', '.join(given) if given else 'defaults'})", needed=True))
     out.extend(Check("config", "warn", line) for line in unknown_env_lines(environ) + renamed_env_lines(environ))
     return out
@@ -71,7 +72,7 @@ def resolve_field(name: str, environ: Mapping[str, str], overrides: Mapping[str,
     var = ENV_PREFIX + name.upper()
     env = {var: environ[var]} if var in environ else {}
     try:
-        kw = {name: _parse_override(name, overrides[name])} if name in overrides else {}
+        kw = {name: parse_override(name, overrides[name])} if name in overrides else {}
         return getattr(Config.from_sources(env, **kw), name)
     except ValueError:  # ConfigError
         return INVALID

@@ -48,8 +48,7 @@ def check_device_count(torch: Any, environ: Mapping[str, str],
         reason = "ROCm counts devices through amdsmi" if torch is not None and torch.version.hip else \
             "no CUDA build of torch"
         return Check(_NAME, "n/a", reason)
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    parsed = parse_visible_devices(visible)
+    parsed = parse_visible_devices(environ.get("CUDA_VISIBLE_DEVICES"))
     if parsed and isinstance(parsed[0], str) and parsed[0].startswith("MIG-"):
         return Check(_NAME, "warn", f"CUDA_VISIBLE_DEVICES names MIG instances, which torch does not count "
                      f"through NVML, {_POISON}")

@@ -122,8 +122,6 @@ def check_port(bind: str, port: int | None, local_rank: int = 0) -> Check:
 
 def check_frameworks() -> list[Check]:
     """Installed training frameworks, from package metadata (never imported: that takes seconds)."""
-    out = []
-    for dist, offer in _FRAMEWORKS.items():
-        version = dist_version(dist)
-        out.append(Check(dist, "ok", f"{version}: {offer}") if version else Check(dist, "n/a", "not installed"))
-    return out
+    versions = {dist: dist_version(dist) for dist in _FRAMEWORKS}
+    return [Check(dist, "ok", f"{version}: {_FRAMEWORKS[dist]}") if version else Check(dist, "n/a", "not installed")
+            for dist, version in versions.items()]

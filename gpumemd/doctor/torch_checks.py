@@ -105,10 +105,8 @@ def check_cuda(torch: Any, environ: Mapping[str, str]) -> Check:
         return Check("cuda", "warn", f"torch is a {_build(torch)} but sees no device ({why}): gpumemd "
                      "records host memory only")
     count = int(torch.cuda.device_count())
-    devices = []
-    for i in range(count):
-        props = torch.cuda.get_device_properties(i)
-        devices.append(f"{i} {props.name} ({format_bytes(int(props.total_memory))})")
+    devices = [f"{i} {props.name} ({format_bytes(int(props.total_memory))})"
+               for i, props in enumerate(map(torch.cuda.get_device_properties, range(count)))]
     return Check("cuda", "ok", f"{count} device{'s' if count != 1 else ''}: {', '.join(devices)}")
 
 

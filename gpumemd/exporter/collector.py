@@ -213,7 +213,6 @@ def build_families(state: AgentState, baseline: CounterBaseline | None = None, *
     return out.result()
 
 
-
 def _allocator(out: _Families, state: AgentState, baseline: CounterBaseline) -> None:
     for sample in state.allocator:
         device = sample.device.label
@@ -298,8 +297,7 @@ def _step_profile(out: _Families, state: AgentState) -> None:
         out.add("gpumemd_step_profile_bytes", nbytes, point=point)
 
 
-def _findings(out: _Families, findings: Iterable[Finding], seconds_per_step: float | None) -> None:
-    findings = tuple(findings)
+def _findings(out: _Families, findings: tuple[Finding, ...], seconds_per_step: float | None) -> None:
     # Several findings can share a kind and device (e.g. two series of one device): export the
     # most severe one, so each label set appears once and stays bounded.
     worst: dict[tuple[str, str], Finding] = {}

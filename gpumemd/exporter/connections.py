@@ -233,8 +233,7 @@ class ContainedServer(WSGIServer):
         if self._waiting.pop(conn.sock.fileno(), None) is not None and selector is not None:
             selector.unregister(conn.sock)
         conn.shed = True
-        with contextlib.suppress(OSError):
-            conn.sock.close()
+        _close(conn.sock)
 
     def _dispatch(self) -> None:
         """A thread for each whole request, while fewer than ``max_connections`` are being answered."""
@@ -297,18 +296,17 @@ class ContainedServer(WSGIServer):
         with self._lock:
             conns = [*self._live.values(), *self._waiting.values(), *self._ready]
             self._live.clear()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.sock.close()
-        for sock in (self.socket, self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                sock.close()
+        _close(*(conn.sock for conn in conns), self.socket, self._wake_r, self._wake_w)
 
     def server_close(self) -> None:
         super().server_close()
-        for sock in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                sock.close()
+        _close(self._wake_r, self._wake_w)
+
+
+def _close(*socks: socket.socket) -> None:
+    for sock in socks:
+        with contextlib.suppress(OSError):  # closed already
+            sock.close()
 
 
 _servers: weakref.WeakSet[ContainedServer] = weakref.WeakSet()

@@ -3,10 +3,8 @@
 The server is prometheus_client's WSGI app (``make_wsgi_app``) in a server of our own, because the
 one ``start_http_server`` gives runs one unbounded thread per connection with no socket timeout
 (200 idle connections were 200 threads in the training process, alive after detach) and leaves its
-listening socket to forked DataLoader workers. Its connections are contained by
-``connections.ContainedServer``: an accept loop that reads each request whole before a thread (at
-most 16) answers it, a whole-request deadline on every connection, nothing left after ``stop()`` or
-in a forked child.
+listening socket to forked DataLoader workers. ``connections.ContainedServer`` contains its
+connections (bounded threads, a deadline each, nothing left after ``stop()`` or in a forked child).
 
 It also counts the metrics responses it begins and sends whole, so that after a fatal OOM the
 exporter can wait until one scrape has carried the OOM away (``wait_for_response_after``), and learns
@@ -138,9 +136,8 @@ class MetricsServer:
         thread = threading.Thread(target=httpd.serve, name=THREAD_NAME, daemon=True)
         thread.start()
         self._httpd, self._thread = httpd, thread
-        port = int(httpd.server_address[1])
         scheme = "https" if opts.certfile else "http"
-        self.url = f"{scheme}://{_url_host(opts.bind)}:{port}/metrics"
+        self.url = f"{scheme}://{_url_host(opts.bind)}:{self.port}/metrics"
         return self.url
 
     @property

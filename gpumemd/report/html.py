@@ -1,9 +1,8 @@
 """``report.html``: one self-contained page (inline style and SVG; no script, font, image or link
 that loads anything; the only links are the table of contents' in-page anchors).
 
-The first screen is the story: headline, table of contents, verdict (naming a leak and its holder
-when one was active), the largest tensor groups with their holders, the suggestions; the charts and
-the details come after. Every value from the report is escaped: messages and holder lines are user data.
+The sections come in report.md's order (``markdown``), a table of contents first. Every value from
+the report is escaped: messages and holder lines are user data.
 """
 
 from __future__ import annotations
@@ -76,11 +75,6 @@ def _h2(title: str) -> str:
     return f'<h2 id="{slug(title)}">{_e(title)}</h2>'
 
 
-def _contents(report: dict[str, Any]) -> str:
-    links = "".join(f'<a href="#{slug(t)}">{_e(t)}</a>' for t in sections(report))
-    return f"<nav>Contents: {links}</nav>"
-
-
 def _verdict(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
     first, *rest = verdict_lines(report)
@@ -149,9 +143,7 @@ def _timeline(report: dict[str, Any]) -> str:
     chart = timeline_chart(timeline, chart_series(timeline, device), chart_markers(report))
     out = [_h2("Timeline"), chart or "<p>No step was recorded before the OOM.</p>"]
     if timeline:
-        headers, rows = timeline_table(timeline)
-        out.append(f"<p>{_e(timeline_intro(timeline))}</p>")
-        out.append(_table(headers, rows))
+        out += [f"<p>{_e(timeline_intro(timeline))}</p>", _table(*timeline_table(timeline))]
     return "".join(out)
 
 
@@ -190,7 +182,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"<h1>gpumemd OOM report — rank {_e(report.get('rank'))}, step {_e(report.get('step'))}</h1>",
         f"<p>{_e(headline(report))}</p>",
         f"<p>Written {_e(fmt_time(report.get('created_at')))} via {_e(report.get('source'))}.</p>",
-        _contents(report),
+        "<nav>Contents: " + "".join(f'<a href="#{slug(t)}">{_e(t)}</a>' for t in sections(report)) + "</nav>",
     ]
     parts += [part(report) for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings,
                                         _timeline, _snapshot, _exception, _environment)]

@@ -33,7 +33,6 @@ from gpumemd.report.schema import STATE_SCHEMA, schema_errors
 
 if TYPE_CHECKING:
     from gpumemd.records.findings import Finding
-    from gpumemd.records.samples import AllocatorSample
     from gpumemd.records.step import AgentState
 
 SCHEMA = 1
@@ -55,7 +54,7 @@ def state_file(output_dir: str, rank: int) -> str:
 
 def state_document(state: AgentState, *, written_at: float, seconds_per_step: float | None) -> dict[str, Any]:
     """What the file holds for ``state``: small, bounded, JSON-ready."""
-    ident = state.identity
+    ident, workers = state.identity, state.workers
     live = live_worst_first(state.findings)
     return {
         "schema": SCHEMA, "pid": ident.pid or os.getpid(), "rank": ident.rank, "world_size": ident.world_size,
@@ -66,19 +65,12 @@ def state_document(state: AgentState, *, written_at: float, seconds_per_step: fl
         "ooms_total": state.ooms_total, "reports": list(state.reports[-MAX_REPORTS:]),
         "ooms_caught": state.ooms_caught, "oom_caught_steps": list(state.oom_caught_steps),
         "ended": state.ended, "ended_at": state.ended_at, "run": state.run,
-        "allocator": [_allocator(a) for a in state.allocator], "workers": _workers(state),
+        "allocator": [{"device": cuda_index(a.device), "allocated_bytes": a.allocated_bytes,
+                       "reserved_bytes": a.reserved_bytes, "peak_bytes": a.allocated_peak_bytes,
+                       "cap_bytes": a.cap_bytes} for a in state.allocator],
+        "workers": None if workers is None else {"count": len(workers.workers), "rss_bytes": workers.rss_bytes},
         "tensors": _tensors(state),
     }
-
-
-def _allocator(a: AllocatorSample) -> dict[str, Any]:
-    return {"device": cuda_index(a.device), "allocated_bytes": a.allocated_bytes, "reserved_bytes": a.reserved_bytes,
-            "peak_bytes": a.allocated_peak_bytes, "cap_bytes": a.cap_bytes}
-
-
-def _workers(state: AgentState) -> dict[str, Any] | None:
-    w = state.workers
-    return None if w is None else {"count": len(w.workers), "rss_bytes": w.rss_bytes}
 
 
 _last_tensors: list[Any] = [None, None]  # the last census and its part: a census lasts many writes
@@ -189,9 +181,8 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
     risk = at_risk(doc)
     if risk and not doc.get("ended"):
         lines.append(f"  at risk when last seen: {risk}")
-    for room in doc.get("headroom") or []:
-        lines.append(f"  headroom {room['where']}: {fmt_bytes(room.get('free_bytes'))} free of "
-                     f"{fmt_bytes(room.get('total_bytes'))}")
+    lines += [f"  headroom {room['where']}: {fmt_bytes(room.get('free_bytes'))} free of "
+              f"{fmt_bytes(room.get('total_bytes'))}" for room in doc.get("headroom") or []]
     for f in doc.get("findings") or []:
         steps, hours = f.get("steps_to_oom"), f.get("hours_to_oom")
         to_oom = projection_words(steps, hours if isinstance(hours, int | float) else None)[0] \
@@ -207,9 +198,7 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
     if isinstance(doc.get("ooms_caught"), int) and doc["ooms_caught"] > 0:
         steps = [s for s in doc.get("oom_caught_steps") or [] if isinstance(s, int)]
         lines.append(f"  {caught_text(doc['ooms_caught'], steps)}")
-    for path in doc.get("reports") or []:
-        lines.append(f"  OOM report: {path}")
-    return lines
+    return lines + [f"  OOM report: {path}" for path in doc.get("reports") or []]
 
 
 def pid_alive(doc: dict[str, Any], hostname: str) -> bool | None:

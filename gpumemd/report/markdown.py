@@ -28,10 +28,6 @@ from gpumemd.report.view import (
 )
 
 
-def _cell(value: Any) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
 def _code(text: str) -> str:
     """Inline code that may itself hold backticks (a holder's name)."""
     return f"`` {text} ``" if "`" in text else f"`{text}`"
@@ -39,7 +35,7 @@ def _code(text: str) -> str:
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in rows]
     return lines
 
 
@@ -63,10 +59,6 @@ def step_profile_note(profile: dict[str, Any]) -> str:
 
 def _heading(title: str) -> list[str]:
     return ["", f"## {title}", ""]
-
-
-def _contents(report: dict[str, Any]) -> list[str]:
-    return ["Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
 
 
 def _verdict(report: dict[str, Any]) -> list[str]:
@@ -109,7 +101,8 @@ def _breakdown(report: dict[str, Any]) -> list[str]:
             f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
 
 
-def _step_profile(profile: Any) -> list[str]:
+def _step_profile(report: dict[str, Any]) -> list[str]:
+    profile = report.get("step_profile")
     if not isinstance(profile, dict):
         return []  # not measured (attach(step_profile=True) turns it on)
     rows = [[f.get("label"), fmt_bytes(f.get("nbytes"))] for f in profile.get("figures", [])]
@@ -127,8 +120,7 @@ def _timeline(report: dict[str, Any]) -> list[str]:
     out = _heading("Timeline")
     if not timeline:
         return [*out, "No steps."]
-    headers, rows = timeline_table(timeline)
-    return [*out, timeline_intro(timeline), "", *_table(headers, rows)]
+    return [*out, timeline_intro(timeline), "", *_table(*timeline_table(timeline))]
 
 
 def _snapshot(report: dict[str, Any]) -> list[str]:
@@ -160,10 +152,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# gpumemd OOM report — rank {report.get('rank')}, step {report.get('step')}", "",
            headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.",
            *([f"Outcome: {report['outcome']}."] if report.get("outcome") else []), "",
-           *_contents(report)]
-    for part in (_verdict, _groups, _suggestions, _breakdown):
-        out += part(report)
-    out += _step_profile(report.get("step_profile"))
-    for part in (_findings, _timeline, _snapshot, _exception, _environment):
+           "Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
+    for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings, _timeline, _snapshot,
+                 _exception, _environment):
         out += part(report)
     return "\n".join(out) + "\n"

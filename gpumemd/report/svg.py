@@ -52,10 +52,6 @@ def step_ticks(first: int, last: int, ticks: int = 8) -> list[int]:
     return list(range(start, last + 1, step)) or [first]
 
 
-def _num(value: float) -> str:
-    return f"{value:g}"
-
-
 def item_colour(item: dict[str, Any], n: int) -> str:
     """The colour of the ``n``-th breakdown item, the same in the bar and its legend."""
     return ITEM_COLOURS.get(str(item.get("key")), PALETTE[n % len(PALETTE)])
@@ -89,7 +85,7 @@ def breakdown_bar(items: list[dict[str, Any]], total: int | None, width: int = 9
         tx = left + plot * value * scale / axis_max
         parts.append(f'<line x1="{tx:.1f}" y1="{height}" x2="{tx:.1f}" y2="{height + 5}" stroke="#888"/>')
         parts.append(f'<text x="{tx:.1f}" y="{height + 18}" font-size="11" text-anchor="middle">'
-                     f"{_num(value)} {unit}</text>")
+                     f"{value:g} {unit}</text>")
     if total:
         parts.append(f'<text x="{left + plot * total / axis_max:.1f}" y="{height + 34}" font-size="11" '
                      f'text-anchor="end">{escape(total_label)} {escape(fmt_bytes(total))}</text>')
@@ -98,12 +94,9 @@ def breakdown_bar(items: list[dict[str, Any]], total: int | None, width: int = 9
 
 
 def legend(items: list[dict[str, Any]]) -> str:
-    rows = []
-    for n, item in enumerate(items):
-        colour = item_colour(item, n)
-        rows.append(f'<span class="key"><svg width="10" height="10"><rect width="10" height="10" '
-                    f'fill="{colour}"/></svg> {escape(item["label"])}: {escape(fmt_bytes(item["nbytes"]))}</span>')
-    return " ".join(rows)
+    return " ".join(f'<span class="key"><svg width="10" height="10"><rect width="10" height="10" '
+                    f'fill="{item_colour(item, n)}"/></svg> {escape(item["label"])}: '
+                    f'{escape(fmt_bytes(item["nbytes"]))}</span>' for n, item in enumerate(items))
 
 
 def _marker_lines(markers: Sequence[tuple[int, str, str]], xs: Sequence[float], *, head: float, base: float,
@@ -151,7 +144,7 @@ def timeline_chart(rows: list[dict[str, Any]], series: list[tuple[str, str]],
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#eee"/>')
         parts.append(f'<line x1="{left - 5}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#888"/>')
         parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" font-size="11" text-anchor="end">'
-                     f"{_num(value)} {unit}</text>")
+                     f"{value:g} {unit}</text>")
     for step in step_ticks(s0, s1):  # x axis
         x = px(step)
         parts.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 5}" stroke="#888"/>')

@@ -231,11 +231,6 @@ def timeline_columns(timeline: list[dict[str, Any]]) -> list[tuple[str, str]]:
 TIMELINE_SHOWN = 20  # rows in the people's tables; report.json has the whole timeline
 
 
-def step_cell(row: dict[str, Any]) -> str:
-    """A timeline row's step: "2387", or "2387 (at the OOM)" for the reading taken in the failing step."""
-    return f"{row.get('step')} (at the OOM)" if row.get("at_oom") is True else str(row.get("step"))
-
-
 def timeline_intro(timeline: list[dict[str, Any]]) -> str:
     """The sentence over the table: how far apart the recorded steps are, and that the last row is the
     memory at the OOM (not a step end) when the report has it."""
@@ -255,7 +250,9 @@ def timeline_table(timeline: list[dict[str, Any]]) -> tuple[list[str], list[list
     """The table's headers and the last ``TIMELINE_SHOWN`` rows' cells (bytes formatted)."""
     shown = timeline[-TIMELINE_SHOWN:]
     columns = timeline_columns(shown)
-    rows = [[step_cell(r), str(r.get("phase")), *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in shown]
+    # the reading taken in the failing step: "2387 (at the OOM)"
+    rows = [[f"{r.get('step')} (at the OOM)" if r.get("at_oom") is True else str(r.get("step")), str(r.get("phase")),
+             *(fmt_bytes(r.get(k)) for k, _ in columns)] for r in shown]
     return ["step", "phase", *(label for _, label in columns)], rows
 
 

@@ -7,6 +7,7 @@ halfway (disk full, quota) removes its temp directory and leaves nothing behind.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import pickle
 import shutil
@@ -60,8 +61,6 @@ def write_report_dir(parent: str, name: str, files: Mapping[str, bytes]) -> str:
 
 def render_files(report: dict[str, Any], snapshot: dict[str, Any] | None) -> dict[str, bytes]:
     """File name -> content of one report directory."""
-    import json
-
     from gpumemd.report.html import render_html
     from gpumemd.report.markdown import render_markdown
 
