@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpumemd")
 
-# AllocatorSample counter field -> metric name (without the _total the family adds back).
+# AllocatorSample counter field -> counter metric name (reported as counted since attach: ``since_attach``).
 _ALLOCATOR_COUNTERS: dict[str, str] = {
     "num_alloc_retries": "gpumemd_allocator_alloc_retries_total",
     "num_ooms": "gpumemd_allocator_ooms_total",
