@@ -102,7 +102,7 @@ class LeakSeries:
         # Per (measured series, finding's series, phase): the rate since the finding's onset, with the
         # onset and the step it was worked out at (``_rate_since``).
         self._rates: dict[tuple[str, str, str], tuple[int, int, float | None]] = {}
-        self._last_min_slopes: dict[str, float] = {}  # the last evaluation's thresholds (``host_rate``)
+        self._host_material = 0.0  # host growth per step that would exhaust its headroom in the horizon
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -189,8 +189,7 @@ class LeakSeries:
 
     def evaluate(self, step: int) -> list[TrackStatus]:
         """The detector's statuses at this step, each series judged against the growth that matters."""
-        self._last_min_slopes = self._min_slopes()
-        return self.detector.evaluate(step, self._last_min_slopes)
+        return self.detector.evaluate(step, self._min_slopes())
 
     def rising_names(self) -> set[str]:
         """Series whose floor rose enough at the last evaluation to be assessed in full."""
@@ -222,6 +221,8 @@ class LeakSeries:
                 headrooms[spec.device] = self.headroom(spec)
             headroom = headrooms[spec.device]
             material = headroom / horizon_steps if headroom is not None and horizon_steps else 0.0
+            if host and spec.name == self.host_spec.name:
+                self._host_material = material
             out[spec.name] = max(floor, material)
         return out
 
@@ -267,12 +268,21 @@ class LeakSeries:
         threshold): the tensors a CPU leak keeps can cost the heap far more than their own bytes (each
         small one pins memory the allocator cannot give back: 256 B/step of tensors grew RSS by ~30
         KiB/step in a plain MLP loop, measured without the agent), and RSS is what runs out. None
-        without an onset, or while RSS is flat."""
+        without an onset, or while RSS is flat.
+
+        Material here means above what a slope over the whole episode can be fooled by: one burst of
+        ``RSS_BURST_BYTES`` spread over it (the host series' window threshold at one window, less as
+        the episode lasts), and what would exhaust the headroom within the horizon. The window's noise
+        floor (16 KiB/step) made a finding whose warnings said "host RSS +45.1 KiB/step … out of memory
+        in ~8.4 h" end with "~127 days", projected from its 4 B/step of tensors, once RSS's long-run
+        rate fell to ~15 KiB/step."""
         if status.onset_step is None:
             return None
         rate = self._rate_since(self.host_spec.name, status)
-        floor = self._last_min_slopes.get(self.host_spec.name)
-        return rate if rate is not None and floor is not None and rate >= floor else None
+        fixed = self._options.leak_host_min_bytes_per_step
+        span = max(status.step - status.onset_step, self._options.leak_window_steps)
+        floor = float(fixed) if fixed is not None else max(RSS_BURST_BYTES / span, self._host_material)
+        return rate if rate is not None and rate >= floor else None
 
     def _rate_since(self, name: str, status: TrackStatus) -> float | None:
         """Series ``name``'s slope since ``status``'s onset, worked out again at a state change, a new

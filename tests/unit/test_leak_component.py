@@ -209,3 +209,31 @@ def test_a_count_series_of_a_group_born_later_starts_with_the_zeros_it_had() -> 
     assert [(s, v) for name, s, v in fed if name == spec.name] == [*((s, 0) for s in range(100, 450, 50)),
                                                                    (450, _COUNT_MIN + 1)]
     assert not any(name == few.name for name, _, _ in fed)
+
+
+def test_host_growth_over_a_long_episode_is_stated_below_the_windows_floor() -> None:
+    """A CPU tensor finding states host RSS's growth since its onset. Over one window a burst of RSS
+    (``RSS_BURST_BYTES``) can fake 16 KiB/step; over a long episode it cannot, so growth under that
+    floor is still stated there: judged by the window's floor, a finding that had said "host RSS +45
+    KiB/step, out of memory in ~8 h" ended projecting from its 4 B/step of tensors, "~127 days"."""
+    import dataclasses
+
+    from gpumemd.analysis.leak_types import LeakState, SeriesSpec, TrackStatus
+    from gpumemd.analysis.leak_verdicts import UNCOVERED
+    from gpumemd.components.leak_series import RSS_BURST_BYTES, LeakSeries
+
+    options = Config(output_dir="unused").options(LeakOptions)
+    series = LeakSeries(options, SimpleNamespace(), tracker=None, chains=None)  # type: ignore[arg-type]
+    host = series.host_spec
+    series.detector.add_series(host)
+    rate = 10 * 1024  # under the window's floor (16 KiB/step), far over a 6,000-step episode's
+    for step in range(6_001):
+        series.detector.observe(host.name, step, 1e9 + max(0, step - 100) * rate)
+    tensors = SeriesSpec("tensors{device=cpu,group=float32[1]}", "tensor_leak", Device.of("cpu"), sparse=True,
+                         unit="tensors", unit_bytes=4)
+    status = TrackStatus(spec=tensors, phase="train", state=LeakState.CONFIRMED, changed=True, step=6_000,
+                         first_step=400, verdict=UNCOVERED, window_start=5_500, onset_step=100, growth_bytes=5_900)
+    assert rate >= RSS_BURST_BYTES / 5_900
+    assert series.host_rate(status) == pytest.approx(rate, rel=0.01)
+    early = dataclasses.replace(status, step=600)  # one window in: a burst could fake this rate
+    assert series.host_rate(early) is None
