@@ -81,12 +81,12 @@ class LeakDetector:
         long_points = math.ceil(config.long_window_steps / config.block) + 2 * config.min_points
         self._max_floors = max(64, min(4096, long_points))
         self.check_every = config.check_every_steps
+        """Steps between evaluations now: ``check_every_steps``, or longer while the component only tracks
+        confirmed findings over its budget (``components.leak_scans``)."""
         self.near_oom: set[str] = set()
         """Series whose confirmed finding projects the out-of-memory within ``near_oom_within`` steps
         (the component says which): re-tested every ``NEAR_OOM_EVERY`` checks, not ``CONFIRMED_EVERY``."""
         self.near_oom_within = NEAR_OOM_RESTS * CONFIRMED_EVERY * config.check_every_steps
-        """Steps between evaluations now: ``check_every_steps``, or longer while the component only tracks
-        confirmed findings over its budget (``components.leak_scans``)."""
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -274,14 +274,11 @@ class LeakDetector:
         Not after a failed re-test: it is tested at every check until it passes again or is cleared,
         so a leak that stops is cleared as soon as when it was re-tested every check."""
         last = track.last_status
+        checks = NEAR_OOM_EVERY if track.spec.name in self.near_oom else CONFIRMED_EVERY
         if (track.state is LeakState.CONFIRMED and last is not None and not track.consecutive_fail
-                and step - last.step < self.rest_steps(track.spec.name)):
+                and step - last.step < checks * self.config.check_every_steps):
             return dataclasses.replace(last, changed=False)
         return None
-
-    def rest_steps(self, name: str) -> int:
-        """Steps a confirmed track of series ``name`` rests between its re-tests."""
-        return (NEAR_OOM_EVERY if name in self.near_oom else CONFIRMED_EVERY) * self.config.check_every_steps
 
     def _verdict(self, track: Track, phase: str, step: int, steps: float, min_slope: float, *, covered: bool,
                  ) -> tuple[Verdict, float, list[float], list[float]]:

@@ -17,10 +17,10 @@ from gpumemd.analysis.leak_types import DetectorConfig, LeakState
 from gpumemd.analysis.trend import Slope, Verdict, assess_knee, theil_sen
 
 CONFIRMED_EVERY = 10
-"""Checks between two re-tests of a confirmed track (and of a track its finding explains): one a
-window. A re-test is the detector's costliest work (the window's O(n²) tests and the finding's sentences
-rebuilt): at every 4th check, re-tests were about a third of the leak checks' time while a
-1-tensor/step leak was tracked on 2 ms steps (16.0 µs a step, 12.8 at every 10th)."""
+"""Checks between two re-tests of a confirmed track (and of a track its finding explains): a window at
+the defaults (10 x 50 steps). A re-test is the detector's costliest work (the window's O(n²) tests and
+the finding's sentences rebuilt): at every 4th check, re-tests were about a third of the leak checks'
+time while a 1-tensor/step leak was tracked on 2 ms steps (16.0 µs a step, 12.8 at every 10th)."""
 
 NEAR_OOM_EVERY = 4
 """Checks between re-tests of a confirmed track whose finding projects the out-of-memory within

@@ -125,7 +125,6 @@ def _stated_host(host_bytes_per_step: float | None, slope: float) -> float | Non
     return host_bytes_per_step if stated else None
 
 
-
 def _time_to_oom(headroom_bytes: float | None, slope: float,
                  seconds_per_step: float | None) -> tuple[float | None, float | None]:
     """Steps (and hours, at the measured step time) until the growth fills the headroom."""

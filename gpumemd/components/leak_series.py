@@ -103,7 +103,6 @@ class LeakSeries:
         # Per (measured series, finding's series, phase): the rate since the finding's onset, with the
         # onset and the step it was worked out at (``_rate_since``).
         self._rates: dict[tuple[str, str, str], tuple[int, int, float | None]] = {}
-        self._host_material = 0.0  # host growth per step that would exhaust its headroom in the horizon
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -203,11 +202,8 @@ class LeakSeries:
         within ``leak_horizon_hours`` at the measured step rate, never below its noise floor (or the
         fixed effect size the user set)."""
         c = self._options
-        horizon_steps = None
-        if self.seconds_per_step:
-            horizon_steps = c.leak_horizon_hours * 3600 / self.seconds_per_step
         out: dict[str, float] = {}
-        headrooms: dict[Device | None, float | None] = {}  # one per device: each CUDA one builds a state
+        headrooms: dict[Device | None, float | None] = {}  # one per device
         for spec in self.detector.series():
             if spec.unit != "bytes":
                 out[spec.name] = COUNT_FLOOR
@@ -222,12 +218,15 @@ class LeakSeries:
                 floor = max(floor, RSS_BURST_BYTES / c.leak_window_steps)
             if spec.device not in headrooms:
                 headrooms[spec.device] = self.headroom(spec)
-            headroom = headrooms[spec.device]
-            material = headroom / horizon_steps if headroom is not None and horizon_steps else 0.0
-            if host and spec.name == self.host_spec.name:
-                self._host_material = material
-            out[spec.name] = max(floor, material)
+            out[spec.name] = max(floor, self._material(headrooms[spec.device]))
         return out
+
+    def _material(self, headroom: float | None) -> float:
+        """The growth per step that would exhaust ``headroom`` within ``leak_horizon_hours`` at the
+        measured step rate (0 until both are known)."""
+        if headroom is None or not self.seconds_per_step:
+            return 0.0
+        return headroom * self.seconds_per_step / (self._options.leak_horizon_hours * 3600)
 
     def headroom(self, spec: SeriesSpec) -> float | None:
         """The memory a series' growth draws on: host RAM available, or what the device's allocator
@@ -288,7 +287,8 @@ class LeakSeries:
         rate = self._rate_since(self.host_spec.name, status)
         fixed = self._options.leak_host_min_bytes_per_step
         span = max(status.step - status.onset_step, self._options.leak_window_steps)
-        floor = float(fixed) if fixed is not None else max(RSS_BURST_BYTES / span, self._host_material)
+        floor = float(fixed) if fixed is not None else max(RSS_BURST_BYTES / span,
+                                                           self._material(self.headroom(self.host_spec)))
         return rate if rate is not None and rate >= floor else None
 
     def _rate_since(self, name: str, status: TrackStatus) -> float | None:

@@ -223,7 +223,8 @@ def test_host_growth_over_a_long_episode_is_stated_below_the_windows_floor() -> 
     from gpumemd.components.leak_series import RSS_BURST_BYTES, LeakSeries
 
     options = Config(output_dir="unused").options(LeakOptions)
-    series = LeakSeries(options, SimpleNamespace(), tracker=None, chains=None)  # type: ignore[arg-type]
+    agent = SimpleNamespace(published=SimpleNamespace(host=None, updated_at=0.0))  # no headroom read yet
+    series = LeakSeries(options, agent, tracker=None, chains=None)  # type: ignore[arg-type]
     host = series.host_spec
     series.detector.add_series(host)
     rate = 10 * 1024  # under the window's floor (16 KiB/step), far over a 6,000-step episode's
