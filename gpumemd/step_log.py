@@ -20,13 +20,13 @@ if TYPE_CHECKING:
     from gpumemd.records.step import StepRecord
     from gpumemd.step_reading import QuickReading, StepReader
 
-QUICK_MAX = 9
+QUICK_MAX = 19
 """Quick step ends in a row at most: the state scrapes and the state file read is at most
-``(QUICK_MAX + 1) x MAX_STRIDE`` steps old (100; a fraction of a second on the fast loops that have
-quick step ends). Survivor scans and leak evaluations run full step ends every 50 steps or less, so
-this bound is what spaces full ones while a confirmed leak is tracked (``leak_scans.TRACKING_STRETCH``):
-at 4 it added a full step end every 50 steps there (~150-200 µs after a 2 ms step: the record and
-the components' checks)."""
+``(QUICK_MAX + 1) x MAX_STRIDE`` steps old (200; under half a second on the fast loops that have
+quick step ends, against a scrape every 15 s or so). Survivor scans and leak evaluations run full
+step ends every 50 steps or less, so this bound only spaces full ones while a confirmed leak is
+tracked (``leak_scans.TRACKING_STRETCH``: up to 200 steps): at 4 it added a full step end every 50
+steps there (~150-200 µs after a 2 ms step: the record and the components' checks)."""
 
 
 class StepLog:

@@ -93,6 +93,8 @@ class LeakComponent:
         self._scans = self._new_scans()
         self._deferred = False  # the last due evaluation waited for the step after a census
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
+        self._series_seen: set[str] = set()  # the detector's series at the last evaluation (``_track_only``)
+        self._new_series_at = 0  # the step of the last evaluation that found a series begun since
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
         self._scans_before = 0.0  # scan seconds of earlier starts
 
@@ -239,7 +241,9 @@ class LeakComponent:
         findings = self._findings
         statuses = series.evaluate(step)
         rising = series.rising_names()
-        self._track_only(series, statuses, rising)
+        host_rising = series.host_spec.name in rising
+        host_explained = host_rising and findings.counts_active(series, rising)
+        self._track_only(series, statuses, rising - {series.host_spec.name} if host_explained else rising, step)
         work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)
@@ -249,19 +253,26 @@ class LeakComponent:
                 work.append((key, parts.culprits.search(status)))
             elif not active:
                 self._sites.settle(status)  # a decided suspicion no longer needs allocation history
-        if series.host_spec.name in rising and not findings.counts_active(series, rising):
+        if host_rising and not host_explained:
             work.append((None, self._host.look_stepwise(step, self._agent)))  # a baseline: nothing waits on it
         self._pending = PendingEvaluation(step, statuses, rising, work)
 
-    def _track_only(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str]) -> None:
-        """Tracking: every finding is confirmed, none projects the out-of-memory soon, and nothing else
-        rises or is suspected. Scans and evaluations may then be spaced further apart when the budget asks
-        (``leak_scans.TRACKING_STRETCH``); anything that rises ends it at once, so the next evaluation is at
-        the usual interval."""
+    def _track_only(self, series: LeakSeries, statuses: list[TrackStatus], rising: set[str], step: int) -> None:
+        """Tracking: every finding is confirmed, none projects the out-of-memory soon, nothing else
+        rises (host RSS that tensors under a finding explain does not count: ``counts_active``) or is
+        suspected, and no series began within the last window (a group that just crossed the count
+        threshold needs its points at the usual interval to be judged in time). Scans and evaluations
+        may then be spaced further apart when the budget asks (``leak_scans.TRACKING_STRETCH``); anything
+        that rises ends it at once, so the next evaluation is at the usual interval."""
         scans, detector = self._scans, series.detector
+        names = {spec.name for spec in detector.series()}
+        if not names <= self._series_seen:
+            self._new_series_at = step
+        self._series_seen = names
         states = {s.state for s in statuses}
         scans.tracking = (LeakState.CONFIRMED in states and LeakState.SUSPECTED not in states
-                          and not rising and not detector.near_oom)
+                          and not rising and not detector.near_oom
+                          and step - self._new_series_at >= detector.config.window_steps)
         every = detector.config.check_every_steps
         detector.check_every = max(every, scans.interval) if scans.tracking else every
 

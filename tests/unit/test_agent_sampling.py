@@ -106,7 +106,7 @@ class Asking(Costly):
 def test_a_step_end_asked_for_runs_in_full_after_quick_ones(out_dir: str) -> None:
     """Quick step ends (every 10th step) come before the one asked for and leave the request standing:
     the component's step end runs when it asked, in full."""
-    agent, component = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=200, kind=Asking)
+    agent, component = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=400, kind=Asking)
     assert isinstance(component, Asking)
     full = [r.step for r in component.records]
     assert component.asked_for is not None and component.asked_for in full
