@@ -4,6 +4,7 @@ Usage: python benchmarks/bench_step_overhead.py [--seconds 60] [--steps-ms 0.2 1
        python benchmarks/bench_step_overhead.py --steps-ms 1 --inject-us 20   # the method's calibration
        python benchmarks/bench_step_overhead.py --cuda mlp transformer --seconds 30   # on a GPU
        python benchmarks/bench_step_overhead.py --steps-ms 2 --leak   # while a leak is tracked
+       python benchmarks/bench_step_overhead.py --cuda mlp --leak --seconds 20   # ... on a GPU
 
 One job (an MLP with AdamW, one intra-op thread, width calibrated to each step time; SGD and batch 8 for
 steps under 0.8 ms; under 0.45 ms, the MLP's shortest here, a linear classifier of width 8) and one
@@ -317,17 +318,24 @@ def _round_differences(blocks: list[tuple[int, list[tuple[float, float]], float]
     return diffs, off_means, clocked
 
 
-def cuda_job(name: str):  # type: ignore[no-untyped-def]
+def cuda_job(name: str, leak: list[int] | None = None):  # type: ignore[no-untyped-def]
     """``bench_gpu_overhead``'s job on the GPU, each step ending in a synchronize: every step is timed
     to its end, and whatever the agent does on the training thread is exposed (no queue of kernels
-    hides it), the worst case for a GPU job."""
+    hides it), the worst case for a GPU job. ``leak``: as in ``make_job``, on the device."""
     import torch
     from bench_gpu_overhead import build
 
     step = build(name, "cuda")
+    kept: list[torch.Tensor] = []
+    made = [0]
 
     def synced() -> None:
         step()
+        if leak is not None:
+            tensor = torch.zeros(16, device="cuda")
+            made[0] += 1
+            if made[0] % leak[0] == 0:
+                kept.append(tensor)
         torch.cuda.synchronize()
 
     return synced
@@ -358,14 +366,14 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
         batch = 8
     hidden = 0 if cuda else 8 if linear else calibrate(target_s, batch, sgd=sgd)
     leaking = [1] if leak else None
-    job = (cuda_job(cuda) if cuda
+    job = (cuda_job(cuda, leaking) if cuda
            else make_job(hidden, batch, sgd=sgd, linear=linear, py_objects=py_objects, leak=leaking))
     time_steps(job, 20)
     # The warm-up covers the leak detector's first windows (50 + 500 steps, evaluated every 50): a job's
     # host RSS rises there as heaps warm up, and the first heap look for a host leak's culprit, a
     # one-time 0.1-0.3 s like the first census, lands in it and is reported as start-up. On a GPU
-    # (device time is scarce) 600 steps: past the first window.
-    warmup = 600 if cuda else max(1_500, int(3.0 / target_s))
+    # (device time is scarce) 600 steps: past the first window; with a leak, 1,500 (it is confirmed by then).
+    warmup = 600 if cuda and not leak else max(1_500, int(3.0 / target_s))
     rng = random.Random(seed)
     pc, cpu_clock = time.perf_counter, time.process_time
     # per block: kind (0 on, 1 off, 2 off2), its steps' (wall, agent-clocked) times, its CPU time

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks only a CUDA device can run, in one call (under 6 minutes on one GPU): tests/gpu, a smoke run
 # (a real OOM report memory_viz opens, a leak found on CUDA, the exporter's device series), then the
-# agent's cost on GPU steps (bench_step_overhead.py --cuda, bench_gpu_overhead.py, bench_attach.py).
+# agent's cost on GPU steps (bench_step_overhead.py --cuda, with and without a tracked leak,
+# bench_gpu_overhead.py, bench_attach.py).
 # Each smoke check runs in a fresh process.
 #
 #   bash benchmarks/gpu_check.sh [--logs DIR] [--record DIR]
@@ -68,6 +69,8 @@ done
 # user's A/B sees, the launch-bound MLP only. Then attach()'s own cost.
 rc=0
 { timeout 120 "$PY" benchmarks/bench_step_overhead.py --cuda mlp transformer --seconds 20 || rc=1
+  # The same launch-bound MLP while a 1-tensor/step CUDA leak is tracked (the hardening issue's cost).
+  timeout 60 "$PY" benchmarks/bench_step_overhead.py --cuda mlp --leak --seconds 15 || rc=1
   GPUMEMD_BENCH_PROFILE="$LOGS" timeout 100 "$PY" benchmarks/bench_gpu_overhead.py --jobs mlp --pairs 2 \
       --steps 1500 --warmup 400 || rc=1
   timeout 60 "$PY" benchmarks/bench_attach.py --repeats 20 --fresh 3 || rc=1
