@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from gpumemd.analysis.leak_headline import short_path
 from gpumemd.analysis.leak_wording import cause_finding
@@ -114,6 +115,16 @@ def state_changes(previous: Causes, now: Causes, changed: Sequence[Key]) -> list
         if before is None or before.state != finding.state:
             out[member.cause] = finding
     return list(out.values())
+
+
+def newly_critical(now: Causes, said: AbstractSet[Key]) -> list[tuple[Key, Finding]]:
+    """The active causes projected to run out of memory within a day (``severity`` "critical") of which
+    no line has said so yet (``said``: the caller's, per episode). A CPU leak's projection can fall from
+    days to minutes after its state change was said: host RSS grows with the tensors it keeps (far more
+    than their own bytes, as the heap fragments), and that growth is stated once it is material. Only
+    the state file and the exit line would tell the person who read "out of memory in ~75 days"."""
+    return [(key, f) for key, f in now.findings.items()
+            if f.state != "cleared" and f.severity == "critical" and key not in said]
 
 
 def withdrawn(previous: Causes, now: Causes) -> list[Finding]:

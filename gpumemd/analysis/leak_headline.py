@@ -232,6 +232,14 @@ def duration_words(hours: float) -> str:
     return f"{hours / 24:,.0f} days"
 
 
+def nearer_line(finding: Finding, before: Finding | None) -> str:
+    """The line said when a cause's projected out-of-memory comes within a day after its state change
+    was said (``leak_causes.newly_critical``): its headline, and what it projected before."""
+    line = finding.headline or finding.summary
+    was = projection_words(before.steps_to_oom, before.hours_to_oom)[1] if before is not None else None
+    return f"{line} (was {was})" if was else line
+
+
 def projection_words(steps_to_oom: float | None, hours_to_oom: float | None) -> tuple[str | None, str | None]:
     """The projected time to out-of-memory as the summary says it ("~12 min (~4,461 steps)") and as
     the headline does ("~12 min"); (None, None) without a projection."""

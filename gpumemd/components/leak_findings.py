@@ -16,9 +16,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpumemd.analysis.census_culprits import refine_kind
-from gpumemd.analysis.leak_causes import NO_CAUSES, Causes, accounting_for, merge_causes, state_changes, withdrawn
+from gpumemd.analysis.leak_causes import (
+    NO_CAUSES,
+    Causes,
+    accounting_for,
+    merge_causes,
+    newly_critical,
+    state_changes,
+    withdrawn,
+)
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_headline import withdrawn_line
+from gpumemd.analysis.leak_headline import nearer_line, withdrawn_line
 from gpumemd.analysis.leak_wording import build_finding
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_file import FindingsFile
@@ -48,6 +56,7 @@ class LeakFindings:
         self._wall = wall_clock
         self._findings: dict[Key, Finding] = {}  # per (series, phase); published merged by cause
         self._causes: Causes = NO_CAUSES
+        self._said_critical: set[Key] = set()  # active causes a line has called critical (``_say_nearer``)
         self._culprits: dict[Key, Evidence] = {}
         self.attempts: dict[Key, int] = {}  # step of the last culprit search per finding
         self.file: FindingsFile | None = None  # the findings file (``leak_file``), made at start
@@ -75,6 +84,7 @@ class LeakFindings:
         reported = state_changes(previous, self._causes, changed)
         for finding in reported:
             self._report(finding)
+        self._say_nearer(previous, reported)
         for finding in withdrawn(previous, self._causes):  # said, so its end is said too (not to the file:
             # its growth goes on in the finding that accounts for it, whose lines are there)
             log.warning("gpumemd: %s", withdrawn_line(finding, accounting_for(finding, self._causes)))
@@ -194,9 +204,19 @@ class LeakFindings:
 
     # --- surfaces ------------------------------------------------------------------------------
 
-    def _report(self, finding: Finding) -> None:
+    def _say_nearer(self, previous: Causes, reported: list[Finding]) -> None:
+        """Say once an episode that a cause's out-of-memory is now projected within a day, unless its
+        state-change line just said it (``newly_critical``)."""
+        for key, finding in newly_critical(self._causes, self._said_critical):
+            self._said_critical.add(key)
+            if not any(f is finding for f in reported):
+                self._report(finding, nearer_line(finding, previous.findings.get(key)))
+        self._said_critical.intersection_update(
+            key for key, f in self._causes.findings.items() if f.state != "cleared")
+
+    def _report(self, finding: Finding, line: str | None = None) -> None:
         # One short line a person reads once; the whole sentence goes to the file and the state.
-        log.warning("gpumemd: %s", finding.headline or finding.summary)
+        log.warning("gpumemd: %s", line or finding.headline or finding.summary)
         if self.file is not None:
             self.file.append(finding)
 

@@ -4,6 +4,11 @@ same rate are one finding; the grouping is sticky across evaluations and a cause
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
+from typing import Any
+
+import pytest
 
 from gpumemd.analysis.leak_causes import (
     NO_CAUSES,
@@ -12,9 +17,14 @@ from gpumemd.analysis.leak_causes import (
     accounting_for,
     cause_root,
     merge_causes,
+    newly_critical,
     state_changes,
     withdrawn,
 )
+from gpumemd.analysis.leak_headline import nearer_line
+from gpumemd.components.leak_findings import LeakFindings
+from gpumemd.components.leak_options import LeakOptions
+from gpumemd.config import Config
 from gpumemd.records.device import CPU
 from gpumemd.records.findings import Culprit, Finding
 
@@ -176,3 +186,35 @@ def test_a_cause_a_person_was_told_of_and_that_is_withdrawn_is_listed_once() -> 
     assert accounting_for(host, after) == kept
     cleared = dataclasses.replace(host, state="cleared")
     assert withdrawn(merge_causes({_key(cleared): cleared}, NO_CAUSES), NO_CAUSES) == []  # its end was said
+
+
+def test_a_cause_that_becomes_critical_after_its_state_change_is_said_once() -> None:
+    """A CPU leak's projection fell from ~75 days to ~6 min once host RSS's growth was stated (a `gpumemd
+    run` of a loop keeping a scalar a step): the confirmed line had said days, and nothing said minutes."""
+    days = dataclasses.replace(_finding("float32[]", HISTORY.format(n=700), state="confirmed"), hours_to_oom=1800.0)
+    minutes = dataclasses.replace(days, steps_to_oom=4e5, hours_to_oom=0.1, severity="critical",
+                                  headline="tensor leak confirmed: host RSS +55 KiB/step, out of memory in ~6 min")
+    before = merge_causes({_key(days): days}, NO_CAUSES)
+    after = merge_causes({_key(minutes): minutes}, before)
+    assert newly_critical(before, set()) == []  # days away: nothing to say beyond the state change
+    (key, finding), = newly_critical(after, set())
+    assert finding is minutes
+    assert newly_critical(after, {key}) == []  # said once an episode
+    line = nearer_line(finding, before.findings[key])
+    assert line == f"{minutes.headline} (was ~75 days)", line
+    assert nearer_line(finding, None) == minutes.headline
+    cleared = dataclasses.replace(minutes, state="cleared", severity=None)
+    assert newly_critical(merge_causes({_key(cleared): cleared}, after), set()) == []
+
+
+def test_the_component_says_the_nearer_projection_once(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    days = dataclasses.replace(_finding("float32[]", HISTORY.format(n=700), state="confirmed"), hours_to_oom=1800.0)
+    minutes = dataclasses.replace(days, hours_to_oom=0.1, severity="critical", headline="out of memory in ~6 min")
+    leak = LeakFindings(Config().options(LeakOptions), census=None, wall_clock=time.time)
+    before = merge_causes({_key(days): days}, NO_CAUSES)
+    with caplog.at_level(logging.WARNING, logger="gpumemd"):
+        for _ in range(3):  # three evaluations at which it stays critical
+            leak._causes = merge_causes({_key(minutes): minutes}, before)
+            leak._say_nearer(before, reported=[])
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["gpumemd: out of memory in ~6 min (was ~75 days)"], lines
