@@ -114,10 +114,9 @@ class Agent:
         self._attached = False  # start ran to its end (its start line said so)
         # Objects the user told us about (for naming); weak so we never keep a model alive.
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
-        if model is not None:
-            self.register(model)
-        if optimizer is not None:
-            self.register(optimizer)
+        for obj in (model, optimizer):
+            if obj is not None:
+                self.register(obj)
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from gpumemd.config_renamed import current_name
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
     from gpumemd.components.base import Component
-    from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.device.allocation_history import AllocationHistory
     from gpumemd.probes.device.allocator import AllocatorProbe
     from gpumemd.probes.device.nvml import NvmlProbe
@@ -204,12 +203,13 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     shared by the leak detector and the OOM capture. The census component is always built: it is the
     one census path (the job's ``Agent.census()``, the census at an OOM); ``census=False`` only turns
     off its censuses at step ends, and the leak detector, which reads those, then gets none."""
+    from gpumemd.components.census_component import CensusComponent, CensusOptions
+    from gpumemd.probes.census.census_steps import census_steps
     from gpumemd.probes.device.allocation_history import process_history
 
     history = history if history is not None else process_history()
-    components: list[Component] = []
-    census = _census_component(config)
-    components.append(census)
+    census = CensusComponent(config.options(CensusOptions), census_fn=census_steps)
+    components: list[Component] = [census]
     if config.leak_detection:
         from gpumemd.components.leak import LeakComponent, LeakOptions
         from gpumemd.probes.survival.long_lived import long_lived_probes
@@ -236,10 +236,3 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     if exporter is not None:
         components.append(exporter)
     return components
-
-
-def _census_component(config: Config) -> CensusComponent:
-    from gpumemd.components.census_component import CensusComponent, CensusOptions
-    from gpumemd.probes.census.census_steps import census_steps
-
-    return CensusComponent(config.options(CensusOptions), census_fn=census_steps)

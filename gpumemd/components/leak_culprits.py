@@ -198,9 +198,7 @@ class CulpritSearch:
             return _SampleHolder(garbage=garbage)
         yield
         graph = _graph_holder()
-        if graph is not None:
-            return _SampleHolder(graph, graph_kept=True, garbage=garbage)
-        return _SampleHolder(garbage=garbage)
+        return _SampleHolder(graph, graph_kept=graph is not None, garbage=garbage)
 
     # --- the job's child processes -------------------------------------------------------------
 
