@@ -43,7 +43,8 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     global _agent
     config = Config.from_sources(os.environ, **overrides)  # validate even when already attached
     if _reimporting_main():
-        return _unstarted(config, model=model, optimizer=optimizer)
+        log.debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)", os.getpid())
+        return build_agent(config, model=model, optimizer=optimizer, components=())  # never started: silent
     with _lock:
         agent = current()
         if agent is None:
@@ -76,12 +77,6 @@ def _reimporting_main() -> bool:
         return bool(getattr(mp.current_process(), "_inheriting", False))
     except Exception:  # noqa: BLE001 - an odd multiprocessing: attach as usual
         return False
-
-
-def _unstarted(config: Config, *, model: Any, optimizer: Any) -> Agent:
-    """An agent that never starts: it records, serves and says nothing (``current()`` stays None)."""
-    log.debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)", os.getpid())
-    return build_agent(config, model=model, optimizer=optimizer, components=())
 
 
 def _absent(config: Config, agent: Agent | None, exc: Exception, *, model: Any, optimizer: Any) -> Agent:
