@@ -116,9 +116,7 @@ def detach() -> None:
 def current() -> Agent | None:
     """The running agent of this process, or None (also None in a forked DataLoader worker)."""
     agent = _agent
-    if agent is None or not agent.running:
-        return None
-    return agent
+    return agent if agent is not None and agent.running else None
 
 
 @contextmanager

@@ -343,9 +343,7 @@ class CensusComponent(ComponentBase):
             # Drop the inner census closest to its predecessor: the kept ones spread over the run.
             def gap(i: int) -> float:
                 a, b = recent[i - 1], recent[i]
-                if a.step is not None and b.step is not None:
-                    return float(b.step - a.step)
-                return b.taken_at - a.taken_at
+                return float(b.step - a.step) if a.step is not None and b.step is not None else b.taken_at - a.taken_at
 
             victim = min(range(1, len(recent) - 1), key=gap)
             del recent[victim]

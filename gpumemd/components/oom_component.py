@@ -305,9 +305,8 @@ class OomComponent(ComponentBase):
             return None
 
     def _may_write(self, now: float) -> bool:
-        if self._written >= self.config.oom_max_reports:
-            return False
-        return self._last_report is None or now - self._last_report >= self.config.oom_cooldown_s
+        return self._written < self.config.oom_max_reports and (
+            self._last_report is None or now - self._last_report >= self.config.oom_cooldown_s)
 
     def _report(self, exc: BaseException | None, message: OomMessage | None, source: str,
                 *, explicit: bool) -> str | None:
