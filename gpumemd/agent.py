@@ -343,10 +343,7 @@ class Agent:
     @property
     def exporter_url(self) -> str | None:
         """URL of this agent's ``/metrics`` endpoint, or None when the exporter is off."""
-        for component in self._components.items:
-            if isinstance(component, Serving) and component.url:
-                return component.url
-        return None
+        return next((c.url for c in self._components.items if isinstance(c, Serving) and c.url), None)
 
     def component(self, kind: type[ComponentT]) -> ComponentT | None:
         """The running component of type ``kind`` (``agent.component(OomComponent)``), or None."""
