@@ -114,10 +114,9 @@ class Agent:
         self._attached = False  # start ran to its end (its start line said so)
         # Objects the user told us about (for naming); weak so we never keep a model alive.
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
-        if model is not None:
-            self.register(model)
-        if optimizer is not None:
-            self.register(optimizer)
+        for obj in (model, optimizer):
+            if obj is not None:
+                self.register(obj)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -344,10 +343,7 @@ class Agent:
     @property
     def exporter_url(self) -> str | None:
         """URL of this agent's ``/metrics`` endpoint, or None when the exporter is off."""
-        for component in self._components.items:
-            if isinstance(component, Serving) and component.url:
-                return component.url
-        return None
+        return next((c.url for c in self._components.items if isinstance(c, Serving) and c.url), None)
 
     def component(self, kind: type[ComponentT]) -> ComponentT | None:
         """The running component of type ``kind`` (``agent.component(OomComponent)``), or None."""

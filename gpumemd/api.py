@@ -21,7 +21,6 @@ from gpumemd.config_renamed import current_name
 if TYPE_CHECKING:
     from gpumemd.agent import Agent
     from gpumemd.components.base import Component
-    from gpumemd.components.census_component import CensusComponent
     from gpumemd.probes.device.allocation_history import AllocationHistory
     from gpumemd.probes.device.allocator import AllocatorProbe
     from gpumemd.probes.device.nvml import NvmlProbe
@@ -44,7 +43,8 @@ def attach(*, model: Any = None, optimizer: Any = None, **overrides: Any) -> Age
     global _agent
     config = Config.from_sources(os.environ, **overrides)  # validate even when already attached
     if _reimporting_main():
-        return _unstarted(config, model=model, optimizer=optimizer)
+        log.debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)", os.getpid())
+        return build_agent(config, model=model, optimizer=optimizer, components=())  # never started: silent
     with _lock:
         agent = current()
         if agent is None:
@@ -77,12 +77,6 @@ def _reimporting_main() -> bool:
         return bool(getattr(mp.current_process(), "_inheriting", False))
     except Exception:  # noqa: BLE001 - an odd multiprocessing: attach as usual
         return False
-
-
-def _unstarted(config: Config, *, model: Any, optimizer: Any) -> Agent:
-    """An agent that never starts: it records, serves and says nothing (``current()`` stays None)."""
-    log.debug("gpumemd: not attaching in a process multiprocessing is starting (pid %d)", os.getpid())
-    return build_agent(config, model=model, optimizer=optimizer, components=())
 
 
 def _absent(config: Config, agent: Agent | None, exc: Exception, *, model: Any, optimizer: Any) -> Agent:
@@ -122,9 +116,7 @@ def detach() -> None:
 def current() -> Agent | None:
     """The running agent of this process, or None (also None in a forked DataLoader worker)."""
     agent = _agent
-    if agent is None or not agent.running:
-        return None
-    return agent
+    return agent if agent is not None and agent.running else None
 
 
 @contextmanager
@@ -204,12 +196,13 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     shared by the leak detector and the OOM capture. The census component is always built: it is the
     one census path (the job's ``Agent.census()``, the census at an OOM); ``census=False`` only turns
     off its censuses at step ends, and the leak detector, which reads those, then gets none."""
+    from gpumemd.components.census_component import CensusComponent, CensusOptions
+    from gpumemd.probes.census.census_steps import census_steps
     from gpumemd.probes.device.allocation_history import process_history
 
     history = history if history is not None else process_history()
-    components: list[Component] = []
-    census = _census_component(config)
-    components.append(census)
+    census = CensusComponent(config.options(CensusOptions), census_fn=census_steps)
+    components: list[Component] = [census]
     if config.leak_detection:
         from gpumemd.components.leak import LeakComponent, LeakOptions
         from gpumemd.probes.survival.long_lived import long_lived_probes
@@ -236,10 +229,3 @@ def build_components(config: Config, *, history: AllocationHistory | None = None
     if exporter is not None:
         components.append(exporter)
     return components
-
-
-def _census_component(config: Config) -> CensusComponent:
-    from gpumemd.components.census_component import CensusComponent, CensusOptions
-    from gpumemd.probes.census.census_steps import census_steps
-
-    return CensusComponent(config.options(CensusOptions), census_fn=census_steps)

@@ -75,10 +75,7 @@ class ComponentSet:
 
     def find(self, kind: type[T]) -> T | None:
         """The first component that is a ``kind`` (a class, or a runtime-checkable protocol)."""
-        for component in self.items:
-            if isinstance(component, kind):
-                return component
-        return None
+        return next((component for component in self.items if isinstance(component, kind)), None)
 
 
 def _stop(component: Component) -> None:

@@ -48,9 +48,7 @@ def _shown(value: object) -> str:
     """The value in an error line: its credentials redacted, cut to a readable length (an 8 KB value
     echoed whole buries the line that says what is wrong)."""
     text = repr(redacted(value) if isinstance(value, str) else value)
-    if len(text) <= _SHOWN_CHARS:
-        return text
-    return f"{text[:_SHOWN_CHARS - 20]}... ({len(text):,} characters)"
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS - 20]}... ({len(text):,} characters)"
 
 
 _MAX_STEPS = 100_000_000  # step counts and intervals: more than any job runs

@@ -100,12 +100,11 @@ def oom_report(exc: BaseException | None = None) -> str | None:
     if component is None:
         return None
     try:
-        result = component.write_report(exc, source="request")
+        return component.write_report(exc, source="request")
     except Exception as err:  # noqa: BLE001 - a diagnostic must not raise into the job's handler
         message = f"gpumemd: oom_report failed ({type(err).__name__}: {err})"
         log_once(message, message)
         return None
-    return result if isinstance(result, str) else None
 
 
 def _oom_component() -> OomComponent | None:

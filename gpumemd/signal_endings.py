@@ -125,10 +125,8 @@ class SignalEndings:
                 self._wrappers[signum] = current
                 return
             current = current.inner  # an earlier agent's, left behind: wrap what it wrapped
-        if current is None or current == signal.SIG_IGN:
-            self._wrappers.pop(signum, None)
-            return
-        if signum == signal.SIGINT and current is signal.default_int_handler:
+        if (current is None or current == signal.SIG_IGN
+                or (signum == signal.SIGINT and current is signal.default_int_handler)):
             self._wrappers.pop(signum, None)
             return
         wrapper = _Wrapper(self, current)

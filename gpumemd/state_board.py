@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Protocol
 from gpumemd.probes.process.identity import refreshed_identity
 
 if TYPE_CHECKING:
+    from gpumemd.components.base import AgentView
     from gpumemd.probes.health import ProbeHealth
-    from gpumemd.records.step import AgentState, Overhead, StepRecord
+    from gpumemd.records.step import AgentState, StepRecord
 
 
 log = logging.getLogger("gpumemd")
@@ -31,27 +32,12 @@ class Probe(Protocol):
     def health(self) -> ProbeHealth: ...
 
 
-class StepCounts(Protocol):
-    """What the board reads of the agent when it builds a state."""
-
-    @property
-    def current_step(self) -> int | None: ...
-
-    @property
-    def steps_total(self) -> int: ...
-
-    @property
-    def current_phase(self) -> str: ...
-
-    def overhead(self) -> Overhead: ...
-
-
 class StateBoard:
     """``base`` is the last published state (None before the agent starts); ``pending`` the newest
     step record with the step count when it was made, not yet in a built state."""
 
-    def __init__(self, counts: StepCounts, probes: Mapping[str, Probe], wall_clock: Callable[[], float]) -> None:
-        self._counts = counts
+    def __init__(self, counts: AgentView, probes: Mapping[str, Probe], wall_clock: Callable[[], float]) -> None:
+        self._counts = counts  # the agent: its step counts, phase and overhead go into each state
         self._probes = probes
         self._wall = wall_clock
         self._lock = threading.Lock()  # writers only (training + sampler thread); readers never lock

@@ -191,15 +191,13 @@ class CensusComponent(ComponentBase):
         recent ones and publish it."""
         with self._lock:
             self._drop_running()
-        return run_to_end(self._census_now(in_step_end=False))
+        return run_to_end(self.census_now(in_step_end=False))
 
-    def census_now(self) -> Stepwise[Census]:
+    def census_now(self, *, in_step_end: bool = True) -> Stepwise[Census]:
         """A census for a culprit search at a step end: the one under way (whatever step it began at:
         it is the freshest there will be soon) or a new one, run a step end's share at a time between
-        the search's yields. Raises RuntimeError when the census fails."""
-        return self._census_now(in_step_end=True)
-
-    def _census_now(self, *, in_step_end: bool) -> Stepwise[Census]:
+        the search's yields (``in_step_end`` False: whole, for ``take_now``). Raises RuntimeError when
+        the census fails."""
         running = self._running
         if running is None:
             state = self._agent.state() if self._agent is not None else None
@@ -345,9 +343,7 @@ class CensusComponent(ComponentBase):
             # Drop the inner census closest to its predecessor: the kept ones spread over the run.
             def gap(i: int) -> float:
                 a, b = recent[i - 1], recent[i]
-                if a.step is not None and b.step is not None:
-                    return float(b.step - a.step)
-                return b.taken_at - a.taken_at
+                return float(b.step - a.step) if a.step is not None and b.step is not None else b.taken_at - a.taken_at
 
             victim = min(range(1, len(recent) - 1), key=gap)
             del recent[victim]

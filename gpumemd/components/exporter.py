@@ -147,9 +147,8 @@ class ExporterComponent(ComponentBase):
             self._server.stop()
             self._server = None
         self.url = None
-        if agent is None or self.registry is None or self._exported_at_oom:
-            return
-        self._export(agent)
+        if agent is not None and self.registry is not None and not self._exported_at_oom:
+            self._export(agent)
 
     def _linger_for_ending(self, agent: AgentView, server: MetricsServer) -> None:
         """A job that ends (cleanly: detach, normal exit, a signal) keeps serving until one scrape has fetched

@@ -155,8 +155,7 @@ class CulpritSearch:
         nodes_only = graph_nodes >= _GRAPH_NODES_KEPT and not graph_bytes
         return Evidence((culprit,), status.step - (status.onset_step or status.step), sites, kind,
                         bytes_per_unit=0.0 if nodes_only else max(per_tensor, 1.0), sentence=sentence,
-                        graph_kept=held.graph_kept,
-                        garbage=held.garbage)
+                        graph_kept=held.graph_kept, garbage=held.garbage)
 
     def _holder_of_sample(self, held_sample: Callable[[], torch.Tensor | None]) -> Stepwise[_SampleHolder]:
         """Who keeps the sample: a cycle, a Python path, else the autograd graph that saved it. One
@@ -198,9 +197,7 @@ class CulpritSearch:
             return _SampleHolder(garbage=garbage)
         yield
         graph = _graph_holder()
-        if graph is not None:
-            return _SampleHolder(graph, graph_kept=True, garbage=garbage)
-        return _SampleHolder(garbage=garbage)
+        return _SampleHolder(graph, graph_kept=graph is not None, garbage=garbage)
 
     # --- the job's child processes -------------------------------------------------------------
 

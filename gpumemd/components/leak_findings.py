@@ -177,9 +177,7 @@ class LeakFindings:
         """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
         the heap scans that look for other culprits are not worth their cost."""
         names = series.scans.counts.names() | series.scans.chain_nodes.names() | series.scans.grown.names()
-        if names & rising:
-            return True
-        return any(f.series in names and f.state != "cleared" for f in self._findings.values())
+        return bool(names & rising) or any(f.series in names and f.state != "cleared" for f in self._findings.values())
 
     def retry_culprits(self, key: Key, step: int) -> bool:
         """No culprit yet: look again, but at most once per window (each look scans the heap or takes

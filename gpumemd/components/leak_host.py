@@ -116,7 +116,5 @@ class HostLooks:
         # RSS lags a leak (freed heap is reused first); the container dates it: its length at the
         # rate it grew says when it started growing.
         top = grown[0]
-        onset: int | None = None
-        if top.items_added > 0 and steps > 0:
-            onset = int(status.step - top.length * steps / top.items_added)
+        onset = int(status.step - top.length * steps / top.items_added) if top.items_added > 0 and steps > 0 else None
         return Evidence(culprits, steps, onset_step=onset)

@@ -110,10 +110,8 @@ class AllocationSites:
         self._open.clear()
 
     def _enable_history(self, max_entries: int) -> bool:
-        if not self._history.acquire(_HISTORY_USER, max_entries):
-            return False
-        self.enabled_by_us = True
-        return True
+        self.enabled_by_us = self._history.acquire(_HISTORY_USER, max_entries)  # asked only while it is False
+        return self.enabled_by_us
 
     def release(self) -> None:
         if self.enabled_by_us:

@@ -79,11 +79,7 @@ class CaptureSlot:
     def __init__(self) -> None:
         # Reentrant: an observer that fires inside a snapshot taken under this lock must not deadlock.
         self._lock = threading.RLock()
-        self._pending: Capture | None = None
-
-    @property
-    def pending(self) -> Capture | None:
-        return self._pending
+        self.pending: Capture | None = None
 
     def observe(self, call: ObserverCall, *, steps_total: int, step: int, now: float, may_snapshot: bool,
                 snapshot: Callable[[], dict[str, Any] | None],
@@ -96,7 +92,7 @@ class CaptureSlot:
         False (cap or cooldown reached) takes none."""
         ordinal = call.device.index if call.device.index is not None else 0
         with self._lock:
-            earlier = self._pending
+            earlier = self.pending
             same_step = earlier is not None and earlier.steps_total == steps_total
             taken = summary_text = taken_at = None
             if (earlier is not None and same_step and earlier.captured_at is not None
@@ -107,39 +103,37 @@ class CaptureSlot:
                 taken, taken_at = snapshot(), now
                 summary_text = summary(ordinal)
             calls, first_step = (earlier.calls + 1, earlier.step) if earlier is not None and same_step else (1, step)
-            self._pending = Capture(call, taken, summary_text, steps_total, taken_at, now, calls, first_step)
+            self.pending = Capture(call, taken, summary_text, steps_total, taken_at, now, calls, first_step)
             return earlier if earlier is not None and not same_step else None
 
     def take(self, *, steps_total: int, now: float, device: Device | None) -> Capture | None:
         """The capture if it is of this OOM (see ``belongs_to``); the slot is emptied either way."""
         capture = self.pop()
-        if capture is None or not belongs_to(capture, steps_total=steps_total, now=now, device=device):
-            return None
-        return capture
+        return capture if capture is not None and belongs_to(capture, steps_total=steps_total, now=now,
+                                                             device=device) else None
 
     def peek(self, *, steps_total: int, now: float) -> Capture | None:
         """The capture if it is of this moment (any device), left in place."""
-        capture = self._pending
-        if capture is None or not belongs_to(capture, steps_total=steps_total, now=now, device=None):
-            return None
-        return capture
+        capture = self.pending
+        return capture if capture is not None and belongs_to(capture, steps_total=steps_total, now=now,
+                                                             device=None) else None
 
     def settle(self, *, steps_total: int, now: float) -> Capture | None:
         """At a step end: a capture of an earlier step (or too old) is of an OOM the job caught and
         went on from; it leaves the slot and is returned."""
-        if self._pending is None:  # every step end but an OOM's: no lock taken (one reference read)
+        if self.pending is None:  # every step end but an OOM's: no lock taken (one reference read)
             return None
         with self._lock:
-            capture = self._pending
+            capture = self.pending
             if capture is None or belongs_to(capture, steps_total=steps_total, now=now, device=None):
                 return None
-            self._pending = None
+            self.pending = None
             return capture
 
     def pop(self) -> Capture | None:
         """Whatever is pending, taken out (at stop: no OOM propagates any more)."""
         with self._lock:
-            capture, self._pending = self._pending, None
+            capture, self.pending = self.pending, None
             return capture
 
 

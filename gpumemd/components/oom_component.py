@@ -256,9 +256,7 @@ class OomComponent(ComponentBase):
         """An OOM reached ``sys.excepthook``: the process exits next, unless an interactive session
         goes on. The exporter gets the chance to hand the OOM to Prometheus first (``oom_linger_s``)."""
         agent = self._agent
-        if not self._running or agent is None or not agent.running or _interactive():
-            return
-        if self._on_fatal is None:
+        if not self._running or agent is None or not agent.running or _interactive() or self._on_fatal is None:
             return
         try:
             self._on_fatal.fatal_oom()
@@ -307,9 +305,8 @@ class OomComponent(ComponentBase):
             return None
 
     def _may_write(self, now: float) -> bool:
-        if self._written >= self.config.oom_max_reports:
-            return False
-        return self._last_report is None or now - self._last_report >= self.config.oom_cooldown_s
+        return self._written < self.config.oom_max_reports and (
+            self._last_report is None or now - self._last_report >= self.config.oom_cooldown_s)
 
     def _report(self, exc: BaseException | None, message: OomMessage | None, source: str,
                 *, explicit: bool) -> str | None:

@@ -131,7 +131,6 @@ class LastStateComponent(ComponentBase):
                 replace_file(path, data, fsync=False)  # no fsync: see the module docstring
             except OSError as exc:
                 self._failed_once(path, exc)
-                return
             else:
                 self._on_disk = made
                 self.writes += 1

@@ -69,13 +69,15 @@ class StepProfileComponent(ComponentBase):
         self._roots: list[Any] = []  # the models whose forward is measured
         self._handles: list[Any] = []  # the hooks, there only from the eve of a profiled step to its end
         self._discovery: Any = None
-        self._state = _IDLE
+        self._counter: SavedTensorCounter | None = None
         self._failed = False
         self._reset()
 
     def _reset(self) -> None:
+        if self._counter is not None:
+            self._counter.stop()  # safe twice: a finished step's counter stopped at its forward's end
         self._state = _IDLE
-        self._counter: SavedTensorCounter | None = None
+        self._counter = None
         self._root: Any = None
         self._cuda_index: int | None = None
         self._device = CPU
@@ -96,8 +98,6 @@ class StepProfileComponent(ComponentBase):
         self._ask()
 
     def stop(self) -> None:
-        if self._counter is not None:
-            self._counter.stop()
         if self._discovery is not None:
             self._discovery.remove()
             self._discovery = None
@@ -283,8 +283,6 @@ class StepProfileComponent(ComponentBase):
         return torch.cuda.memory.memory_stats_as_nested_dict(self._cuda_index)["allocated_bytes"]["all"]
 
     def _fail(self, where: str, exc: BaseException) -> None:
-        if self._counter is not None:
-            self._counter.stop()
         self._reset()
         self._disarm()
         self._failed = True  # one failure turns the component off: the job comes first
