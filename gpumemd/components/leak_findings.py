@@ -204,17 +204,18 @@ class LeakFindings:
 
     def _say_nearer(self, previous: Causes, reported: list[Finding]) -> None:
         """Say once an episode that a cause's out-of-memory is now projected within a day, unless its
-        state-change line just said it (``newly_critical``)."""
+        state-change line just said it (``newly_critical``). A log line only: the findings file keeps
+        one line per state change, and the state file the projection as it moves."""
         for key, finding in newly_critical(self._causes, self._said_critical):
             self._said_critical.add(key)
             if not any(f is finding for f in reported):
-                self._report(finding, nearer_line(finding, previous.findings.get(key)))
+                log.warning("gpumemd: %s", nearer_line(finding, previous.findings.get(key)))
         self._said_critical.intersection_update(
             key for key, f in self._causes.findings.items() if f.state != "cleared")
 
-    def _report(self, finding: Finding, line: str | None = None) -> None:
+    def _report(self, finding: Finding) -> None:
         # One short line a person reads once; the whole sentence goes to the file and the state.
-        log.warning("gpumemd: %s", line or finding.headline or finding.summary)
+        log.warning("gpumemd: %s", finding.headline or finding.summary)
         if self.file is not None:
             self.file.append(finding)
 
