@@ -12,8 +12,9 @@ was looked up) stays in its ``summary``, which the findings file, ``agent.findin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpumemd.analysis.holder_adds import VERBS
@@ -197,15 +198,15 @@ def _shared(culprits: Sequence[Culprit]) -> Sequence[Culprit]:
     holders = [c.holder for c in culprits if c.holder]
     if len(holders) < 2 or len(holders) != len(culprits):
         return culprits
-    paths = [short_path(h).split(" → ") for h in holders]
-    common: list[str] = []
-    for hops in zip(*paths, strict=False):  # paths of different lengths share a prefix at most
-        if any(hop != hops[0] for hop in hops):
-            break
-        common.append(hops[0])
+    common = shared_hops(short_path(h).split(" → ") for h in holders)
     if not common:
         return culprits
     return (dataclasses.replace(culprits[0], holder=" → ".join(common)),)
+
+
+def shared_hops(paths: Iterable[Sequence[str]]) -> list[str]:
+    """The hops every path starts with (paths of different lengths share a prefix at most)."""
+    return [hops[0] for hops in itertools.takewhile(lambda hops: len(set(hops)) == 1, zip(*paths, strict=False))]
 
 
 def _fit(line: str) -> str:
