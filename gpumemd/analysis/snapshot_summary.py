@@ -9,6 +9,7 @@ so a 100k-entry history costs tens of milliseconds on the OOM path.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,24 +114,18 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     else:
         segments = _list(snapshot.get("segments"))
         traces = _list(snapshot.get("device_traces"))
-    acc: dict[int, dict[str, Any]] = {}
-
-    def slot(device: int) -> dict[str, Any]:
-        if device not in acc:
-            acc[device] = {"segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0,
-                           "largest_free": {}, "expandable": 0, "sites": {},
-                           "private_free": 0}
-        return acc[device]
-
+    acc: defaultdict[int, dict[str, Any]] = defaultdict(lambda: {
+        "segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0, "largest_free": {}, "expandable": 0,
+        "sites": {}, "private_free": 0})
     for seg in segments:
         if isinstance(seg, Mapping):
-            _count_segment(slot(_int(seg.get("device", 0))), seg, (internal, library))
+            _count_segment(acc[_int(seg.get("device", 0))], seg, (internal, library))
     out: dict[Device, SnapshotSummary] = {}
     for device in set(acc) | set(range(len(traces))):
         entries = traces[device] if device < len(traces) and isinstance(traces[device], list) else []
         if device not in acc and not entries:
             continue
-        s = slot(device)
+        s = acc[device]
         oom = next((e for e in reversed(entries) if isinstance(e, Mapping) and e.get("action") == "oom"), None)
         sites = sorted(s["sites"].items(), key=lambda kv: kv[1][0], reverse=True)[:_TOP_SITES]
         cuda = Device.cuda(device)
