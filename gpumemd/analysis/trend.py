@@ -173,17 +173,17 @@ def _pairs(n: int, max_pairs: int) -> tuple[array.array[int], array.array[int]]:
     # random.Random(0).randrange(n), drawn as randrange draws it (getrandbits of n's bit length until
     # below n), without its per-call overhead: the same pairs as before, a few times faster.
     bits, k = random.Random(0).getrandbits, n.bit_length()
+
+    def below_n() -> int:
+        drawn = bits(k)
+        while drawn >= n:
+            drawn = bits(k)
+        return drawn
+
     for _ in range(max_pairs):
-        i = bits(k)
-        while i >= n:
-            i = bits(k)
-        j = bits(k)
-        while j >= n:
-            j = bits(k)
+        i, j = below_n(), below_n()
         while j == i:
-            j = bits(k)
-            while j >= n:
-                j = bits(k)
+            j = below_n()
         first.append(min(i, j))
         second.append(max(i, j))
     return first, second
