@@ -103,9 +103,7 @@ def first_user_frame(frames: Sequence[Mapping[str, Any]] | None, internal: Seque
     outside, own = site_frames(frames, internal, library)
     if outside is None:
         return None
-    if own is None or own is outside:
-        return _short(outside)
-    return f"{_short(outside)}, called from {_short(own)}"
+    return _short(outside) if own is None or own is outside else f"{_short(outside)}, called from {_short(own)}"
 
 
 def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None = None, *,

@@ -92,10 +92,8 @@ def _concatenates(value: ast.expr, expr: str) -> bool:
         return False
     func = value.func
     name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-    if name not in _CONCAT:
-        return False
-    return any(isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == expr
-               for arg in value.args for n in ast.walk(arg))
+    return name in _CONCAT and any(isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == expr
+                                   for arg in value.args for n in ast.walk(arg))
 
 
 def dotted(node: ast.AST) -> str | None:

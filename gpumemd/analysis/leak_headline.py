@@ -97,9 +97,7 @@ def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | Non
         if c.category == "workers":  # the job's child processes: the memory is theirs, not held
             verb = "in"
         return f"{verb} {short_path(c.holder)}"
-    if sites:
-        return f"allocated at {sites[0]}"
-    return None
+    return f"allocated at {sites[0]}" if sites else None
 
 
 def short_path(holder: str) -> str:
@@ -217,9 +215,7 @@ def _fit(line: str) -> str:
 def since_words(onset_step: float) -> str:
     """"since step 1,200"; a leak present from the start (an onset dated at or before step 0, where a
     container's length at its rate, or a fit, may put it) "since step 0, the first watched"."""
-    if onset_step <= 0:
-        return "since step 0, the first watched"
-    return f"since step {onset_step:,.0f}"
+    return "since step 0, the first watched" if onset_step <= 0 else f"since step {onset_step:,.0f}"
 
 
 def duration_words(hours: float) -> str:

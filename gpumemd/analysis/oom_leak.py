@@ -160,9 +160,7 @@ def leak_at_oom(
 def _kind_words(leak: LeakCause) -> str:
     kind = {"tensor_leak": "tensor leak", "graph_leak": "leak of autograd graphs",
             "host_leak": "host memory leak"}.get(leak.kind, leak.kind.replace("_", " "))
-    if leak.source == "census":
-        return f"{kind} seen between censuses"
-    return f"{leak.state} {kind}"
+    return f"{kind} seen between censuses" if leak.source == "census" else f"{leak.state} {kind}"
 
 
 def leak_sentence(leak: LeakCause, total: int | None, device: Device) -> str:

@@ -97,9 +97,7 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], dirs: tuple[Sequen
 def _private_pool(seg: Mapping[str, Any]) -> bool:
     """Is the segment in a private pool (CUDA graphs, MemPool)? ``(0, 0)`` is the default pool."""
     pool = seg.get("segment_pool_id")
-    if not isinstance(pool, (tuple, list)) or len(pool) != 2:
-        return False
-    return any(_int(part) != 0 for part in pool)
+    return isinstance(pool, (tuple, list)) and len(pool) == 2 and any(_int(part) != 0 for part in pool)
 
 
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,

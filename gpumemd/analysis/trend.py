@@ -260,9 +260,7 @@ def floor_growth(ys: Sequence[float], fraction: float = 0.25) -> float:
     A leak never returns to its old floor; a sawtooth that resets within the window does.
     """
     k = max(1, int(len(ys) * fraction))
-    if len(ys) < 2 * k:
-        return 0.0
-    return min(ys[-k:]) - min(ys[:k])
+    return 0.0 if len(ys) < 2 * k else min(ys[-k:]) - min(ys[:k])
 
 
 @dataclass(frozen=True, slots=True)
