@@ -73,14 +73,8 @@ def bytes_per_param(precision: str, optimizer: str, grad_dtype: str | None = Non
 def adafactor_state_elements(shapes: Iterable[Sequence[int]]) -> int:
     """Adafactor's factored second moment: ``rows + cols`` for >=2-D tensors, ``numel`` otherwise
     (what ``torch.optim.Adafactor`` allocates as row_var/col_var or variance)."""
-    total = 0
-    for shape in shapes:
-        if len(shape) >= 2:
-            lead = math.prod(shape[:-2])
-            total += lead * (shape[-2] + shape[-1])
-        else:
-            total += math.prod(shape)
-    return total
+    return sum(math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2 else math.prod(shape)
+               for shape in shapes)
 
 
 @dataclass(frozen=True, slots=True)

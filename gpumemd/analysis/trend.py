@@ -22,6 +22,7 @@ import bisect
 import functools
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -48,10 +49,7 @@ def _sign(v: float) -> int:
 
 def _tie_variance(ys: Sequence[float]) -> float:
     n = len(ys)
-    counts: dict[float, int] = {}
-    for y in ys:
-        counts[y] = counts.get(y, 0) + 1
-    ties = sum(t * (t - 1) * (2 * t + 5) for t in counts.values() if t > 1)
+    ties = sum(t * (t - 1) * (2 * t + 5) for t in Counter(ys).values() if t > 1)
     return (n * (n - 1) * (2 * n + 5) - ties) / 18.0
 
 
