@@ -14,21 +14,10 @@ import math
 from collections.abc import Iterable, Sequence
 
 from gpumemd.analysis.census_culprits import culprit_sentence, refine_kind
-from gpumemd.analysis.culprit_sentences import (
-    count_sentence,
-    rows_rate,
-    units_per_step,
-)
+from gpumemd.analysis.culprit_sentences import count_sentence, rows_rate, units_per_step
 from gpumemd.analysis.holder_adds import added_at
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_headline import (
-    KIND_WORDS,
-    Facts,
-    headline,
-    holder_words,
-    projection_words,
-    since_words,
-)
+from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, headline, holder_words, projection_words, since_words
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.findings import Culprit, Finding

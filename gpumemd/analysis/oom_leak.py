@@ -17,11 +17,7 @@ from gpumemd.analysis.leak_headline import projection_words, since_words
 from gpumemd.records.census import Census, CensusGroup, category_bytes
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
-from gpumemd.records.oom import (
-    Breakdown,
-    BreakdownItem,
-    LeakCause,
-)
+from gpumemd.records.oom import Breakdown, BreakdownItem, LeakCause
 
 _ACTIVE_STATES = ("suspected", "confirmed")
 _GRAPH_HOLDER = "autograd graph of "
