@@ -82,9 +82,7 @@ def headline(facts: Facts) -> str:
     front = f"{head}: {facts.rate}"
     holder = facts.holder or ""
     room = HEADLINE_MAX - len(_PREFIX) - len(front) - len(tail) - 1
-    if holder and room >= 24:
-        return _fit(f"{front} {fit_holder(holder, room)}{tail}")
-    return _fit(front + tail)
+    return _fit(f"{front} {fit_holder(holder, room)}{tail}" if holder and room >= 24 else front + tail)
 
 
 def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | None:
