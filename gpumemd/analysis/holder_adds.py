@@ -22,8 +22,7 @@ _METHODS = {"append": "appended", "appendleft": "appended", "extend": "extended"
             "insert": "inserted", "add": "added", "update": "updated", "setdefault": "updated",
             "put": "queued", "put_nowait": "queued"}
 _CONCAT = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack"})
-VERBS = ("appended", "extended", "inserted", "added", "updated", "queued", "stored", "incremented",
-         "concatenated")
+VERBS = (*dict.fromkeys(_METHODS.values()), "stored", "incremented", "concatenated")  # every verb ``_addition`` uses
 
 ADDED = re.compile(r", ((?:" + "|".join(VERBS) + r") at ([^\s,()→]+:\d+))")
 """The adding line in a holder path: group 1 its words ("appended at train.py:57"), group 2 where."""
