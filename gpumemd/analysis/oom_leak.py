@@ -199,12 +199,9 @@ def _move_to_leaked(items: tuple[BreakdownItem, ...], leak: LeakCause, device: D
         take[key] = take.get(key, 0) + n
     if leak.estimated:  # the census did not see it: it is in what the census cannot see
         take = {"process_other" if device == CPU else "invisible": leak.held_bytes}
-    out = []
-    moved = 0
-    for item in items:
-        n = min(item.nbytes, take.get(item.key, 0))
-        moved += n
-        out.append(BreakdownItem(item.key, item.label, item.nbytes - n))
+    taken = [min(item.nbytes, take.get(item.key, 0)) for item in items]
+    out = [BreakdownItem(item.key, item.label, item.nbytes - n) for item, n in zip(items, taken, strict=True)]
+    moved = sum(taken)
     return (breakdown_item("leaked", moved, device), *out) if moved else items
 
 

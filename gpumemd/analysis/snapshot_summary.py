@@ -106,12 +106,8 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     ``internal``, ``library``: directory prefixes of torch and gpumemd, and of the standard library and
     installed packages (``gpumemd.probes.holding.package_dirs``): a site is the first frame outside the former,
     with the first outside both when that is another."""
-    if isinstance(snapshot, list):
-        segments: list[Any] = snapshot
-        traces: list[Any] = []
-    else:
-        segments = _list(snapshot.get("segments"))
-        traces = _list(snapshot.get("device_traces"))
+    segments = snapshot if isinstance(snapshot, list) else _list(snapshot.get("segments"))
+    traces = [] if isinstance(snapshot, list) else _list(snapshot.get("device_traces"))
     acc: defaultdict[int, dict[str, Any]] = defaultdict(lambda: {
         "segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0, "largest_free": {}, "expandable": 0,
         "sites": {}, "private_free": 0})
