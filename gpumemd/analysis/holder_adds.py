@@ -115,21 +115,17 @@ def adding_line(adds: SourceAdds, expr: str, first_line: int | None) -> Addition
     None when nothing adds to it: a guess at another variable's line would mislead."""
     scope = (0, 1 << 30)
     if first_line is not None:
-        found = next(((a, b) for a, b in adds.functions if a == first_line), None)
-        if found is None:
+        function = next(((a, b) for a, b in adds.functions if a == first_line), None)
+        if function is None:
             return None  # the function is not where the file says (edited since it was loaded)
-        scope = found
+        scope = function
     # a queue.Queue's items are its `.queue`: what adds to them is `pending.put(x)`
     names = (expr, expr.removesuffix(".queue")) if expr.endswith(".queue") else (expr,)
-    for addition in adds.additions:
-        if addition.expr in names and scope[0] <= addition.line <= scope[1]:
-            return addition
+    found = next((add for add in adds.additions if add.expr in names and scope[0] <= add.line <= scope[1]), None)
     attribute = expr.rpartition(".")[2] if "." in expr else None
-    if attribute:
-        for addition in adds.additions:
-            if addition.expr.endswith("." + attribute):
-                return addition
-    return None
+    if found is None and attribute:
+        found = next((add for add in adds.additions if add.expr.endswith("." + attribute)), None)
+    return found
 
 
 def adding_words(addition: Addition, path: str) -> str:
