@@ -103,9 +103,7 @@ def first_user_frame(frames: Sequence[Mapping[str, Any]] | None, internal: Seque
     outside, own = site_frames(frames, internal, library)
     if outside is None:
         return None
-    if own is None or own is outside:
-        return _short(outside)
-    return f"{_short(outside)}, called from {_short(own)}"
+    return _short(outside) if own is None or own is outside else f"{_short(outside)}, called from {_short(own)}"
 
 
 def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None = None, *,
@@ -114,14 +112,10 @@ def live_by_site(snapshot: Mapping[str, Any] | Sequence[Any], device: int | None
 
     A bare list is read as ``torch.cuda.memory_snapshot()``'s list of segments.
     """
-    segments: Iterable[Any] = (
-        snapshot if isinstance(snapshot, Sequence) else (snapshot.get("segments") or ())
-    )
+    segments: Iterable[Any] = snapshot if isinstance(snapshot, Sequence) else (snapshot.get("segments") or ())
     acc: dict[str, list[int]] = {}
     for seg in segments:
-        if not isinstance(seg, Mapping):
-            continue
-        if device is not None and int(seg.get("device", 0)) != device:
+        if not isinstance(seg, Mapping) or (device is not None and int(seg.get("device", 0)) != device):
             continue
         for block in seg.get("blocks") or ():
             if not isinstance(block, Mapping) or block.get("state") != "active_allocated":

@@ -13,14 +13,7 @@ from gpumemd.analysis.headroom import cap_from_observer, reservable_bytes
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.census import Census, category_bytes
 from gpumemd.records.device import CPU, Device
-from gpumemd.records.oom import (
-    Breakdown,
-    BreakdownItem,
-    ObserverCall,
-    OomMessage,
-    SnapshotSummary,
-    breakdown_label,
-)
+from gpumemd.records.oom import Breakdown, BreakdownItem, ObserverCall, OomMessage, SnapshotSummary, breakdown_label
 from gpumemd.records.samples import AllocatorSample, HostSample, WorkersSample
 
 # Census category -> breakdown key.

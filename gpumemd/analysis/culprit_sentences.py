@@ -22,9 +22,7 @@ def units_per_step(per_step: float, noun: str) -> str:
 
 def _count(per_step: float) -> str:
     """1 for 0.98 tensors/step (a count series is exact up to its sampling), 0.5 for 0.5."""
-    if per_step >= 0.95:
-        return f"{round(per_step):,}"
-    return f"{per_step:.2g}"
+    return f"{round(per_step):,}" if per_step >= 0.95 else f"{per_step:.2g}"
 
 
 def count_sentence(per_step: float, description: str, own_bytes: float, graph_bytes: float,

@@ -22,8 +22,7 @@ _METHODS = {"append": "appended", "appendleft": "appended", "extend": "extended"
             "insert": "inserted", "add": "added", "update": "updated", "setdefault": "updated",
             "put": "queued", "put_nowait": "queued"}
 _CONCAT = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack"})
-VERBS = ("appended", "extended", "inserted", "added", "updated", "queued", "stored", "incremented",
-         "concatenated")
+VERBS = (*dict.fromkeys(_METHODS.values()), "stored", "incremented", "concatenated")  # every verb ``_addition`` uses
 
 ADDED = re.compile(r", ((?:" + "|".join(VERBS) + r") at ([^\s,()→]+:\d+))")
 """The adding line in a holder path: group 1 its words ("appended at train.py:57"), group 2 where."""
@@ -92,10 +91,8 @@ def _concatenates(value: ast.expr, expr: str) -> bool:
         return False
     func = value.func
     name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-    if name not in _CONCAT:
-        return False
-    return any(isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == expr
-               for arg in value.args for n in ast.walk(arg))
+    return name in _CONCAT and any(isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == expr
+                                   for arg in value.args for n in ast.walk(arg))
 
 
 def dotted(node: ast.AST) -> str | None:
@@ -118,21 +115,17 @@ def adding_line(adds: SourceAdds, expr: str, first_line: int | None) -> Addition
     None when nothing adds to it: a guess at another variable's line would mislead."""
     scope = (0, 1 << 30)
     if first_line is not None:
-        found = next(((a, b) for a, b in adds.functions if a == first_line), None)
-        if found is None:
+        function = next(((a, b) for a, b in adds.functions if a == first_line), None)
+        if function is None:
             return None  # the function is not where the file says (edited since it was loaded)
-        scope = found
+        scope = function
     # a queue.Queue's items are its `.queue`: what adds to them is `pending.put(x)`
     names = (expr, expr.removesuffix(".queue")) if expr.endswith(".queue") else (expr,)
-    for addition in adds.additions:
-        if addition.expr in names and scope[0] <= addition.line <= scope[1]:
-            return addition
+    found = next((add for add in adds.additions if add.expr in names and scope[0] <= add.line <= scope[1]), None)
     attribute = expr.rpartition(".")[2] if "." in expr else None
-    if attribute:
-        for addition in adds.additions:
-            if addition.expr.endswith("." + attribute):
-                return addition
-    return None
+    if found is None and attribute:
+        found = next((add for add in adds.additions if add.expr.endswith("." + attribute)), None)
+    return found
 
 
 def adding_words(addition: Addition, path: str) -> str:

@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from gpumemd.analysis.leak_headline import short_path
+from gpumemd.analysis.leak_headline import shared_hops, short_path
 from gpumemd.analysis.leak_wording import cause_finding
 from gpumemd.records.findings import Finding
 
@@ -170,14 +170,7 @@ def _state(group: list[Finding], before: Finding | None) -> str:
 def _common_path(holders: Iterable[str]) -> str | None:
     """The hops the holders share from their start, sizes left out: "`errors` in f() at x.py:3 →
     list → [i].__traceback__ → frame g()" for two locals of one kept frame."""
-    paths = [[short_path(hop) or hop for hop in h.split(" → ")] for h in holders]
-    if not paths:
-        return None
-    common: list[str] = []
-    for hops in zip(*paths, strict=False):
-        if any(hop != hops[0] for hop in hops):
-            break
-        common.append(hops[0])
+    common = shared_hops([short_path(hop) or hop for hop in h.split(" → ")] for h in holders)
     return " → ".join(common) or None
 
 

@@ -106,10 +106,7 @@ class LeakDetector:
     def buffer_ids(self) -> set[int]:
         """ids of the detector's own bounded buffers, so a heap search for growing containers
         never blames them (they fill up over the first long window)."""
-        out: set[int] = set()
-        for track in self._tracks.values():
-            out.update((id(track.floors), id(track.resets)))
-        return out
+        return {id(buffer) for track in self._tracks.values() for buffer in (track.floors, track.resets)}
 
     def observe(self, name: str, step: int, value: float, phase: str = "train") -> None:
         spec = self._specs.get(name)

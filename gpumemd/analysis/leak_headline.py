@@ -12,8 +12,9 @@ was looked up) stays in its ``summary``, which the findings file, ``agent.findin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpumemd.analysis.holder_adds import VERBS
@@ -81,9 +82,7 @@ def headline(facts: Facts) -> str:
     front = f"{head}: {facts.rate}"
     holder = facts.holder or ""
     room = HEADLINE_MAX - len(_PREFIX) - len(front) - len(tail) - 1
-    if holder and room >= 24:
-        return _fit(f"{front} {fit_holder(holder, room)}{tail}")
-    return _fit(front + tail)
+    return _fit(f"{front} {fit_holder(holder, room)}{tail}" if holder and room >= 24 else front + tail)
 
 
 def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | None:
@@ -96,9 +95,7 @@ def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | Non
         if c.category == "workers":  # the job's child processes: the memory is theirs, not held
             verb = "in"
         return f"{verb} {short_path(c.holder)}"
-    if sites:
-        return f"allocated at {sites[0]}"
-    return None
+    return f"allocated at {sites[0]}" if sites else None
 
 
 def short_path(holder: str) -> str:
@@ -197,15 +194,15 @@ def _shared(culprits: Sequence[Culprit]) -> Sequence[Culprit]:
     holders = [c.holder for c in culprits if c.holder]
     if len(holders) < 2 or len(holders) != len(culprits):
         return culprits
-    paths = [short_path(h).split(" → ") for h in holders]
-    common: list[str] = []
-    for hops in zip(*paths, strict=False):  # paths of different lengths share a prefix at most
-        if any(hop != hops[0] for hop in hops):
-            break
-        common.append(hops[0])
+    common = shared_hops(short_path(h).split(" → ") for h in holders)
     if not common:
         return culprits
     return (dataclasses.replace(culprits[0], holder=" → ".join(common)),)
+
+
+def shared_hops(paths: Iterable[Sequence[str]]) -> list[str]:
+    """The hops every path starts with (paths of different lengths share a prefix at most)."""
+    return [hops[0] for hops in itertools.takewhile(lambda hops: len(set(hops)) == 1, zip(*paths, strict=False))]
 
 
 def _fit(line: str) -> str:
@@ -216,9 +213,7 @@ def _fit(line: str) -> str:
 def since_words(onset_step: float) -> str:
     """"since step 1,200"; a leak present from the start (an onset dated at or before step 0, where a
     container's length at its rate, or a fit, may put it) "since step 0, the first watched"."""
-    if onset_step <= 0:
-        return "since step 0, the first watched"
-    return f"since step {onset_step:,.0f}"
+    return "since step 0, the first watched" if onset_step <= 0 else f"since step {onset_step:,.0f}"
 
 
 def duration_words(hours: float) -> str:

@@ -13,6 +13,7 @@ import math
 import operator
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,56 +23,37 @@ _MAX_RESETS = 8
 MAX_WINDOW_POINTS = 64  # points per assessed window (O(n²) rank test): ~5 ms worst case in pure Python
 
 
+@dataclass(slots=True, eq=False)
 class Track:
-    __slots__ = (
-        "block_id",
-        "block_min",
-        "block_n",
-        "block_xsum",
-        "consecutive_fail",
-        "consecutive_pass",
-        "episode_slope",
-        "first_step",
-        "floors",
-        "last_status",
-        "onset",
-        "onset_value",
-        "ordered",
-        "peak",
-        "pending",
-        "resets",
-        "spec",
-        "state",
-        "streak",
-        "tested_at",
-        "trough",
-        "trough_x",
-    )
+    """The points and the decision state of one (series, phase)."""
 
-    def __init__(self, spec: SeriesSpec, max_floors: int) -> None:
-        self.spec = spec
-        self.floors: deque[tuple[float, float]] = deque(maxlen=max_floors)
-        self.ordered = True  # floors in step order (steps numbered forwards), so a window is a suffix
-        self.block_id = -1  # step // block of the open block
-        self.block_min = math.inf
-        self.block_n = 0
-        self.block_xsum = 0.0
-        self.pending: tuple[int, float] | None = None  # sparse series: the newest observation, not a point yet
-        self.state: LeakState | None = None
-        self.first_step: int | None = None
-        self.episode_slope = 0.0  # the slope when the current episode was last passed
-        self.last_status: TrackStatus | None = None
-        self.tested_at: int | None = None  # the step of the last full test of its window
-        self.onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
-        self.onset_value = 0.0  # the floor at the onset, kept with it: growth is measured from it
-        self.consecutive_pass = 0
-        self.streak = 0  # evaluations in a row whose window passed, explained or held ones included
-        self.consecutive_fail = 0
-        # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
-        self.trough = math.inf
-        self.trough_x = 0.0
-        self.peak = -math.inf
-        self.resets: deque[float] = deque(maxlen=_MAX_RESETS)
+    spec: SeriesSpec
+    max_floors: InitVar[int]
+    floors: deque[tuple[float, float]] = field(init=False)
+    ordered: bool = True  # floors in step order (steps numbered forwards), so a window is a suffix
+    block_id: int = -1  # step // block of the open block
+    block_min: float = math.inf
+    block_n: int = 0
+    block_xsum: float = 0.0
+    pending: tuple[int, float] | None = None  # sparse series: the newest observation, not a point yet
+    state: LeakState | None = None
+    first_step: int | None = None
+    episode_slope: float = 0.0  # the slope when the current episode was last passed
+    last_status: TrackStatus | None = None
+    tested_at: int | None = None  # the step of the last full test of its window
+    onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out
+    onset_value: float = 0.0  # the floor at the onset, kept with it: growth is measured from it
+    consecutive_pass: int = 0
+    streak: int = 0  # evaluations in a row whose window passed, explained or held ones included
+    consecutive_fail: int = 0
+    # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
+    trough: float = math.inf
+    trough_x: float = 0.0
+    peak: float = -math.inf
+    resets: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_RESETS))
+
+    def __post_init__(self, max_floors: int) -> None:
+        self.floors = deque(maxlen=max_floors)
 
     def add_floor(self, x: float, y: float, min_rise: float) -> None:
         if self.floors and x < self.floors[-1][0]:

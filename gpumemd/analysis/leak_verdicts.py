@@ -9,12 +9,11 @@ the history covers a window (``knee_verdict``), a failed verdict that keeps its 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from gpumemd.analysis.leak_track import Track, hinge_onset
 from gpumemd.analysis.leak_types import DetectorConfig, LeakState
-from gpumemd.analysis.trend import Slope, Verdict, assess_knee, theil_sen
+from gpumemd.analysis.trend import NO_SLOPE, Slope, Verdict, assess_knee, theil_sen
 
 CONFIRMED_EVERY = 10
 """Checks between two re-tests of a confirmed track (and of a track its finding explains): a window at
@@ -49,11 +48,11 @@ def explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, pha
                for key, other in tracks.items())
 
 
-UNCOVERED = Verdict(False, "history shorter than a window", 0, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, 0)
+UNCOVERED = Verdict(False, "history shorter than a window", NO_SLOPE, 1.0)
 
 
 def with_reason(v: Verdict, reason: str) -> Verdict:
-    return Verdict(False, reason, v.n, v.slope, v.p_increasing, v.growth, v.onset_index)
+    return Verdict(False, reason, v.slope, v.p_increasing)
 
 
 def lent_verdict(track: Track, since: float, p_value: float, max_pairs: int) -> Verdict:
@@ -65,7 +64,7 @@ def lent_verdict(track: Track, since: float, p_value: float, max_pairs: int) -> 
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     slope = theil_sen(xs, ys, max_pairs=max_pairs) if len(pts) >= 2 else Slope(0.0, 0.0, 0.0, 0)
     reason = "leak" if slope.slope > 0 else "not significant"
-    return Verdict(reason == "leak", reason, len(pts), slope, p_value, ys[-1] - ys[0] if ys else 0.0, 0)
+    return Verdict(reason == "leak", reason, slope, p_value)
 
 
 def knee_verdict(c: DetectorConfig, xs: list[float], ys: list[float], min_slope: float) -> tuple[Verdict, int]:

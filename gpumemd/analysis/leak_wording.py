@@ -14,21 +14,10 @@ import math
 from collections.abc import Iterable, Sequence
 
 from gpumemd.analysis.census_culprits import culprit_sentence, refine_kind
-from gpumemd.analysis.culprit_sentences import (
-    count_sentence,
-    rows_rate,
-    units_per_step,
-)
+from gpumemd.analysis.culprit_sentences import count_sentence, rows_rate, units_per_step
 from gpumemd.analysis.holder_adds import added_at
 from gpumemd.analysis.leak_detector import LeakState, TrackStatus
-from gpumemd.analysis.leak_headline import (
-    KIND_WORDS,
-    Facts,
-    headline,
-    holder_words,
-    projection_words,
-    since_words,
-)
+from gpumemd.analysis.leak_headline import KIND_WORDS, Facts, headline, holder_words, projection_words, since_words
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.device import Device, cuda_index
 from gpumemd.records.findings import Culprit, Finding
@@ -144,15 +133,6 @@ def _where(device: Device | None, phase: str) -> str | None:
     return ", ".join(parts) or None
 
 
-def _rate(status: TrackStatus, per_step: float, slope: float, host: float | None = None) -> str:
-    """"+1 tensor/step (~2.0 KiB/step)", "+128.2 KiB/step": the growth per step a headline states."""
-    if status.spec.row_bytes:
-        return rows_rate(slope / status.spec.row_bytes, status.spec.row_bytes)
-    if status.spec.unit == "bytes":
-        return f"+{format_bytes(slope)}/step"
-    return _count_rate(status.spec.unit, per_step, slope, host)
-
-
 def _count_rate(unit: str, per_step: float, slope: float, host: float | None = None) -> str:
     """"+1 tensor/step (~2.0 KiB/step)": a count series' rate, with its bytes when they are one or more,
     and host RSS's growth with it ("~256 B/step, host RSS +30.1 KiB/step") when that is stated."""
@@ -206,10 +186,15 @@ def _summary(status: TrackStatus, kind: str, per_step: float, slope: float, *, b
 
 def _stated_rate(status: TrackStatus, per_step: float, slope: float, culprits: Sequence[Culprit],
                  host: float | None) -> str:
-    """The rate the headline states: per worker process for the DataLoader workers."""
+    """The growth per step a headline states: "+1 tensor/step (~2.0 KiB/step)", "+128.2 KiB/step"; per
+    worker process for the DataLoader workers."""
     if culprits and culprits[0].category == "workers" and culprits[0].count_delta > 0:
         return f"+{format_bytes(slope / culprits[0].count_delta)}/step each"
-    return _rate(status, per_step, slope, host)
+    if status.spec.row_bytes:
+        return rows_rate(slope / status.spec.row_bytes, status.spec.row_bytes)
+    if status.spec.unit == "bytes":
+        return f"+{format_bytes(slope)}/step"
+    return _count_rate(status.spec.unit, per_step, slope, host)
 
 
 def _culprit_text(status: TrackStatus, culprits: Sequence[Culprit], culprit_steps: float, *,

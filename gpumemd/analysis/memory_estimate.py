@@ -62,13 +62,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpumemd.analysis.model_state import (
-    OPTIMIZERS,
-    PRECISIONS,
-    adafactor_state_elements,
-    bytes_per_param,
-    check_choice,
-)
+from gpumemd.analysis.model_state import OPTIMIZERS, PRECISIONS, adafactor_state_elements, bytes_per_param, check_choice
 
 __all__ = ["Estimate", "TransformerShape", "estimate"]
 

@@ -27,16 +27,9 @@ _STATE_FP32: dict[str, float] = {
     "adafactor": 0.0,  # factored: O(rows + cols) per matrix, see adafactor_state_elements
     "lion": 4.0,
 }
-# Temporaries of one optimizer step, in units of "one state-dtype copy of the parameters".
-_INTERMEDIATE_COPIES: dict[str, float] = {
-    "sgd": 0.0,
-    "sgd-momentum": 0.0,
-    "adam": 1.0,
-    "adamw": 1.0,
-    "adam-8bit": 0.0,
-    "adafactor": 1.0,
-    "lion": 1.0,
-}
+# Optimizers whose step builds one state-dtype copy of the parameters as temporaries; the others
+# (SGD with or without momentum, bitsandbytes' fused 8-bit kernels) update in place.
+_ONE_TEMPORARY_COPY = frozenset({"adam", "adamw", "adafactor", "lion"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +55,7 @@ def bytes_per_param(precision: str, optimizer: str, grad_dtype: str | None = Non
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     state = _STATE_FP32[optimizer]
-    copies = _INTERMEDIATE_COPIES[optimizer]
+    copies = 1.0 if optimizer in _ONE_TEMPORARY_COPY else 0.0
     if precision == "fp32":
         per = BytesPerParam(4.0, 4.0, state, 4.0 * copies)
     elif precision.endswith("-mixed"):
@@ -80,14 +73,8 @@ def bytes_per_param(precision: str, optimizer: str, grad_dtype: str | None = Non
 def adafactor_state_elements(shapes: Iterable[Sequence[int]]) -> int:
     """Adafactor's factored second moment: ``rows + cols`` for >=2-D tensors, ``numel`` otherwise
     (what ``torch.optim.Adafactor`` allocates as row_var/col_var or variance)."""
-    total = 0
-    for shape in shapes:
-        if len(shape) >= 2:
-            lead = math.prod(shape[:-2])
-            total += lead * (shape[-2] + shape[-1])
-        else:
-            total += math.prod(shape)
-    return total
+    return sum(math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2 else math.prod(shape)
+               for shape in shapes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,5 +125,5 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optimizer: str) -> int:
 def optimizer_intermediate_bytes(params: Iterable[ParamInfo], optimizer: str) -> int:
     """One parameter-sized temporary per parameter for Adam/AdamW/Adafactor/Lion, else 0."""
     check_choice("optimizer", optimizer, OPTIMIZERS)
-    copies = _INTERMEDIATE_COPIES[optimizer]
+    copies = 1.0 if optimizer in _ONE_TEMPORARY_COPY else 0.0
     return int(copies * sum(p.nbytes for p in params))

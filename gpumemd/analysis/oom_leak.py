@@ -17,11 +17,7 @@ from gpumemd.analysis.leak_headline import projection_words, since_words
 from gpumemd.records.census import Census, CensusGroup, category_bytes
 from gpumemd.records.device import CPU, Device
 from gpumemd.records.findings import Culprit, Finding
-from gpumemd.records.oom import (
-    Breakdown,
-    BreakdownItem,
-    LeakCause,
-)
+from gpumemd.records.oom import Breakdown, BreakdownItem, LeakCause
 
 _ACTIVE_STATES = ("suspected", "confirmed")
 _GRAPH_HOLDER = "autograd graph of "
@@ -160,9 +156,7 @@ def leak_at_oom(
 def _kind_words(leak: LeakCause) -> str:
     kind = {"tensor_leak": "tensor leak", "graph_leak": "leak of autograd graphs",
             "host_leak": "host memory leak"}.get(leak.kind, leak.kind.replace("_", " "))
-    if leak.source == "census":
-        return f"{kind} seen between censuses"
-    return f"{leak.state} {kind}"
+    return f"{kind} seen between censuses" if leak.source == "census" else f"{leak.state} {kind}"
 
 
 def leak_sentence(leak: LeakCause, total: int | None, device: Device) -> str:
@@ -205,12 +199,9 @@ def _move_to_leaked(items: tuple[BreakdownItem, ...], leak: LeakCause, device: D
         take[key] = take.get(key, 0) + n
     if leak.estimated:  # the census did not see it: it is in what the census cannot see
         take = {"process_other" if device == CPU else "invisible": leak.held_bytes}
-    out = []
-    moved = 0
-    for item in items:
-        n = min(item.nbytes, take.get(item.key, 0))
-        moved += n
-        out.append(BreakdownItem(item.key, item.label, item.nbytes - n))
+    taken = [min(item.nbytes, take.get(item.key, 0)) for item in items]
+    out = [BreakdownItem(item.key, item.label, item.nbytes - n) for item, n in zip(items, taken, strict=True)]
+    moved = sum(taken)
     return (breakdown_item("leaked", moved, device), *out) if moved else items
 
 

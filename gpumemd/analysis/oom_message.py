@@ -193,10 +193,7 @@ def _classify(exc: BaseException) -> OomMessage | None:
     """
     text = str(exc)
     if _is_torch_oom_class(exc):
-        parsed = parse_oom_message(text)
-        if parsed is not None:
-            return parsed
-        return OomMessage(kind="device", format="unparsed")
+        return parse_oom_message(text) or OomMessage(kind="device", format="unparsed")
     if not isinstance(exc, RuntimeError) or "Storage size calculation overflowed" in text:
         return None
     return parse_oom_message(text)

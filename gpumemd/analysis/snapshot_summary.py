@@ -9,6 +9,7 @@ so a 100k-entry history costs tens of milliseconds on the OOM path.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,9 +97,7 @@ def _count_segment(s: dict[str, Any], seg: Mapping[str, Any], dirs: tuple[Sequen
 def _private_pool(seg: Mapping[str, Any]) -> bool:
     """Is the segment in a private pool (CUDA graphs, MemPool)? ``(0, 0)`` is the default pool."""
     pool = seg.get("segment_pool_id")
-    if not isinstance(pool, (tuple, list)) or len(pool) != 2:
-        return False
-    return any(_int(part) != 0 for part in pool)
+    return isinstance(pool, (tuple, list)) and len(pool) == 2 and any(_int(part) != 0 for part in pool)
 
 
 def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
@@ -107,30 +106,20 @@ def summarize_snapshot(snapshot: Mapping[str, Any] | list[Any], *,
     ``internal``, ``library``: directory prefixes of torch and gpumemd, and of the standard library and
     installed packages (``gpumemd.probes.holding.package_dirs``): a site is the first frame outside the former,
     with the first outside both when that is another."""
-    if isinstance(snapshot, list):
-        segments: list[Any] = snapshot
-        traces: list[Any] = []
-    else:
-        segments = _list(snapshot.get("segments"))
-        traces = _list(snapshot.get("device_traces"))
-    acc: dict[int, dict[str, Any]] = {}
-
-    def slot(device: int) -> dict[str, Any]:
-        if device not in acc:
-            acc[device] = {"segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0,
-                           "largest_free": {}, "expandable": 0, "sites": {},
-                           "private_free": 0}
-        return acc[device]
-
+    segments = snapshot if isinstance(snapshot, list) else _list(snapshot.get("segments"))
+    traces = [] if isinstance(snapshot, list) else _list(snapshot.get("device_traces"))
+    acc: defaultdict[int, dict[str, Any]] = defaultdict(lambda: {
+        "segments": 0, "reserved": 0, "allocated": 0, "active": 0, "inactive": 0, "largest_free": {}, "expandable": 0,
+        "sites": {}, "private_free": 0})
     for seg in segments:
         if isinstance(seg, Mapping):
-            _count_segment(slot(_int(seg.get("device", 0))), seg, (internal, library))
+            _count_segment(acc[_int(seg.get("device", 0))], seg, (internal, library))
     out: dict[Device, SnapshotSummary] = {}
     for device in set(acc) | set(range(len(traces))):
         entries = traces[device] if device < len(traces) and isinstance(traces[device], list) else []
         if device not in acc and not entries:
             continue
-        s = slot(device)
+        s = acc[device]
         oom = next((e for e in reversed(entries) if isinstance(e, Mapping) and e.get("action") == "oom"), None)
         sites = sorted(s["sites"].items(), key=lambda kv: kv[1][0], reverse=True)[:_TOP_SITES]
         cuda = Device.cuda(device)

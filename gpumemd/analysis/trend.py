@@ -9,7 +9,6 @@ bytes per step?". Each function answers one part of it:
   variance inflation for autocorrelated floors (Hamed & Rao 1998), so slow wander is not "significant".
 - ``theil_sen``: the median pairwise slope and Sen's confidence interval; pairs are subsampled
   deterministically above ``max_pairs`` so the cost stays bounded on long windows.
-- ``cusum_onset``: where the rise began (CUSUM of floor differences).
 - ``ramp_consistent`` and ``floor_growth``: a leak rises in every part of the window and never
   returns to its old floor; one-off jumps and sawtooths that reset fail these.
 - ``assess``: all of the above, with the reason a window did not pass; ``assess_knee`` the same for
@@ -21,9 +20,9 @@ from __future__ import annotations
 import array
 import bisect
 import functools
-import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -50,10 +49,7 @@ def _sign(v: float) -> int:
 
 def _tie_variance(ys: Sequence[float]) -> float:
     n = len(ys)
-    counts: dict[float, int] = {}
-    for y in ys:
-        counts[y] = counts.get(y, 0) + 1
-    ties = sum(t * (t - 1) * (2 * t + 5) for t in counts.values() if t > 1)
+    ties = sum(t * (t - 1) * (2 * t + 5) for t in Counter(ys).values() if t > 1)
     return (n * (n - 1) * (2 * n + 5) - ties) / 18.0
 
 
@@ -156,6 +152,10 @@ class Slope:
     pairs: int  # pairs actually used (after subsampling)
 
 
+NO_SLOPE = Slope(0.0, -math.inf, math.inf, 0)
+"""No slope known: too few points or pairs, an interval that bounds nothing."""
+
+
 @functools.lru_cache(maxsize=8)
 def _pairs(n: int, max_pairs: int) -> tuple[array.array[int], array.array[int]]:
     """The (i, j) index pairs, i < j, whose slopes a window of ``n`` points takes: all of them, or a
@@ -171,17 +171,17 @@ def _pairs(n: int, max_pairs: int) -> tuple[array.array[int], array.array[int]]:
     # random.Random(0).randrange(n), drawn as randrange draws it (getrandbits of n's bit length until
     # below n), without its per-call overhead: the same pairs as before, a few times faster.
     bits, k = random.Random(0).getrandbits, n.bit_length()
+
+    def below_n() -> int:
+        drawn = bits(k)
+        while drawn >= n:
+            drawn = bits(k)
+        return drawn
+
     for _ in range(max_pairs):
-        i = bits(k)
-        while i >= n:
-            i = bits(k)
-        j = bits(k)
-        while j >= n:
-            j = bits(k)
+        i, j = below_n(), below_n()
         while j == i:
-            j = bits(k)
-            while j >= n:
-                j = bits(k)
+            j = below_n()
         first.append(min(i, j))
         second.append(max(i, j))
     return first, second
@@ -221,7 +221,7 @@ def theil_sen(
     if slopes is None:
         slopes = sorted_slopes(xs, ys, max_pairs=max_pairs) if n >= 2 else []
     if n < 2 or not slopes:
-        return Slope(0.0, -math.inf, math.inf, 0)
+        return NO_SLOPE
     m = len(slopes)
     median = _median(slopes)
     var_s = _tie_variance(ys) if variance is None else variance
@@ -233,25 +233,6 @@ def theil_sen(
     low = slopes[lo_rank] if 0 <= lo_rank < m else -math.inf
     high = slopes[hi_rank] if 0 <= hi_rank < m else math.inf
     return Slope(median, min(low, median), max(high, median), m)
-
-
-def cusum_onset(ys: Sequence[float]) -> int:
-    """Index in ``ys`` where a sustained rise most likely began (0 if it spans the whole series).
-
-    CUSUM of the differences minus their mean falls while the series is flatter than average
-    and climbs once the ramp starts, so its minimum marks the change point.
-    """
-    if len(ys) < 3:
-        return 0
-    diffs = [b - a for a, b in itertools.pairwise(ys)]
-    mean = sum(diffs) / len(diffs)
-    c = best = 0.0
-    arg = 0
-    for i, d in enumerate(diffs):
-        c += d - mean
-        if c < best:
-            best, arg = c, i + 1
-    return arg
 
 
 def ramp_consistent(xs: Sequence[float], ys: Sequence[float], slope: float) -> bool:
@@ -277,9 +258,7 @@ def floor_growth(ys: Sequence[float], fraction: float = 0.25) -> float:
     A leak never returns to its old floor; a sawtooth that resets within the window does.
     """
     k = max(1, int(len(ys) * fraction))
-    if len(ys) < 2 * k:
-        return 0.0
-    return min(ys[-k:]) - min(ys[:k])
+    return 0.0 if len(ys) < 2 * k else min(ys[-k:]) - min(ys[:k])
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,11 +267,8 @@ class Verdict:
 
     passed: bool
     reason: str  # "leak" when passed, otherwise what failed ("too few points", "not significant", ...)
-    n: int
     slope: Slope
     p_increasing: float
-    growth: float  # floor_growth of the window, in y units
-    onset_index: int  # cusum_onset within the window
 
 
 def assess(
@@ -300,18 +276,14 @@ def assess(
     p_max: float = 1e-3, min_points: int = 8, max_pairs: int = 20_000,
 ) -> Verdict:
     """All the checks of one window: significance, effect size, total growth, ramp consistency."""
-    n = len(ys)
-    empty = Slope(0.0, -math.inf, math.inf, 0)
-    if n < min_points:
-        return Verdict(False, "too few points", n, empty, 1.0, 0.0, 0)
+    if len(ys) < min_points:
+        return Verdict(False, "too few points", NO_SLOPE, 1.0)
     slopes = sorted_slopes(xs, ys, max_pairs=max_pairs)  # once: the point slope and its interval share them
     mk = mann_kendall(ys, xs=xs, slope=_median(slopes))
     slope = theil_sen(xs, ys, variance=mk.variance, slopes=slopes)
-    growth = floor_growth(ys)
-    span = xs[-1] - xs[0]
 
     def verdict(reason: str) -> Verdict:
-        return Verdict(reason == "leak", reason, n, slope, mk.p_increasing, growth, cusum_onset(ys))
+        return Verdict(reason == "leak", reason, slope, mk.p_increasing)
 
     if mk.p_increasing >= p_max:
         return verdict("not significant")
@@ -319,7 +291,7 @@ def assess(
         return verdict("slope below threshold")
     # The floor must have moved by a good part of what the slope implies over the window:
     # a sawtooth that resets inside the window comes back to its old floor.
-    if growth < max(min_growth, 0.4 * slope.slope * span):
+    if floor_growth(ys) < max(min_growth, 0.4 * slope.slope * (xs[-1] - xs[0])):
         return verdict("floor returns")
     if not ramp_consistent(xs, ys, slope.slope):
         return verdict("not a ramp")
@@ -337,14 +309,14 @@ def assess_knee(
     consistency, and its rise above the flat part's highest floor."""
     n, flat, rx, ry = len(ys), ys[: knee + 1], xs[knee:], ys[knee:]
     if n < min_points or len(rx) < 4:
-        return Verdict(False, "too few points", n, Slope(0.0, -math.inf, math.inf, 0), 1.0, 0.0, knee)
+        return Verdict(False, "too few points", NO_SLOPE, 1.0)
     slope = theil_sen(rx, ry, max_pairs=max_pairs)
     above = min(ry[1:]) > max(flat)
     p = 1.0 / math.comb(n, len(ry) - 1) if above else 1.0
     growth = min(ry[-max(1, len(ry) // 4):]) - max(flat)
 
     def verdict(reason: str) -> Verdict:
-        return Verdict(reason == "leak", reason, n, slope, p, growth, knee)
+        return Verdict(reason == "leak", reason, slope, p)
 
     if p >= p_max:
         return verdict("not significant")

@@ -104,9 +104,7 @@ class Overhead:
     @property
     def ratio(self) -> float:
         """The agent's seconds (training thread and sampler) per wall second since attach (0..1)."""
-        if self.wall_seconds <= 0:
-            return 0.0
-        return min(1.0, self.seconds_total / self.wall_seconds)
+        return 0.0 if self.wall_seconds <= 0 else min(1.0, self.seconds_total / self.wall_seconds)
 
     @property
     def seconds_per_step(self) -> float:

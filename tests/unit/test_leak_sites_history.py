@@ -27,8 +27,8 @@ class _HistoryTorch:
 
 
 def _status(name: str, state: LeakState | None, *, changed: bool = True) -> TrackStatus:
-    verdict = Verdict(passed=state is not None, reason="leak", n=10, slope=Slope(1.0, 0.5, 2.0, 10),
-                      p_increasing=0.0, growth=1.0, onset_index=0)
+    verdict = Verdict(passed=state is not None, reason="leak", slope=Slope(1.0, 0.5, 2.0, 10),
+                      p_increasing=0.0)
     return TrackStatus(spec=SeriesSpec(name, "tensor_leak", device=Device.cuda(0)), phase="train", state=state,
                        changed=changed, step=100, first_step=90, verdict=verdict, window_start=0.0,
                        onset_step=90, growth_bytes=1.0)

@@ -34,8 +34,8 @@ KEPT = Finding(kind="tensor_leak", series="tensors{device=cpu,group=float32[64]}
 
 def _explained(step: int) -> TrackStatus:
     """Host RSS's status once the tensors account for it: cleared by an explained verdict."""
-    verdict = Verdict(passed=False, reason="explained by tensors{device=cpu,*", n=50, slope=Slope(3.6e4, 3e4, 4e4, 50),
-                      p_increasing=0.0, growth=1e7, onset_index=0)
+    verdict = Verdict(passed=False, reason="explained by tensors{device=cpu,*", slope=Slope(3.6e4, 3e4, 4e4, 50),
+                      p_increasing=0.0)
     return TrackStatus(spec=SeriesSpec("host_rss_bytes", "host_leak", CPU), phase=HOST.phase, state=LeakState.CLEARED,
                        changed=True, step=step, first_step=1352, verdict=verdict, window_start=0.0, onset_step=982,
                        growth_bytes=1e7)

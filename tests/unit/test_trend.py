@@ -11,7 +11,6 @@ from gpumemd.analysis.trend import (
     assess,
     assess_knee,
     autocorrelation_inflation,
-    cusum_onset,
     floor_growth,
     mann_kendall,
     ramp_consistent,
@@ -69,11 +68,6 @@ def test_theil_sen_ignores_outliers_and_brackets_the_true_slope() -> None:
     assert sub.pairs == 500
     assert sub.slope == pytest.approx(3.0, abs=0.5)
     assert theil_sen(xs.tolist(), ys.tolist(), max_pairs=500) == sub
-
-
-def test_cusum_onset_finds_where_the_ramp_starts() -> None:
-    ys = [0.0] * 30 + [float(i) for i in range(30)]
-    assert abs(cusum_onset(ys) - 30) <= 1
 
 
 def test_ramp_consistency_rejects_a_one_time_jump_and_accepts_a_ramp() -> None:
