@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
+from gpumemd.analysis.leak_types import LeakState
+
 if TYPE_CHECKING:
-    from gpumemd.analysis.leak_types import LeakState, SeriesSpec, TrackStatus
+    from gpumemd.analysis.leak_types import SeriesSpec, TrackStatus
 
 _MAX_RESETS = 8
 MAX_WINDOW_POINTS = 64  # points per assessed window (O(n²) rank test): ~5 ms worst case in pure Python
@@ -113,8 +115,12 @@ class Track:
             # against the oldest kept floor would stop counting what scrolled out.
             # A count series has one point per scan (up to 50 steps apart): the knee falls on a
             # scan's step, so it is dated between the scans instead (see ``knee_between``).
-            self.onset = knee_between(xs, ys, i) if self.spec.unit != "bytes" else int(xs[i])
-            self.onset_value = min(ys[: i + 1])
+            onset = knee_between(xs, ys, i) if self.spec.unit != "bytes" else int(xs[i])
+            # A confirmed episode's onset only moves earlier: once the flat start has scrolled out,
+            # the hinge of a ramp whose rate varies (1, then 3 tensors a step, in turns) falls inside
+            # the ramp, and a leak that ran since step 52 read "since step 92,603, +789.5 KiB so far".
+            if self.onset is None or self.state is not LeakState.CONFIRMED or onset < self.onset:
+                self.onset, self.onset_value = onset, min(ys[: i + 1])
         growth = max(0.0, now - self.onset_value)
         return self.onset, growth
 
