@@ -171,18 +171,20 @@ def to_json(est: Estimate, traced: TraceResult | None = None) -> dict[str, Any]:
         "shape": asdict(est.shape) if est.shape is not None else None,
     }
     if traced is not None:
-        doc["traced"] = {**asdict(traced), "peak_bytes": traced.peak_bytes, "dominant": _traced_dominant(traced)}
+        doc["traced"] = {**asdict(traced), "peak_bytes": traced.peak_bytes,
+                         "dominant": dominant_term(_traced_terms(traced))}
     return doc
 
 
-def _traced_dominant(traced: TraceResult) -> str:
-    return dominant_term({
+def _traced_terms(traced: TraceResult) -> dict[str, int]:
+    """The traced model's terms, by ``Estimate.terms()``'s names (in its order)."""
+    return {
         "weights": traced.parameter_bytes + traced.buffer_bytes,
         "gradients": traced.gradient_bytes,
         "optimizer_state": traced.optimizer_state_bytes,
         "optimizer_intermediates": traced.optimizer_intermediates_bytes,
         "activations": traced.saved_for_backward_bytes,
-    })
+    }
 
 
 def render(est: Estimate, traced: TraceResult | None = None) -> str:
@@ -192,13 +194,11 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
         + (f", {est.grad_dtype} gradients" if est.grad_dtype else "")
         + f", {est.optimizer}, {est.gpus} GPU(s), ZeRO stage {est.zero_stage}, offload {est.offload}"
     ]
+    analytic_terms = {**est.terms(), "activations": est.activations_bytes}  # None when unknown: shown as "-"
+    traced_terms = _traced_terms(traced) if traced else {}
     rows: list[tuple[str, int | None, int | None]] = [
-        ("weights", est.weights_bytes, traced.parameter_bytes + traced.buffer_bytes if traced else None),
-        ("gradients", est.gradients_bytes, traced.gradient_bytes if traced else None),
-        ("optimizer state", est.optimizer_state_bytes, traced.optimizer_state_bytes if traced else None),
-        ("optimizer intermediates", est.optimizer_intermediates_bytes,
-         traced.optimizer_intermediates_bytes if traced else None),
-        ("activations", est.activations_bytes, traced.saved_for_backward_bytes if traced else None),
+        (name.replace("_", " "), analytic_terms[name], traced_terms.get(name))
+        for name in ("weights", "gradients", "optimizer_state", "optimizer_intermediates", "activations")
     ]
     if est.gather_bytes:
         rows.append(("stage-3 gather buffer", est.gather_bytes, None))
@@ -222,7 +222,7 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
         lines.append(f"host memory (offloaded, per GPU process): {fmt_bytes(est.host_bytes)}")
     if traced and traced.tied_parameters:
         lines.append(f"tied parameters counted once: {traced.tied_parameters}")
-    dominant = est.dominant if traced is None else _traced_dominant(traced)
+    dominant = est.dominant if traced is None else dominant_term(traced_terms)
     lines.append(f"dominant term{' (traced)' if traced else ''}: {dominant.replace('_', ' ')}")
     if traced and est.gpus > 1:
         lines.append("(traced column: the whole model in one process, unsharded)")

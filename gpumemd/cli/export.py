@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
     directory: str = args.dir
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CliError(f"{directory} exists and is not a directory")
+    bases = {kind: os.path.join(directory, kind) if args.what == "all" else directory for kind in kinds}
     plan: list[tuple[str, str, bytes, int]] = []  # (kind, path, data, mode)
-    for kind in kinds:
-        base = os.path.join(directory, kind) if args.what == "all" else directory
+    for kind, base in bases.items():
         try:
             files = artifacts.read(kind)
         except OSError as err:  # ArtifactsNotFound included: a broken install
@@ -84,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
         except OSError as err:
             raise CliError(f"cannot write {path}: {err.strerror or err}") from None
         print(f"wrote {path}")
-    for kind in kinds:
-        print(_next_steps(kind, os.path.join(directory, kind) if args.what == "all" else directory))
+    for kind, base in bases.items():
+        print(_next_steps(kind, base))
     return 0

@@ -21,22 +21,12 @@ from gpumemd.cli.escape import escaped
 from gpumemd.probes.snapshots.snapshot_load import load_snapshot
 from gpumemd.probes.snapshots.snapshot_rules import SnapshotLoadError
 from gpumemd.records.oom import breakdown_label
+from gpumemd.report import view
 from gpumemd.report.build import OUTCOME_WORDS, OUTCOMES
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.last_state import at_risk, ending, load_states, pid_alive, state_lines
 from gpumemd.report.load import REPORT_FILE, SNAPSHOT_FILE, find_report_dirs, load_report
 from gpumemd.report.markdown import headline
-from gpumemd.report.view import (
-    GROUPS_SHOWN,
-    breakdown_rows,
-    census_summary,
-    group_cells,
-    group_columns,
-    group_rows,
-    leak_of,
-    total_words,
-    verdict_lines,
-)
 
 _SUGGESTIONS = 5
 # headed by breakdown_label; "activations" (graph retained + invisible, no item of its own) reads as itself
@@ -116,10 +106,10 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
     if not tensors.get("available"):
         _say(out, f"tensors: {tensors.get('note')}")
         return
-    rows = group_rows(tensors, leak_of(report))
-    _say(out, f"largest tensor groups ({census_summary(tensors, rows)}):")
-    columns = group_columns(rows)
-    _say_columns(out, [group_cells(r, columns) for r in rows[:GROUPS_SHOWN]], right=(0,), indent="  ")
+    rows = view.group_rows(tensors, view.leak_of(report))
+    _say(out, f"largest tensor groups ({view.census_summary(tensors, rows)}):")
+    columns = view.group_columns(rows)
+    _say_columns(out, [view.group_cells(r, columns) for r in rows[:view.GROUPS_SHOWN]], right=(0,), indent="  ")
 
 
 def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
@@ -127,8 +117,8 @@ def _print_breakdown(report: dict[str, Any], out: TextIO) -> None:
     _say(out, f"breakdown of {b.get('device')} (total {fmt_bytes(b.get('total_bytes') or None)}, peak seen "
               f"{fmt_bytes(report.get('peak_bytes'))}):")
     if isinstance(b.get("cap_bytes"), int) or b.get("host_limit") not in (None, "ram"):  # the total is a cap or limit
-        _say(out, f"  {total_words(b)}")
-    _say_columns(out, breakdown_rows(b), right=(1, 2), indent="  ")
+        _say(out, f"  {view.total_words(b)}")
+    _say_columns(out, view.breakdown_rows(b), right=(1, 2), indent="  ")
 
 
 def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO) -> None:
@@ -139,7 +129,7 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
     outcome = report.get("outcome") or OUTCOMES.get(str(report.get("source")))
     _say(out, f"written {fmt_time(report.get('created_at'))} via {report.get('source')}"
               + (f" · outcome: {outcome}" if outcome else ""))
-    why, *also = verdict_lines(report)
+    why, *also = view.verdict_lines(report)
     _say(out, f"verdict: {b.get('verdict')}: {why}")
     for line in also:
         _say(out, line)
@@ -160,7 +150,7 @@ def _print_one(report: dict[str, Any], snap: dict[str, Any] | None, out: TextIO)
 
 def _leak_cell(report: dict[str, Any]) -> str | None:
     """"`kept` 1.50 GiB": the leak active at this rank's OOM, or None."""
-    leak = leak_of(report)
+    leak = view.leak_of(report)
     return None if leak is None else f"{leak.get('holder')} {fmt_bytes(leak.get('held_bytes'))}"
 
 
@@ -182,16 +172,16 @@ def _overview(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _print_overview(view: dict[str, Any], out: TextIO) -> None:
-    first = view["first"]
-    _say(out, f"{len(view['reports'])} OOM reports from {len(view['ranks'])} rank(s); rank {first['rank']} failed "
-          f"first (step {first['step']}, {fmt_time(first['created_at'])})")
+def _print_overview(overview: dict[str, Any], out: TextIO) -> None:
+    first = overview["first"]
+    _say(out, f"{len(overview['reports'])} OOM reports from {len(overview['ranks'])} rank(s); rank {first['rank']} "
+              f"failed first (step {first['step']}, {fmt_time(first['created_at'])})")
     head = ["rank", "step", "time", "outcome", "device", "requested", "peak", *(breakdown_label(k) for k in _COLUMNS),
             "verdict", "leak"]
     rows = [[str(r["rank"]), str(r["step"]), fmt_time(r["created_at"])[11:], str(r["outcome"]), str(r["device"]),
              fmt_bytes(r["requested_bytes"]), fmt_bytes(r["peak_bytes"]),
              *(fmt_bytes(r["breakdown"][k]) for k in _COLUMNS), str(r["verdict"]), r.get("leak") or "-"]
-            for r in view["reports"]]
+            for r in overview["reports"]]
     _say_columns(out, [head, *rows])
 
 
@@ -252,11 +242,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 0
     for report in reports:
         _snapshot_check(report["_dir"])  # a tampered snapshot anywhere is worth a refusal
-    view = _overview(reports)
+    overview = _overview(reports)
     if states:
-        view["last_state"] = _state_views(states)
+        overview["last_state"] = _state_views(states)
     if args.json:
-        print(json.dumps(view, indent=1), file=out)
+        print(json.dumps(overview, indent=1), file=out)
     else:
-        _print_overview(view, out)
+        _print_overview(overview, out)
     return 0

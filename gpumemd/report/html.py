@@ -11,29 +11,10 @@ import re
 from html import escape
 from typing import Any
 
+from gpumemd.report import view
 from gpumemd.report.fmt import fmt_bytes, fmt_time
 from gpumemd.report.markdown import headline, step_profile_note
 from gpumemd.report.svg import breakdown_bar, legend, timeline_chart
-from gpumemd.report.view import (
-    GROUPS_SHOWN,
-    TIMELINE_COLUMNS,
-    breakdown_rows,
-    chart_markers,
-    chart_series,
-    group_cells,
-    group_columns,
-    group_rows,
-    groups_note,
-    leak_of,
-    sections,
-    sentence,
-    slug,
-    timeline_intro,
-    timeline_table,
-    total_axis_label,
-    total_words,
-    verdict_lines,
-)
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;max-width:1000px;color:#222}
@@ -45,7 +26,7 @@ pre.wrap{white-space:pre-wrap;overflow-wrap:anywhere}
 nav{font-size:.9em}nav a{margin-right:.8em;white-space:nowrap}tr.leak td{background:#fff3e0}
 .also{border-left:4px solid #e8702a;padding-left:.6em}code{background:#f3f3f3;padding:0 .2em}
 """
-_NUMERIC = frozenset({"bytes", "graph kept alive", "of total", "step", *(label for _, label in TIMELINE_COLUMNS)})
+_NUMERIC = frozenset({"bytes", "graph kept alive", "of total", "step", *(label for _, label in view.TIMELINE_COLUMNS)})
 
 
 def _e(value: Any) -> str:
@@ -72,12 +53,12 @@ def _table(headers: list[str], rows: list[list[Any]], row_class: list[str] | Non
 
 
 def _h2(title: str) -> str:
-    return f'<h2 id="{slug(title)}">{_e(title)}</h2>'
+    return f'<h2 id="{view.slug(title)}">{_e(title)}</h2>'
 
 
 def _verdict(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
-    first, *rest = verdict_lines(report)
+    first, *rest = view.verdict_lines(report)
     out = [_h2("Verdict"), f'<p><span class="verdict">{_e(b.get("verdict"))}</span> — {_prose(first)}</p>']
     out += [f'<p class="also">{_prose(line)}</p>' for line in rest]
     return "".join(out)
@@ -87,11 +68,11 @@ def _groups(report: dict[str, Any]) -> str:
     tensors = report.get("tensors") or {}
     if not tensors.get("available"):
         return _h2("Largest tensor groups") + f"<p>No tensor census: {_e(tensors.get('note'))}.</p>"
-    rows = group_rows(tensors, leak_of(report))
-    columns = group_columns(rows)
-    shown = rows[:GROUPS_SHOWN]
-    table = _table(columns, [group_cells(r, columns) for r in shown], ["leak" if r.leaking else "" for r in shown])
-    return _h2("Largest tensor groups") + table + f"<p>{_e(groups_note(tensors, rows, GROUPS_SHOWN))}</p>"
+    rows = view.group_rows(tensors, view.leak_of(report))
+    columns = view.group_columns(rows)
+    shown = rows[:view.GROUPS_SHOWN]
+    table = _table(columns, [view.group_cells(r, columns) for r in shown], ["leak" if r.leaking else "" for r in shown])
+    return _h2("Largest tensor groups") + table + f"<p>{_e(view.groups_note(tensors, rows, view.GROUPS_SHOWN))}</p>"
 
 
 def _suggestions(report: dict[str, Any]) -> str:
@@ -107,14 +88,14 @@ def _suggestions(report: dict[str, Any]) -> str:
 
 def _breakdown(report: dict[str, Any]) -> str:
     b = report.get("breakdown") or {}
-    rows = breakdown_rows(b)
+    rows = view.breakdown_rows(b)
     drawn = [{**i, "label": row[0]} for i, row in zip(b.get("items") or [], rows, strict=True) if i.get("nbytes")]
     total = b.get("total_bytes") or 0
     return "".join([
-        _h2("Breakdown"), breakdown_bar(drawn, total or None, total_label=total_axis_label(b)),
+        _h2("Breakdown"), breakdown_bar(drawn, total or None, total_label=view.total_axis_label(b)),
         f"<p>{legend(drawn)}</p>",
         _table(["part", "bytes", "of total"], rows),
-        f"<p>{_e(total_words(b))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
+        f"<p>{_e(view.total_words(b))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
         f"largest free block {_e(fmt_bytes(b.get('largest_free_block_bytes')))}; "
         f"peak seen {_e(fmt_bytes(report.get('peak_bytes')))}.</p>",
     ])
@@ -133,17 +114,17 @@ def _findings(report: dict[str, Any]) -> str:
     if not findings:
         return _h2("Leak findings") + "<p>None.</p>"
     return _h2("Leak findings") + "<ul>" + "".join(
-        f"<li>{_e(f['state'])} {_e(f['kind'])} on {_e(f['series'])}: {_prose(sentence(f['summary']))}</li>"
+        f"<li>{_e(f['state'])} {_e(f['kind'])} on {_e(f['series'])}: {_prose(view.sentence(f['summary']))}</li>"
         for f in findings) + "</ul>"
 
 
 def _timeline(report: dict[str, Any]) -> str:
     timeline = report.get("timeline") or []
     device = (report.get("breakdown") or {}).get("device")
-    chart = timeline_chart(timeline, chart_series(timeline, device), chart_markers(report))
+    chart = timeline_chart(timeline, view.chart_series(timeline, device), view.chart_markers(report))
     out = [_h2("Timeline"), chart or "<p>No step was recorded before the OOM.</p>"]
     if timeline:
-        out += [f"<p>{_e(timeline_intro(timeline))}</p>", _table(*timeline_table(timeline))]
+        out += [f"<p>{_e(view.timeline_intro(timeline))}</p>", _table(*view.timeline_table(timeline))]
     return "".join(out)
 
 
@@ -182,7 +163,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"<h1>gpumemd OOM report — rank {_e(report.get('rank'))}, step {_e(report.get('step'))}</h1>",
         f"<p>{_e(headline(report))}</p>",
         f"<p>Written {_e(fmt_time(report.get('created_at')))} via {_e(report.get('source'))}.</p>",
-        "<nav>Contents: " + "".join(f'<a href="#{slug(t)}">{_e(t)}</a>' for t in sections(report)) + "</nav>",
+        "<nav>Contents: " + "".join(f'<a href="#{view.slug(t)}">{_e(t)}</a>' for t in view.sections(report)) + "</nav>",
     ]
     parts += [part(report) for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings,
                                         _timeline, _snapshot, _exception, _environment)]

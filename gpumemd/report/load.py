@@ -84,23 +84,21 @@ def _parse_int(text: str) -> int | float:
     return value
 
 
-def find_report_dirs(root: str, max_depth: int = 2) -> list[str]:
-    """Report directories at or under ``root`` (e.g. an output dir holding every rank's), sorted."""
+def find_report_dirs(root: str) -> list[str]:
+    """Report directories at or under ``root``, two levels down at most (an output dir holding every
+    rank's, or a folder of output dirs), sorted."""
     if is_report_dir(root):
         return [root]
     found: list[str] = []
-    frontier = [(root, 0)]
-    while frontier:
-        current, depth = frontier.pop()
-        try:
-            entries = sorted(os.scandir(current), key=lambda e: e.name)
-        except OSError:
-            continue
-        for entry in entries:
-            if not entry.is_dir(follow_symlinks=False) or entry.name.startswith(TEMP_PREFIX):
-                continue
-            if is_report_dir(entry.path):
-                found.append(entry.path)
-            elif depth + 1 < max_depth:
-                frontier.append((entry.path, depth + 1))
+    for child in _subdirs(root):
+        found += [child] if is_report_dir(child) else [d for d in _subdirs(child) if is_report_dir(d)]
     return sorted(found)
+
+
+def _subdirs(path: str) -> list[str]:
+    """The directories in ``path``, links and a writer's temp directories left out ([] when unreadable)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return []
+    return [e.path for e in entries if e.is_dir(follow_symlinks=False) and not e.name.startswith(TEMP_PREFIX)]

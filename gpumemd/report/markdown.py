@@ -9,23 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpumemd.report import view
 from gpumemd.report.fmt import fmt_bytes, fmt_time
-from gpumemd.report.view import (
-    GROUPS_SHOWN,
-    breakdown_rows,
-    group_cells,
-    group_columns,
-    group_rows,
-    groups_note,
-    leak_of,
-    sections,
-    sentence,
-    slug,
-    timeline_intro,
-    timeline_table,
-    total_words,
-    verdict_lines,
-)
 
 
 def _code(text: str) -> str:
@@ -63,7 +48,7 @@ def _heading(title: str) -> list[str]:
 
 def _verdict(report: dict[str, Any]) -> list[str]:
     b = report.get("breakdown") or {}
-    first, *rest = verdict_lines(report)
+    first, *rest = view.verdict_lines(report)
     out = [*_heading("Verdict"), f"**{b.get('verdict')}** — {first}"]
     for line in rest:
         out += ["", line]
@@ -75,10 +60,10 @@ def _groups(report: dict[str, Any]) -> list[str]:
     tensors = report.get("tensors") or {}
     if not tensors.get("available"):
         return [*out, f"No tensor census: {tensors.get('note')}."]
-    rows = group_rows(tensors, leak_of(report))
-    columns = group_columns(rows)
-    cells = [group_cells(row, columns) for row in rows[:GROUPS_SHOWN]]
-    return [*out, *_table(columns, cells), "", groups_note(tensors, rows, GROUPS_SHOWN)]
+    rows = view.group_rows(tensors, view.leak_of(report))
+    columns = view.group_columns(rows)
+    cells = [view.group_cells(row, columns) for row in rows[:view.GROUPS_SHOWN]]
+    return [*out, *_table(columns, cells), "", view.groups_note(tensors, rows, view.GROUPS_SHOWN)]
 
 
 def _suggestions(report: dict[str, Any]) -> list[str]:
@@ -95,8 +80,8 @@ def _suggestions(report: dict[str, Any]) -> list[str]:
 
 def _breakdown(report: dict[str, Any]) -> list[str]:
     b = report.get("breakdown") or {}
-    return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], breakdown_rows(b)), "",
-            f"{total_words(b)}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
+    return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], view.breakdown_rows(b)), "",
+            f"{view.total_words(b)}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
             f"reserved {fmt_bytes(b.get('reserved_bytes'))}; largest free block "
             f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
 
@@ -111,7 +96,7 @@ def _step_profile(report: dict[str, Any]) -> list[str]:
 
 def _findings(report: dict[str, Any]) -> list[str]:
     findings = report.get("findings") or []
-    lines = [f"- {f['state']} {f['kind']} on {f['series']}: {sentence(f['summary'])}" for f in findings]
+    lines = [f"- {f['state']} {f['kind']} on {f['series']}: {view.sentence(f['summary'])}" for f in findings]
     return [*_heading("Leak findings"), *(lines or ["None."])]
 
 
@@ -120,7 +105,7 @@ def _timeline(report: dict[str, Any]) -> list[str]:
     out = _heading("Timeline")
     if not timeline:
         return [*out, "No steps."]
-    return [*out, timeline_intro(timeline), "", *_table(*timeline_table(timeline))]
+    return [*out, view.timeline_intro(timeline), "", *_table(*view.timeline_table(timeline))]
 
 
 def _snapshot(report: dict[str, Any]) -> list[str]:
@@ -152,7 +137,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# gpumemd OOM report — rank {report.get('rank')}, step {report.get('step')}", "",
            headline(report), "", f"Written {fmt_time(report.get('created_at'))} via {report.get('source')}.",
            *([f"Outcome: {report['outcome']}."] if report.get("outcome") else []), "",
-           "Contents: " + " · ".join(f"[{t}](#{slug(t)})" for t in sections(report))]
+           "Contents: " + " · ".join(f"[{t}](#{view.slug(t)})" for t in view.sections(report))]
     for part in (_verdict, _groups, _suggestions, _breakdown, _step_profile, _findings, _timeline, _snapshot,
                  _exception, _environment):
         out += part(report)

@@ -79,17 +79,11 @@ def finding_view(f: dict[str, Any]) -> dict[str, Any]:
             "steps_to_oom": steps, "said": f.get("headline") or f["summary"]}
 
 
-def status_of(doc: dict[str, Any], alive: bool | None) -> str:
-    """"ended" (a clean ending recorded), "vanished" (its pid is gone without one), else "running"
-    (alive here, or on another host, where top cannot tell)."""
-    if doc.get("ended"):
-        return "ended"
-    return "vanished" if alive is False else "running"
-
-
 def rank_view(doc: dict[str, Any], *, alive: bool | None, now: float, history: History) -> dict[str, Any]:
     """One rank's block: who, where it is, its memory with recent history, tensors, findings, OOMs."""
-    status = status_of(doc, alive)
+    # "ended": a clean ending recorded; "vanished": its pid is gone without one; else "running" (alive
+    # here, or on another host, where top cannot tell)
+    status = "ended" if doc.get("ended") else "vanished" if alive is False else "running"
     written = doc.get("written_at")
     lines = [{**line, "history": history.values(doc["_file"], line["where"])} for line in memory_lines(doc)]
     tensors = doc.get("tensors") or {}

@@ -83,18 +83,14 @@ def _key(group: Any) -> tuple[Any, ...]:
             group.get("category"), group.get("name"))
 
 
-def _leak_keys(leak: dict[str, Any] | None) -> set[tuple[Any, ...]]:
-    keys = (leak or {}).get("group_keys")
-    return {_key(k) for k in keys} if isinstance(keys, list) else set()
-
-
 def group_rows(tensors: dict[str, Any], leak: dict[str, Any] | None = None) -> list[GroupRow]:
     """The census groups, largest (own + graph bytes) first, each exactly once: report.json's
     ``groups``, or, for a report without them, its largest tensors grouped the same way."""
     source = tensors.get("groups")
     if not isinstance(source, list) or not source:
         source = [{**t, "count": 1} for t in tensors.get("top") or []]
-    leaking = _leak_keys(leak)
+    keys = (leak or {}).get("group_keys")
+    leaking = {_key(k) for k in keys} if isinstance(keys, list) else set()
     merged: dict[tuple[Any, ...], GroupRow] = {}
     for g in source:
         key = _key(g)
