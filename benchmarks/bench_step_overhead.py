@@ -90,8 +90,7 @@ def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False
     opt = torch.optim.SGD(model.parameters(), lr=1e-4) if sgd else torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, hidden)
     y = torch.randint(0, 10, (batch,))
-    kept: list[torch.Tensor] = []
-    made = [0]
+    leak_step = _leaker(leak, "cpu")
 
     def step() -> None:
         batch_info = [{"i": i} for i in range(py_objects)]
@@ -100,13 +99,28 @@ def make_job(hidden: int, batch: int, *, sgd: bool = False, linear: bool = False
         opt.step()
         opt.zero_grad(set_to_none=True)
         batch_info.clear()
-        if leak is not None:
-            tensor = torch.zeros(16)
-            made[0] += 1
-            if made[0] % leak[0] == 0:
-                kept.append(tensor)
+        leak_step()
 
     return step
+
+
+def _leaker(leak: list[int] | None, device: str):  # type: ignore[no-untyped-def]
+    """A step's leak: make one small tensor on ``device`` and keep every ``leak[0]``-th one (read at each
+    call, so the caller can change the rate); nothing when ``leak`` is None."""
+    import torch
+
+    kept: list[torch.Tensor] = []
+    made = [0]
+
+    def leak_step() -> None:
+        if leak is None:
+            return
+        tensor = torch.zeros(16, device=device)
+        made[0] += 1
+        if made[0] % leak[0] == 0:
+            kept.append(tensor)
+
+    return leak_step
 
 
 def time_steps(step, n: int) -> list[float]:  # type: ignore[no-untyped-def]
@@ -326,16 +340,11 @@ def cuda_job(name: str, leak: list[int] | None = None):  # type: ignore[no-untyp
     from bench_gpu_overhead import build
 
     step = build(name, "cuda")
-    kept: list[torch.Tensor] = []
-    made = [0]
+    leak_step = _leaker(leak, "cuda")
 
     def synced() -> None:
         step()
-        if leak is not None:
-            tensor = torch.zeros(16, device="cuda")
-            made[0] += 1
-            if made[0] % leak[0] == 0:
-                kept.append(tensor)
+        leak_step()
         torch.cuda.synchronize()
 
     return synced

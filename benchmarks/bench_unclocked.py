@@ -28,17 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def _actions() -> dict[str, Callable[[], None]]:
     fd = os.open("/proc/self/statm", os.O_RDONLY)
 
+    def none() -> None:
+        pass
+
+    def pread() -> None:
+        os.pread(fd, 128, 0)
+
+    def pread5() -> None:
+        for _ in range(5):
+            os.pread(fd, 128, 0)
+
     def busy() -> None:
         until = time.perf_counter() + 30e-6
         while time.perf_counter() < until:
             pass
 
-    return {
-        "none": lambda: None,
-        "pread": lambda: (os.pread(fd, 128, 0), None)[1],
-        "pread5": lambda: [os.pread(fd, 128, 0) for _ in range(5)] and None,
-        "busy": busy,
-    }
+    return {"none": none, "pread": pread, "pread5": pread5, "busy": busy}
 
 
 def measure(step: Callable[[], None], action: Callable[[], None], seconds: float, rng: random.Random
