@@ -1,11 +1,12 @@
 """What tracking an active leak costs a job: the same leaking job with and without the agent.
 
 Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 6000] [--no-leak] [--batch 64]
+       python benchmarks/bench_leak_tracking.py --step-ms 2 --leak-rate 10   # a 10-tensor/step leak
        python benchmarks/bench_leak_tracking.py --child on --hidden 8 --steps 3000   # one run (to profile)
        python benchmarks/bench_leak_tracking.py --child on --no-leak --gap-ms 3   # one run, a 3 ms pause every 20 steps
 
 The job: a linear classifier (SGD, batch 8; an MLP with AdamW when its step is 1 ms or more) whose width
-is calibrated once to ``--step-ms``, leaking one small tensor a step from step 50 (``kept.append``): the
+is calibrated once to ``--step-ms``, leaking one small tensor a step (``--leak-rate N``: N) from step 50 (``kept``): the
 leak is suspected and then confirmed within the run, so from the first few hundred steps on the agent
 tracks an active finding (survivor scans, count series, culprit bookkeeping). ``--no-leak`` runs the
 same job without the leak: the agent's cost on a healthy job, for comparison.
@@ -98,7 +99,7 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         step()
         if n >= LEAK_FROM and not args.no_leak:
-            kept.append(torch.zeros(16))
+            kept.extend(torch.zeros(16) for _ in range(args.leak_rate))
         times.append(time.perf_counter() - t0)
         if args.gap_ms and n % 20 == 0:
             until = time.perf_counter() + args.gap_ms / 1e3
@@ -140,7 +141,7 @@ def run_one(mode: str, hidden: int, mlp: bool, args: argparse.Namespace) -> dict
     command = [sys.executable, os.path.abspath(__file__), "--child", mode, "--hidden", str(hidden),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     command += ["--mlp"] if mlp else []
-    command += ["--no-leak"] if args.no_leak else []
+    command += ["--no-leak"] if args.no_leak else ["--leak-rate", str(args.leak_rate)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -164,7 +165,8 @@ def measure(step_ms: float, args: argparse.Namespace) -> None:
         offs.append(off["step_s"] * 1e3)
         findings.update(on["findings"])
     job = f"MLP width {hidden}, AdamW, batch {args.batch}" if mlp else f"linear width {hidden}, SGD"
-    print(f"| {statistics.median(offs):.3f} ms ({job}) | {'none' if args.no_leak else '1 tensor/step'} | "
+    leaking = "none" if args.no_leak else f"{args.leak_rate} tensor{'s' if args.leak_rate > 1 else ''}/step"
+    print(f"| {statistics.median(offs):.3f} ms ({job}) | {leaking} | "
           f"{(statistics.median(ratios) - 1) * 100:+.2f}% [{(min(ratios) - 1) * 100:+.2f}, "
           f"{(max(ratios) - 1) * 100:+.2f}] | {statistics.median(diffs):+.1f} µs [{min(diffs):+.1f}, "
           f"{max(diffs):+.1f}] | {statistics.median(cpus):+.1f} µs | {statistics.median(own):.1f} µs | "
@@ -178,6 +180,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--no-leak", action="store_true")
+    parser.add_argument("--leak-rate", type=int, default=1, help="tensors the job keeps a step (default 1)")
     parser.add_argument("--child", choices=["on", "off"])
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--mlp", action="store_true")

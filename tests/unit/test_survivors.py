@@ -131,3 +131,36 @@ def test_uninstall_removes_the_gc_callback() -> None:
     assert tracker._on_gc in gc.callbacks
     tracker.uninstall()
     assert tracker._on_gc not in gc.callbacks
+
+
+def test_counting_sets_off_no_collection_and_leaves_the_job_setting() -> None:
+    # Each counted tensor gets a tracked weakref: counting thousands would otherwise start
+    # collections (a full one now and then) in the middle of the loop.
+    tracker = _tracker()
+    counted_at_collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, object]) -> None:
+        if phase == "start":
+            counted_at_collections.append(len(tracker._refs))
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50, threshold[1], threshold[2])  # a collection every 50 new tracked objects
+    gc.callbacks.append(seen)
+    try:
+        kept = [torch.zeros(2) for _ in range(1000)]
+        tracker.scan()
+        counted_at_collections.clear()
+        tracker.scan()  # counts the 1,000 (the loop makes 1,000 weakrefs)
+        assert _count(tracker, ("cpu", "float32", (2,), False)) == 1000
+        assert all(n in (0, 1000) for n in counted_at_collections), counted_at_collections
+        assert gc.isenabled()
+        gc.disable()  # a job that runs without the collector keeps it so
+        kept += [torch.zeros(2) for _ in range(10)]
+        tracker.scan()
+        tracker.scan()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        tracker.uninstall()
