@@ -36,6 +36,22 @@ def test_growing_list_of_bytes_is_found_and_named() -> None:
                for g in growing_containers(before, ignore=frozenset({id(raw_buffers)})))
 
 
+def test_a_bounded_deque_filling_up_is_no_culprit_and_an_unbounded_one_is() -> None:
+    import collections
+
+    recent_losses: collections.deque[bytes] = collections.deque((b"x" * 1000 for _ in range(10)), maxlen=100)
+    kept_losses: collections.deque[bytes] = collections.deque(b"x" * 1000 for _ in range(10))
+    before = container_lengths()
+    for i in range(30):
+        recent_losses.append(bytes([i]) * 4096)
+        kept_losses.append(bytes([i]) * 2048)
+    grown = growing_containers(before)
+    # The bounded one gained the more bytes, yet it stops at maxlen: only the unbounded one is named.
+    deques = [g for g in grown if g.type_name == "deque"]
+    assert [(g.items_added, g.length) for g in deques] == [(30, 40)]
+    assert deques[0].holder is not None and "kept_losses" in deques[0].holder, deques[0].holder
+
+
 def test_the_container_is_named_not_the_loop_variable_that_also_holds_its_newest_item() -> None:
     """``sample = decode(...); kept_samples.append(sample)``: the newest item is held by the loop's
     variable too, one hop away; the holder search starts from an older one, held by the list alone."""
