@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
     from gpumemd.analysis.leak_detector import LeakDetector, SeriesSpec
     from gpumemd.probes.survival.graph_chains import ChainKey, GraphChainTracker
-    from gpumemd.probes.survival.survivors import GroupKey, SurvivorTracker
+    from gpumemd.probes.survival.survivor_counts import GroupKey
+    from gpumemd.probes.survival.survivors import SurvivorTracker
     from gpumemd.probes.survival.tensor_families import FamilyKey, TensorFamilies
     from gpumemd.records.step import StepRecord
 

@@ -11,7 +11,7 @@ from gpumemd.analysis.leak_types import series_family, series_name
 
 if TYPE_CHECKING:
     from gpumemd.probes.survival.graph_chains import ChainGroup
-    from gpumemd.probes.survival.survivors import SurvivorGroup
+    from gpumemd.probes.survival.survivor_counts import SurvivorGroup
     from gpumemd.probes.survival.tensor_families import Family
     from gpumemd.records.device import Device
 

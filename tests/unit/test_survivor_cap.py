@@ -73,8 +73,8 @@ def test_tracked_tensors_of_one_group_share_one_key() -> None:
         kept = [torch.zeros(3) for _ in range(50)]
         tracker.scan()
         tracker.scan()
-        refs = list(tracker._refs.values())
-        assert len(refs) >= 50
+        refs = list(tracker.counts.refs.values())
+        assert tracker.total()[0] >= 50 and refs
         assert len({id(r.key) for r in refs if r.key[2] == (3,)}) == 1
         del kept
     finally:

@@ -28,27 +28,22 @@ import itertools
 import logging
 import time
 import weakref
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-from gpumemd.probes.heap.gc_pause import collector_paused
-from gpumemd.records.device import Device
+from gpumemd.probes.heap.gc_pause import collector_paused, job_collector_enabled
+from gpumemd.probes.survival.survivor_counts import PER_GROUP_PER_SCAN, SurvivorCounts
 
 log = logging.getLogger("gpumemd")
 
 MAX_TRACKED = 200_000
-"""Long-lived tensors tracked at most; beyond it new ones are not counted (``capped``). Each costs ~200
-bytes here (a 112-byte weakref with four slots, its dict entry and its id: group keys are shared), and
-torch keeps the 64-byte Python object of its storage, made when it is sized, while the tensor lives:
-~52 MB at the cap (measured: benchmarks/bench_survivor_memory.py)."""
+"""Long-lived tensors counted at most; beyond it new ones are not counted (``capped``). Each one counted
+by its own weakref costs ~200 bytes here (the weakref, its dict entry and its id: group keys are
+shared), and torch keeps the 64-byte Python object of its storage, made when it is sized, while the
+tensor lives: ~52 MB at the cap if every tensor were its own sample. A sample stands for its group's
+other new members of a scan (``survivor_counts.PER_GROUP_PER_SCAN``): a leak of one shape, 500 tensors
+a scan, costs 10 bytes a tensor, ~2 MB at the cap (benchmarks/bench_survivor_memory.py)."""
 
-MAX_GROUPS = 256
-"""Distinct (device, dtype, shape, graph) groups at most; further shapes share one overflow group."""
-
-OVERFLOW = ("*", "*", (), False)
 _MAX_PENDING = 100_000  # candidates between two scans (a job that makes tensors faster is sampled)
-_SAMPLES = 4  # newest members kept (weakly) per group, for holder look-ups
 
 YOUNG_COLLECT_AT = 256
 """Objects in generation 0 beyond which a scan runs the young collection itself (``threshold0`` when
@@ -63,41 +58,6 @@ less, and the collection (of ~256 objects, every ~10 scans) is the one CPython w
 later: it only moves survivors on (and frees young cyclic garbage a little sooner). Never under
 ``gc.disable()`` or a zero threshold."""
 
-# device name, dtype, shape, has grad_fn: strings while scanning (they hash in C); a group's
-# ``device`` is the Device.
-GroupKey = tuple[str, str, tuple[int, ...], bool]
-
-
-class _Ref(weakref.ref[Any]):
-    __slots__ = ("base", "key", "nbytes", "tid")
-    key: GroupKey
-    nbytes: int
-    tid: int
-    base: int  # id of the base tensor when this one is a view, else 0
-
-
-@dataclass(frozen=True, slots=True)
-class SurvivorGroup:
-    key: GroupKey
-    count: int
-    nbytes: int
-
-    @property
-    def device(self) -> Device:
-        return Device.parse(self.key[0])
-
-    @property
-    def graph(self) -> bool:
-        return self.key[3]
-
-    def describe(self) -> str:
-        _, dtype, shape, graph = self.key
-        if self.key == OVERFLOW:
-            return "tensors of other shapes"
-        text = f"{dtype}[{', '.join(str(d) for d in shape)}]"
-        return text + " with grad_fn" if graph else text
-
-
 class SurvivorTracker:
     """Counts tensors promoted to the oldest gc generation, per group; see the module docstring."""
 
@@ -105,12 +65,7 @@ class SurvivorTracker:
         import torch
 
         self._tensor_types = frozenset({torch.Tensor})  # exact type: parameters are not the leak
-        self.max_tracked = max_tracked
-        self._refs: dict[int, _Ref] = {}
-        self._counts: dict[GroupKey, int] = {}
-        self._bytes: dict[GroupKey, int] = {}
-        self._samples: dict[GroupKey, deque[_Ref]] = {}
-        self._view_bases: dict[int, int] = {}  # id of a counted view's base -> views counted on it
+        self.counts = SurvivorCounts(max_tracked)
         # Candidates listed at the last scan (counted at the next one if alive) and those the gc
         # callback listed since (they become candidates at the next scan, so that a tensor is
         # counted only once it has outlived at least one whole scan interval).
@@ -121,15 +76,19 @@ class SurvivorTracker:
         self.collections = 0  # collections seen
         self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
-        # The tracker reached its cap at least once: tensors made while it was there were never counted,
-        # so from then on every count is a lower bound, and one that stays flat says nothing.
-        self.capped = False
         self.errors = 0
-        self._dtypes: dict[Any, str] = {}
-        self._devices: dict[Any, str] = {}
-        # One key object per group, shared by its tensors' refs (a fresh key tuple and shape tuple
-        # per tensor were ~120 bytes each). Bounded: keys beyond ``max_groups`` become OVERFLOW.
-        self._keys: dict[GroupKey, GroupKey] = {OVERFLOW: OVERFLOW}
+        # The counts, as the leak component reads them.
+        self.groups, self.total, self.sample = self.counts.groups, self.counts.total, self.counts.sample
+        self.long_lived_graph_samples = self.counts.long_lived_graph_samples
+
+    @property
+    def max_tracked(self) -> int:
+        return self.counts.max_tracked
+
+    @property
+    def capped(self) -> bool:
+        """The cap was reached at least once: tensors made while it was there were never counted."""
+        return self.counts.capped
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -145,32 +104,9 @@ class SurvivorTracker:
             self._installed = False
         self._pending.clear()
         self._listed.clear()
-        self._refs.clear()  # the weakrefs die with the dict: their callbacks never run
-        self._view_bases.clear()
-        self._counts.clear()
-        self._bytes.clear()
-        self._samples.clear()
-        self._keys = {OVERFLOW: OVERFLOW}
+        self.counts.clear()
 
     # --- reading (training thread, every few steps) ------------------------------------------
-
-    def groups(self) -> list[SurvivorGroup]:
-        return [SurvivorGroup(k, c, self._bytes.get(k, 0)) for k, c in list(self._counts.items())]
-
-    def total(self) -> tuple[int, dict[Device, int]]:
-        """(tensors, bytes per device) of everything tracked."""
-        by_name: dict[str, int] = {}
-        for key, nbytes in list(self._bytes.items()):
-            by_name[key[0]] = by_name.get(key[0], 0) + nbytes
-        return len(self._refs), {Device.parse(name): nbytes for name, nbytes in by_name.items()}
-
-    def sample(self, key: GroupKey) -> Any:
-        """The newest live member of a group (a strong reference: the caller drops it soon)."""
-        for ref in reversed(self._samples.get(key, ())):
-            obj = ref()
-            if obj is not None:
-                return obj
-        return None
 
     def new_graph_roots(self, limit: int) -> list[Any]:
         """Up to ``limit`` tensors with a ``grad_fn`` made since the last scan and still alive, newest
@@ -190,22 +126,6 @@ class SurvivorTracker:
         each step (``torch.cat`` onto a kept tensor) is only ever here, never counted."""
         return [t for ref in self._pending if (t := ref()) is not None]
 
-    def long_lived_graph_samples(self, limit: int) -> list[Any]:
-        """The newest live members of the groups that have a ``grad_fn`` (strong references: drop
-        them soon). An accumulator updated in place (``total += loss``) stays one long-lived tensor
-        whose ``grad_fn`` changes every step: it is never a new tensor, so look at these too."""
-        out: list[Any] = []
-        for key, samples in list(self._samples.items()):
-            if not key[3]:
-                continue
-            for ref in reversed(samples):
-                t = ref()
-                if t is not None:
-                    out.append(t)
-                    if len(out) >= limit:
-                        return out
-        return out
-
     # --- scanning (training thread) and the gc callback (any thread) ---------------------------
 
     def scan(self) -> None:
@@ -217,10 +137,23 @@ class SurvivorTracker:
             # full one among them now and then, which cost the job 4x the counting (78 against 19
             # µs/step at ~2 ms steps). Held off, the one collection they call for comes at the job's
             # next allocation.
+            pending, self._pending = self._pending, []
+            counts = self.counts
+            counted = counts.refs
+            alive = [t for ref in pending if (t := ref()) is not None and id(t) not in counted]
+            pending.clear()
+            # A sample may stand for a group's other new members only if the collection below can
+            # move them out of generation 0 (else they would be listed, and counted, again).
+            most = PER_GROUP_PER_SCAN if job_collector_enabled() and gc.get_threshold()[0] > 0 else None
             with collector_paused():
-                self._count_survivors()
+                counts.count(alive, most)
             listed, self._listed = self._listed, []
-            self._pending = listed + self._young(collect=True)
+            # Members a sample stands for are never candidates again: they are left out of what
+            # was listed, and the collection below moves them out of generation 0.
+            represented, counts.represented = counts.represented, set()
+            if represented:
+                listed = [ref for ref in listed if id(ref()) not in represented]
+            self._pending = listed + self._young(collect=True, skip=represented)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
             self.errors += 1
             self._pending.clear()
@@ -247,9 +180,11 @@ class SurvivorTracker:
         seconds, self.callback_seconds = self.callback_seconds, 0.0
         return seconds
 
-    def _young(self, *, collect: bool = False) -> list[weakref.ref[Any]]:
-        if len(self._refs) >= self.max_tracked:
-            self.capped = True
+    def _young(self, *, collect: bool = False, skip: set[int] | frozenset[int] = frozenset()
+               ) -> list[weakref.ref[Any]]:
+        counts = self.counts
+        if counts.tracked >= counts.max_tracked:
+            counts.capped = True
             return []
         types = self._tensor_types
         # Generation 0 only: every collection (the callback above) lists it before moving its
@@ -260,117 +195,14 @@ class SurvivorTracker:
         young.clear()
         # Only from a scan: inside the gc callback a collection is already starting.
         threshold0 = gc.get_threshold()[0] if collect else 0
-        if threshold0 > 0 and self.young_objects > min(YOUNG_COLLECT_AT, threshold0) and gc.isenabled():
+        if threshold0 > 0 and (skip or self.young_objects > min(YOUNG_COLLECT_AT, threshold0)) and gc.isenabled():
             self._collecting = True
             try:
                 gc.collect(0)
             finally:
                 self._collecting = False
-        refs = self._refs
-        out = [weakref.ref(t) for t in found if id(t) not in refs]
+        counted = counts.refs
+        out = [weakref.ref(t) for t in found if id(t) not in counted and id(t) not in skip]
         found.clear()
         return out
 
-    def _count_survivors(self) -> None:
-        """Count the candidates still alive. A leak of one tensor a step puts every one of its tensors
-        through here once, so this is the cost of tracking it, per leaked tensor: each torch attribute
-        read costs ~0.1-0.5 µs, so each is read once, and a group's counts, bytes and samples are
-        updated once per scan, not once per tensor."""
-        pending, self._pending = self._pending, []
-        refs, bases, died = self._refs, self._view_bases, self._died
-        alive = [t for ref in pending if (t := ref()) is not None and id(t) not in refs]
-        pending.clear()
-        # Each storage once: a view keeps its base tensor alive (``kept.append(out.detach()[:4])``
-        # keeps the whole ``out.detach()``), so the base of a counted view is not counted itself:
-        # the view is, and its holder is the container, not "no Python holder".
-        with_base = [(t, t._base) for t in alive]
-        alive.clear()
-        batch = {id(b) for _, b in with_base if b is not None}
-        added: dict[GroupKey, list[_Ref]] = {}
-        t = base = None
-        for t, base in with_base:
-            tid = id(t)
-            if tid in bases or tid in batch:
-                continue
-            if len(refs) >= self.max_tracked:
-                self.capped = True
-                break
-            try:
-                key, nbytes = self._describe(t)
-            except Exception:  # noqa: BLE001 - an exotic tensor: not counted
-                self.errors += 1
-                continue
-            r = _Ref(t, died)
-            r.key, r.nbytes, r.tid, r.base = key, nbytes, tid, id(base) if base is not None else 0
-            if r.base:
-                bases[r.base] = bases.get(r.base, 0) + 1
-                counted_base = refs.get(r.base)
-                if counted_base is not None:  # counted at an earlier scan, before its view was seen
-                    self._uncount(counted_base)
-            refs[tid] = r
-            group = added.get(key)
-            if group is None:
-                added[key] = [r]
-            else:
-                group.append(r)
-        del t, base
-        with_base.clear()
-        for key, group in added.items():
-            self._add(key, group)
-
-    def _add(self, key: GroupKey, group: list[_Ref]) -> None:
-        """Count a scan's new members of one group (their refs already carry the described key)."""
-        if key not in self._counts and len(self._counts) >= MAX_GROUPS:
-            key = OVERFLOW
-        key = self._keys.get(key) or self._intern(key)
-        for r in group:
-            r.key = key  # the interned key, shared (and OVERFLOW past the cap)
-        self._counts[key] = self._counts.get(key, 0) + len(group)
-        self._bytes[key] = self._bytes.get(key, 0) + sum(r.nbytes for r in group)
-        samples = self._samples.get(key)
-        if samples is None:
-            samples = self._samples[key] = deque(maxlen=_SAMPLES)
-        samples.extend(group[-_SAMPLES:])
-
-    def _intern(self, key: GroupKey) -> GroupKey:
-        if len(self._keys) > 2 * MAX_GROUPS:  # groups that died and left their keys behind
-            self._keys = {k: k for k in self._counts}
-            self._keys[OVERFLOW] = OVERFLOW
-        key = (key[0], key[1], tuple(key[2]), key[3])  # a plain tuple, not the torch.Size it was read as
-        self._keys[key] = key
-        return key
-
-    def _describe(self, t: Any) -> tuple[GroupKey, int]:
-        """Its group key (the shape as torch gives it: a ``torch.Size`` hashes and compares as the
-        tuple, and ``_intern`` keeps a plain tuple) and its storage's bytes."""
-        dev, dt = t.device, t.dtype
-        device = self._devices.get(dev)
-        if device is None:
-            device = self._devices[dev] = str(dev)
-        dtype = self._dtypes.get(dt)
-        if dtype is None:
-            dtype = self._dtypes[dt] = str(dt).removeprefix("torch.")
-        return (device, dtype, t.shape, t.grad_fn is not None), t.untyped_storage().nbytes()
-
-    def _died(self, ref: _Ref) -> None:
-        if self._refs.get(ref.tid) is not ref:
-            return  # uninstalled, uncounted as a view's base, or an id reused after a reset
-        self._uncount(ref)
-
-    def _uncount(self, ref: _Ref) -> None:
-        del self._refs[ref.tid]
-        if ref.base:
-            n = self._view_bases.get(ref.base, 0) - 1
-            if n > 0:
-                self._view_bases[ref.base] = n
-            else:
-                self._view_bases.pop(ref.base, None)
-        key = ref.key
-        n = self._counts.get(key, 0) - 1
-        if n > 0:
-            self._counts[key] = n
-            self._bytes[key] = self._bytes.get(key, 0) - ref.nbytes
-        else:
-            self._counts.pop(key, None)
-            self._bytes.pop(key, None)
-            self._samples.pop(key, None)
