@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/bench_leak_tracking.py [--step-ms 0.25 2] [--pairs 6] [--steps 6000] [--no-leak] [--batch 64]
        python benchmarks/bench_leak_tracking.py --step-ms 2 --leak-rate 10   # a 10-tensor/step leak
+       python benchmarks/bench_leak_tracking.py --step-ms 2 --leak-rate 10 --keep 2000   # no leak: a bounded deque
        python benchmarks/bench_leak_tracking.py --child on --hidden 8 --steps 3000   # one run (to profile)
        python benchmarks/bench_leak_tracking.py --child on --no-leak --gap-ms 3   # one run, a 3 ms pause every 20 steps
 
@@ -31,6 +32,7 @@ earlier commit; the header says which one ran.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -85,14 +87,14 @@ def child(args: argparse.Namespace) -> None:
         agent = gpumemd.attach(output_dir=tempfile.mkdtemp(prefix="bench-leak-tracking-"), quiet=True)
         leak = agent.component(LeakComponent)
 
-    def own() -> tuple[float, float]:
+    def own() -> tuple[float, float, float]:
         if agent is None or leak is None:
-            return 0.0, 0.0
-        return agent.state().overhead.seconds_total, leak.scan_seconds + leak.evaluate_seconds
+            return 0.0, 0.0, 0.0
+        return agent.state().overhead.seconds_total, leak.scan_seconds + leak.evaluate_seconds, leak.scan_seconds
 
-    kept = []
+    kept: Any = collections.deque(maxlen=args.keep) if args.keep else []
     times = []
-    own0 = cpu0 = (0.0, 0.0)
+    own0, cpu0 = (0.0, 0.0, 0.0), (0.0, 0.0)
     for n in range(1, args.steps + 1):
         if n == args.warmup + 1:
             own0, cpu0 = own(), (time.process_time(), 0.0)
@@ -111,7 +113,8 @@ def child(args: argparse.Namespace) -> None:
     cap = CAP * statistics.median(measured)
     out: dict[str, Any] = {"step_s": sum(min(t, cap) for t in measured) / len(measured),
                            "cpu_s": cpu / len(measured),
-                           "own_s": (own1[0] - own0[0]) / len(measured), "leak_s": (own1[1] - own0[1]) / len(measured)}
+                           "own_s": (own1[0] - own0[0]) / len(measured), "leak_s": (own1[1] - own0[1]) / len(measured),
+                           "scan_s": (own1[2] - own0[2]) / len(measured)}
     if agent is not None:
         out["findings"] = sorted({f"{f.state} {f.kind}" for f in agent.state().findings})
         agent.stop()
@@ -141,7 +144,7 @@ def run_one(mode: str, hidden: int, mlp: bool, args: argparse.Namespace) -> dict
     command = [sys.executable, os.path.abspath(__file__), "--child", mode, "--hidden", str(hidden),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     command += ["--mlp"] if mlp else []
-    command += ["--no-leak"] if args.no_leak else ["--leak-rate", str(args.leak_rate)]
+    command += ["--no-leak"] if args.no_leak else ["--leak-rate", str(args.leak_rate), "--keep", str(args.keep)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -151,7 +154,7 @@ def measure(step_ms: float, args: argparse.Namespace) -> None:
     mlp = step_ms >= 1.0
     hidden = calibrate(step_ms / 1000, mlp, args.batch)
     rng = random.Random(step_ms)
-    ratios, diffs, cpus, own, leak, offs, findings = [], [], [], [], [], [], set()
+    ratios, diffs, cpus, own, leak, scans, offs, findings = [], [], [], [], [], [], [], set()
     for _ in range(args.pairs):
         modes = ["on", "off"]
         rng.shuffle(modes)
@@ -162,15 +165,18 @@ def measure(step_ms: float, args: argparse.Namespace) -> None:
         cpus.append((on["cpu_s"] - off["cpu_s"]) * 1e6)
         own.append(on["own_s"] * 1e6)
         leak.append(on["leak_s"] * 1e6)
+        scans.append(on["scan_s"] * 1e6)
         offs.append(off["step_s"] * 1e3)
         findings.update(on["findings"])
     job = f"MLP width {hidden}, AdamW, batch {args.batch}" if mlp else f"linear width {hidden}, SGD"
     leaking = "none" if args.no_leak else f"{args.leak_rate} tensor{'s' if args.leak_rate > 1 else ''}/step"
+    leaking += f", the newest {args.keep:,} kept" if args.keep and not args.no_leak else ""
     print(f"| {statistics.median(offs):.3f} ms ({job}) | {leaking} | "
           f"{(statistics.median(ratios) - 1) * 100:+.2f}% [{(min(ratios) - 1) * 100:+.2f}, "
           f"{(max(ratios) - 1) * 100:+.2f}] | {statistics.median(diffs):+.1f} µs [{min(diffs):+.1f}, "
           f"{max(diffs):+.1f}] | {statistics.median(cpus):+.1f} µs | {statistics.median(own):.1f} µs | "
-          f"{statistics.median(leak):.1f} µs | {', '.join(sorted(findings)) or 'none'} |", flush=True)
+          f"{statistics.median(leak):.1f} µs (scans {statistics.median(scans):.1f}) | "
+          f"{', '.join(sorted(findings)) or 'none'} |", flush=True)
 
 
 def main() -> None:
@@ -181,6 +187,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3000)
     parser.add_argument("--no-leak", action="store_true")
     parser.add_argument("--leak-rate", type=int, default=1, help="tensors the job keeps a step (default 1)")
+    parser.add_argument("--keep", type=int, default=0,
+                        help="keep only the newest N in a deque(maxlen=N): a healthy job that churns them")
     parser.add_argument("--child", choices=["on", "off"])
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--mlp", action="store_true")
