@@ -21,21 +21,11 @@ PER_GROUP_PER_SCAN = 16
 """New members of one group counted one by one at a scan at most; beyond that, evenly spaced ones (the
 newest always among them) each stand for the unsampled members before it, so the group's count and
 bytes are exact when counted. Why: a counted tensor costs a weakref with a callback, a dict entry and
-the callback when it dies (~3-5 µs after a step of compute), and a healthy job that keeps the last
-2,000 steps' 10 metric tensors in a ``deque(maxlen=...)`` puts 500 through that at every 50-step scan,
-forever: 52 µs a step of a ~1.6 ms job, before. What it gives up: as sampled members die, the count
-falls by their weight (a churned group's count is exact to within a few members' weight), and a
-view sampled out does not mark its base as counted."""
-
-PER_GROUP_PER_SCAN = 16
-"""New members of one group counted one by one at a scan at most; beyond that, evenly spaced ones (the
-newest always among them) each stand for the unsampled members before it, so the group's count and
-bytes are exact when counted. Why: a counted tensor costs a weakref with a callback, a dict entry and
-the callback when it dies (~3-5 µs after a step of compute), and a healthy job that keeps the last
-2,000 steps' 10 metric tensors in a ``deque(maxlen=...)`` puts 500 through that at every 50-step scan,
-forever: 52 µs a step of a ~1.6 ms job, before. What it gives up: as sampled members die, the count
-falls by their weight (a churned group's count is exact to within a few members' weight), and a
-view sampled out does not mark its base as counted."""
+the callback when it dies, and a healthy job that keeps its last 2,000 steps' 10 tensors in a
+``deque(maxlen=2000)`` puts 500 through that at every 50-step scan, for ever: scans cost it 31.7 µs a
+step of ~2.2 ms, 24.8 sampled (``benchmarks/bench_leak_tracking.py --leak-rate 10 --keep 2000``).
+What it gives up: as sampled members die, the count falls by their weight (a churned group's count is
+exact to within a few members' weight), and a view sampled out does not mark its base as counted."""
 
 OVERFLOW = ("*", "*", (), False)
 _SAMPLES = 4  # newest members kept (weakly) per group, for holder look-ups
