@@ -11,7 +11,8 @@ scan has outlived a step boundary by ``scan_every`` steps: it is counted in its 
 shape, has grad_fn) and a weakref callback uncounts it when it dies. A tensor that a collection moves
 to an older generation between two scans is caught by a ``gc.callbacks`` hook that lists the young
 tensors of generation 0 when any collection starts. So ``groups()`` gives the number of long-lived
-tensors per group, exact to ``scan_every`` steps, with no heap scan and no strong reference: object
+tensors per group, exact to ``scan_every`` steps (past 16 new members of a group at a scan, a sample
+stands for the rest: ``survivor_counts``), with no heap scan and no strong reference: object
 lifetimes never change. benchmarks/bench_leak.py measures the cost per step.
 
 What it cannot see: tensors only C++ holds (saved activations without a Python wrapper: the census's
