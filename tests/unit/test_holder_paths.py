@@ -53,6 +53,8 @@ def test_attributes_join_into_one_dotted_name_and_a_container_is_said_by_its_siz
                           trainer.stats.window, t])
 
     assert line == "`kept.stats.window` in train() at train.py:7 → deque of 2 items"
+    bounded = collections.deque([t], maxlen=1000)
+    assert render(LOCAL, [bounded, t]).endswith("→ deque of 1 item (maxlen 1,000)")
 
 
 def test_a_dict_is_said_by_its_size_never_by_one_key() -> None:

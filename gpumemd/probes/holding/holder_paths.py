@@ -140,7 +140,10 @@ def _size_text(obj: object) -> str:
         size = len(obj)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - mutated or odd: the type alone
         return type(obj).__name__
-    return f"{type(obj).__name__} of {size:,} item{'' if size == 1 else 's'}"
+    text = f"{type(obj).__name__} of {size:,} item{'' if size == 1 else 's'}"
+    # A bound the user set stops the growth there: a reader weighing a leak finding must see it.
+    maxlen = getattr(obj, "maxlen", None) if isinstance(obj, collections.deque) else None
+    return f"{text} (maxlen {maxlen:,})" if maxlen is not None else text
 
 
 def _hop(w: _Writer, chain: Sequence[object], i: int) -> int:
