@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import torch
 
@@ -164,4 +165,28 @@ def test_counting_sets_off_no_collection_and_leaves_the_job_setting() -> None:
         gc.enable()
         gc.callbacks.remove(seen)
         gc.set_threshold(*threshold)
+        tracker.uninstall()
+
+
+def test_a_sampled_groups_other_members_are_counted_once_even_if_a_collection_lists_them() -> None:
+    tracker = _tracker()
+    young = tracker._young
+
+    def after_a_collection(*, collect: bool = False, skip: set[int] | frozenset[int] = frozenset()) -> list[Any]:
+        if collect:  # the collection the counting held off starts just before the scan's own one
+            gc.collect(0)
+        return young(collect=collect, skip=skip)
+
+    try:
+        kept = [torch.zeros(5) for _ in range(100)]
+        tracker.scan()  # listed as candidates
+        tracker._young = after_a_collection  # type: ignore[method-assign]
+        tracker.scan()  # counted: 16 samples stand for the 100
+        tracker._young = young  # type: ignore[method-assign]
+        tracker.scan()
+        tracker.scan()
+        assert _count(tracker, ("cpu", "float32", (5,), False)) == 100
+        assert len(tracker.counts.refs) == 16
+        del kept
+    finally:
         tracker.uninstall()

@@ -149,12 +149,16 @@ class SurvivorTracker:
             with collector_paused():
                 counts.count(alive, most)
             listed, self._listed = self._listed, []
-            # Members a sample stands for are never candidates again: they are left out of what
-            # was listed, and the collection below moves them out of generation 0.
-            represented, counts.represented = counts.represented, set()
-            if represented:
-                listed = [ref for ref in listed if id(ref()) not in represented]
-            self._pending = listed + self._young(collect=True, skip=represented)
+            # Members a sample stands for are never candidates again: they are left out of what was
+            # listed (and of what the gc callback lists, until the collection below moves them out
+            # of generation 0: the one the pause held off may start on the next allocation).
+            represented = counts.represented
+            try:
+                if represented:
+                    listed = [ref for ref in listed if id(ref()) not in represented]
+                self._pending = listed + self._young(collect=True, skip=represented)
+            finally:
+                counts.represented = set()
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
             self.errors += 1
             self._pending.clear()
@@ -171,7 +175,7 @@ class SurvivorTracker:
         try:
             self.collections += 1
             if len(self._listed) < _MAX_PENDING:
-                self._listed.extend(self._young())
+                self._listed.extend(self._young(skip=self.counts.represented))
         except Exception:  # noqa: BLE001 - never disturb the collector
             self.errors += 1
         self.callback_seconds += time.perf_counter() - start
