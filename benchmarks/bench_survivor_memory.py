@@ -48,10 +48,10 @@ def main() -> None:
     tracker = SurvivorTracker(max_tracked=n)
     tracker.install()
     used, _kept, snapshot = _made(n, tracker)  # alive until the figures are read
-    tracked, _ = tracker.total()
+    tracked, _ = tracker.counts.total()
     storage = sum(s.size for s in snapshot.statistics("lineno")
                   if "survivors.py" in s.traceback[0].filename and "untyped_storage" in _line(s))
-    print(f"tensors tracked: {tracked:,} (capped: {tracker.capped})")
+    print(f"tensors tracked: {tracked:,} (capped: {tracker.counts.capped})")
     print(f"tracker, per tensor:        {(used - alone - storage) / tracked:6.0f} B")
     print(f"storage objects, per tensor: {storage / tracked:6.0f} B (torch's; freed with the tensor)")
     print(f"at the default cap (200,000): ~{(used - alone) / tracked * 200_000 / 1e6:.0f} MB")

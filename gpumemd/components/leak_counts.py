@@ -85,7 +85,7 @@ class CountFeeding:
         tracker.scan()
         step = self._previous_scan_step if self._previous_scan_step is not None else record.step
         self._previous_scan_step = record.step
-        if tracker.capped:
+        if tracker.counts.capped:
             self._hold_counts(tracker)
         else:
             self._feed_tensor_counts(tracker, step, record.phase)
@@ -115,13 +115,13 @@ class CountFeeding:
             self._observe(spec, record.step, family.rows * family.row_bytes, record.phase)
 
     def _feed_tensor_counts(self, tracker: SurvivorTracker, step: int, phase: str) -> None:
-        _, by_device = tracker.total()
+        _, by_device = tracker.counts.total()
         for device, nbytes in by_device.items():
             spec = measure_spec("long_lived_bytes", "tensor_leak", device, sparse=True, alarm=False)
             self._long_lived.add(spec.name)
             self._observe(spec, step, nbytes, phase)
         self._observe_groups(self.counts, step, phase,
-                             [(g.key, g.count, functools.partial(tensor_spec, g)) for g in tracker.groups()])
+                             [(g.key, g.count, functools.partial(tensor_spec, g)) for g in tracker.counts.groups()])
 
     def _hold_counts(self, tracker: SurvivorTracker) -> None:
         """Once the tracker is capped its counts stay flat however many tensors leak, which would read
@@ -130,7 +130,7 @@ class CountFeeding:
         if self._capped:
             return
         self._capped = True
-        reason = f"counting capped at {tracker.max_tracked:,} long-lived tensors (a lower bound from here on)"
+        reason = f"counting capped at {tracker.counts.max_tracked:,} long-lived tensors (a lower bound from here on)"
         for name in self.counts.names() | self._long_lived:
             self.detector.hold(name, reason)
         log.info("gpumemd: long-lived tensor %s; the count series keep their last state", reason)
@@ -176,5 +176,5 @@ def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:
     accumulators). Strong references: the caller drops the list soon."""
     roots: list[torch.Tensor] = tracker.new_graph_roots(MAX_ROOTS)
     seen = {id(t) for t in roots}
-    roots.extend(t for t in tracker.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
+    roots.extend(t for t in tracker.counts.long_lived_graph_samples(MAX_ROOTS) if id(t) not in seen)
     return roots

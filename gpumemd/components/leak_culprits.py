@@ -118,9 +118,9 @@ class CulpritSearch:
         tracker = self._tracker
         if key is None or tracker is None:
             return NO_EVIDENCE
-        group = next((g for g in tracker.groups() if g.key == key), None)
+        group = next((g for g in tracker.counts.groups() if g.key == key), None)
         held = _SampleHolder(garbage=True)  # every tensor of the group died since the scan: nothing to blame
-        sampled = tracker.sample(key)
+        sampled = tracker.counts.sample(key)
         held_sample = hold_weakly(sampled) if sampled is not None else None
         del sampled
         if held_sample is not None:

@@ -13,7 +13,7 @@ from gpumemd.probes.survival.survivors import SurvivorTracker
 
 
 def _count(tracker: SurvivorTracker, key: GroupKey) -> int:
-    return next((g.count for g in tracker.groups() if g.key == key), 0)
+    return next((g.count for g in tracker.counts.groups() if g.key == key), 0)
 
 
 def _tracker() -> SurvivorTracker:
@@ -37,10 +37,10 @@ def test_kept_tensors_are_counted_once_per_group_and_temporaries_never() -> None
         assert _count(tracker, key) == 41
         tracker.scan()
         assert _count(tracker, key) == 50
-        groups = {g.key: g for g in tracker.groups()}
+        groups = {g.key: g for g in tracker.counts.groups()}
         assert groups[key].nbytes == 50 * 4 * 8 * 4
         assert ("cpu", "float32", (64,), False) not in groups
-        assert tracker.sample(key) is kept[-1]
+        assert tracker.counts.sample(key) is kept[-1]
     finally:
         tracker.uninstall()
 
@@ -58,7 +58,7 @@ def test_a_kept_view_counts_its_storage_once_not_its_base_too() -> None:
                 tracker.scan()
         tracker.scan()
         tracker.scan()
-        groups = {g.key: g for g in tracker.groups()}
+        groups = {g.key: g for g in tracker.counts.groups()}
         view = ("cpu", "float32", (4, 10), False)
         assert groups[view].count == 30 and groups[view].nbytes == 30 * 32 * 10 * 4  # the whole storage
         assert ("cpu", "float32", (32, 10), False) not in groups  # the base: not a second leak
@@ -77,7 +77,7 @@ def test_dead_tensors_are_uncounted_by_their_weakref() -> None:
         del kept[:6]
         assert _count(tracker, key) == 4
         kept.clear()
-        assert _count(tracker, key) == 0 and tracker.groups() == []
+        assert _count(tracker, key) == 0 and tracker.counts.groups() == []
     finally:
         tracker.uninstall()
 

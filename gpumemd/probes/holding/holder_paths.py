@@ -142,7 +142,7 @@ def _size_text(obj: object) -> str:
         return type(obj).__name__
     text = f"{type(obj).__name__} of {size:,} item{'' if size == 1 else 's'}"
     # A bound the user set stops the growth there: a reader weighing a leak finding must see it.
-    maxlen = getattr(obj, "maxlen", None) if isinstance(obj, collections.deque) else None
+    maxlen = obj.maxlen if isinstance(obj, collections.deque) else None
     return f"{text} (maxlen {maxlen:,})" if maxlen is not None else text
 
 

@@ -75,7 +75,6 @@ class SurvivorCounts:
         self.max_tracked = max_tracked
         self.tracked = 0
         self.capped = False
-        self.errors = 0
         self.refs: dict[int, _Ref] = {}  # id of a counted tensor -> its ref (``id(t) in refs``: counted)
         self._counts: dict[GroupKey, int] = {}
         self._bytes: dict[GroupKey, int] = {}
@@ -131,7 +130,6 @@ class SurvivorCounts:
                         return out
         return out
 
-
     def count(self, alive: list[Any], most: int | None) -> None:
         """Count the candidates still alive. A leak of one tensor a step puts every one of its tensors
         through here once, so this is the cost of tracking it, per leaked tensor: each torch attribute
@@ -154,7 +152,6 @@ class SurvivorCounts:
             try:
                 key = self._key(t)
             except Exception:  # noqa: BLE001 - an exotic tensor: not counted
-                self.errors += 1
                 continue
             group = members.get(key)
             if group is None:
@@ -191,7 +188,6 @@ class SurvivorCounts:
             try:
                 nbytes = t.untyped_storage().nbytes()
             except Exception:  # noqa: BLE001 - an exotic tensor: not counted
-                self.errors += 1
                 continue
             r = _Ref(t, died)
             r.weight, previous = i - previous, i

@@ -66,7 +66,7 @@ class SurvivorTracker:
         import torch
 
         self._tensor_types = frozenset({torch.Tensor})  # exact type: parameters are not the leak
-        self.counts = SurvivorCounts(max_tracked)
+        self.counts = SurvivorCounts(max_tracked)  # what is read of it: groups, totals, samples, the cap
         # Candidates listed at the last scan (counted at the next one if alive) and those the gc
         # callback listed since (they become candidates at the next scan, so that a tensor is
         # counted only once it has outlived at least one whole scan interval).
@@ -78,18 +78,6 @@ class SurvivorTracker:
         self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
         self.errors = 0
-        # The counts, as the leak component reads them.
-        self.groups, self.total, self.sample = self.counts.groups, self.counts.total, self.counts.sample
-        self.long_lived_graph_samples = self.counts.long_lived_graph_samples
-
-    @property
-    def max_tracked(self) -> int:
-        return self.counts.max_tracked
-
-    @property
-    def capped(self) -> bool:
-        """The cap was reached at least once: tensors made while it was there were never counted."""
-        return self.counts.capped
 
     # --- lifecycle ---------------------------------------------------------------------------
 
