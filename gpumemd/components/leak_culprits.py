@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ class _SampleHolder:
     holder: str | None = None
     graph_kept: bool = False  # no Python holder: an autograd graph keeps it
     garbage: bool = False  # in a reference cycle the (enabled) collector will free
+    bound: tuple[int, int] | None = None  # (maxlen, length) of the bounded deque on its path (``HolderPath``)
 
 
 class CulpritSearch:
@@ -91,6 +93,8 @@ class CulpritSearch:
         self._host = host
         self._sites = sites
         self._check_every_steps = check_every_steps
+        # Per count series held by a filling bounded deque: the most its group counts once the deque is full.
+        self._ceilings: dict[tuple[str, str], int] = {}
 
     def search(self, status: TrackStatus) -> Stepwise[Evidence]:
         """The search, one heap pass between ``yield``s (see ``probes.heap.stepwise``)."""
@@ -153,9 +157,39 @@ class CulpritSearch:
         # cannot measure: no bytes and no time to OOM from the tensor's own few bytes ("~4 B/step, out
         # of memory in ~70 days"); host RSS, which does see the nodes, judges the bytes.
         nodes_only = graph_nodes >= _GRAPH_NODES_KEPT and not graph_bytes
+        bytes_per_unit = 0.0 if nodes_only else max(per_tensor, 1.0)
+        bounded_until = self._bounded_until(status, held.bound, group.count if group else 0, bytes_per_unit)
         return Evidence((culprit,), status.step - (status.onset_step or status.step), sites, kind,
-                        bytes_per_unit=0.0 if nodes_only else max(per_tensor, 1.0), sentence=sentence,
-                        graph_kept=held.graph_kept, garbage=held.garbage)
+                        bytes_per_unit=bytes_per_unit, sentence=sentence, graph_kept=held.graph_kept,
+                        garbage=held.garbage, bounded_until=bounded_until)
+
+    def _bounded_until(self, status: TrackStatus, bound: tuple[int, int] | None, count: int,
+                       bytes_per_unit: float) -> int | None:
+        """Until when growth into the bounded deque that holds the sample is withheld (``bound``: its
+        maxlen and length; ``count``: the group's tensors now). While it fills: half a window past the
+        step it is full by at the group's rate, if what it adds until then fits half the headroom (a
+        bound past the memory left is no bound). Full, it adds nothing: a window more, unless the group
+        counts more than filling it explains (``_ceilings``), which is another holder's growth. None:
+        growth no bound explains."""
+        key = (status.spec.name, status.phase)
+        ceiling = self._ceilings.pop(key, None)
+        rate = self._series.stated_rate(status)
+        if bound is None or rate <= 0:
+            return None
+        maxlen, length = bound
+        window = self._series.detector.config.window_steps
+        if length < maxlen:
+            steps = math.ceil((maxlen - length) / rate)
+            headroom = self._series.headroom(status.spec)
+            if headroom is not None and steps * rate * bytes_per_unit > headroom / 2:
+                return None
+            self._ceilings[key] = count + maxlen - length
+            return status.step + steps + window // 2
+        ceiling = count if ceiling is None else ceiling  # full when first seen: what it holds now is its share
+        if count > ceiling + ceiling // 8 + 16:
+            return None
+        self._ceilings[key] = ceiling
+        return status.step + window
 
     def _holder_of_sample(self, held_sample: Callable[[], torch.Tensor | None]) -> Stepwise[_SampleHolder]:
         """Who keeps the sample: a cycle, a Python path, else the autograd graph that saved it. One
@@ -168,9 +202,10 @@ class CulpritSearch:
         # check costs a heap scan or more (on a slow machine the two did not fit one budget).
         search = who_holds_stepwise(sample, ignore=(self._series.scans.counts.specs,))
         del sample  # the search holds it weakly across its pauses
-        path = yield from search
-        if path is not None and PATH_CUT not in path:
-            return _SampleHolder(path)
+        found = yield from search
+        path = found.text if found is not None else None
+        if found is not None and path is not None and PATH_CUT not in path:
+            return _SampleHolder(path, bound=found.bound)
         yield
         sample = held_sample()
         if sample is None:
@@ -229,7 +264,8 @@ class CulpritSearch:
         sample = families.sample(key)
         search = who_holds_stepwise(sample, ignore=(series.scans.grown.specs,)) if sample is not None else None
         del sample
-        holder = (yield from search) if search is not None else None
+        found = (yield from search) if search is not None else None
+        holder = found.text if found is not None else None
         row_bytes = status.spec.row_bytes
         rows = series.stated_rate(status) / row_bytes
         desc = family.describe()
@@ -256,7 +292,8 @@ class CulpritSearch:
             search = who_holds_stepwise(sample, ignore=(self._series.scans.chain_nodes.specs,))
         finally:
             del sample
-        holder = yield from search
+        found = yield from search
+        holder = found.text if found is not None else None
         per_step = status.verdict.slope.slope
         since = status.onset_step if status.onset_step is not None else status.window_start
         saved_per_step = saved / max(1.0, status.step - since)

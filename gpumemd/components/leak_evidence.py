@@ -21,6 +21,9 @@ class Evidence:
     graph_kept: bool = False  # count series: no Python holder; an autograd graph keeps them
     garbage: bool = False  # count series: unreachable cycles the (enabled) collector will free
     onset_step: int | None = None  # when the evidence dates the start (a container's length / its rate)
+    bounded_until: int | None = None
+    """Count series: the sample is held by a bounded deque (``deque(maxlen=N)``) whose filling explains the
+    growth; the finding is withheld, and its culprits looked for again at this step (``CulpritSearch``)."""
 
 
 NO_EVIDENCE = Evidence()

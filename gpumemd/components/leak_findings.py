@@ -74,7 +74,7 @@ class LeakFindings:
         host_claim = _host_claimant(statuses)
         changed = [(s.spec.name, s.phase) for s in statuses
                    if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found,
-                                   host=s is host_claim) and s.changed]
+                                   host=s is host_claim) and (s.changed or _first_said(s, before))]
         if not changed and before.keys() == self._findings.keys() and all(
                 self._findings[k] is f for k, f in before.items()):
             return  # every finding stands as published (confirmed leaks between re-tests): nothing to say
@@ -152,9 +152,16 @@ class LeakFindings:
                           if evidence.garbage else "it is kept by a graph already reported")
             return True
         active = status.state is not None and status.state.active
+        key = (status.spec.name, status.phase)
+        if evidence.bounded_until is not None and key not in self._findings:
+            # Growth into a deque(maxlen=N) stops at N: a healthy job's window of recent outputs is no
+            # leak. Said nowhere unless it goes on past the step the deque is full by (``retry_culprits``).
+            if status.changed:
+                log.info("gpumemd: %s grows, held by %s: bounded by its maxlen, not a leak", status.spec.name,
+                         evidence.culprits[0].holder if evidence.culprits else "a bounded deque")
+            return True  # its evidence stays: the statuses that follow a clearing are withheld too
         if not active and status.verdict.reason.startswith("explained"):
             # The growth goes on, as another series' finding: withdraw this one, never say it stopped.
-            key = (status.spec.name, status.phase)
             self._findings.pop(key, None)
             self._culprits.pop(key, None)
             if status.changed:
@@ -181,8 +188,11 @@ class LeakFindings:
 
     def retry_culprits(self, key: Key, step: int) -> bool:
         """No culprit yet: look again, but at most once per window (each look scans the heap or takes
-        a census, which must not happen every check of a finding that lasts for days)."""
+        a census, which must not happen every check of a finding that lasts for days); or the bounded
+        deque that held a sample should be full by now."""
         entry = self._culprits.get(key)
+        if entry is not None and entry.bounded_until is not None:
+            return step >= entry.bounded_until  # still growing once its deque is full: something else holds it
         if entry is not None and entry.culprits:
             return False
         last = self.attempts.get(key)
@@ -227,6 +237,12 @@ def _host_claimant(statuses: list[TrackStatus]) -> TrackStatus | None:
            and s.spec.device is not None and cuda_index(s.spec.device) is None
            and s.state is not None and s.state.active]
     return max(cpu, key=lambda s: s.verdict.slope.slope * s.spec.unit_bytes, default=None)
+
+
+def _first_said(status: TrackStatus, before: dict[Key, Finding]) -> bool:
+    """An active finding withheld until now (``LeakFindings._withheld``: its bounded deque is full and the
+    group grows on) is said as it first stands, like a state change."""
+    return (status.spec.name, status.phase) not in before and status.state is not None and status.state.active
 
 
 def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:

@@ -216,8 +216,8 @@ def test_a_stepwise_look_up_goes_on_at_the_next_step_end_from_the_level_it_reach
             next(search)
             pauses += 1
     assert pauses >= 2
-    assert done.value.value.startswith("`deep.value` in test_a_stepwise_look_up_goes_on_at_the_next_step_end")
-    assert done.value.value.endswith(" → list of 1 item" * 30)
+    assert done.value.value.text.startswith("`deep.value` in test_a_stepwise_look_up_goes_on_at_the_next_step_end")
+    assert done.value.value.text.endswith(" → list of 1 item" * 30)
 
 
 def _nest(value: Any, depth: int) -> Any:

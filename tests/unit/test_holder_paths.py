@@ -44,36 +44,57 @@ def _namespace(obj: object) -> dict[str, Any]:
     return obj.__dict__
 
 
+def _line(root: Root, chain: list[Any]) -> str:
+    return render(root, chain).text
+
+
 def test_attributes_join_into_one_dotted_name_and_a_container_is_said_by_its_size() -> None:
     trainer = Trainer()
     t = torch.zeros(1)
     trainer.stats.window.extend([t, torch.zeros(1)])
 
-    line = render(LOCAL, [trainer, _namespace(trainer), trainer.stats, _namespace(trainer.stats),
+    line = _line(LOCAL, [trainer, _namespace(trainer), trainer.stats, _namespace(trainer.stats),
                           trainer.stats.window, t])
 
     assert line == "`kept.stats.window` in train() at train.py:7 → deque of 2 items"
     bounded = collections.deque([t], maxlen=1000)
-    assert render(LOCAL, [bounded, t]).endswith("→ deque of 1 item (maxlen 1,000)")
+    assert _line(LOCAL, [bounded, t]).endswith("→ deque of 1 item (maxlen 1,000)")
+
+
+def test_a_path_whose_only_growable_container_is_a_bounded_deque_has_its_bound() -> None:
+    """What such a deque holds stops growing at its maxlen; another container that can grow on the
+    path (a list of deques, a dict of them) may keep growing, so the path then has no bound."""
+    t = torch.zeros(1)
+    trainer = Trainer()
+    trainer.stats.window = collections.deque([t, torch.zeros(1)], maxlen=1000)
+    through_attributes = [trainer, _namespace(trainer), trainer.stats, _namespace(trainer.stats),
+                          trainer.stats.window, t]
+    assert render(LOCAL, through_attributes).bound == (1000, 2)
+    bounded = collections.deque([(t, 1)], maxlen=10)
+    assert render(LOCAL, [bounded, bounded[0], t]).bound == (10, 1)  # a tuple item cannot grow
+    assert render(LOCAL, [[bounded], bounded, bounded[0], t]).bound is None  # the list of deques can
+    assert render(LOCAL, [{"loss": bounded}, bounded, bounded[0], t]).bound is None
+    assert render(LOCAL, [collections.deque([t]), t]).bound is None  # no maxlen
+    assert render(LOCAL, [trainer, _namespace(trainer), trainer.stats]).bound is None  # no container
 
 
 def test_a_dict_is_said_by_its_size_never_by_one_key() -> None:
     t = torch.zeros(1)
     cache = {642: t, 643: torch.zeros(1)}
 
-    assert render(LOCAL, [cache, t]) == "`kept` in train() at train.py:7 → dict of 2 items"
+    assert _line(LOCAL, [cache, t]) == "`kept` in train() at train.py:7 → dict of 2 items"
     ordered = collections.OrderedDict(a=t)
-    assert render(LOCAL, [ordered, t]) == "`kept` in train() at train.py:7 → OrderedDict of 1 item"
+    assert _line(LOCAL, [ordered, t]) == "`kept` in train() at train.py:7 → OrderedDict of 1 item"
 
 
 def test_sizes_are_read_when_the_line_is_written() -> None:
     t = torch.zeros(1)
     kept = [t]
     path = [kept, t]
-    before = render(LOCAL, path)
+    before = _line(LOCAL, path)
     kept.append(torch.zeros(1))
 
-    assert before.endswith("list of 1 item") and render(LOCAL, path).endswith("list of 2 items")
+    assert before.endswith("list of 1 item") and _line(LOCAL, path).endswith("list of 2 items")
 
 
 def test_a_partial_in_a_list_reads_as_its_argument() -> None:
@@ -81,7 +102,7 @@ def test_a_partial_in_a_list_reads_as_its_argument() -> None:
     callback = functools.partial(print, t)
     callbacks = [callback]
 
-    line = render(LOCAL, [callbacks, callback, callback.args, t])
+    line = _line(LOCAL, [callbacks, callback, callback.args, t])
 
     assert line == "`kept` in train() at train.py:7 → list of 1 item → partial.args[0]"
 
@@ -96,7 +117,7 @@ def test_a_closure_reads_as_the_function_and_its_variable() -> None:
     assert fn.__closure__ is not None
     cell = fn.__closure__[0]
 
-    line = render(LOCAL, [[fn], fn, fn.__closure__, cell, t])
+    line = _line(LOCAL, [[fn], fn, fn.__closure__, cell, t])
 
     assert line == "`kept` in train() at train.py:7 → list of 1 item → `_make.<lambda>` closure `value`"
 
@@ -107,7 +128,7 @@ def test_a_default_reads_as_the_parameter() -> None:
     def step(x: int, cache: Any = t) -> None: ...
 
     assert step.__defaults__ is not None
-    line = render(Root("step"), [step, step.__defaults__, t])
+    line = _line(Root("step"), [step, step.__defaults__, t])
 
     assert line.endswith("default `cache`")
 
@@ -117,7 +138,7 @@ def test_a_bound_method_reads_through_self() -> None:
     method = trainer.__init__  # any bound method of it
     namespace = _namespace(trainer)
 
-    line = render(LOCAL, [{1: method}, method, trainer, namespace, trainer.stats])
+    line = _line(LOCAL, [{1: method}, method, trainer, namespace, trainer.stats])
 
     assert line == "`kept` in train() at train.py:7 → dict of 1 item → `Trainer.__init__`.__self__.stats"
 
@@ -126,7 +147,7 @@ def test_an_ndarray_reads_as_its_base() -> None:
     t = torch.zeros(2)
     arr = t.numpy()
 
-    assert render(LOCAL, [[arr], arr, arr.base]) == "`kept` in train() at train.py:7 → list of 1 item → [i].base"
+    assert _line(LOCAL, [[arr], arr, arr.base]) == "`kept` in train() at train.py:7 → list of 1 item → [i].base"
 
 
 def test_module_children_read_as_the_user_indexes_them() -> None:
@@ -134,7 +155,7 @@ def test_module_children_read_as_the_user_indexes_them() -> None:
     relu = model[1]
     hooks = relu._forward_hooks
 
-    line = render(Root("model"), [model, _namespace(model), model._modules, relu, _namespace(relu), hooks])
+    line = _line(Root("model"), [model, _namespace(model), model._modules, relu, _namespace(relu), hooks])
 
     assert line == "`model[1]._forward_hooks`"
 
@@ -154,7 +175,7 @@ def test_a_stored_exception_reads_down_to_the_frame_local() -> None:
     frame = tb.tb_next.tb_frame
     act = next(v for v in frame.f_locals.values() if isinstance(v, torch.Tensor))
 
-    line = render(Root("errors"), [errors, errors[0], tb, tb.tb_next, frame, act])
+    line = _line(Root("errors"), [errors, errors[0], tb, tb.tb_next, frame, act])
 
     assert line == "`errors` → list of 1 item → [i].__traceback__ → frame fails() → local `act`"
 
@@ -260,6 +281,6 @@ def test_a_suspended_generators_local_is_named() -> None:
     kept = stream.gi_frame.f_locals["produced"]
     t = kept[0]
     del kept
-    line = render(LOCAL, [stream, stream.gi_frame.f_locals["produced"], t])
+    line = _line(LOCAL, [stream, stream.gi_frame.f_locals["produced"], t])
 
     assert line == "`kept` in train() at train.py:7 → local `produced` of generator `batches` → list of 2 items"

@@ -12,7 +12,9 @@ sentence written later reads the size then), never by one key: ``[i]`` and ``[k]
 element". Closure cells, defaults, ``functools.partial`` arguments, bound methods, exceptions and
 their tracebacks, ndarray bases and ``nn.Module`` children are each read the way one would write
 them. The hop from one object to the next is found again here, from the objects themselves: the
-climb that found the path only knows who refers to whom.
+climb that found the path only knows who refers to whom. A path whose only container that can grow
+is a ``deque`` with a ``maxlen`` says so apart (``HolderPath.bound``): what it holds stops growing at
+that bound.
 """
 
 from __future__ import annotations
@@ -22,10 +24,20 @@ import functools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpumemd.probes.holding.holder_roots import drop_locals_snapshot, where_added, where_assigned
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
+_GROWABLE = (list, set, collections.deque, dict)
+
+
+class HolderPath(NamedTuple):
+    """A holder path's line, and ``bound``: (maxlen, length now) of the bounded deque that is the only
+    container on the path that can grow, else None (no container, or one without a bound)."""
+
+    text: str
+    bound: tuple[int, int] | None = None
 _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})  # nn.Module children: `model.fc`, `model[1]`
 
 
@@ -73,6 +85,7 @@ class _Writer:
         self.before, self.after = root.before, root.suffix()
         self.expr: str | None = root.name or None
         self.placeholder = False  # expr is only "[i]": an element nobody named yet
+        self.growable: list[object] = []  # the containers written that can grow (``HolderPath.bound``)
 
     def start(self, before: str, expr: str, after: str = "") -> None:
         self.flush()
@@ -90,6 +103,8 @@ class _Writer:
         self.placeholder = False
 
     def container(self, obj: object, element: str) -> None:
+        if isinstance(obj, _GROWABLE):
+            self.growable.append(obj)
         self.piece(_size_text(obj))
         self.before, self.expr, self.after, self.placeholder = "", element, "", True
 
@@ -103,13 +118,17 @@ class _Writer:
             self.pieces.append(f"{self.before}{self.expr}{self.after}{added}")
         self.root, self.expr, self.placeholder = None, None, False
 
-    def finish(self) -> str:
+    def finish(self) -> HolderPath:
         self.flush()
-        return " → ".join(self.pieces)
+        bound = None
+        if len(self.growable) == 1 and isinstance(self.growable[0], collections.deque):
+            deque = self.growable[0]
+            bound = (deque.maxlen, len(deque)) if deque.maxlen is not None else None
+        return HolderPath(" → ".join(self.pieces), bound)
 
 
-def render(root: Root, chain: Sequence[object]) -> str:
-    """One line for the path ``chain`` (root object first, the object looked up last)."""
+def render(root: Root, chain: Sequence[object]) -> HolderPath:
+    """The path ``chain`` (root object first, the object looked up last) in one line, and its bound."""
     writer = _Writer(root)
     i = 0
     while i < len(chain) - 1:

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
-from gpumemd.probes.holding.holder_paths import Root, render, top_name
+from gpumemd.probes.holding.holder_paths import HolderPath, Root, render, top_name
 from gpumemd.probes.holding.holder_reach import Reach, reach_down
 from gpumemd.probes.holding.holder_roots import (
     drop_locals_snapshot,
@@ -78,8 +78,9 @@ def who_holds(
     recognisable was found in ``max_depth`` levels and ``time_budget_s`` seconds. A path that the
     bounds cut below any name starts at the nearest owner found and says "path cut at depth N".
     Never raises for an odd object."""
-    return run_to_end(who_holds_stepwise(obj, max_depth=max_depth, time_budget_s=time_budget_s, ignore=ignore,
+    path = run_to_end(who_holds_stepwise(obj, max_depth=max_depth, time_budget_s=time_budget_s, ignore=ignore,
                                          pauses=0))
+    return path.text if path is not None else None
 
 
 def who_holds_stepwise(
@@ -89,7 +90,7 @@ def who_holds_stepwise(
     time_budget_s: float = HOLDER_BUDGET_S,
     ignore: Iterable[Any] = (),
     pauses: int = PAUSES_MAX,
-) -> Stepwise[str | None]:
+) -> Stepwise[HolderPath | None]:
     """``who_holds`` over up to ``pauses`` + 1 step ends, each within ``time_budget_s``: where the
     budget ends below any name, the climb yields and goes on at the next step end from the level it
     reached (on a slow CPU or a big heap one pause is a few levels). Across a yield the frames' locals
@@ -143,7 +144,7 @@ class _Climb:
         self.frames.clear()
         self.reach.clear()
 
-    def steps(self, max_depth: int, pauses: int) -> Stepwise[str | None]:
+    def steps(self, max_depth: int, pauses: int) -> Stepwise[HolderPath | None]:
         frontier = [self.nodes[self.target_id]]
         depth = climbed = 0  # levels in all, and since the last look
         searched_untracked = False
@@ -223,7 +224,7 @@ class _Climb:
         del referrers
         return roots, following
 
-    def _met(self, frontier_ids: set[int]) -> str | None:
+    def _met(self, frontier_ids: set[int]) -> HolderPath | None:
         """The path, when the frontier meets what the locals reach (the nearest local first)."""
         reach = self.reach
         met = [i for i in frontier_ids if i in reach.objects]
@@ -271,12 +272,13 @@ class _Climb:
             objects.clear()
         return found
 
-    def _cut(self, depth: int) -> str | None:
+    def _cut(self, depth: int) -> HolderPath | None:
         """The path from the nearest named owner, when the bounds stopped the climb below any root."""
         if self.owner is None:
             return None
         chain = self._chain(self.owner)
-        return f"{render(Root(top_name(chain[0]), '', ''), chain)}{PATH_CUT}{depth})"
+        # No bound: the containers above the owner are not known.
+        return HolderPath(f"{render(Root(top_name(chain[0]), '', ''), chain).text}{PATH_CUT}{depth})")
 
     def _chain(self, start_id: int) -> list[Any]:
         chain = [self.nodes[start_id]]
