@@ -105,8 +105,13 @@ class LeakFindings:
         """Is a retained graph reported by another finding, so tensors only a graph keeps are not?"""
         # Tensors that only an autograd graph keeps (saved inputs whose wrapper torch preserved) grow
         # with the graph tensors a Python container holds: one leak, reported once, by the latter.
+        # Graphs a bounded deque holds stop with it, their saved tensors too: the tensors' series
+        # settle later than the graphs', so that story holds for a window past the deque's.
         active_keys = self._findings_or(statuses)
-        if any(e.kind == "graph_leak" and not e.graph_kept and key in active_keys
+        step = max(s.step for s in statuses)
+        bounded_until = step - self._options.leak_window_steps
+        if any(e.kind == "graph_leak" and not e.graph_kept and (key in active_keys or (
+                e.bounded_until is not None and e.bounded_until >= bounded_until))
                for key, e in self._culprits.items()):
             return True
         # ... or by a graph chain (``total += loss`` without backward keeps each step's saved tensors):
@@ -124,12 +129,15 @@ class LeakFindings:
         if self._withheld(status, evidence, held_graphs):
             return False
         previous = self._findings.get(key)
+        active = status.state is not None and status.state.active
+        if previous is None and not active:
+            self._culprits.pop(key, None)
+            return False  # never said (withheld while it grew): its end is no news
         if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
             # The detector gave its last status again (a confirmed leak between its re-tests,
             # ``CONFIRMED_EVERY``): the finding stands as built then; rebuilding its sentences every check of a
             # finding that lasts for days was most of the cost of tracking it.
             return True
-        active = status.state is not None and status.state.active
         dated = _dated(status, evidence)
         finding = build_finding(
             dated, kind=self._kind(series, status, evidence), culprits=evidence.culprits if active else (),

@@ -14,10 +14,11 @@ import torch
 import gpumemd
 
 
-def _train(steps: int, keep: Any, out_dir: str, *, also: list[Any] | None = None, size: int = 0
-           ) -> tuple[list[Any], list[str]]:
+def _train(steps: int, keep: Any, out_dir: str, *, also: list[Any] | None = None, size: int = 0,
+           graphs: bool = False) -> tuple[list[Any], list[str]]:
     """A small MLP for ``steps`` steps that puts each step's outputs (or a zero tensor of ``size``
-    floats) into ``keep`` (and the same tensor into ``also``); its findings and WARNING lines."""
+    floats, or with ``graphs`` the loss with its retained graph) into ``keep`` (and the same tensor into
+    ``also``); its findings and WARNING lines."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -37,9 +38,9 @@ def _train(steps: int, keep: Any, out_dir: str, *, also: list[Any] | None = None
                 out = model(x)
                 loss = torch.nn.functional.cross_entropy(out, y)
                 opt.zero_grad()
-                loss.backward()
+                loss.backward(retain_graph=graphs)
                 opt.step()
-                kept = torch.zeros(size) if size else out.detach()
+                kept = loss if graphs else torch.zeros(size) if size else out.detach()
                 keep.append(kept)
                 if also is not None:
                     also.append(kept)
@@ -55,6 +56,15 @@ def test_a_window_of_recent_outputs_in_a_bounded_deque_is_no_leak(tmp_path: os.P
     assert findings == [], [f.summary for f in findings]
     assert not [line for line in warnings if "leak" in line], warnings
     assert not os.path.exists(os.path.join(tmp_path, "leak-findings-rank0.jsonl"))
+
+
+def test_recent_losses_kept_with_their_graphs_in_a_bounded_deque_are_no_leak(tmp_path: os.PathLike[str]) -> None:
+    """The graphs' saved tensors (inputs, targets) grow and settle with the deque that keeps the losses:
+    no line for them either, not even that they stopped."""
+    recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=1_000)
+    findings, warnings = _train(3_000, recent_losses, str(tmp_path), graphs=True)
+    assert findings == [], [f.summary for f in findings]
+    assert not [line for line in warnings if "leak" in line or "graph" in line], warnings
 
 
 def test_the_same_tensors_also_kept_in_a_list_are_a_leak_once_the_deque_is_full(
