@@ -124,7 +124,9 @@ class CulpritSearch:
             return NO_EVIDENCE
         group = next((g for g in tracker.counts.groups() if g.key == key), None)
         held = _SampleHolder(garbage=True)  # every tensor of the group died since the scan: nothing to blame
-        sampled = tracker.counts.sample(key)
+        # Grown past what filling the bounded deque that held its newest explains: the oldest member
+        # left the deque, and what holds it is what grows.
+        sampled = tracker.counts.sample(key, oldest=self._past_bound(status, group.count if group else 0))
         held_sample = hold_weakly(sampled) if sampled is not None else None
         del sampled
         if held_sample is not None:
@@ -185,11 +187,16 @@ class CulpritSearch:
                 return None
             self._ceilings[key] = count + maxlen - length
             return status.step + steps + window // 2
-        ceiling = count if ceiling is None else ceiling  # full when first seen: what it holds now is its share
-        if count > ceiling + ceiling // 8 + 16:
+        if self._past_bound(status, count, ceiling):
             return None
-        self._ceilings[key] = ceiling
+        self._ceilings[key] = count if ceiling is None else ceiling  # full when first seen: now is its share
         return status.step + window
+
+    def _past_bound(self, status: TrackStatus, count: int, ceiling: int | None = None) -> bool:
+        """Does the group count more than filling its bounded deque explains (``_ceilings``)?"""
+        if ceiling is None:
+            ceiling = self._ceilings.get((status.spec.name, status.phase))
+        return ceiling is not None and count > ceiling + ceiling // 8 + 16
 
     def _holder_of_sample(self, held_sample: Callable[[], torch.Tensor | None]) -> Stepwise[_SampleHolder]:
         """Who keeps the sample: a cycle, a Python path, else the autograd graph that saved it. One

@@ -130,9 +130,11 @@ class LeakFindings:
             return False
         previous = self._findings.get(key)
         active = status.state is not None and status.state.active
-        if previous is None and not active:
+        if previous is None and not (active and status.verdict.passed):
+            # Never said (withheld while it grew: explained by another series, kept by a reported graph):
+            # its end is no news, nor is a growth that stopped before it could be said.
             self._culprits.pop(key, None)
-            return False  # never said (withheld while it grew): its end is no news
+            return False
         if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
             # The detector gave its last status again (a confirmed leak between its re-tests,
             # ``CONFIRMED_EVERY``): the finding stands as built then; rebuilding its sentences every check of a

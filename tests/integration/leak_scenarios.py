@@ -8,6 +8,7 @@ realistic sizes from 2 KiB to 256 KiB per step, so the latency from onset to eac
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import io
@@ -407,6 +408,30 @@ def bounded_cache_keyed_by_shape(steps: int) -> None:
         opt.step()
 
 
+def recent_outputs_in_a_bounded_deque(steps: int) -> None:
+    """The leak "list of outputs" with a bound: the last 1,000 steps' rows kept for a rolling metric in a
+    ``deque(maxlen=1000)``. The count grows for 1,000 steps, then stays."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    recent_outputs: collections.deque[torch.Tensor] = collections.deque(maxlen=1_000)
+    for _ in _steps(steps):
+        recent_outputs.append(_train_step(model, opt)[:4].detach().clone())
+
+
+def recent_losses_with_graphs_in_a_bounded_deque(steps: int) -> None:
+    """The last 1,000 losses kept with their graphs (``retain_graph=True``): the graphs' saved tensors
+    grow and settle with the deque."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=1_000)
+    for _ in _steps(steps):
+        loss = model(torch.randn(32, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward(retain_graph=True)
+        opt.step()
+        recent_losses.append(loss)
+
+
 def metric_list_reset_every_epoch(steps: int) -> None:
     """Predictions gathered for an epoch-level metric (AUROC-style), reset every 200-step epoch: as a
     list, and as one tensor concatenated onto each step (``torch.cat``, a larger copy every step); and
@@ -571,6 +596,8 @@ HEALTHY = (
     Scenario("variable batch and sequence lengths", variable_batch_and_sequence_lengths),
     Scenario("bounded cache keyed by shape", bounded_cache_keyed_by_shape),
     Scenario("metric list reset every epoch", metric_list_reset_every_epoch),
+    Scenario("recent outputs in a bounded deque", recent_outputs_in_a_bounded_deque),
+    Scenario("recent losses with their graphs in a bounded deque", recent_losses_with_graphs_in_a_bounded_deque),
     Scenario("DataLoader persistent workers, warm then flat", dataloader_persistent_workers_warm),
     Scenario("DataLoader workers restarted each epoch", dataloader_workers_restarted_each_epoch),
     Scenario("gradient accumulation", gradient_accumulation),

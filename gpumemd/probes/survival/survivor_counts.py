@@ -106,9 +106,12 @@ class SurvivorCounts:
             by_name[key[0]] = by_name.get(key[0], 0) + nbytes
         return self.tracked, {Device.parse(name): nbytes for name, nbytes in by_name.items()}
 
-    def sample(self, key: GroupKey) -> Any:
-        """The newest live member of a group (a strong reference: the caller drops it soon)."""
-        for ref in reversed(self._samples.get(key, ())):
+    def sample(self, key: GroupKey, *, oldest: bool = False) -> Any:
+        """The newest live member of a group, or with ``oldest`` the first counted one still alive (one
+        walk over every counted tensor: for a rare look past what a bounded container holds). A strong
+        reference: the caller drops it soon."""
+        refs = (r for r in self.refs.values() if r.key == key) if oldest else reversed(self._samples.get(key, ()))
+        for ref in refs:
             obj = ref()
             if obj is not None:
                 return obj
