@@ -108,10 +108,9 @@ class LeakFindings:
         # Graphs a bounded deque holds stop with it, their saved tensors too: the tensors' series
         # settle later than the graphs', so that story holds for a window past the deque's.
         active_keys = self._findings_or(statuses)
-        step = max(s.step for s in statuses)
-        bounded_until = step - self._options.leak_window_steps
+        window_start = max(s.step for s in statuses) - self._options.leak_window_steps
         if any(e.kind == "graph_leak" and not e.graph_kept and (key in active_keys or (
-                e.bounded_until is not None and e.bounded_until >= bounded_until))
+                e.bounded_until is not None and e.bounded_until >= window_start))
                for key, e in self._culprits.items()):
             return True
         # ... or by a graph chain (``total += loss`` without backward keeps each step's saved tensors):

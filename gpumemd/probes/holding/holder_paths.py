@@ -30,6 +30,7 @@ from gpumemd.probes.holding.holder_roots import drop_locals_snapshot, where_adde
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
 _GROWABLE = (list, set, collections.deque, dict)
+_MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})  # nn.Module children: `model.fc`, `model[1]`
 
 
 class HolderPath(NamedTuple):
@@ -38,7 +39,6 @@ class HolderPath(NamedTuple):
 
     text: str
     bound: tuple[int, int] | None = None
-_MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})  # nn.Module children: `model.fc`, `model[1]`
 
 
 @dataclass(frozen=True, slots=True)
