@@ -362,7 +362,8 @@ class CulpritSearch:
             if in_census >= 0.5 * status.verdict.slope.slope * leak_steps:
                 return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)
         yield
-        return (yield from self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids()))
+        return (yield from self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids(),
+                                               headroom=self._series.headroom(status.spec)))
 
 
 def _graph_holder() -> str | None:

@@ -22,8 +22,10 @@ class Evidence:
     garbage: bool = False  # count series: unreachable cycles the (enabled) collector will free
     onset_step: int | None = None  # when the evidence dates the start (a container's length / its rate)
     bounded_until: int | None = None
-    """Count series: the sample is held by a bounded deque (``deque(maxlen=N)``) whose filling explains the
-    growth; the finding is withheld, and its culprits looked for again at this step (``CulpritSearch``)."""
+    """Growth that stops on its own: a count series whose sample a bounded deque (``deque(maxlen=N)``)
+    holds while it fills, or host RSS the heap's fragmentation explains (``fragmented``). The finding is
+    withheld, and its culprits looked for again at this step (``CulpritSearch``, ``HostLooks``)."""
+    fragmented: bool = False  # host RSS grew while malloc's bytes in use did not (``HostLooks._fragmented``)
 
 
 NO_EVIDENCE = Evidence()

@@ -164,8 +164,11 @@ class LeakFindings:
         key = (status.spec.name, status.phase)
         if evidence.bounded_until is not None and key not in self._findings:
             # Growth into a deque(maxlen=N) stops at N: a healthy job's window of recent outputs is no
-            # leak. Said nowhere unless it goes on past the step the deque is full by (``retry_culprits``).
-            if status.changed:
+            # leak; nor is RSS the heap's fragmentation grew. Said nowhere unless it goes on (``retry_culprits``).
+            if status.changed and evidence.fragmented:
+                log.info("gpumemd: %s grows, but what malloc hands out does not: the heap fragments, not a leak",
+                         status.spec.name)
+            elif status.changed:
                 log.info("gpumemd: %s grows, held by %s: bounded by its maxlen, not a leak", status.spec.name,
                          evidence.culprits[0].holder if evidence.culprits else "a bounded deque")
             return True  # its evidence stays: the statuses that follow a clearing are withheld too
@@ -197,11 +200,11 @@ class LeakFindings:
 
     def retry_culprits(self, key: Key, step: int) -> bool:
         """No culprit yet: look again, but at most once per window (each look scans the heap or takes
-        a census, which must not happen every check of a finding that lasts for days); or the bounded
-        deque that held a sample should be full by now."""
+        a census, which must not happen every check of a finding that lasts for days); or growth withheld
+        as stopping on its own (``Evidence.bounded_until``) is due another look."""
         entry = self._culprits.get(key)
         if entry is not None and entry.bounded_until is not None:
-            return step >= entry.bounded_until  # still growing once its deque is full: something else holds it
+            return step >= entry.bounded_until  # still growing: its deque full, or its heap grown on
         if entry is not None and entry.culprits:
             return False
         last = self.attempts.get(key)

@@ -1,8 +1,11 @@
-"""A host leak's culprit when no tensor explains it: Python containers that grew, or an autograd graph.
+"""A host leak's culprit when no tensor explains it: Python containers that grew, or an autograd graph;
+or none, because the heap fragmented.
 
 Two heap looks compared: container lengths and the largest autograd graph's node count, taken while
 host RSS rises (the baseline) and again when the leak is suspected. Each look scans the heap (0.1-0.3 s
-on a big one), so looks are spaced by their share of the overhead budget.
+on a big one), so looks are spaced by their share of the overhead budget. With nothing grown, what
+malloc has handed out (``probes.process.malloc_in_use``) tells fragmentation from a leak no Python
+object shows (a C extension's).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.probes.heap import host_objects
 from gpumemd.probes.heap.stepwise import Stepwise
 from gpumemd.probes.holding.holders import HOLDER_BUDGET_S
+from gpumemd.probes.process.malloc_in_use import malloc_in_use
 from gpumemd.records.findings import Culprit
 
 if TYPE_CHECKING:
@@ -30,13 +34,16 @@ class HostLooks:
 
     def __init__(self, *, window_steps: int, overhead_budget: float, clock: Callable[[], float],
                  container_lengths: Callable[[], dict[int, int]] = host_objects.container_lengths,
-                 largest_graph_nodes: Callable[[], int] = host_objects.largest_graph_nodes) -> None:
+                 largest_graph_nodes: Callable[[], int] = host_objects.largest_graph_nodes,
+                 in_use: Callable[[], int | None] = malloc_in_use) -> None:
         self._window_steps = window_steps
         self._overhead_budget = overhead_budget
         self._clock = clock
         self._container_lengths = container_lengths
         self._largest_graph_nodes = largest_graph_nodes
-        self._baseline: tuple[int, dict[int, int], int] | None = None  # step, container lengths, graph nodes
+        self._in_use = in_use
+        # step, container lengths, graph nodes, malloc's bytes in use
+        self._baseline: tuple[int, dict[int, int], int, int | None] | None = None
         self._look_at: int | None = None  # the job's steps_total at the last look
         self._look_cost = 0.0  # seconds it took
         self.seconds = 0.0  # time spent in looks (budgeted apart from the leak checks)
@@ -63,7 +70,7 @@ class HostLooks:
         took = self._clock() - started
         yield
         started = self._clock()
-        self._baseline = (step, lengths, self._largest_graph_nodes())
+        self._baseline = (step, lengths, self._largest_graph_nodes(), self._in_use())
         self._look_at = job.steps_total
         self._look_cost = took + self._clock() - started
         self.seconds += self._look_cost
@@ -77,17 +84,19 @@ class HostLooks:
                 return False  # the job has not yet paid for the last look within this share of the budget
         return True
 
-    def culprits(self, status: TrackStatus, job: AgentView, *, ignore: set[int]) -> Stepwise[Evidence]:
+    def culprits(self, status: TrackStatus, job: AgentView, *, ignore: set[int],
+                 headroom: float | None) -> Stepwise[Evidence]:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
-        without a baseline, or with nothing grown, a fresh look that the next evaluation compares
-        with. ``ignore``: ids of containers that are the agent's own (the detector's buffers). One
-        heap pass between ``yield``s (``probes.heap.stepwise``)."""
+        with nothing grown, the heap's fragmentation when that explains it (``_fragmented``); without a
+        baseline, or with nothing grown and no such explanation, a fresh look that the next evaluation
+        compares with. ``ignore``: ids of containers that are the agent's own (the detector's buffers).
+        One heap pass between ``yield``s (``probes.heap.stepwise``)."""
         baseline = self._baseline
         if baseline is None or baseline[0] >= status.step:
             self._baseline = None
             yield from self.look_stepwise(status.step, job, force=True)  # the next evaluation can compare
             return NO_EVIDENCE
-        since, lengths, graph_nodes = baseline
+        since, lengths, graph_nodes, in_use = baseline
         steps = float(status.step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
         grown = yield from host_objects.growing_containers_stepwise(lengths, ignore=ignore,
@@ -102,6 +111,9 @@ class HostLooks:
                               f"+{graph.nodes_added / max(steps, 1):.0f}/step)", count_delta=0, bytes_delta=0,
                               holder=graph.holder, graph_bytes_delta=int(growth))
             return Evidence((culprit,), steps, (), "graph_leak")
+        if not grown and self._fragmented(in_use, growth, headroom):
+            # Withheld, the baseline kept: looked at again a window on, with the growth since then.
+            return Evidence((), steps, fragmented=True, bounded_until=status.step + self._window_steps)
         if not grown:
             self._baseline = None
             yield
@@ -118,3 +130,15 @@ class HostLooks:
         top = grown[0]
         onset = int(status.step - top.length * steps / top.items_added) if top.items_added > 0 and steps > 0 else None
         return Evidence(culprits, steps, onset_step=onset)
+
+    def _fragmented(self, in_use_before: int | None, growth: float, headroom: float | None) -> bool:
+        """Did host RSS grow (``growth`` since the baseline) while what malloc hands out grew by under a
+        quarter of it, and is that growth under an eighth of the memory left? Then freed chunks between
+        live ones grew the heap: no leak. A larger growth is said whatever its cause, as memory that
+        malloc does not see (pinned or mapped by hand) is no better for running out."""
+        in_use = self._in_use() if in_use_before is not None else None
+        if in_use is None or in_use_before is None or growth <= 0:
+            return False
+        if headroom is not None and growth > headroom / 8:
+            return False
+        return in_use - in_use_before < growth / 4
