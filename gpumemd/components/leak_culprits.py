@@ -123,10 +123,11 @@ class CulpritSearch:
         if key is None or tracker is None:
             return NO_EVIDENCE
         group = next((g for g in tracker.counts.groups() if g.key == key), None)
+        count = group.count if group is not None else 0
         held = _SampleHolder(garbage=True)  # every tensor of the group died since the scan: nothing to blame
         # Grown past what filling the bounded deque that held its newest explains: the oldest member
         # left the deque, and what holds it is what grows.
-        sampled = tracker.counts.sample(key, oldest=self._past_bound(status, group.count if group else 0))
+        sampled = tracker.counts.sample(key, oldest=self._past_bound(status, count))
         held_sample = hold_weakly(sampled) if sampled is not None else None
         del sampled
         if held_sample is not None:
@@ -160,7 +161,7 @@ class CulpritSearch:
         # of memory in ~70 days"); host RSS, which does see the nodes, judges the bytes.
         nodes_only = graph_nodes >= _GRAPH_NODES_KEPT and not graph_bytes
         bytes_per_unit = 0.0 if nodes_only else max(per_tensor, 1.0)
-        bounded_until = self._bounded_until(status, held.bound, group.count if group else 0, bytes_per_unit)
+        bounded_until = self._bounded_until(status, held.bound, count, bytes_per_unit)
         return Evidence((culprit,), status.step - (status.onset_step or status.step), sites, kind,
                         bytes_per_unit=bytes_per_unit, sentence=sentence, graph_kept=held.graph_kept,
                         garbage=held.garbage, bounded_until=bounded_until)
@@ -211,8 +212,8 @@ class CulpritSearch:
         del sample  # the search holds it weakly across its pauses
         found = yield from search
         path = found.text if found is not None else None
-        if found is not None and path is not None and PATH_CUT not in path:
-            return _SampleHolder(path, bound=found.bound)
+        if found is not None and PATH_CUT not in found.text:
+            return _SampleHolder(found.text, bound=found.bound)
         yield
         sample = held_sample()
         if sample is None:
