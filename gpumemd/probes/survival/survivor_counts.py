@@ -86,10 +86,14 @@ class SurvivorCounts:
         # per tensor were ~120 bytes each). Bounded: keys beyond ``max_groups`` become OVERFLOW.
         self._keys: dict[GroupKey, GroupKey] = {OVERFLOW: OVERFLOW}
         self.represented: set[int] = set()  # ids of members a sample stood for at the last ``count``
+        # Keys and view bases read at the last ``describe`` (id -> (key, id of the base or 0)): a scan's
+        # new tensors are described once, for the families and for their count at the next scan.
+        self._described: dict[int, tuple[GroupKey, int]] = {}
 
     def clear(self) -> None:
         self.refs.clear()  # the weakrefs die with the dict: their callbacks never run
         self.tracked = 0
+        self._described = {}
         self._view_bases.clear()
         self._counts.clear()
         self._bytes.clear()
@@ -133,45 +137,69 @@ class SurvivorCounts:
                         return out
         return out
 
+    def describe(self, tensors: list[Any]) -> list[tuple[Any, GroupKey]]:
+        """Each new tensor with its group key (an exotic one left out), read now and kept for its count
+        at the next scan: reading a tensor's attributes is most of what tracking a leak costs per
+        tensor (~0.2 µs each warm, several times that once the job's steps have taken the cache), so
+        each is read once. Only the last call's are kept."""
+        described: dict[int, tuple[GroupKey, int]] = {}
+        out = []
+        for t in tensors:
+            try:
+                key, base = self._key(t), t._base
+            except Exception:  # noqa: BLE001 - an exotic tensor: not counted
+                continue
+            described[id(t)] = (key, id(base) if base is not None else 0)
+            out.append((t, key))
+        self._described = described
+        return out
+
     def count(self, alive: list[Any], most: int | None) -> None:
         """Count the candidates still alive. A leak of one tensor a step puts every one of its tensors
         through here once, so this is the cost of tracking it, per leaked tensor: each torch attribute
-        read costs ~0.1-0.5 µs, so each is read once, and a group's counts, bytes and samples are
-        updated once per scan, not once per tensor. ``alive``: the candidates, not counted yet (the
-        list is emptied). Past ``most`` new members of a group, a sample of them stands for the rest
-        (``represented`` lists those; None: every one counted)."""
+        read costs ~0.1-0.5 µs, so a tensor ``describe`` read at the last scan is not read again, and a
+        group's counts, bytes and samples are updated once per scan, not once per tensor. ``alive``: the
+        candidates, not counted yet (the list is emptied). Past ``most`` new members of a group, a
+        sample of them stands for the rest (``represented`` lists those; None: every one counted)."""
         bases = self._view_bases
+        described, self._described = self._described, {}
         # Each storage once: a view keeps its base tensor alive (``kept.append(out.detach()[:4])``
         # keeps the whole ``out.detach()``), so the base of a counted view is not counted itself:
         # the view is, and its holder is the container, not "no Python holder".
-        with_base = [(t, t._base) for t in alive]
+        keyed: list[tuple[Any, GroupKey, int]] = []
+        for t in alive:
+            known = described.get(id(t))
+            if known is None:
+                try:
+                    base = t._base
+                    known = (self._key(t), id(base) if base is not None else 0)
+                except Exception:  # noqa: BLE001 - an exotic tensor: not counted
+                    continue
+            keyed.append((t, *known))
         alive.clear()
-        batch = {id(b) for _, b in with_base if b is not None}
-        members: dict[GroupKey, list[tuple[Any, Any]]] = {}
-        t = base = None
-        for t, base in with_base:
+        described.clear()
+        batch = {base for _, _, base in keyed if base}
+        members: dict[GroupKey, list[tuple[Any, int]]] = {}
+        t = None
+        for t, key, base in keyed:
             if id(t) in bases or id(t) in batch:
-                continue
-            try:
-                key = self._key(t)
-            except Exception:  # noqa: BLE001 - an exotic tensor: not counted
                 continue
             group = members.get(key)
             if group is None:
                 members[key] = [(t, base)]
             else:
                 group.append((t, base))
-        del t, base
-        with_base.clear()
+        del t
+        keyed.clear()
         for key, group in members.items():
             counted = self._counted(group, most)
-            group.clear()
             if counted:
-                self._add(key, counted)
+                self._add(key, counted)  # keyed before the group lets go of them: one may die now
+            group.clear()
             if self.capped:
                 break
 
-    def _counted(self, group: list[tuple[Any, Any]], most: int | None) -> list[_Ref]:
+    def _counted(self, group: list[tuple[Any, int]], most: int | None) -> list[_Ref]:
         """Refs for a scan's new members of one group (oldest first): all of them, or evenly spaced
         ones ending at the newest, each standing for the members since the one before it."""
         refs, bases, died = self.refs, self._view_bases, self._died
@@ -194,7 +222,7 @@ class SurvivorCounts:
                 continue
             r = _Ref(t, died)
             r.weight, previous = i - previous, i
-            r.nbytes, r.tid, r.base = nbytes * r.weight, id(t), id(base) if base is not None else 0
+            r.nbytes, r.tid, r.base = nbytes * r.weight, id(t), base
             if r.base:
                 bases[r.base] = bases.get(r.base, 0) + 1
                 counted_base = refs.get(r.base)

@@ -32,7 +32,7 @@ import weakref
 from typing import Any
 
 from gpumemd.probes.heap.gc_pause import collector_paused, job_collector_enabled
-from gpumemd.probes.survival.survivor_counts import PER_GROUP_PER_SCAN, SurvivorCounts
+from gpumemd.probes.survival.survivor_counts import PER_GROUP_PER_SCAN, GroupKey, SurvivorCounts
 
 log = logging.getLogger("gpumemd")
 
@@ -109,11 +109,12 @@ class SurvivorTracker:
                     break
         return out
 
-    def new_tensors(self) -> list[Any]:
-        """The tensors made since the last scan and still alive, as listed by it (strong references:
-        the caller drops the list soon). Read right after ``scan()``: what grows by being replaced
-        each step (``torch.cat`` onto a kept tensor) is only ever here, never counted."""
-        return [t for ref in self._pending if (t := ref()) is not None]
+    def new_tensors(self) -> list[tuple[Any, GroupKey]]:
+        """The tensors made since the last scan and still alive, as listed by it, each with its group key
+        (strong references: the caller drops the list soon). Read right after ``scan()``, at most once:
+        what grows by being replaced each step (``torch.cat`` onto a kept tensor) is only ever here,
+        never counted; and the keys read now are those the next scan counts these tensors by."""
+        return self.counts.describe([t for ref in self._pending if (t := ref()) is not None])
 
     # --- scanning (training thread) and the gc callback (any thread) ---------------------------
 

@@ -11,8 +11,9 @@ is. A family is worth a series once its largest member has set a new record at `
 scans and at least doubled: a batch of variable size sets a few records, then stops; an
 accumulation sets one at every scan.
 
-Cost: one look at each tensor the scan listed anyway (shape, dtype, device: ~1 µs each), on scan
-steps only. Memory: ``MAX_FAMILIES`` families, ``PAST`` points each, one weak reference each.
+Cost: none per tensor beyond the survivor tracker's (the group key it reads of each new tensor, for
+its count at the next scan, is the family's too), on scan steps only. Memory: ``MAX_FAMILIES``
+families, ``PAST`` points each, one weak reference each.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from gpumemd.probes.survival.survivor_counts import GroupKey
 from gpumemd.records.device import Device
 
 MAX_FAMILIES = 128
@@ -78,8 +80,7 @@ class TensorFamilies:
     def __init__(self, *, max_families: int = MAX_FAMILIES) -> None:
         self._max = max_families
         self._families: collections.OrderedDict[FamilyKey, Family] = collections.OrderedDict()
-        self._dtypes: dict[Any, tuple[str, int]] = {}
-        self._devices: dict[Any, str] = {}
+        self._sizes: dict[str, int] = {}  # bytes per element, per dtype
 
     def get(self, key: FamilyKey) -> Family | None:
         return self._families.get(key)
@@ -89,43 +90,31 @@ class TensorFamilies:
         family = self._families.get(key)
         return family.sample() if family is not None and family.sample is not None else None
 
-    def observe(self, tensors: Iterable[Any], step: int) -> list[Family]:
-        """Take the largest member of each family among ``tensors`` (the scan's new, live tensors)
-        at ``step``; returns the families seen at this scan."""
-        # Keyed by torch's own device, dtype and Size objects (hashable, no conversion): strings are
-        # made once per family. ~1.5 µs a tensor, most of it the attribute reads.
-        largest: dict[tuple[Any, Any, Any, bool], tuple[int, Any]] = {}
-        for t in tensors:
-            try:
-                shape = t.shape
-                if not shape:
-                    continue
-                key = (t.device, t.dtype, shape[1:], t.grad_fn is not None)
-                rows = shape[0]
-            except Exception:  # noqa: BLE001 - an exotic tensor: not followed
+    def observe(self, tensors: Iterable[tuple[Any, GroupKey]], step: int) -> list[Family]:
+        """Take the largest member of each family among ``tensors`` (the scan's new, live tensors, each
+        with its survivor group key, read once for both: ``SurvivorTracker.new_tensors``) at ``step``;
+        returns the families seen at this scan."""
+        largest: dict[tuple[str, str, Any, bool], tuple[int, Any]] = {}
+        for t, (device, dtype, shape, graph) in tensors:
+            if not shape:
                 continue
+            key = (device, dtype, shape[1:], graph)
+            rows = shape[0]
             seen = largest.get(key)
             if seen is None or rows > seen[0]:
                 largest[key] = (rows, t)
         seen_now = []
         for (device, dtype, trailing, graph), (rows, t) in largest.items():
             try:
-                key, row_bytes = self._family_key(device, dtype, trailing, graph, t)
+                size = self._sizes.get(dtype)
+                if size is None:
+                    size = self._sizes[dtype] = t.element_size()
             except Exception:  # noqa: BLE001
                 continue
-            seen_now.append(self._update(key, rows, row_bytes, t, step))
+            dims = tuple(trailing)
+            seen_now.append(self._update((device, dtype, dims, graph), rows, size * math.prod(dims), t, step))
         largest.clear()
         return seen_now
-
-    def _family_key(self, device: Any, dtype: Any, trailing: Any, graph: bool, t: Any) -> tuple[FamilyKey, int]:
-        name = self._devices.get(device)
-        if name is None:
-            name = self._devices[device] = str(device)
-        described = self._dtypes.get(dtype)
-        if described is None:
-            described = self._dtypes[dtype] = (str(dtype).removeprefix("torch."), t.element_size())
-        dims = tuple(trailing)
-        return (name, described[0], dims, graph), described[1] * math.prod(dims)
 
     def _update(self, key: FamilyKey, rows: int, row_bytes: int, t: Any, step: int) -> Family:
         family = self._families.get(key)
