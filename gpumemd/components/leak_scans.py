@@ -27,6 +27,15 @@ their min_points floors (its window lengthens to cover them), and their spacing 
 detector's (``CONFIRMED_EVERY``)."""
 
 
+LISTED_WHILE_TRACKING = 32
+"""While tracking (``TRACKING_STRETCH``), the new tensors a scan lists to count at the next one at most
+(``SurvivorTracker.scan``): past that, the newest and evenly spaced others, each standing for those
+before it. A 1-tensor/step leak puts ~200 tensors through a 200-step scan, and reading each one's key
+was most of the scan's cost (``benchmarks/bench_leak_tracking.py``'s "scans" column); a leak's own group
+is counted as exactly this way while its tensors live, and anything else that grows ends tracking, so
+exact counting resumes."""
+
+
 class ScanSchedule:
     """Counts in the agent's ``steps_total`` (every step, sampled or not). ``seconds`` is what the scans
     took so far (benchmarks read it)."""

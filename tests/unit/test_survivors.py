@@ -172,10 +172,11 @@ def test_a_sampled_groups_other_members_are_counted_once_even_if_a_collection_li
     tracker = _tracker()
     young = tracker._young
 
-    def after_a_collection(*, collect: bool = False, skip: set[int] | frozenset[int] = frozenset()) -> list[Any]:
+    def after_a_collection(*, collect: bool = False, skip: set[int] | frozenset[int] = frozenset(),
+                           collect_over: int | None = None) -> list[Any]:
         if collect:  # the collection the counting held off starts just before the scan's own one
             gc.collect(0)
-        return young(collect=collect, skip=skip)
+        return young(collect=collect, skip=skip, collect_over=collect_over)
 
     try:
         kept = [torch.zeros(5) for _ in range(100)]
@@ -188,5 +189,45 @@ def test_a_sampled_groups_other_members_are_counted_once_even_if_a_collection_li
         assert _count(tracker, ("cpu", "float32", (5,), False)) == 100
         assert len(tracker.counts.refs) == 16
         del kept
+    finally:
+        tracker.uninstall()
+
+
+def test_a_scan_that_lists_at_most_some_new_tensors_still_counts_a_leak_exactly() -> None:
+    tracker = _tracker()
+    try:
+        kept: list[torch.Tensor] = []
+        tracker.scan(listed_at_most=32)
+        for _ in range(5):
+            kept.extend(torch.zeros(16) for _ in range(300))
+            tracker.scan(listed_at_most=32)
+            assert len(tracker._pending) <= 32 < 300  # listed: the newest 16 and 16 spaced others
+            assert tracker._weights is not None and sum(tracker._weights) == 300
+            assert tracker._pending[-1]() is kept[-1]  # the newest always among them
+        tracker.scan(listed_at_most=32)
+        key = ("cpu", "float32", (16,), False)
+        assert _count(tracker, key) == 1500
+        del kept[:300]  # the members that stand for the first scan's 300 die with them
+        assert _count(tracker, key) == 1200
+        assert len(tracker.counts.refs) <= 5 * 16  # what counting them cost: a few refs a scan
+    finally:
+        tracker.uninstall()
+
+
+def test_what_a_spaced_listing_leaves_out_is_counted_in_the_group_of_the_one_that_stands_for_it() -> None:
+    tracker = _tracker()
+    try:
+        tracker.scan(listed_at_most=32)
+        kept = [torch.zeros(8) if i % 10 else torch.zeros(2, 2) for i in range(400)]  # 40 of another group
+        tracker.scan(listed_at_most=32)
+        tracker.scan()  # tracking ended: exact again from here on
+        counts = {g.key[2]: g.count for g in tracker.counts.groups()}
+        assert sum(counts.values()) == 400  # every new tensor stood for once
+        assert counts.get((2, 2), 0) < 100 and counts[(8,)] > 300  # each group about right
+        more = [torch.zeros(2, 2) for _ in range(40)]
+        tracker.scan()
+        tracker.scan()
+        assert {g.key[2]: g.count for g in tracker.counts.groups()}[(2, 2)] == counts.get((2, 2), 0) + 40
+        del kept, more
     finally:
         tracker.uninstall()

@@ -7,6 +7,7 @@ one group at a scan, a sample of them stands for the rest.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -154,20 +155,21 @@ class SurvivorCounts:
         self._described = described
         return out
 
-    def count(self, alive: list[Any], most: int | None) -> None:
+    def count(self, alive: list[Any], most: int | None, weights: list[int] | None = None) -> None:
         """Count the candidates still alive. A leak of one tensor a step puts every one of its tensors
         through here once, so this is the cost of tracking it, per leaked tensor: each torch attribute
         read costs ~0.1-0.5 µs, so a tensor ``describe`` read at the last scan is not read again, and a
         group's counts, bytes and samples are updated once per scan, not once per tensor. ``alive``: the
         candidates, not counted yet (the list is emptied). Past ``most`` new members of a group, a
-        sample of them stands for the rest (``represented`` lists those; None: every one counted)."""
+        sample of them stands for the rest (``represented`` lists those; None: every one counted).
+        ``weights``: the tensors each candidate stands for (``survivors._spaced``; None: 1 each)."""
         bases = self._view_bases
         described, self._described = self._described, {}
         # Each storage once: a view keeps its base tensor alive (``kept.append(out.detach()[:4])``
         # keeps the whole ``out.detach()``), so the base of a counted view is not counted itself:
         # the view is, and its holder is the container, not "no Python holder".
-        keyed: list[tuple[Any, GroupKey, int]] = []
-        for t in alive:
+        keyed: list[tuple[Any, GroupKey, int, int]] = []
+        for t, weight in zip(alive, weights or itertools.repeat(1), strict=False):  # weights: one per tensor
             known = described.get(id(t))
             if known is None:
                 try:
@@ -175,20 +177,20 @@ class SurvivorCounts:
                     known = (self._key(t), id(base) if base is not None else 0)
                 except Exception:  # noqa: BLE001 - an exotic tensor: not counted
                     continue
-            keyed.append((t, *known))
+            keyed.append((t, *known, weight))
         alive.clear()
         described.clear()
-        batch = {base for _, _, base in keyed if base}
-        members: dict[GroupKey, list[tuple[Any, int]]] = {}
+        batch = {base for _, _, base, _ in keyed if base}
+        members: dict[GroupKey, list[tuple[Any, int, int]]] = {}
         t = None
-        for t, key, base in keyed:
+        for t, key, base, weight in keyed:
             if id(t) in bases or id(t) in batch:
                 continue
             group = members.get(key)
             if group is None:
-                members[key] = [(t, base)]
+                members[key] = [(t, base, weight)]
             else:
-                group.append((t, base))
+                group.append((t, base, weight))
         del t
         keyed.clear()
         for key, group in members.items():
@@ -199,9 +201,10 @@ class SurvivorCounts:
             if self.capped:
                 break
 
-    def _counted(self, group: list[tuple[Any, int]], most: int | None) -> list[_Ref]:
+    def _counted(self, group: list[tuple[Any, int, int]], most: int | None) -> list[_Ref]:
         """Refs for a scan's new members of one group (oldest first): all of them, or evenly spaced
-        ones ending at the newest, each standing for the members since the one before it."""
+        ones ending at the newest, each standing for the members since the one before it (and for
+        what each of those stands for: its weight)."""
         refs, bases, died = self.refs, self._view_bases, self._died
         n = len(group)
         m = n if most is None else min(n, most)
@@ -209,19 +212,21 @@ class SurvivorCounts:
         if m < n:
             chosen = set(picks)
             self.represented.update(id(group[i][0]) for i in range(n) if i not in chosen)
+        stood_for = list(itertools.accumulate(w for _, _, w in group))
         out: list[_Ref] = []
         previous = -1
         for i in picks:
             if self.tracked >= self.max_tracked:
                 self.capped = True
                 break
-            t, base = group[i]
+            t, base, _ = group[i]
             try:
                 nbytes = t.untyped_storage().nbytes()
             except Exception:  # noqa: BLE001 - an exotic tensor: not counted
                 continue
             r = _Ref(t, died)
-            r.weight, previous = i - previous, i
+            r.weight = stood_for[i] - (stood_for[previous] if previous >= 0 else 0)
+            previous = i
             r.nbytes, r.tid, r.base = nbytes * r.weight, id(t), base
             if r.base:
                 bases[r.base] = bases.get(r.base, 0) + 1
