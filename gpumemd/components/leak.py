@@ -30,7 +30,7 @@ from gpumemd.components.leak_findings import LeakFindings
 from gpumemd.components.leak_host import HostLooks
 from gpumemd.components.leak_options import LeakOptions
 from gpumemd.components.leak_pending import Key, PendingEvaluation
-from gpumemd.components.leak_scans import LISTED_WHILE_TRACKING, ScanSchedule
+from gpumemd.components.leak_scans import KEYED_WHILE_TRACKING, ScanSchedule
 from gpumemd.components.leak_series import LeakSeries
 from gpumemd.components.leak_sites import AllocationSites
 from gpumemd.probes.heap.gc_pause import collector_paused
@@ -179,9 +179,9 @@ class LeakComponent:
                 agent.add_thread_seconds(tracker.take_callback_seconds())
             if self._scans.due(total):
                 scan_started = self._clock()
-                listed = LISTED_WHILE_TRACKING if self._scans.tracking else None
+                keyed = KEYED_WHILE_TRACKING if self._scans.tracking else None
                 try:
-                    series.scans.feed_counts(record, listed_at_most=listed)
+                    series.scans.feed_counts(record, keyed_at_most=keyed)
                 finally:
                     self._scanned(agent, total, self._clock() - scan_started)
         detector = series.detector

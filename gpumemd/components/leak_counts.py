@@ -73,9 +73,9 @@ class CountFeeding:
         self._capped = False  # the tracker hit its cap: the count series are held (see _hold_counts)
         self._long_lived: set[str] = set()  # names of the long-lived bytes series (one per device)
 
-    def feed_counts(self, record: StepRecord, *, listed_at_most: int | None = None) -> None:
+    def feed_counts(self, record: StepRecord, *, keyed_at_most: int | None = None) -> None:
         """Scan for long-lived tensors and feed the count series (every scan interval); past
-        ``listed_at_most`` new tensors, a spaced sample of them is listed (``SurvivorTracker.scan``).
+        ``keyed_at_most`` candidates, a sample of them is counted (``SurvivorTracker.scan``).
 
         A tensor is counted at the first scan it outlives whole, so every tensor counted now already
         existed at the previous scan: the counts are observed at that scan's step, which keeps a
@@ -83,7 +83,7 @@ class CountFeeding:
         tracker = self._tracker
         if tracker is None:
             return
-        tracker.scan(listed_at_most=listed_at_most)
+        tracker.scan(keyed_at_most=keyed_at_most)
         step = self._previous_scan_step if self._previous_scan_step is not None else record.step
         self._previous_scan_step = record.step
         if tracker.counts.capped:

@@ -27,13 +27,14 @@ their min_points floors (its window lengthens to cover them), and their spacing 
 detector's (``CONFIRMED_EVERY``)."""
 
 
-LISTED_WHILE_TRACKING = 32
-"""While tracking (``TRACKING_STRETCH``), the new tensors a scan lists to count at the next one at most
-(``SurvivorTracker.scan``): past that, the newest and evenly spaced others, each standing for those
-before it. A 1-tensor/step leak puts ~200 tensors through a 200-step scan, and reading each one's key
-was most of the scan's cost (``benchmarks/bench_leak_tracking.py``'s "scans" column); a leak's own group
-is counted as exactly this way while its tensors live, and anything else that grows ends tracking, so
-exact counting resumes."""
+KEYED_WHILE_TRACKING = 32
+"""While tracking (``TRACKING_STRETCH``), the candidates whose group keys a scan reads at most
+(``SurvivorTracker.scan``): past that, a stratified random sample of those alive, each standing for its
+stratum. A 1-tensor/step leak puts ~200 tensors through a 200-step scan, and reading each one's key
+was most of the scan's cost (``benchmarks/bench_leak_tracking.py``'s "scans" column). The survival of
+every candidate is still known, so a leak's own group is counted exactly; another group's new
+members are estimated, right on average, until tracking ends (anything else that rises ends it) and
+every candidate is keyed again."""
 
 
 class ScanSchedule:

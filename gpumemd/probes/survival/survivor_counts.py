@@ -162,7 +162,7 @@ class SurvivorCounts:
         group's counts, bytes and samples are updated once per scan, not once per tensor. ``alive``: the
         candidates, not counted yet (the list is emptied). Past ``most`` new members of a group, a
         sample of them stands for the rest (``represented`` lists those; None: every one counted).
-        ``weights``: the tensors each candidate stands for (``survivors._spaced``; None: 1 each)."""
+        ``weights``: the tensors each candidate stands for (``survivors._stratified``; None: 1 each)."""
         bases = self._view_bases
         described, self._described = self._described, {}
         # Each storage once: a view keeps its base tensor alive (``kept.append(out.detach()[:4])``

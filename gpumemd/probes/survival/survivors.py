@@ -27,6 +27,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import random
 import time
 import weakref
 from typing import Any
@@ -72,7 +73,8 @@ class SurvivorTracker:
         # counted only once it has outlived at least one whole scan interval).
         self._pending: list[weakref.ref[Any]] = []
         self._listed: list[weakref.ref[Any]] = []
-        self._weights: list[int] | None = None  # the new tensors each of ``_pending`` stands for (``_spaced``)
+        self._newest: int | None = None  # ``new_tensors`` describes only the newest this many
+        self._random = random.Random(0)  # ``_stratified``'s picks: the same run, the same counts
         self._installed = False
         self._collecting = False  # our own young collection: its callback has nothing new to list
         self.collections = 0  # collections seen
@@ -93,7 +95,6 @@ class SurvivorTracker:
                 gc.callbacks.remove(self._on_gc)
             self._installed = False
         self._pending.clear()
-        self._weights = None
         self._listed.clear()
         self.counts.clear()
 
@@ -112,20 +113,21 @@ class SurvivorTracker:
         return out
 
     def new_tensors(self) -> list[tuple[Any, GroupKey]]:
-        """The tensors made since the last scan and still alive, as listed by it, each with its group key
-        (strong references: the caller drops the list soon). Read right after ``scan()``, at most once:
-        what grows by being replaced each step (``torch.cat`` onto a kept tensor) is only ever here,
-        never counted; and the keys read now are those the next scan counts these tensors by."""
-        return self.counts.describe([t for ref in self._pending if (t := ref()) is not None])
+        """The tensors made since the last scan and still alive, as listed by it (after a scan that keyed
+        at most some: the newest ``NEWEST_DESCRIBED``), each with its group key (strong references: the
+        caller drops the list soon). Read right after ``scan()``, at most once: what grows by being
+        replaced each step (``torch.cat`` onto a kept tensor) is only ever here, never counted; and the
+        keys read now are those the next scan counts these tensors by."""
+        pending = self._pending if self._newest is None else self._pending[-self._newest:]
+        return self.counts.describe([t for ref in pending if (t := ref()) is not None])
 
     # --- scanning (training thread) and the gc callback (any thread) ---------------------------
 
-    def scan(self, *, listed_at_most: int | None = None) -> None:
+    def scan(self, *, keyed_at_most: int | None = None) -> None:
         """Count the candidates of the last scan that are still alive, then list the young tensors
-        as the next candidates. Called at step ends, every ``scan_every`` steps. ``listed_at_most``
-        (while a confirmed leak is tracked: ``leak_scans.LISTED_WHILE_TRACKING``): past that many new
-        tensors, the newest ``NEWEST_LISTED`` and evenly spaced others are listed, each standing for
-        those before it (``_spaced``)."""
+        as the next candidates. Called at step ends, every ``scan_every`` steps. ``keyed_at_most``
+        (while a confirmed leak is tracked: ``leak_scans.KEYED_WHILE_TRACKING``): past that many
+        candidates alive, a stratified sample is counted, each standing for its stratum (``_stratified``)."""
         try:
             # Each counted tensor gets a tracked weakref that outlives the scan: 2,000 of them (a
             # 10-tensor/step leak between two scans) set off several collections inside the loop, a
@@ -133,19 +135,17 @@ class SurvivorTracker:
             # benchmarks/bench_leak_tracking.py --leak-rate 10). Held off, the one collection they
             # call for comes at the job's next allocation.
             pending, self._pending = self._pending, []
-            weights, self._weights = self._weights, None
             counts = self.counts
             counted = counts.refs
-            if weights is None:
-                alive = [t for ref in pending if (t := ref()) is not None and id(t) not in counted]
-            else:
-                kept = [(t, w) for ref, w in zip(pending, weights, strict=True)
-                        if (t := ref()) is not None and id(t) not in counted]
-                alive, weights = [t for t, _ in kept], [w for _, w in kept]
+            alive = [t for ref in pending if (t := ref()) is not None and id(t) not in counted]
             pending.clear()
             # A sample may stand for a group's other new members only if the collection below can
             # move them out of generation 0 (else they would be listed, and counted, again).
             most = PER_GROUP_PER_SCAN if job_collector_enabled() and gc.get_threshold()[0] > 0 else None
+            weights = None
+            if keyed_at_most is not None and most is not None and len(alive) > keyed_at_most:
+                alive, weights = _stratified(alive, keyed_at_most, self._random, counts.represented)
+            self._newest = None if keyed_at_most is None else NEWEST_DESCRIBED
             with collector_paused():
                 counts.count(alive, most, weights)
             listed, self._listed = self._listed, []
@@ -153,21 +153,15 @@ class SurvivorTracker:
             # listed (and of what the gc callback lists, until the collection below moves them out
             # of generation 0: the one the pause held off may start on the next allocation).
             represented = counts.represented
-            at_most = listed_at_most if most is not None else None
             try:
                 if represented:
                     listed = [ref for ref in listed if id(ref()) not in represented]
-                young = self._young(collect=True, skip=represented,
-                                    collect_over=None if at_most is None else at_most - len(listed))
-                self._pending = listed + young
-                if at_most is not None and len(self._pending) > at_most:
-                    self._pending, self._weights = _spaced([r for r in self._pending if r() is not None], at_most)
+                self._pending = listed + self._young(collect=True, skip=represented)
             finally:
                 counts.represented = set()
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
             self.errors += 1
             self._pending.clear()
-            self._weights = None
             if self.errors == 1:
                 log.info("gpumemd: survivor scan failed (%s: %s)", type(exc).__name__, exc)
 
@@ -191,8 +185,8 @@ class SurvivorTracker:
         seconds, self.callback_seconds = self.callback_seconds, 0.0
         return seconds
 
-    def _young(self, *, collect: bool = False, skip: set[int] | frozenset[int] = frozenset(),
-               collect_over: int | None = None) -> list[weakref.ref[Any]]:
+    def _young(self, *, collect: bool = False, skip: set[int] | frozenset[int] = frozenset()
+               ) -> list[weakref.ref[Any]]:
         counts = self.counts
         if counts.tracked >= counts.max_tracked:
             counts.capped = True
@@ -204,12 +198,9 @@ class SurvivorTracker:
         self.young_objects = len(young)
         found = list(itertools.compress(young, map(types.__contains__, map(type, young))))
         young.clear()
-        # Only from a scan: inside the gc callback a collection is already starting. Past
-        # ``collect_over`` tensors some are left unlisted (``_spaced``): they must leave generation 0 too.
+        # Only from a scan: inside the gc callback a collection is already starting.
         threshold0 = gc.get_threshold()[0] if collect else 0
-        over = collect_over is not None and len(found) > collect_over
-        if (threshold0 > 0 and (skip or over or self.young_objects > min(YOUNG_COLLECT_AT, threshold0))
-                and gc.isenabled()):
+        if threshold0 > 0 and (skip or self.young_objects > min(YOUNG_COLLECT_AT, threshold0)) and gc.isenabled():
             self._collecting = True
             try:
                 gc.collect(0)
@@ -221,24 +212,26 @@ class SurvivorTracker:
         return out
 
 
-NEWEST_LISTED = 16
-"""New tensors always listed one by one at a scan that lists at most some (``scan``'s ``listed_at_most``):
-the newest, among which is a tensor replaced by a larger one every step (``tensor_families``)."""
+
+NEWEST_DESCRIBED = 16
+"""After a scan that counted a sample (``scan``'s ``keyed_at_most``), the new tensors whose keys are read
+for the tensor families: the newest, among which is a tensor replaced by a larger one every step."""
 
 
-def _spaced(refs: list[weakref.ref[Any]], at_most: int) -> tuple[list[weakref.ref[Any]], list[int]]:
-    """Of ``refs`` (oldest first), the newest ``NEWEST_LISTED`` and evenly spaced older ones, ``at_most``
-    in all or about, each with the number of refs it stands for: itself and the unlisted ones since the
-    one before it. Why: a leak of one tensor a step puts every one of its tensors through a scan, and
-    reading a tensor's key costs ~2 µs on the training thread here, ~4 cold (most of what tracking a
-    leak cost a 2 ms step); while a confirmed leak is tracked, a spaced sample counts it, its group's
-    count and bytes still exact while its members live. What it gives up: another group's new members
-    among the unlisted are counted in the group of the one that stands for them (a count right on
-    average, not exactly), until tracking ends."""
-    n = len(refs)
-    older = max(0, n - NEWEST_LISTED)
-    spaced = max(1, at_most - NEWEST_LISTED)
-    picks = [older - 1 - (i * older) // spaced for i in range(min(spaced, older) - 1, -1, -1)] if older else []
-    picks += range(older, n)
-    weights = [i - previous for previous, i in zip([-1, *picks], picks, strict=False)]
-    return [refs[i] for i in picks], weights
+def _stratified(alive: list[Any], at_most: int, rng: random.Random, left_out: set[int]) -> tuple[list[Any], list[int]]:
+    """A stratified sample of the candidates alive (``at_most`` equal strata, one random member of each),
+    with the members each stands for (its stratum); the ids of the others are added to ``left_out``.
+    Why: a leak of one tensor a step puts every one of its tensors through a scan, and reading a
+    tensor's group key costs ~2 µs on the training thread here, several times that after a step of
+    compute (most of what tracking such a leak cost a 2 ms step). Every candidate's survival is still
+    known (only dereferenced, not read), so counts and bytes stay exact while one group survives; what
+    is estimated is the group of the members left out (the one their stratum's pick is in), right on
+    average: random picks, since a training loop's tensors come in a pattern that evenly spaced picks
+    could follow."""
+    n = len(alive)
+    bounds = [(i * n) // at_most for i in range(at_most + 1)]
+    picks = [low + rng.randrange(high - low) for low, high in itertools.pairwise(bounds) if high > low]
+    chosen = set(picks)
+    left_out.update(id(alive[i]) for i in range(n) if i not in chosen)
+    weights = [high - low for low, high in itertools.pairwise(bounds) if high > low]
+    return [alive[i] for i in picks], weights
