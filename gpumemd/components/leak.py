@@ -92,6 +92,7 @@ class LeakComponent:
         self._findings = LeakFindings(options, census=census, wall_clock=time.time)  # ``leak_findings``
         self._scans = self._new_scans()
         self._deferred = False  # the last due evaluation waited for the step after a census
+        self._sampled = False  # scans count a sample of their candidates (``_track_only``)
         self._pending: PendingEvaluation | None = None  # an evaluation whose searches go on
         self._series_seen: set[str] = set()  # the detector's series at the last evaluation (``_track_only``)
         self._new_series_at = 0  # the step of the last evaluation that found a series begun since
@@ -179,7 +180,7 @@ class LeakComponent:
                 agent.add_thread_seconds(tracker.take_callback_seconds())
             if self._scans.due(total):
                 scan_started = self._clock()
-                keyed = KEYED_WHILE_TRACKING if self._scans.tracking else None
+                keyed = KEYED_WHILE_TRACKING if self._sampled else None
                 try:
                     series.scans.feed_counts(record, keyed_at_most=keyed)
                 finally:
@@ -276,6 +277,11 @@ class LeakComponent:
                           and step - self._new_series_at >= detector.config.window_steps)
         every = detector.config.check_every_steps
         detector.check_every = max(every, scans.interval) if scans.tracking else every
+        # A sample of the candidates stands for the rest (``KEYED_WHILE_TRACKING``) only while every
+        # confirmed growth is a finding said: one withheld (a bounded deque filling, then churning)
+        # is judged on its exact count against the deque's bound.
+        self._sampled = scans.tracking and all(self._findings.said((s.spec.name, s.phase)) for s in statuses
+                                               if s.state is LeakState.CONFIRMED)
 
     def _advance(self, agent: AgentView, parts: _Parts, started: float) -> None:
         """Run the pending searches within this step end's share; when all are done, update the

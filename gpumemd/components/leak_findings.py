@@ -198,6 +198,11 @@ class LeakFindings:
         return {f.series for f in self._findings.values() if f.state == "confirmed" and f.steps_to_oom is not None
                 and f.steps_to_oom < within_steps}
 
+    def said(self, key: Key) -> bool:
+        """Whether a finding of this series has been said (a withheld growth, e.g. into a bounded
+        deque, has none)."""
+        return key in self._findings
+
     def counts_active(self, series: LeakSeries, rising: set[str]) -> bool:
         """A count series is reporting, or rising: host RSS growth is most likely those tensors, so
         the heap scans that look for other culprits are not worth their cost."""

@@ -69,3 +69,33 @@ def test_a_bound_past_the_memory_left_is_no_bound(tmp_path: os.PathLike[str]) ->
     findings, _ = _train(2_000, huge, str(tmp_path), size=16 * 1024)
     [finding] = [f for f in findings if f.kind == "tensor_leak"]
     assert finding.state in ("suspected", "confirmed") and "maxlen 10,000,000" in finding.summary, finding.summary
+
+
+def test_a_withheld_growth_is_counted_exactly_while_tracked(tmp_path: os.PathLike[str],
+                                                           monkeypatch: Any) -> None:
+    """Scans count a sample of their candidates while a confirmed leak is tracked
+    (``KEYED_WHILE_TRACKING``), but not while a confirmed growth is withheld: a bounded deque is judged on
+    its exact count against its bound."""
+    from leak_scenarios import HEALTHY, run_scenario
+
+    from gpumemd.components.leak import LeakComponent
+    from gpumemd.probes.survival.survivors import SurvivorTracker
+
+    keyed: list[int | None] = []
+    tracking: list[bool] = []
+    scan, track_only = SurvivorTracker.scan, LeakComponent._track_only
+
+    def spy_scan(self: SurvivorTracker, *, keyed_at_most: int | None = None) -> None:
+        keyed.append(keyed_at_most)
+        scan(self, keyed_at_most=keyed_at_most)
+
+    def spy_track_only(self: LeakComponent, *args: Any) -> None:
+        track_only(self, *args)
+        tracking.append(self._scans.tracking)
+
+    monkeypatch.setattr(SurvivorTracker, "scan", spy_scan)
+    monkeypatch.setattr(LeakComponent, "_track_only", spy_track_only)
+    scenario = next(s for s in HEALTHY if s.name == "recent losses with their graphs in a bounded deque")
+    run_scenario(scenario, str(tmp_path))
+    assert any(tracking), "the deque's growth was never confirmed (withheld): nothing tested"
+    assert keyed and not any(keyed), keyed

@@ -10,7 +10,7 @@ from leak_scenarios import SUSPECT_WITHIN_LARGE
 
 import gpumemd
 from gpumemd.components.leak import LeakComponent
-from gpumemd.components.leak_scans import SCAN_EVERY_MAX, TRACKING_STRETCH
+from gpumemd.components.leak_scans import KEYED_WHILE_TRACKING, SCAN_EVERY_MAX, TRACKING_STRETCH
 from gpumemd.records.findings import Finding
 
 FIRST = "float32[4096]"  # 16 KiB a step: enough for host RSS to rise with it
@@ -33,8 +33,19 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
     second_onset: int | None = None
     intervals: set[int] = set()
     stretched: list[bool] = []  # per step of the second tracked window: was the interval stretched
+    keyed: list[int | None] = []  # per scan while the first alone is tracked: candidates read at most
     with gpumemd.attached(output_dir=str(tmp_path), quiet=True) as agent:
         detector = agent.component(LeakComponent)._parts.series.detector  # type: ignore[union-attr]
+        tracker = agent.component(LeakComponent)._parts.tracker  # type: ignore[union-attr]
+        assert tracker is not None
+        scan = tracker.scan
+
+        def spy(*, keyed_at_most: int | None = None) -> None:
+            if confirmed_at is not None and second_onset is None:
+                keyed.append(keyed_at_most)
+            scan(keyed_at_most=keyed_at_most)
+
+        tracker.scan = spy  # type: ignore[method-assign]
         for step in range(8_000):
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
@@ -71,3 +82,7 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
     assert "second_kept" in second.summary, second.summary
     first = _finding(agent, FIRST)
     assert first is not None and first.state == "confirmed" and "first_kept" in first.summary, first
+    # Tracked, its scans read a sample of their ~200 candidates (KEYED_WHILE_TRACKING), and its count is
+    # still exact: one tensor a step.
+    assert keyed.count(KEYED_WHILE_TRACKING) >= 0.8 * len(keyed) > 0, keyed
+    assert "+1 tensor/step" in first.summary, first.summary
