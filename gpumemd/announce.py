@@ -87,10 +87,15 @@ FIX_WORDS: dict[str, str] = {
 def fix_words(finding: Finding) -> str:
     """The fix of ``finding`` in a few words. A retained graph kept by a scalar is a loss kept whole
     (``loss.item()``); by anything larger, predictions computed with autograd on (evaluation without
-    ``torch.no_grad()``), whose graph nothing will ever need."""
+    ``torch.no_grad()``), whose graph nothing will ever need. Scalar tensors kept without a graph are
+    numbers kept as tensors (``.item()``)."""
     group = finding.group or finding.series
     if finding.kind == "graph_leak" and "with grad_fn" in group and "[]" not in group:
         return "compute what you keep under torch.no_grad(), or keep its .detach()"
+    if finding.kind == "tensor_leak" and "[]" in group:
+        # Scalars kept as tensors (``history.append(loss.detach())``): a detached CPU copy is what is
+        # kept already; the number is what is wanted.
+        return "keep .item() of each, not the tensor, or bound what holds them (a deque(maxlen=N))"
     return FIX_WORDS.get(finding.kind, "stop what grows")
 
 

@@ -105,6 +105,8 @@ def test_the_fix_of_a_retained_graph_depends_on_what_keeps_it() -> None:
     assert fix_words(loss) == "keep loss.item() or .detach(), not the tensor with its graph"
     assert fix_words(logits) == "compute what you keep under torch.no_grad(), or keep its .detach()"
     assert fix_words(dataclasses.replace(logits, kind="tensor_leak")).startswith("keep .detach().cpu() copies")
+    scalars = dataclasses.replace(loss, kind="tensor_leak", series="tensors{device=cpu,group=float32[]}")
+    assert fix_words(scalars).startswith("keep .item() of each, not the tensor")
 
 
 def _train(steps: int) -> None:
