@@ -146,12 +146,10 @@ class SurvivorCounts:
         described: dict[int, tuple[GroupKey, int]] = {}
         out = []
         for t in tensors:
-            try:
-                key, base = self._key(t), t._base
-            except Exception:  # noqa: BLE001 - an exotic tensor: not counted
-                continue
-            described[id(t)] = (key, id(base) if base is not None else 0)
-            out.append((t, key))
+            read = self._read(t)
+            if read is not None:
+                described[id(t)] = read
+                out.append((t, read[0]))
         self._described = described
         return out
 
@@ -170,14 +168,9 @@ class SurvivorCounts:
         # the view is, and its holder is the container, not "no Python holder".
         keyed: list[tuple[Any, GroupKey, int, int]] = []
         for t, weight in zip(alive, weights or itertools.repeat(1), strict=False):  # weights: one per tensor
-            known = described.get(id(t))
-            if known is None:
-                try:
-                    base = t._base
-                    known = (self._key(t), id(base) if base is not None else 0)
-                except Exception:  # noqa: BLE001 - an exotic tensor: not counted
-                    continue
-            keyed.append((t, *known, weight))
+            known = described.get(id(t)) or self._read(t)
+            if known is not None:
+                keyed.append((t, *known, weight))
         alive.clear()
         described.clear()
         batch = {base for _, _, base, _ in keyed if base}
@@ -259,6 +252,15 @@ class SurvivorCounts:
         key = (key[0], key[1], tuple(key[2]), key[3])  # a plain tuple, not the torch.Size it was read as
         self._keys[key] = key
         return key
+
+    def _read(self, t: Any) -> tuple[GroupKey, int] | None:
+        """Its group key and the id of its base tensor (0 when it is no view); None for an exotic
+        tensor, which is not counted."""
+        try:
+            base = t._base
+            return self._key(t), id(base) if base is not None else 0
+        except Exception:  # noqa: BLE001 - an exotic tensor: not counted
+            return None
 
     def _key(self, t: Any) -> GroupKey:
         """Its group key, with the shape as torch gives it: a ``torch.Size`` hashes and compares as the

@@ -73,7 +73,7 @@ class SurvivorTracker:
         # counted only once it has outlived at least one whole scan interval).
         self._pending: list[weakref.ref[Any]] = []
         self._listed: list[weakref.ref[Any]] = []
-        self._newest: int | None = None  # ``new_tensors`` describes only the newest this many
+        self._newest: int | None = None  # ``new_tensors`` describes only the newest this many (``scan``)
         self._random = random.Random(0)  # ``_stratified``'s picks: the same run, the same counts
         self._installed = False
         self._collecting = False  # our own young collection: its callback has nothing new to list
@@ -212,10 +212,9 @@ class SurvivorTracker:
         return out
 
 
-
 NEWEST_DESCRIBED = 16
-"""After a scan that counted a sample (``scan``'s ``keyed_at_most``), the new tensors whose keys are read
-for the tensor families: the newest, among which is a tensor replaced by a larger one every step."""
+"""After a scan given ``keyed_at_most`` (while a confirmed leak is tracked), the new tensors whose keys are
+read for the tensor families: the newest, among which is a tensor replaced by a larger one every step."""
 
 
 def _stratified(alive: list[Any], at_most: int, rng: random.Random, left_out: set[int]) -> tuple[list[Any], list[int]]:
@@ -228,10 +227,9 @@ def _stratified(alive: list[Any], at_most: int, rng: random.Random, left_out: se
     is estimated is the group of the members left out (the one their stratum's pick is in), right on
     average: random picks, since a training loop's tensors come in a pattern that evenly spaced picks
     could follow."""
-    n = len(alive)
-    bounds = [(i * n) // at_most for i in range(at_most + 1)]
-    picks = [low + rng.randrange(high - low) for low, high in itertools.pairwise(bounds) if high > low]
+    n = len(alive)  # more than at_most: no stratum is empty
+    strata = list(itertools.pairwise((i * n) // at_most for i in range(at_most + 1)))
+    picks = [low + rng.randrange(high - low) for low, high in strata]
     chosen = set(picks)
     left_out.update(id(alive[i]) for i in range(n) if i not in chosen)
-    weights = [high - low for low, high in itertools.pairwise(bounds) if high > low]
-    return [alive[i] for i in picks], weights
+    return [alive[i] for i in picks], [high - low for low, high in strata]
