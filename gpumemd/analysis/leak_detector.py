@@ -210,7 +210,7 @@ class LeakDetector:
         resting = self._resting(track, step)
         if resting is not None:
             return resting
-        if not lent and explained_at_rest(self._tracks, track, phase, step, self.config.check_every_steps):
+        if not lent and explained_at_rest(self._tracks, track, phase, step, self.check_every):
             return dataclasses.replace(track.last_status, changed=False) if track.last_status else None
         # Until the history covers one short window, a rise cannot be told from the first half of a
         # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp above every floor
@@ -273,7 +273,7 @@ class LeakDetector:
         last = track.last_status
         checks = NEAR_OOM_EVERY if track.spec.name in self.near_oom else CONFIRMED_EVERY
         if (track.state is LeakState.CONFIRMED and last is not None and not track.consecutive_fail
-                and step - last.step < checks * self.config.check_every_steps):
+                and step - last.step < checks * self.check_every):
             return dataclasses.replace(last, changed=False)
         return None
 

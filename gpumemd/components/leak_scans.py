@@ -14,23 +14,26 @@ SCAN_EVERY_MAX = 50
 """Steps between survivor scans at most, whatever the budget says: a 500-step window then still has
 10 points of every count series, so the budget never starves detection."""
 
-TRACKING_STRETCH = 4
+TRACKING_STRETCH = 16
 """While the only findings are confirmed ones and nothing else rises (``tracking``: the component
 decides), scans and evaluations may be this many times further apart than ``SCAN_EVERY_MAX`` and
-``check_every_steps`` when the budget asks: a leak that lasts for days is then tracked inside its share
-(a 1-tensor/step leak on 2 ms steps: leak checks 14.2 µs a step at 50 steps, 9.9 at 100, 5.4-6.8 at
-200; benchmarks/bench_step_overhead.py --leak). What it costs: a second leak that starts meanwhile is
-first seen at the next scan, up to one interval later; its new series ends tracking, so it is judged
-at the usual interval from there (suspected 602 steps after its onset, against 452 without tracking
-and 952 at a stretch of 8: tests/integration/test_leak_tracking.py). A confirmed track's re-tests keep
-their min_points floors (its window lengthens to cover them), and their spacing in steps is the
-detector's (``CONFIRMED_EVERY``)."""
+``check_every_steps`` when the budget asks: a leak that lasts for days is then tracked inside its share.
+A 1-tensor/step leak on ~1.8 ms steps (``benchmarks/bench_leak_tracking.py --child on --mlp``, steps
+3,000-8,000): the leak checks 7.0-7.2 µs a step at a stretch of 4, 5.0-5.1 at 8, 2.5-2.6 at 16, where
+the budget spaced them 600-800 steps (a scan costs ~1 ms there, most of it per leaked tensor). What it
+costs: a second leak that starts meanwhile is counted at the first scan its tensors outlive whole, one
+to two intervals after its onset; its new series ends tracking, so it is judged at the usual interval
+from there (confirmed 1,752 steps after its onset on a fast loop, against ~450 without tracking and 602
+at a stretch of 4: tests/integration/test_leak_tracking.py). In time, an interval is a scan's cost over
+the scans' share of the budget, whatever the step: ~1 ms over ~0.09% (at 1%), about a second here.
+A confirmed track's re-tests keep their min_points floors (its window lengthens to cover them) and
+come every ``CONFIRMED_EVERY`` checks, however far apart tracking spaces the checks."""
 
 
 KEYED_WHILE_TRACKING = 32
 """While tracking (``TRACKING_STRETCH``), the candidates whose group keys a scan reads at most
 (``SurvivorTracker.scan``): past that, a stratified random sample of those alive, each standing for its
-stratum. A 1-tensor/step leak puts ~200 tensors through a 200-step scan, and reading each one's key
+stratum. A 1-tensor/step leak puts ~800 tensors through an 800-step scan, and reading each one's key
 was most of the scan's cost (``benchmarks/bench_leak_tracking.py``'s "scans" column). The survival of
 every candidate is still known, so a leak's own group is counted exactly; another group's new
 members are estimated, right on average, until tracking ends (anything else that rises ends it) and

@@ -75,14 +75,15 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
     second = _finding(agent, SECOND)
     assert second is not None and second.state == "confirmed", [f.headline for f in agent.state().findings]
     # Suspected ~450 steps after its onset at the usual interval (measured: 452); while the first was
-    # tracked alone, up to one stretched interval later (602): the scan that first sees its group ends
-    # tracking, and it is judged at the usual interval from there. The stretch's whole cost.
-    assert second.first_step - second_onset <= SUSPECT_WITHIN_LARGE + SCAN_EVERY_MAX * TRACKING_STRETCH, (
+    # tracked alone, up to two stretched intervals later (measured: 1,752): its tensors are counted at the
+    # first scan they outlive whole, and the evaluation at that scan ends tracking, so it is judged at the
+    # usual interval from there. The stretch's whole cost.
+    assert second.first_step - second_onset <= SUSPECT_WITHIN_LARGE + 2 * SCAN_EVERY_MAX * TRACKING_STRETCH, (
         second_onset, second.first_step)
     assert "second_kept" in second.summary, second.summary
     first = _finding(agent, FIRST)
     assert first is not None and first.state == "confirmed" and "first_kept" in first.summary, first
-    # Tracked, its scans read a sample of their ~200 candidates (KEYED_WHILE_TRACKING), and its count is
+    # Tracked, its scans read a sample of their ~800 candidates (KEYED_WHILE_TRACKING), and its count is
     # still exact: one tensor a step.
     assert keyed.count(KEYED_WHILE_TRACKING) >= 0.8 * len(keyed) > 0, keyed
     assert "+1 tensor/step" in first.summary, first.summary

@@ -384,9 +384,12 @@ def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding(unit_
     assert "tensors{device=cpu,group=float32[8]}" not in {name for _, name, _ in held}
 
 
-def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests() -> None:
+@pytest.mark.parametrize("tracking_every", [None, 200])
+def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests(tracking_every: int | None) -> None:
     # Host RSS rising with a confirmed tensor leak is that leak's growth: its O(n²) window tests run at
     # every CONFIRMED_EVERY-th check, as the confirmed finding's own do, not at every check while the leak lasts.
+    # While the component spaces the checks further (tracking: ``check_every``), still every CONFIRMED_EVERY-th
+    # check: at 200 steps a check, a rest counted in steps (500) re-tested at every check.
     detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
     host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
     grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
@@ -395,7 +398,8 @@ def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests() -> Non
         detector.add_series(spec)
     slopes = {host.name: 16 * KIB, grows.name: 0.1}
     confirmed_at, host_tests = None, []
-    for step in range(2000):
+    steps = 2000 if tracking_every is None else 8000
+    for step in range(steps):
         detector.observe(host.name, step, BASE + max(0, step - 299) * MIB)
         if step % 50 == 0 and step >= 100:
             detector.observe(grows.name, step - 50, max(0, step - 350))
@@ -403,32 +407,37 @@ def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests() -> Non
             for status in detector.evaluate(step, slopes):
                 if status.spec.name == grows.name and status.state_name == "confirmed" and confirmed_at is None:
                     confirmed_at = step
+                    detector.check_every = tracking_every or detector.check_every
             host_track = next(t for key, t in detector._tracks.items() if key[0] == host.name)
             if confirmed_at is not None and step > confirmed_at and host_track.tested_at == step:
                 host_tests.append(step)
     assert confirmed_at is not None and confirmed_at < 1000
-    checks = (2000 - 1 - confirmed_at) // 50
-    assert host_tests, "the host series is never tested again"
+    every = tracking_every or 50
+    checks = (steps - 1 - confirmed_at) // every
+    assert len(host_tests) >= 2, "the host series is never tested again"
     assert len(host_tests) <= checks // CONFIRMED_EVERY + 1, (confirmed_at, host_tests)
-    assert all(b - a == CONFIRMED_EVERY * 50 for a, b in itertools.pairwise(host_tests)), host_tests
+    assert all(b - a == CONFIRMED_EVERY * every for a, b in itertools.pairwise(host_tests)), host_tests
 
 
-@pytest.mark.parametrize("near_oom", [False, True])
-def test_a_confirmed_leak_rests_between_re_tests_less_when_its_oom_is_near(near_oom: bool) -> None:
+@pytest.mark.parametrize(("near_oom", "tracking_every"), [(False, None), (True, None), (False, 200)])
+def test_a_confirmed_leak_rests_between_re_tests_less_when_its_oom_is_near(near_oom: bool,
+                                                                          tracking_every: int | None) -> None:
     # Its figures (the OOM projection among them) are refreshed at re-tests: once a window while the
-    # out-of-memory is far, every NEAR_OOM_EVERY-th check once the component says it is near.
+    # out-of-memory is far, every NEAR_OOM_EVERY-th check once the component says it is near; while the
+    # component spaces the checks further (tracking), every CONFIRMED_EVERY-th of those.
     detector = LeakDetector(CONFIG)
     detector.add_series(SeriesSpec(SERIES, "tensor_leak", device=Device.cuda(0)))
     if near_oom:
         detector.near_oom = {SERIES}
+    detector.check_every = tracking_every or detector.check_every
     track = None
     tested: list[int] = []
-    for step in range(4_000):
+    for step in range(4_000 if tracking_every is None else 12_000):
         detector.observe(SERIES, step, BASE + max(0, step - 300) * MIB)
         if detector.due(step):
             detector.evaluate(step)
             track = track or next(iter(detector._tracks.values()), None)
             if track is not None and track.state is LeakState.CONFIRMED and track.tested_at == step:
                 tested.append(step)
-    every = (NEAR_OOM_EVERY if near_oom else CONFIRMED_EVERY) * CONFIG.check_every_steps
+    every = (NEAR_OOM_EVERY if near_oom else CONFIRMED_EVERY) * (tracking_every or CONFIG.check_every_steps)
     assert len(tested) >= 3 and all(b - a == every for a, b in itertools.pairwise(tested[1:])), tested
