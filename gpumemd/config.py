@@ -89,7 +89,7 @@ class Config:
 
     leak_check_every_steps: int = DetectorConfig.default("check_every_steps")  # 50
     """Steps between leak evaluations; between them the detector only folds values into block floors.
-    While only confirmed findings are tracked, up to four times that when the overhead budget asks."""
+    While only confirmed findings are tracked, up to 16 times that when the overhead budget asks."""
 
     leak_history_on_suspect: bool = False
     """On CUDA, switch on allocation history (``history_max_entries``) when a leak is suspected, so the
