@@ -4,6 +4,7 @@ part that fails to start leaves the job running, with one line saying what is mi
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,3 +125,28 @@ def test_an_agent_whose_start_failed_late_says_no_exit_summary(
     assert [line for line in said if line.startswith("gpumemd: not attached")] == [
         "gpumemd: not attached (RuntimeError: can't start new thread); the job runs without gpumemd"]
     assert not [line for line in said if "watched in" in line or "agent took" in line], said  # no exit summary
+
+
+def test_a_torch_that_cannot_be_imported_leaves_the_job_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A broken install (torch missing, or its native libraries failing to load): the allocator is
+    absent, saying why, and ``attach()`` returns; the job's own ``import torch`` reports the install.
+    Before, the allocator probe raised, and so did the fallback ``attach()`` builds when an agent cannot
+    start (it builds the same probes): ``gpumemd run`` died with a traceback of its own."""
+    from gpumemd.probes.device.allocator import AllocatorProbe
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # ``import torch`` raises ModuleNotFoundError
+    probe = AllocatorProbe()
+    assert probe.read() == ()
+    assert probe.health.absent_reason is not None and "torch cannot be imported (ModuleNotFoundError" in \
+        probe.health.absent_reason
+    caplog.set_level(logging.INFO, logger="gpumemd")
+    agent = gpumemd.attach(output_dir=str(tmp_path))  # must not raise, whatever else needs torch
+    try:
+        lines = _lines(caplog, logging.INFO)
+        started = [line for line in lines if line.startswith("gpumemd: watching ")]
+        unwatched = [line for line in lines if "not attached" in line]
+        assert len(started) + len(unwatched) == 1, lines
+        assert not started or "allocator: torch cannot be imported" in started[0]
+    finally:
+        agent.stop()
