@@ -103,6 +103,7 @@ def build_finding(
         hours_to_oom=hours_to_oom,
         severity=_severity(hours_to_oom, status.state),
         group=status.spec.group,
+        host_bytes_per_step=host if active else None,
     )
 
 
@@ -237,8 +238,10 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
     onset = min((m.onset_step for m in active if m.onset_step is not None), default=None)
     ranked = sorted(active, key=lambda m: m.slope_bytes_per_step, reverse=True)
     culprits = tuple(m.culprits[0] for m in ranked if m.culprits)
-    rate = units_per_step(per_step, "tensor")
-    parts = [head, f"{rate} (~{format_bytes(slope)}/step)"]
+    # host RSS's growth, as the member that states it said it (``_stated_host``): the projection is its
+    host = sum(m.host_bytes_per_step for m in active if m.host_bytes_per_step is not None) or None
+    rate = _count_rate("tensors", per_step, slope, host)
+    parts = [head, rate]
     if onset is not None:
         parts.append(since_words(onset))
     parts.append(f"+{format_bytes(sum(m.growth_bytes for m in active))} so far")
@@ -247,7 +250,8 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
         parts.append(f"out of memory in {projected}")
     summary = ", ".join(parts) + "".join("; " + _group_sentence(m) for m in ranked if m.culprits)
     shared = (dataclasses.replace(culprits[0], holder=holder),) if culprits and holder else culprits
-    facts = Facts(kind=lead.kind, state=state, rate=f"{rate} (~{format_bytes(slope)}/step, {len(active)} groups)",
+    facts = Facts(kind=lead.kind, state=state, rate=f"{rate[:-1]}, {len(active)} groups)" if rate.endswith(")")
+                  else f"{rate} ({len(active)} groups)",
                   where=where, holder=holder_words(shared, ()), onset_step=onset, out_of_memory=oom)
     return dataclasses.replace(
         lead, state=state, slope_bytes_per_step=slope, slope_low=sum(m.slope_low for m in active),
@@ -259,7 +263,7 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
         p_value=max((m.p_value for m in active if m.p_value is not None), default=None),
         sites=tuple(dict.fromkeys(s for m in active for s in m.sites)), tensors_per_step=per_step,
         hours_to_oom=hours_to_oom,
-        severity=_severity(hours_to_oom, LeakState(state)),
+        severity=_severity(hours_to_oom, LeakState(state)), host_bytes_per_step=host,
     )
 
 

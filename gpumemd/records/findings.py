@@ -51,6 +51,9 @@ class Finding:
     sites: tuple[str, ...] = ()  # CUDA allocation sites (first user frame) that grew, largest first
     tensors_per_step: float | None = None  # count evidence: long-lived tensors gained per step
     hours_to_oom: float | None = None  # steps_to_oom at the job's measured step rate
+    # Host RSS's growth a CPU tensor finding states beside its tensors' own bytes (the heap they pin
+    # can grow far faster): its out-of-memory projection is made from it. None: not stated.
+    host_bytes_per_step: float | None = None
     severity: str | None = None  # "critical" (out of memory within a day), "warning", or None when cleared
     # The line logged at a state change (kind, rate, holder, onset, time to out-of-memory in at
     # most 200 characters); "" in findings written before it was.

@@ -93,6 +93,29 @@ def test_same_root_same_rate_is_one_finding_with_the_total_rate() -> None:
     assert reported == [finding]  # one line, not two
 
 
+def test_a_cause_states_the_host_growth_its_projection_is_made_from() -> None:
+    """A cause whose member states host RSS's growth (``_stated_host``: the heap its CPU tensors pin,
+    far above their own bytes) says it too: its out-of-memory comes from it, and "~4.0 KiB/step ...
+    out of memory in ~5 min" without it read as a contradiction (a DataLoader batch's view kept a
+    step, a 2-layer transformer: RSS +1.3 MiB/step)."""
+    host = 1.3 * 2**20
+    batch = dataclasses.replace(_finding("int64[32]", HISTORY.format(n=541), per_tensor=4096),
+                                host_bytes_per_step=host, steps_to_oom=2e10 / host, hours_to_oom=2e10 / host / 3600)
+    loss = _finding("float32[] with grad_fn", HISTORY.format(n=541), per_tensor=64)
+
+    _, [reported] = _run([batch, loss])
+
+    [finding] = reported
+    assert finding.host_bytes_per_step == host
+    assert "+2 tensors/step (~4.1 KiB/step, host RSS +1.3 MiB/step)" in finding.summary, finding.summary
+    assert "+2 tensors/step (~4.1 KiB/step, host RSS +1.3 MiB/step, 2 groups) held by `history`" in \
+        finding.headline, finding.headline
+    assert len(finding.headline) <= 200 - len("gpumemd: ")
+    # without a member that states it, neither does the cause
+    [plain], _ = _run([_finding("int64[32]", HISTORY.format(n=541), per_tensor=4096), loss])
+    assert next(iter(plain.findings.values())).host_bytes_per_step is None
+
+
 def test_a_kept_frames_locals_are_one_finding() -> None:
     act = _finding("float32[128, 128]", ERRORS.format(n=40, local="act"), per_tensor=65536)
     out = _finding("float32[32, 128] with grad_fn", ERRORS.format(n=40, local="out"), per_tensor=16384)
