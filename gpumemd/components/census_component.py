@@ -317,12 +317,13 @@ class CensusComponent(ComponentBase):
         models = list(agent.models) if agent is not None else []
         optimizers = list(agent.optimizers) if agent is not None else []
         # Holders only for what grew since the previous census: a step's first one has nothing to
-        # compare. Outside a step (an OOM) the largest groups get theirs: there is no later chance.
+        # compare. Outside a step (an OOM) the largest groups get theirs too: there is no later chance.
         holders = self._holders if previous is not None or outside_step else 0
         # In step ends the lookups are bounded with the step end's other work and the graph walk is
         # sliced; a census run whole (an OOM, the job's own call, take_now) has its full budgets.
         in_step = agent is not None and in_step_end
         request = CensusRequest(step=step, allocator=allocator, previous=previous, holders=holders,
+                                holders_largest=outside_step,
                                 pause_s=STEP_END_PAUSE_S if in_step else None,
                                 slice_started=(lambda: self._step_end_began) if in_step else None,
                                 graph_slice_nodes=GRAPH_SLICE_NODES if in_step else None)

@@ -65,3 +65,27 @@ def test_a_capacity_oom_gets_advice_with_savings_in_bytes(report: tuple[dict[str
     batch = by_kind["smaller_batch"]
     assert f"(now {ROWS:,})" in batch["title"] and "`__main__.x`" in batch["why"]
     assert doc["suggestions_none"] is None and "No suggestion" not in md
+
+
+TRAINED_FIRST = JOB.replace("y = model(x)", textwrap.dedent("""\
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(30):  # steps, and a census of them, before the OOM: x is in it already
+        model(torch.randn(8, 1024)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    y = model(x)"""))
+
+
+def test_after_steps_the_largest_tensor_is_still_named(tmp_path: Any) -> None:
+    """The census at the OOM looks up holders for the groups that grew since the census before it, and
+    then for the largest: ``x`` grew by nothing since the step's census, and went unnamed ("-")."""
+    (tmp_path / "job.py").write_text(TRAINED_FIRST)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}  # defaults
+    proc = subprocess.run([sys.executable, "-m", "gpumemd", "run", "--output-dir", str(tmp_path / "out"), "job.py"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 1 and "DefaultCPUAllocator: can't allocate memory" in proc.stderr, proc.stderr[-2000:]
+    (path,) = sorted((tmp_path / "out").glob("oom-*"))
+    doc = json.loads((path / "report.json").read_text())
+    assert doc["step"] is not None and doc["step"] >= 29, doc["step"]
+    top = doc["tensors"]["top"][0]
+    assert top["shape"] == [ROWS, 1024] and top["holder"] == "module global `__main__.x`", top

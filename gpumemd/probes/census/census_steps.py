@@ -74,6 +74,8 @@ class CensusRequest:
     and ``previous`` (the last census) the groups that grew, for holders. ``holders`` is how many groups
     get a ``who_holds`` line: the anonymous groups that grew most since ``previous``, or the largest
     anonymous groups without one; all lookups together stop after ``HOLDERS_TIME_BUDGET_S``.
+    ``holders_largest`` (a census outside a step: at an OOM there is no later chance) tops the groups
+    that grew up with the largest anonymous ones, so the report names what fills the memory too.
     ``pause_s`` (a census in step ends): the lookups stop once the step end that runs them has paid that
     much, from ``slice_started()`` (the step end's start; without it, the lookups'), so the last slice
     too is one bounded pause; ``graph_slice_nodes`` (``GRAPH_SLICE_NODES`` there) bounds each slice of
@@ -81,6 +83,7 @@ class CensusRequest:
 
     step: int | None = None
     holders: int = 3
+    holders_largest: bool = False
     graph: bool = True
     previous: Census | None = None
     allocator: Sequence[AllocatorSample] | None = None
@@ -155,7 +158,7 @@ def census_steps(request: CensusRequest = CensusRequest(), *, models: Iterable[A
         samples, owners = _alive(weak_samples), _alive(weak_owners)
         if budget_s > 0:
             groups = fill_holders(groups, samples, owners, holders=request.holders, previous=request.previous,
-                                  budget_s=budget_s)
+                                  budget_s=budget_s, largest_too=request.holders_largest)
     samples.clear()
     owners.clear()
     return Census(step=request.step, taken_at=taken_at, duration_s=0.0, groups=tuple(groups),

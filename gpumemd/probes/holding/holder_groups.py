@@ -54,14 +54,18 @@ def fill_holders(
     holders: int,
     previous: Census | None,
     budget_s: float,
+    largest_too: bool = False,
 ) -> list[CensusGroup]:
     """A census's groups with ``holder`` set for the few that need it: the ``holders`` anonymous
     groups that grew most since ``previous`` (or the largest ones, without it), looked up through
-    a sample tensor of each (``samples``), all lookups together within ``budget_s``.
+    a sample tensor of each (``samples``), all lookups together within ``budget_s``; ``largest_too``: up to
+    ``holders`` groups in all, the largest anonymous ones after those that grew.
 
     A tensor that only an autograd graph keeps (a saved activation) has no gc referrer: it is
     described as ``autograd graph of <who holds the tensor that keeps the graph>`` (``owners``)."""
     chosen = _groups_to_look_up(groups, holders, previous)
+    if largest_too:
+        chosen += [g for g in groups if g.key.name is None and g not in chosen][:holders - len(chosen)]
     if not chosen:
         return groups
     deadline = time.monotonic() + budget_s
