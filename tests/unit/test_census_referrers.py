@@ -83,6 +83,25 @@ def test_a_path_the_depth_bound_cuts_starts_at_the_nearest_owner_and_says_so() -
     assert line is not None and line.startswith("TrainerState.history → list of 2 items (path cut at depth ")
 
 
+def _fails() -> None:
+    act = torch.zeros(7)  # noqa: F841 - a local the traceback keeps
+    raise ValueError("boom")
+
+
+def test_a_cut_path_from_a_finished_frame_names_its_local_as_the_job_wrote_it() -> None:
+    """At an OOM the failing frames are finished, kept by the exception being reported, which only
+    gpumemd's hook holds: the climb stops at the frame. It read "frame _fails() → local `act` (path cut
+    ...)"; the name, its function and line come first, as a running frame's local's do."""
+    try:
+        _fails()
+    except ValueError as exc:
+        box = _Box(_nest([exc], 12))  # the exception far below any name the locals reach
+    line = _holds(_innermost(box.value).__traceback__.tb_next.tb_frame.f_locals["act"], max_depth=2)
+
+    assert line is not None and line.startswith("`act` in _fails() at "), line
+    assert line.endswith(", a finished frame (path cut at depth 2)"), line
+
+
 def _innermost_state(value: Any) -> TrainerState:
     while isinstance(value, list):
         value = value[0]

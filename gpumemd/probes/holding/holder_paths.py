@@ -199,7 +199,7 @@ def _hop(w: _Writer, chain: Sequence[object], i: int) -> int:
     return _object_hop(w, parent, child, chain, i)
 
 
-def _local_name(frame: types.FrameType, child: object) -> str | None:
+def local_name(frame: types.FrameType, child: object) -> str | None:
     """The name of the local of ``frame`` that is ``child``, if one is."""
     f_locals = frame.f_locals
     name = next((k for k, v in list(f_locals.items()) if v is child), None)
@@ -210,7 +210,7 @@ def _local_name(frame: types.FrameType, child: object) -> str | None:
 
 def _frame_hop(w: _Writer, frame: types.FrameType, child: object) -> None:
     """A finished frame that a traceback keeps, holding ``child`` as a local."""
-    name = _local_name(frame, child)
+    name = local_name(frame, child)
     w.piece(f"frame {frame.f_code.co_name}()")
     if name is not None:
         w.start("local `", name, "`")
@@ -225,7 +225,7 @@ def _suspended_hop(w: _Writer, parent: object, child: object) -> None:
     ("local `produced` of generator `batches`"), else as its frame's."""
     what, frame = next(((word, getattr(parent, attr, None)) for kind, word, attr in _SUSPENDED
                         if isinstance(parent, kind)), ("generator", None))
-    name = _local_name(frame, child) if isinstance(frame, types.FrameType) else None
+    name = local_name(frame, child) if isinstance(frame, types.FrameType) else None
     where = f"{what} `{_short_qualname(parent)}`"
     w.piece(f"local `{name}` of {where}" if name is not None else f"a local of {where}")
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpumemd.probes.heap.stepwise import Stepwise, hold_weakly, run_to_end
-from gpumemd.probes.holding.holder_paths import HolderPath, Root, render, top_name
+from gpumemd.probes.holding.holder_paths import HolderPath, Root, local_name, render, top_name
 from gpumemd.probes.holding.holder_reach import Reach, reach_down
 from gpumemd.probes.holding.holder_roots import (
     drop_locals_snapshot,
@@ -277,8 +277,14 @@ class _Climb:
         if self.owner is None:
             return None
         chain = self._chain(self.owner)
+        top = chain[0]
+        name = local_name(top, chain[1]) if isinstance(top, types.FrameType) and len(chain) > 1 else None
+        if name is not None:  # a finished frame's local (at an OOM, a failing frame's): named as a running one's
+            text = render(Root(name, local_of=(top.f_code, top.f_lineno)), chain[1:]).text + ", a finished frame"
+        else:
+            text = render(Root(top_name(top), "", ""), chain).text
         # No bound: the containers above the owner are not known.
-        return HolderPath(f"{render(Root(top_name(chain[0]), '', ''), chain).text}{PATH_CUT}{depth})")
+        return HolderPath(f"{text}{PATH_CUT}{depth})")
 
     def _chain(self, start_id: int) -> list[Any]:
         chain = [self.nodes[start_id]]
