@@ -102,6 +102,28 @@ def test_a_cut_path_from_a_finished_frame_names_its_local_as_the_job_wrote_it() 
     assert line.endswith(", a finished frame (path cut at depth 2)"), line
 
 
+_LIBRARY: dict[str, Any] = {}
+exec(compile("def forward(input):\n    raise ValueError('boom')\n", f"{Path(traceback.__file__).parent}/fake_lib.py",
+             "exec"), _LIBRARY)  # a library's frame: its file sits in the standard library's directory
+
+
+def _calls_the_library() -> None:
+    x = torch.zeros(7)
+    _LIBRARY["forward"](x)
+
+
+def test_a_cut_path_starts_at_the_jobs_frame_not_the_librarys() -> None:
+    """Both failing frames hold the tensor, the job's as `x`, the library's as `input` (on the H200:
+    torch's ``forward()``); which the heap lists first is chance, and the report named `input`."""
+    try:
+        _calls_the_library()
+    except ValueError as exc:
+        box = _Box(_nest([exc], 12))
+    line = _holds(_innermost(box.value).__traceback__.tb_next.tb_next.tb_frame.f_locals["input"], max_depth=2)
+
+    assert line is not None and line.startswith("`x` in _calls_the_library() at "), line
+
+
 def _innermost_state(value: Any) -> TrainerState:
     while isinstance(value, list):
         value = value[0]

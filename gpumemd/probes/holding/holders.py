@@ -39,6 +39,7 @@ from gpumemd.probes.holding.holder_roots import (
     drop_locals_snapshot,
     is_our_generator,
     is_ours,
+    is_user_file,
     live_frames,
     module_dicts,
 )
@@ -217,7 +218,7 @@ class _Climb:
                 continue  # mro tuples, bases: not how a class keeps an object alive
             self.nodes[rid] = ref
             self.child_of[rid] = id(child)
-            if self.owner is None and _named_owner(ref):
+            if _named_owner(ref) and (self.owner is None or _user_frame_over(ref, self.nodes[self.owner])):
                 self.owner = rid
             if len(following) < _FRONTIER_MAX:
                 following.append(ref)
@@ -305,6 +306,14 @@ class _Climb:
 def _named_owner(ref: Any) -> bool:
     """An object a cut path can start at: anything but an anonymous container or a closure cell."""
     return not isinstance(ref, (list, tuple, set, frozenset, deque, dict, types.CellType, types.TracebackType))
+
+
+def _user_frame_over(ref: Any, owner: Any) -> bool:
+    """Does a cut path start better at ``ref`` than at ``owner``: a frame of the job's code over a
+    library's (the failing frames at an OOM hold the same tensor as the job's `x` and torch's `input`,
+    in whichever order the heap lists them)?"""
+    return (isinstance(ref, types.FrameType) and isinstance(owner, types.FrameType)
+            and is_user_file(ref.f_code.co_filename) and not is_user_file(owner.f_code.co_filename))
 
 
 def _class_namespace(cls: type) -> Any:
