@@ -229,10 +229,13 @@ def duration_words(hours: float) -> str:
 
 def nearer_line(finding: Finding, before: Finding | None) -> str:
     """The line said when a cause's projected out-of-memory comes within a day after its state change
-    was said (``leak_causes.newly_critical``): its headline, and what it projected before."""
+    was said (``leak_causes.newly_critical``): its headline, and what it projected before, or that it
+    projected nothing (its state unchanged, the line would read as a second state change)."""
     line = finding.headline or finding.summary
-    was = projection_words(before.steps_to_oom, before.hours_to_oom)[1] if before is not None else None
-    return f"{line} (was {was})" if was else line
+    if before is None:
+        return line
+    was = projection_words(before.steps_to_oom, before.hours_to_oom)[1]
+    return f"{line} (was {was})" if was else f"{line} (not projected before)"
 
 
 def projection_words(steps_to_oom: float | None, hours_to_oom: float | None) -> tuple[str | None, str | None]:

@@ -226,6 +226,10 @@ def test_a_cause_that_becomes_critical_after_its_state_change_is_said_once() -> 
     line = nearer_line(finding, before.findings[key])
     assert line == f"{minutes.headline} (was ~75 days)", line
     assert nearer_line(finding, None) == minutes.headline
+    # a cause said without a projection (a retained graph: its nodes' bytes unknown) that a group with
+    # bytes joins: the line is an update of the one said, not a new state change
+    unprojected = dataclasses.replace(days, steps_to_oom=None, hours_to_oom=None)
+    assert nearer_line(finding, unprojected) == f"{minutes.headline} (not projected before)"
     cleared = dataclasses.replace(minutes, state="cleared", severity=None)
     assert newly_critical(merge_causes({_key(cleared): cleared}, after), set()) == []
 
