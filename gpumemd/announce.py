@@ -137,7 +137,11 @@ _NAMED_MAX = 3  # findings named in the exit summary; the findings file has them
 def _cost_text(overhead: Overhead, recent: tuple[int, float] | None = None) -> str:
     """Absolute seconds first: on a short run the one-off costs (the first census, a finding's culprit
     searches) dominate the share, and a bare "9% of the time" would read as the steady cost. So the
-    share of the last steps is said too when the whole run's is at least twice it."""
+    share of the last steps is said too when the whole run's is at least twice it. A run of no step
+    (the job failed before its first) has no share to say: its attach against a few ms of wall time
+    read "47.6% of the run"."""
+    if overhead.steps == 0:
+        return f"agent took {_duration(overhead.seconds_total)}"
     text = f"agent took {_duration(overhead.seconds_total)} ({overhead.ratio:.1%} of the run"
     if overhead.census_seconds_total >= 0.5 * overhead.seconds_total > 0:
         text += f"; tensor censuses {_duration(overhead.census_seconds_total)} of it"

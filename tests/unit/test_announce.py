@@ -60,6 +60,12 @@ def test_exit_summary_of_a_healthy_run() -> None:
                                               "agent took 300 ms (1.0% of the run; tensor censuses 200 ms of it)")
 
 
+def test_exit_summary_of_a_run_of_no_step_says_no_share() -> None:
+    # the job failed at its imports: its attach against a few ms of wall time is no share of a run
+    overhead = Overhead(training_thread_seconds_total=0.002, wall_seconds=0.004, steps=0)
+    assert exit_summary(_state(overhead=overhead, steps_total=0), "/out").endswith(" · agent took 2 ms")
+
+
 def test_exit_summary_says_the_recent_share_when_one_off_costs_dominate_the_run() -> None:
     # a short run: the whole run's 1.0% is mostly its first census; its last 1,500 steps took 0.4%
     assert exit_summary(_state(), "/out", recent=(1500, 0.004)).endswith(
