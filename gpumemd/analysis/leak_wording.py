@@ -71,14 +71,11 @@ def build_finding(
     steps_to_oom, hours_to_oom = _time_to_oom(headroom_bytes if active else None, host or slope, seconds_per_step)
     projected, oom = projection_words(steps_to_oom, hours_to_oom)
     summary = _summary(status, kind, per_step, slope, bytes_per_unit=bytes_per_unit, projected=projected, host=host)
-    facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status.spec.device, status.phase),
-                  stopped=None if active else v.reason)
+    rate = holder = None  # an inactive finding's headline says why it stopped instead
     if active:
         summary += _culprit_text(status, culprits, culprit_steps, holder_sentence=holder_sentence,
                                   culprits_step=culprits_step, sites=sites)
-        facts = dataclasses.replace(facts, rate=_stated_rate(status, per_step, slope, culprits, host),
-                                    holder=holder_words(culprits, sites), onset_step=status.onset_step,
-                                    out_of_memory=oom)
+        rate, holder = _stated_rate(status, per_step, slope, culprits, host), holder_words(culprits, sites)
     return Finding(
         kind=kind,
         series=status.spec.name,
@@ -92,7 +89,7 @@ def build_finding(
         first_step=status.first_step if status.first_step is not None else status.step,
         updated_step=status.step,
         summary=summary,
-        headline=headline(facts),
+        headline=_headline(status, kind, rate, holder, oom),
         added_at=added_at(culprits[0].holder) if culprits else None,
         device=status.spec.device,
         culprits=tuple(culprits),
@@ -105,6 +102,16 @@ def build_finding(
         group=status.spec.group,
         host_bytes_per_step=host if active else None,
     )
+
+
+def _headline(status: TrackStatus, kind: str, rate: str | None, holder: str | None, oom: str | None) -> str:
+    """The state change's line: an active finding's rate, holder, onset and out-of-memory (``rate``
+    given), or that its growth stopped, and why."""
+    facts = Facts(kind=kind, state=status.state_name or "suspected", where=_where(status.spec.device, status.phase),
+                  stopped=None if rate is not None else status.verdict.reason)
+    if rate is not None:
+        facts = dataclasses.replace(facts, rate=rate, holder=holder, onset_step=status.onset_step, out_of_memory=oom)
+    return headline(facts)
 
 
 def _stated_host(host_bytes_per_step: float | None, slope: float) -> float | None:

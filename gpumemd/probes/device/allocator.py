@@ -165,6 +165,31 @@ def touched(stats: Mapping[str, Any]) -> bool:
     return bool(stats.get("reserved_bytes.all.peak", 0) or stats.get("segment.all.allocated", 0))
 
 
+def _why_cuda_never(torch: Any, *, counting: bool) -> str | None:
+    """Why CUDA can never come up in this process, if it cannot; ``counting``: torch's device count may
+    be read to tell."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        return "this torch is a CPU build"
+    # Not torch.cuda.is_available(): without PYTORCH_NVML_BASED_CUDA_CHECK it calls
+    # cudaGetDeviceCount, which initialises the driver in this process and poisons fork for
+    # DataLoader workers. device_count() asks NVML while CUDA is not initialised.
+    if counting and not counting_initialises_cuda(os.environ.get("CUDA_VISIBLE_DEVICES")) \
+            and torch.cuda.device_count() == 0:
+        return "no CUDA device is visible to this process"
+    return None
+
+
+def _torch_importable(health: ProbeHealth) -> bool:
+    """A broken install (torch missing, or its native libraries failing to load) leaves the probe
+    absent, saying why; the job's own ``import torch`` reports the install."""
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - whatever the import raises
+        health.absent(f"torch cannot be imported ({type(exc).__name__}: {exc})")
+        return False
+    return True
+
+
 def _no_stats(device: int) -> Mapping[str, Any]:
     return {}
 
@@ -194,40 +219,31 @@ class AllocatorProbe:
         self.health = ProbeHealth("allocator")
         # A read is ``parse_fn(raw_fn(device))``: torch's nested dict picked apart (``flat_from_nested``),
         # or a given ``stats_fn``'s dict as it is. Quick step ends take the raw part now, the rest later.
+        if None in (stats_fn, is_initialized, device_count, backend_fn) and not _torch_importable(self.health):
+            stats_fn, is_initialized = stats_fn or _no_stats, is_initialized or _never_up  # absent: said why
+            device_count, backend_fn = device_count or int, backend_fn or str
         raw_fn: Callable[[int], Any] | None = stats_fn
         parse_fn: Callable[[Any], Mapping[str, Any]] | None = None
         self._never = False  # CUDA can never come up here: read() returns at once
         if stats_fn is None or is_initialized is None or device_count is None or backend_fn is None:
-            try:
-                import torch
-            except Exception as exc:  # noqa: BLE001 - a broken install: the job's own import says so, not us
-                self.health.absent(f"torch cannot be imported ({type(exc).__name__}: {exc})")
-                self._never = True
-                raw_fn, is_initialized = raw_fn or _no_stats, is_initialized or _never_up
-                device_count, backend_fn = device_count or int, backend_fn or str
-            else:
-                # Not torch.cuda.is_available(): without PYTORCH_NVML_BASED_CUDA_CHECK it calls
-                # cudaGetDeviceCount, which initialises the driver in this process and poisons fork for
-                # DataLoader workers. device_count() asks NVML while CUDA is not initialised.
-                if torch.version.cuda is None and torch.version.hip is None:
-                    self.health.absent("this torch is a CPU build")
-                    self._never = stats_fn is None and is_initialized is None
-                elif device_count is None and not counting_initialises_cuda(os.environ.get("CUDA_VISIBLE_DEVICES")) \
-                        and torch.cuda.device_count() == 0:
-                    self.health.absent("no CUDA device is visible to this process")
-                    self._never = stats_fn is None and is_initialized is None
-                if raw_fn is None:
-                    memory = torch.cuda.memory
+            import torch
 
-                    def nested(device: int) -> Any:  # looked up at each call: tests on CPU patch it
-                        return memory.memory_stats_as_nested_dict(device)
+            never = _why_cuda_never(torch, counting=device_count is None)
+            if never is not None:
+                self.health.absent(never)
+                self._never = stats_fn is None and is_initialized is None
+            if raw_fn is None:
+                memory = torch.cuda.memory
 
-                    raw_fn, parse_fn = nested, flat_from_nested
-                is_initialized = is_initialized or torch.cuda.is_initialized
-                device_count = device_count or torch.cuda.device_count
-                backend_fn = backend_fn or torch.cuda.memory.get_allocator_backend
-                cap_fn = cap_fn or torch_cap_reader(torch)
-                current_device = current_device or torch.cuda.current_device
+                def nested(device: int) -> Any:  # looked up at each call: tests on CPU patch it
+                    return memory.memory_stats_as_nested_dict(device)
+
+                raw_fn, parse_fn = nested, flat_from_nested
+            is_initialized = is_initialized or torch.cuda.is_initialized
+            device_count = device_count or torch.cuda.device_count
+            backend_fn = backend_fn or torch.cuda.memory.get_allocator_backend
+            cap_fn = cap_fn or torch_cap_reader(torch)
+            current_device = current_device or torch.cuda.current_device
         assert raw_fn is not None  # given, or torch's
         self._raw_fn: Callable[[int], Any] = raw_fn
         self._parse_fn = parse_fn
