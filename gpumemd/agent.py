@@ -20,7 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumemd.agent_announce import exit_line, say, start_facts, warn_output
+from gpumemd.agent_announce import exit_line, say, say_exit, start_facts, warn_output
 from gpumemd.announce import start_line
 from gpumemd.component_set import ComponentSet
 from gpumemd.components.base import Serving, TakesCensus
@@ -182,7 +182,7 @@ class Agent:
                 probe.close()
         atexit.unregister(self._stop_at_exit)
         if summary is not None:
-            say(summary, rank=self.state().identity.rank, quiet=self.config.quiet)
+            say_exit(summary, self.state(), quiet=self.config.quiet)
 
     def _stop_at_exit(self) -> None:
         self.stop(ending_at_exit())  # an uncaught exception, Ctrl-C, or a normal exit

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gpumemd.announce import StartFacts, emit, exit_summary
+from gpumemd.probes.process.identity import rank_prefix
 
 if TYPE_CHECKING:
     from gpumemd.output_dir import SettledOutput
@@ -44,6 +45,18 @@ def say(line: str, *, rank: int, quiet: bool) -> None:
         log.debug("%s", line)
         return
     emit(line)
+
+
+def say_exit(line: str, state: AgentState, *, quiet: bool) -> None:
+    """The exit summary speaks for its own rank, and says which in a multi-process job. A rank other
+    than 0 says it too when it has news (a live finding, an OOM report): rank 0's "no leak found" was
+    the last word on a torchrun job whose rank 1 leaked. A job of many healthy ranks still prints one."""
+    identity = state.identity
+    news = bool(state.reports) or any(f.state != "cleared" for f in state.findings)
+    if quiet or (identity.rank != 0 and not news):
+        log.debug("%s", line)
+        return
+    emit(rank_prefix(identity) + line.removeprefix("gpumemd"))
 
 
 def warn_output(settled: SettledOutput, *, rank: int, quiet: bool) -> None:

@@ -179,3 +179,25 @@ def test_without_logging_the_lines_go_to_stderr_around_the_job(tmp_path: Path) -
                            capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0 and quiet.stdout == "trained\n"
     assert "gpumemd:" not in quiet.stderr
+
+
+def test_each_rank_says_its_own_exit_line_when_it_has_news(caplog: pytest.LogCaptureFixture) -> None:
+    """torchrun, rank 1 leaking: rank 0's "no leak found" was the last word on the job, and rank 1 said
+    nothing at exit. Each line now says its rank; a healthy rank other than 0 stays silent."""
+    from gpumemd.agent_announce import say_exit
+
+    leaking = [_finding("confirmed", "s", holder="`stash` in main() at ddp.py:10")]
+    said = []
+    for rank, findings in ((0, []), (1, leaking), (2, [])):
+        state = _state(identity=Identity(rank=rank, world_size=3), findings=findings)
+        with caplog.at_level(logging.INFO, logger="gpumemd.status"):
+            caplog.clear()
+            say_exit(exit_summary(state, "/out"), state, quiet=False)
+        said += [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert [line.split(": ", 1)[0] for line in said] == ["gpumemd[rank 0/3]", "gpumemd[rank 1/3]"], said
+    assert "no leak found" in said[0] and "1 leak finding: tensor leak held by `stash`" in said[1]
+    alone = _state()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpumemd.status"):
+        say_exit(exit_summary(alone, "/out"), alone, quiet=False)
+    assert [r.getMessage() for r in caplog.records] == [exit_summary(alone, "/out")]  # one process: as it was
