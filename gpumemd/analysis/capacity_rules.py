@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpumemd.analysis.breakdown import fmt
+from gpumemd.analysis.leak_headline import short_path
 from gpumemd.analysis.suggestion_facts import Facts, Rule
 from gpumemd.records.census import TensorEntry
 from gpumemd.records.oom import Suggestion
@@ -57,7 +58,8 @@ def capacity(facts: Facts) -> Capacity | None:
 
 def _tensor_words(entry: TensorEntry) -> str:
     shape = ", ".join(str(d) for d in entry.shape)
-    return f"{entry.holder or entry.name or 'the tensor'} ({entry.dtype.removeprefix('torch.')}[{shape}])"
+    who = short_path(entry.holder) if entry.holder else entry.name  # the report's table has the whole path
+    return f"{who or 'the tensor'} ({entry.dtype.removeprefix('torch.')}[{shape}])"
 
 
 def smaller_batch(facts: Facts) -> list[Suggestion]:

@@ -49,6 +49,8 @@ _ADDED_DIRS = re.compile(r"(?<=ed at )[^\s,()→]*/(?=[^/\s,()→]+:\d+)")  # "a
 _ADDED_FILE = re.compile(r"(?<=ed at )[^/\s,()→]+:(?=\d+)")  # "appended at train.py:57" -> "appended at line 57"
 _ADDED_LINE = re.compile(r", (?:" + "|".join(VERBS) + r") at (line )?[^\s,()→]*\d+")
 _BARE_CONTAINER = re.compile(r"( → (list|dict|tuple|set|deque|OrderedDict|defaultdict))+$")
+# What a path the climb's bounds cut says of itself (``probes.holding.holders``): the name before it stands
+_CUT = re.compile(r"(, a finished frame)? \(path cut at depth \d+\)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +103,8 @@ def holder_words(culprits: Sequence[Culprit], sites: Sequence[str]) -> str | Non
 def short_path(holder: str) -> str:
     """A holder path without the sizes and counts it had when found, nor a bare container type
     at its end ("`kept` in main() at train.py:12 → list of 1,204 items" → "`kept` in main() at
-    train.py:12")."""
+    train.py:12"), nor what a cut path says of itself ("..., a finished frame (path cut at depth 6)")."""
+    holder = _CUT.sub("", holder)
     for pattern in _SIZES:
         holder = pattern.sub("", holder)
     return _BARE_CONTAINER.sub("", holder)

@@ -61,6 +61,10 @@ def test_a_long_holder_keeps_the_line_that_adds_to_it() -> None:
 def test_sizes_stay_out_of_the_line_and_the_exit_mention() -> None:
     assert short_path("`kept` in main() at train.py:12 → list of 1,204 items") == "`kept` in main() at train.py:12"
     assert short_path("trainer.stats.window (deque of 512)") == "trainer.stats.window (deque)"
+    # a cut path's note of itself stays in the summary and the report's table, not in a sentence
+    assert short_path("`x` in train() at train.py:13, a finished frame (path cut at depth 6)") == \
+        "`x` in train() at train.py:13"
+    assert short_path("TrainerState.history → list of 2 items (path cut at depth 3)") == "TrainerState.history"
     assert (holder_words((Culprit("float32[]", 1, 4, holder="the autograd graph (3,001 nodes) of float32[], held by "
                                                             "`losses`"),), ())
             == "kept alive by the autograd graph of float32[], held by `losses`")
