@@ -34,16 +34,20 @@ JOB = textwrap.dedent(f"""
 """)
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: Any) -> tuple[dict[str, Any], str]:
-    root = tmp_path_factory.mktemp("capacity")
-    (root / "job.py").write_text(JOB)
+def _run(root: Any, job: str) -> tuple[dict[str, Any], str]:
+    """``job`` under ``gpumemd run`` at defaults in ``root``: its one OOM report's json and markdown."""
+    (root / "job.py").write_text(job)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}  # defaults
     proc = subprocess.run([sys.executable, "-m", "gpumemd", "run", "--output-dir", str(root / "out"), "job.py"],
                           cwd=root, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 1 and "DefaultCPUAllocator: can't allocate memory" in proc.stderr, proc.stderr[-2000:]
     (path,) = sorted((root / "out").glob("oom-*"))
     return json.loads((path / "report.json").read_text()), (path / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: Any) -> tuple[dict[str, Any], str]:
+    return _run(tmp_path_factory.mktemp("capacity"), JOB)
 
 
 def test_the_largest_tensor_is_named_by_the_module_global(report: tuple[dict[str, Any], str]) -> None:
@@ -79,13 +83,7 @@ TRAINED_FIRST = JOB.replace("y = model(x)", textwrap.dedent("""\
 def test_after_steps_the_largest_tensor_is_still_named(tmp_path: Any) -> None:
     """The census at the OOM looks up holders for the groups that grew since the census before it, and
     then for the largest: ``x`` grew by nothing since the step's census, and went unnamed ("-")."""
-    (tmp_path / "job.py").write_text(TRAINED_FIRST)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMEMD_")}  # defaults
-    proc = subprocess.run([sys.executable, "-m", "gpumemd", "run", "--output-dir", str(tmp_path / "out"), "job.py"],
-                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 1 and "DefaultCPUAllocator: can't allocate memory" in proc.stderr, proc.stderr[-2000:]
-    (path,) = sorted((tmp_path / "out").glob("oom-*"))
-    doc = json.loads((path / "report.json").read_text())
+    doc, _ = _run(tmp_path, TRAINED_FIRST)
     assert doc["step"] is not None and doc["step"] >= 29, doc["step"]
     top = doc["tensors"]["top"][0]
     assert top["shape"] == [ROWS, 1024] and top["holder"] == "module global `__main__.x`", top
