@@ -97,10 +97,12 @@ def rank_lines(r: dict[str, Any], width: int) -> list[tuple[str, str]]:
     lines += [(_memory(line, width), "") for line in r["memory"]]
     workers = r["workers"] or {}
     if workers.get("count"):
-        lines.append((f"  workers {workers['count']} child processes (DataLoader), RSS "
+        # every child of the job (DataLoader workers, and a `sleep` it started as well): not named as workers
+        count = workers["count"]
+        lines.append((f"  workers {count} child process{'es' if count != 1 else ''}, RSS "
                       f"{fmt_bytes(workers.get('rss_bytes'))}", ""))
     elif r["workers"]:
-        lines.append(("  workers none (no DataLoader worker processes)", ""))
+        lines.append(("  workers none (no child processes)", ""))
     if r["tensor_groups"]:
         lines.append((f"  largest tensor groups (census at step {r['census_step']}):", ""))
     lines += [(f"    {fmt_bytes(g['bytes']):>11}  {g['tensors']}  {g['category']}"

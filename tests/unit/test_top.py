@@ -95,7 +95,7 @@ def test_once_and_json_print_one_frame(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["top", "--once", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "rank 0  RUNNING" in text and "allocated 30.00 GiB  reserved 34.00 GiB  peak 36.00 GiB" in text
-    assert "workers 4 child processes" in text and "held by list `kept`" in text
+    assert "workers 4 child processes, RSS " in text and "held by list `kept`" in text  # any child: not "DataLoader"
     assert "held by `kept`\\x1b[2J" in text and "\x1b" not in text  # escaped, and no colour off a terminal
     assert main(["top", "--json", str(tmp_path)]) == 0
     [rank] = json.loads(capsys.readouterr().out)["ranks"]
