@@ -182,7 +182,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_leak_seconds_to_oom", ("kind", "device"),
        "Seconds until out-of-memory at the current slope (or host RSS's growth, as steps_to_oom): the "
        "finding's own time to OOM, as its line, the exit summary and gpumemd report say it (else its steps "
-       "at the job's typical step time; absent without either).", "Finding.hours_to_oom x 3600, else Finding.steps_to_oom x Agent.seconds_per_step"),
+       "at the job's typical step time; absent without either).",
+       "Finding.hours_to_oom x 3600, else Finding.steps_to_oom x Agent.seconds_per_step"),
     _g("gpumemd_leak_workers_slope_bytes_per_step", ("kind", "device"),
        "Growth per step of the job's child processes (DataLoader workers) when a leak finding is on them, "
        "all of them together.", "Finding.slope_bytes_per_step of the workers_rss_bytes series"),
