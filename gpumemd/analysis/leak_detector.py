@@ -49,6 +49,7 @@ from gpumemd.analysis.leak_verdicts import (
     NEAR_OOM_RESTS,
     UNCOVERED,
     explained_at_rest,
+    explainer_raised_since,
     knee_verdict,
     lent_verdict,
     with_reason,
@@ -273,7 +274,8 @@ class LeakDetector:
         last = track.last_status
         checks = NEAR_OOM_EVERY if track.spec.name in self.near_oom else CONFIRMED_EVERY
         if (track.state is LeakState.CONFIRMED and last is not None and not track.consecutive_fail
-                and step - last.step < checks * self.check_every):
+                and step - last.step < checks * self.check_every
+                and not explainer_raised_since(self._tracks, track, last.phase, last.step)):
             return dataclasses.replace(last, changed=False)
         return None
 

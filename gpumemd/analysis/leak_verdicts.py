@@ -41,11 +41,24 @@ def explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, pha
         return False
     if step - track.tested_at >= CONFIRMED_EVERY * check_every:
         return False
+    return any(other.state is LeakState.CONFIRMED for other in _explainers(tracks, track, phase))
+
+
+def explainer_raised_since(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: float) -> bool:
+    """Was a finding on a series that explains ``track`` raised after ``step`` (its last full test), and
+    is it still active? A confirmed track (host RSS, confirmed first: it is dense, the tensors are
+    counted at scans) rests between re-tests; the finding that explains it must end that rest, or
+    two findings of one leak stood side by side for ten checks, thousands of steps while tracking."""
+    return any(other.state is not None and other.state.active and other.first_step is not None
+               and other.first_step > step for other in _explainers(tracks, track, phase))
+
+
+def _explainers(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str) -> list[Track]:
+    """The tracks of ``phase`` whose series explain ``track``'s (``SeriesSpec.explained_by``, "name*" a prefix)."""
     exact = {name for name in track.spec.explained_by if not name.endswith("*")}
     prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))
-    return any(key[1] == phase and other.state is LeakState.CONFIRMED
-               and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))
-               for key, other in tracks.items())
+    return [other for key, other in tracks.items()
+            if key[1] == phase and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))]
 
 
 UNCOVERED = Verdict(False, "history shorter than a window", NO_SLOPE, 1.0)

@@ -441,3 +441,39 @@ def test_a_confirmed_leak_rests_between_re_tests_less_when_its_oom_is_near(near_
                 tested.append(step)
     every = (NEAR_OOM_EVERY if near_oom else CONFIRMED_EVERY) * (tracking_every or CONFIG.check_every_steps)
     assert len(tested) >= 3 and all(b - a == every for a, b in itertools.pairwise(tested[1:])), tested
+
+
+def test_a_confirmed_series_is_re_tested_once_a_finding_that_explains_it_is_raised() -> None:
+    # Host RSS is dense, the tensors under it are counted at scans: host RSS can be confirmed first. Its
+    # finding rests CONFIRMED_EVERY checks (2,000 steps while tracking spaces the checks 200 apart), and a
+    # tensor finding raised meanwhile did not end the rest: two findings of one leak stood side by side
+    # to the end of a 3,000-step run (tests/integration/test_leak_host_growth.py, flaky under load).
+    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
+    host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
+    grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
+                       unit_bytes=MIB)
+    for spec in (host, grows):
+        detector.add_series(spec)
+    slopes = {host.name: 16 * KIB, grows.name: 0.1}
+    host_confirmed = raised = None
+    host_tests: list[int] = []
+    for step in range(4000):
+        detector.observe(host.name, step, BASE + max(0, step - 299) * MIB)
+        if step % 50 == 0 and step >= 700:  # its group's counts seen from here on (a scan interval late)
+            detector.observe(grows.name, step - 50, step - 50 - 299)
+        if not detector.due(step):
+            continue
+        for status in detector.evaluate(step, slopes):
+            if status.spec.name == host.name and status.state_name == "confirmed" and host_confirmed is None:
+                host_confirmed = step
+                detector.check_every = 200  # the component tracks the confirmed finding
+            if status.spec.name == grows.name and status.changed and status.state_name == "suspected":
+                raised = step
+        host_track = next(t for key, t in detector._tracks.items() if key[0] == host.name)
+        if raised is not None and host_track.tested_at == step:
+            host_tests.append(step)
+    assert host_confirmed is not None and raised is not None and raised > host_confirmed, (host_confirmed, raised)
+    assert raised + 200 < host_confirmed + CONFIRMED_EVERY * 200  # its rest had not ended on its own by then
+    assert host_tests and host_tests[0] <= raised + 200, (raised, host_tests)  # re-tested at the next check
+    host_track = next(t for key, t in detector._tracks.items() if key[0] == host.name)
+    assert host_track.state is not LeakState.CONFIRMED, host_track.last_status  # withdrawn: explained
