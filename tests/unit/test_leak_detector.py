@@ -384,19 +384,24 @@ def test_bytes_no_count_explains_are_held_one_check_then_their_own_finding(unit_
     assert "tensors{device=cpu,group=float32[8]}" not in {name for _, name, _ in held}
 
 
-@pytest.mark.parametrize("tracking_every", [None, 200])
-def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests(tracking_every: int | None) -> None:
-    # Host RSS rising with a confirmed tensor leak is that leak's growth: its O(n²) window tests run at
-    # every CONFIRMED_EVERY-th check, as the confirmed finding's own do, not at every check while the leak lasts.
-    # While the component spaces the checks further (tracking: ``check_every``), still every CONFIRMED_EVERY-th
-    # check: at 200 steps a check, a rest counted in steps (500) re-tested at every check.
+def _host_explained_by_a_count() -> tuple[LeakDetector, SeriesSpec, SeriesSpec, dict[str, float]]:
+    """A detector with host RSS and the count series of 1 MiB tensors that explains it, and their slopes."""
     detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
     host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
     grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
                        unit_bytes=MIB)
     for spec in (host, grows):
         detector.add_series(spec)
-    slopes = {host.name: 16 * KIB, grows.name: 0.1}
+    return detector, host, grows, {host.name: 16 * KIB, grows.name: 0.1}
+
+
+@pytest.mark.parametrize("tracking_every", [None, 200])
+def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests(tracking_every: int | None) -> None:
+    # Host RSS rising with a confirmed tensor leak is that leak's growth: its O(n²) window tests run at
+    # every CONFIRMED_EVERY-th check, as the confirmed finding's own do, not at every check while the leak lasts.
+    # While the component spaces the checks further (tracking: ``check_every``), still every CONFIRMED_EVERY-th
+    # check: at 200 steps a check, a rest counted in steps (500) re-tested at every check.
+    detector, host, grows, slopes = _host_explained_by_a_count()
     confirmed_at, host_tests = None, []
     steps = 2000 if tracking_every is None else 8000
     for step in range(steps):
@@ -448,13 +453,7 @@ def test_a_confirmed_series_is_re_tested_once_a_finding_that_explains_it_is_rais
     # finding rests CONFIRMED_EVERY checks (2,000 steps while tracking spaces the checks 200 apart), and a
     # tensor finding raised meanwhile did not end the rest: two findings of one leak stood side by side
     # to the end of a 3,000-step run (tests/integration/test_leak_host_growth.py, flaky under load).
-    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
-    host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
-    grows = SeriesSpec("tensors{device=cpu,group=float32[262144]}", "tensor_leak", CPU, sparse=True, unit="tensors",
-                       unit_bytes=MIB)
-    for spec in (host, grows):
-        detector.add_series(spec)
-    slopes = {host.name: 16 * KIB, grows.name: 0.1}
+    detector, host, grows, slopes = _host_explained_by_a_count()
     host_confirmed = raised = None
     host_tests: list[int] = []
     for step in range(4000):
