@@ -141,12 +141,15 @@ def _where(device: Device | None, phase: str) -> str | None:
     return ", ".join(parts) or None
 
 
-def _count_rate(unit: str, per_step: float, slope: float, host: float | None = None) -> str:
+def _count_rate(unit: str, per_step: float, slope: float, host: float | None = None, more: str = "") -> str:
     """"+1 tensor/step (~2.0 KiB/step)": a count series' rate, with its bytes when they are one or more,
-    and host RSS's growth with it ("~256 B/step, host RSS +30.1 KiB/step") when that is stated."""
+    and host RSS's growth with it ("~256 B/step, host RSS +30.1 KiB/step") when that is stated; ``more``
+    ("2 groups") last in the same parentheses."""
     rate = units_per_step(per_step, _UNIT_NOUNS.get(unit, unit))
-    host_words = f", host RSS +{format_bytes(host)}/step" if host else ""
-    return f"{rate} (~{format_bytes(slope)}/step{host_words})" if slope >= 1 else rate
+    inside = [f"~{format_bytes(slope)}/step" + (f", host RSS +{format_bytes(host)}/step" if host else "")] \
+        if slope >= 1 else []
+    inside += [more] if more else []
+    return f"{rate} ({', '.join(inside)})" if inside else rate
 
 
 def _growth_parts(status: TrackStatus, per_step: float, slope: float, bytes_per_unit: float,
@@ -257,9 +260,8 @@ def cause_finding(members: Sequence[Finding], *, state: str, holder: str | None)
         parts.append(f"out of memory in {projected}")
     summary = ", ".join(parts) + "".join("; " + _group_sentence(m) for m in ranked if m.culprits)
     shared = (dataclasses.replace(culprits[0], holder=holder),) if culprits and holder else culprits
-    facts = Facts(kind=lead.kind, state=state, rate=f"{rate[:-1]}, {len(active)} groups)" if rate.endswith(")")
-                  else f"{rate} ({len(active)} groups)",
-                  where=where, holder=holder_words(shared, ()), onset_step=onset, out_of_memory=oom)
+    facts = Facts(kind=lead.kind, state=state, where=where, holder=holder_words(shared, ()), onset_step=onset,
+                  rate=_count_rate("tensors", per_step, slope, host, f"{len(active)} groups"), out_of_memory=oom)
     return dataclasses.replace(
         lead, state=state, slope_bytes_per_step=slope, slope_low=sum(m.slope_low for m in active),
         slope_high=sum(m.slope_high for m in active), onset_step=onset,

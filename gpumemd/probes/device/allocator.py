@@ -219,12 +219,13 @@ class AllocatorProbe:
         self.health = ProbeHealth("allocator")
         # A read is ``parse_fn(raw_fn(device))``: torch's nested dict picked apart (``flat_from_nested``),
         # or a given ``stats_fn``'s dict as it is. Quick step ends take the raw part now, the rest later.
-        if None in (stats_fn, is_initialized, device_count, backend_fn) and not _torch_importable(self.health):
-            stats_fn, is_initialized = stats_fn or _no_stats, is_initialized or _never_up  # absent: said why
+        no_torch = None in (stats_fn, is_initialized, device_count, backend_fn) and not _torch_importable(self.health)
+        if no_torch:  # absent, said why: nothing is read (``_never``), these only stand in for torch's
+            stats_fn, is_initialized = stats_fn or _no_stats, is_initialized or _never_up
             device_count, backend_fn = device_count or int, backend_fn or str
         raw_fn: Callable[[int], Any] | None = stats_fn
         parse_fn: Callable[[Any], Mapping[str, Any]] | None = None
-        self._never = False  # CUDA can never come up here: read() returns at once
+        self._never = no_torch  # CUDA can never come up here: read() returns at once
         if stats_fn is None or is_initialized is None or device_count is None or backend_fn is None:
             import torch
 
