@@ -211,8 +211,9 @@ def render(est: Estimate, traced: TraceResult | None = None) -> str:
         lines.append(f"{name:<26}{fmt_bytes(analytic):>14}" + (f"{fmt_bytes(exact):>14}" if traced else ""))
     subtotal = f"before activations (weights + gradients + optimizer state): {fmt_bytes(est.before_activations_bytes)}"
     if est.zero_stage == 0 and est.offload == "none" and est.params:  # per-param figures only when unsharded
-        subtotal += (f" per GPU, {est.before_activations_bytes / est.params:.1f} B/param "
-                     f"({est.before_activations_bytes / 1e9:,.1f} GB)")
+        subtotal += f" per GPU, {est.before_activations_bytes / est.params:.1f} B/param"
+        if est.before_activations_bytes >= 1e9:  # the decimal figure people quote ("16 B/param: 112 GB")
+            subtotal += f" ({est.before_activations_bytes / 1e9:,.1f} GB)"
     else:
         subtotal += " per GPU (sharded / offloaded)"
     lines.append(subtotal)

@@ -146,6 +146,38 @@ def test_the_graph_walk_in_slices_charges_what_one_walk_charges() -> None:
     del losses
 
 
+def test_a_graph_slice_in_a_step_end_ends_with_the_step_ends_pause() -> None:
+    """Nodes cost 7-35 µs by machine and model, so a node bound alone does not bound the pause: a
+    slice takes no further root once the step end has paid ``pause_s``, and misses none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    losses = [model(torch.randn(4, 16)).pow(2).mean() for _ in range(300)]
+    clock = ManualClock(now=0.0)
+    began = [0.0]
+
+    def tick() -> float:  # each root's walk "costs" 1 ms: the stop check is one clock read per root
+        clock.now += 0.001
+        return clock.now
+
+    request = CensusRequest(holders=0, graph_slice_nodes=None, pause_s=0.2, slice_started=lambda: began[0],
+                            clock=tick)
+    census = census_steps(request, models=[model])
+    paid: list[float] = []
+    try:
+        while True:
+            began[0] = clock.now  # a new step end
+            next(census)
+            paid.append(clock.now - began[0])
+    except StopIteration as done:
+        sliced = done.value
+    walking = [p for p in paid if p > 0]  # the graph slices: 300 roots at 1 ms in 0.2 s pauses
+    assert len(walking) >= 2 and max(walking) <= 0.2 + 0.002, paid  # one root past the pause at most
+    whole = _graph_census(None, model)
+    assert not sliced.graph_truncated
+    assert sliced.bytes_by_category()["graph"] == whole.bytes_by_category()["graph"]
+    del losses
+
+
 def test_a_graph_larger_than_a_slice_is_walked_that_far_and_said_to_be_cut() -> None:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(16, 256))

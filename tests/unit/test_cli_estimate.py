@@ -123,6 +123,8 @@ def test_subtotal_before_activations_is_printed_and_returned(capsys: pytest.Capt
            "(112.0 GB)" in capsys.readouterr().out
     assert main([*argv, "--gpus", "8", "--zero", "3"]) == 0
     assert "per GPU (sharded / offloaded)" in capsys.readouterr().out
+    assert main(["estimate", "--params", "2e6", "--optimizer", "adamw"]) == 0
+    assert "30.52 MiB per GPU, 16.0 B/param\n" in capsys.readouterr().out  # no "(0.0 GB)"
 
 
 def test_explain_says_what_each_row_is_and_why_the_peak_adds_it(capsys: pytest.CaptureFixture[str]) -> None:

@@ -154,6 +154,17 @@ def test_errors_are_trace_errors_naming_the_problem() -> None:
     assert parse_shape("32, 100") == (32, 100)
 
 
+def test_token_id_models_get_the_dtype_that_fixes_them_and_torchs_short_names_work() -> None:
+    hint = r"Long, Int.*\(it takes integer inputs such as token ids: pass --input-dtype int64\)"
+    with pytest.raises(TraceError, match=hint):
+        trace_model(em.gpt, (4, 32), optimizer="adam")
+    long = trace_model(em.gpt, (4, 32), input_dtype="long", optimizer="adam")
+    assert long == trace_model(em.gpt, (4, 32), input_dtype="int64", optimizer="adam")
+    with pytest.raises(TraceError) as raised:
+        trace_model(em.broken, (4, 32))  # an error not about integer inputs gets no such hint
+    assert "--input-dtype" not in str(raised.value)
+
+
 def saved_in_real_step(model: torch.nn.Module, x: torch.Tensor, autocast: bool = False) -> int:
     counter = SavedTensorCounter(exclude=[*model.parameters(), *model.buffers()])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), counter:

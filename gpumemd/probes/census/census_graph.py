@@ -48,14 +48,17 @@ class GraphCharge:
         self.kept: dict[int, tuple[StorageRecord, int]] = {}  # counted saved storage -> the root whose graph saved it
         self.reached = 0  # nodes reached over all slices
 
-    def walk(self, roots: list[Root], walk: GraphWalk) -> int | None:
-        """Walk ``roots`` (in index order) within ``walk``'s node bound; the index of the root whose
-        walk the bound cut, or None when every root was walked."""
+    def walk(self, roots: list[Root], walk: GraphWalk, stop: Callable[[], bool] | None = None) -> int | None:
+        """Walk ``roots`` (in index order) within ``walk``'s node bound, asking ``stop()`` before each
+        root but the first; the index of the root whose walk the bound cut or that ``stop`` left
+        unwalked, or None when every root was walked."""
         root_of_node: dict[int, int] = {}
         for i, _, grad_fn in roots:
             root_of_node.setdefault(id(grad_fn), i)
         try:
-            for i, record, root in roots:
+            for n, (i, record, root) in enumerate(roots):
+                if n and stop is not None and stop():
+                    return i  # the slice's time is up: the next slice begins at this root
                 earlier = walk.walked_by(root)
                 if earlier is not None:
                     self._absorb(i, into=earlier)  # an intermediate of an earlier root's graph

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from gpumemd.probes.census.census_graph import GraphCharge, Root
@@ -94,11 +95,12 @@ class CensusPass:
             self.pending = []
             self.position = 0
 
-    def charge(self, slice_nodes: int | None = None) -> bool:
+    def charge(self, slice_nodes: int | None = None, stop: Callable[[], bool] | None = None) -> bool:
         """Walk the autograd graphs of the counted tensors that still have one (``census_graph``),
-        at most ``slice_nodes`` nodes in this call (None: up to the census's bound); whether roots
-        are left for another call. A root whose walk a slice's bound cuts is a lower bound
-        (``graph_truncated``)."""
+        at most ``slice_nodes`` nodes in this call (None: up to the census's bound), and no further
+        root once ``stop()`` says so (the slice's time is up: a root's walk is never cut by it);
+        whether roots are left for another call. A root whose walk a slice's node bound cuts is a
+        lower bound (``graph_truncated``)."""
         charge = self._charge
         if charge is None:
             charge = self._charge = GraphCharge([record for record, _ in self.roots], self.counted, self.storages,
@@ -108,7 +110,7 @@ class CensusPass:
             bound = min(bound, slice_nodes)
         roots = self._live_roots(self._next_root)
         first = roots[0][0] if roots else None
-        cut = charge.walk(roots, GraphWalk(max(0, bound))) if roots and bound > 0 else None
+        cut = charge.walk(roots, GraphWalk(max(0, bound)), stop) if roots and bound > 0 else None
         roots.clear()
         if cut is not None:
             if cut == first:

@@ -62,8 +62,13 @@ CHUNK_RECORDS = 8_192
 """Storage records grouped between two yields (~0.4 µs each)."""
 
 GRAPH_SLICE_NODES = 10_000
-"""Autograd nodes walked in one slice of a census in step ends (~7 µs each: ~70 ms); a single graph
-larger than that is walked that far (its bytes a lower bound, ``graph_truncated``)."""
+"""Autograd nodes walked in one slice of a census in step ends at most (~7-35 µs each: 70-350 ms); a
+single graph larger than that is walked that far (its bytes a lower bound, ``graph_truncated``). The
+slice also ends at the step end's ``pause_s``, between two graphs (``GRAPH_SLICE_MIN_S``)."""
+
+GRAPH_SLICE_MIN_S = 0.02
+"""A graph slice in step ends walks this long at least before the step end's pause ends it: each
+slice resolves every root left (~1 µs each), so a slice must also make headway."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +142,7 @@ def census_steps(request: CensusRequest = CensusRequest(), *, models: Iterable[A
         more = request.graph and bool(census.roots)
         while more:
             yield None
-            more = census.charge(request.graph_slice_nodes)
+            more = census.charge(request.graph_slice_nodes, _graph_stop(request))
         records = census.records
         for i in range(0, len(records), CHUNK_RECORDS):
             if i:
@@ -166,14 +171,32 @@ def census_steps(request: CensusRequest = CensusRequest(), *, models: Iterable[A
                   graph_truncated=truncated, errors=errors)
 
 
+def _pause_left(request: CensusRequest) -> float | None:
+    """Seconds left of the step end's pause (``pause_s``) for a census in step ends, else None."""
+    if request.pause_s is None:
+        return None
+    clock = request.clock
+    paid_from = request.slice_started() if request.slice_started is not None else clock()
+    return request.pause_s - (clock() - paid_from)
+
+
 def _holders_budget(request: CensusRequest) -> float:
     """Seconds the holder lookups may take: ``HOLDERS_TIME_BUDGET_S``, less what the step end that runs
     them has paid already when the census runs in step ends (``pause_s``)."""
-    if request.pause_s is None:
-        return HOLDERS_TIME_BUDGET_S
+    left = _pause_left(request)
+    return HOLDERS_TIME_BUDGET_S if left is None else min(HOLDERS_TIME_BUDGET_S, left)
+
+
+def _graph_stop(request: CensusRequest) -> Callable[[], bool] | None:
+    """When a graph slice in step ends stops taking roots: at the end of the step end's pause, after
+    ``GRAPH_SLICE_MIN_S`` at least. Its node bound alone let a slice run 340 ms where nodes cost
+    ~35 µs (a GPT-2 in transformers' Trainer, leaking its losses, on a slow 2-core VM)."""
+    left = _pause_left(request)
+    if left is None:
+        return None
     clock = request.clock
-    paid_from = request.slice_started() if request.slice_started is not None else clock()
-    return min(HOLDERS_TIME_BUDGET_S, request.pause_s - (clock() - paid_from))
+    until = clock() + max(left, GRAPH_SLICE_MIN_S)
+    return lambda: clock() > until
 
 
 def _alive(held: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:

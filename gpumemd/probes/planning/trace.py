@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32"}
+"""torch's own short names (``torch.long`` is ``torch.int64``), which a user types as often."""
 TRACE_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed")
 TRACE_BACKENDS = ("meta", "fake-cpu")
 
@@ -243,6 +245,7 @@ def trace_model(
         raise TraceError(f"precision {precision!r} cannot be traced: expected one of {', '.join(TRACE_PRECISIONS)}")
     if backend not in TRACE_BACKENDS:
         raise TraceError(f"trace backend {backend!r} is not valid: expected one of {', '.join(TRACE_BACKENDS)}")
+    input_dtype = DTYPE_ALIASES.get(input_dtype, input_dtype)
     if input_dtype not in DTYPES:
         raise TraceError(f"input dtype {input_dtype!r} is not valid: expected one of {', '.join(DTYPES)}")
     if not input_shape or any(not isinstance(d, int) or d < 1 for d in input_shape):
@@ -303,7 +306,7 @@ def _trace(
     except Exception as exc:  # noqa: BLE001 - user code
         raise TraceError(
             f"the model failed {where} on an input of shape {tuple(input_shape)} ({input_dtype}): "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {exc}{_integer_input_hint(exc, dtype)}"
         ) from None
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     return TraceResult(
@@ -320,3 +323,11 @@ def _trace(
         optimizer=optimizer,
         precision=precision,
     )
+
+
+def _integer_input_hint(exc: Exception, dtype: Any) -> str:
+    """An embedding fed the default float input fails with torch's "... scalar types: Long, Int" message,
+    which does not say which option fixes it."""
+    if dtype.is_floating_point and "Long" in str(exc):
+        return " (it takes integer inputs such as token ids: pass --input-dtype int64)"
+    return ""
