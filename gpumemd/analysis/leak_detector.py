@@ -142,7 +142,14 @@ class LeakDetector:
             self._close_block(track, block)
 
     def _close_block(self, track: Track, block: int) -> None:
-        min_rise = self.config.min_bytes_per_step * max(block, 1) * 5
+        # A reset is a fall from a rise of 50 blocks of the least growth that matters, in bytes; a
+        # count series' (tensors) rise is a window's of its own least growth (5 tensors were its
+        # scans' noise). In bytes, a count series never had one, so an epoch's list of outputs,
+        # emptied at its end, never widened its window or bounded its next rise as a sawtooth.
+        if track.spec.unit == "bytes":
+            min_rise = self.config.min_bytes_per_step * max(block, 1) * 5
+        else:
+            min_rise = self._min_slope(track.spec) * self.config.window_steps
         track.add_floor(track.block_xsum / track.block_n, track.block_min, min_rise)
         track.block_min, track.block_n, track.block_xsum = math.inf, 0, 0.0
 
@@ -191,7 +198,7 @@ class LeakDetector:
     def _window_steps(self, track: Track) -> float:
         steps = float(self.config.window_steps)
         if track.resets:
-            steps = max(steps, 2.5 * max(track.resets))
+            steps = max(steps, 2.5 * track.longest_rise())
         return min(steps, float(self.config.long_window_steps))
 
     def _assess(self, xs: Sequence[float], ys: Sequence[float], min_slope: float, p_max: float | None = None,
@@ -208,6 +215,8 @@ class LeakDetector:
             return None
         if spec.name in self._held:
             return self._held_status(track, step, self._held[spec.name])
+        if track.released and track.state is not None and track.state.active:
+            return self._released(track, phase, step, min_slope)
         resting = self._resting(track, step)
         if resting is not None:
             return resting
@@ -236,6 +245,11 @@ class LeakDetector:
         track.tested_at = step
         verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope,
                                                       covered=covered or track.state is not None)
+        if verdict.passed and not active and track.below_reset_peaks(c.window_steps / 2):
+            # A sawtooth's period is not always known well enough to widen the window past a rise
+            # (scans 500 steps apart while tracking dated the first reset of a 1,200-step epoch at
+            # 702 steps), so a new episode's floor must also pass every peak a rise fell back from.
+            verdict = with_reason(verdict, "below the peak of an earlier rise that fell back")
         # The long window can only confirm: a confirmed track skips its O(n²) test (a finding that
         # lasts for days would pay it at every re-test).
         confirmed_long = (verdict.passed and track.state is not LeakState.CONFIRMED
@@ -248,13 +262,29 @@ class LeakDetector:
         if state is None:
             return None
         if state is not previous and state is LeakState.SUSPECTED:
-            track.onset = None  # a new episode
+            track.onset, track.released = None, False  # a new episode
         onset_step, growth = track.onset_and_growth()
         status = TrackStatus(
             spec=spec, phase=phase, state=state, changed=state is not previous, step=step,
             first_step=track.first_step, verdict=verdict, window_start=window_start,
             onset_step=onset_step, growth_bytes=growth, min_slope=min_slope,
         )
+        track.last_status = status
+        return status
+
+    def _released(self, track: Track, phase: str, step: int, min_slope: float) -> TrackStatus:
+        """An episode whose series fell back to its floor at the onset: cleared now. A leak never
+        returns there; an accumulation emptied now and then (a list of an epoch's outputs) does, and
+        rises again at the same slope, which alone read as a leak that goes on."""
+        track.state, track.released = LeakState.CLEARED, False
+        track.consecutive_pass = track.streak = track.consecutive_fail = 0
+        onset_step, _ = track.onset_and_growth()
+        last = track.last_status
+        where = f"at step {onset_step:,}" if onset_step is not None else "at its onset"
+        verdict = with_reason(last.verdict if last is not None else UNCOVERED, f"fell back to its level {where}")
+        status = TrackStatus(spec=track.spec, phase=phase, state=LeakState.CLEARED, changed=True, step=step,
+                             first_step=track.first_step, verdict=verdict, window_start=float(step),
+                             onset_step=onset_step, growth_bytes=0.0, min_slope=min_slope)
         track.last_status = status
         return status
 

@@ -48,11 +48,15 @@ class Track:
     consecutive_pass: int = 0
     streak: int = 0  # evaluations in a row whose window passed, explained or held ones included
     consecutive_fail: int = 0
-    # sawtooth bookkeeping: trough/peak since the last reset, and the lengths of past rises
+    released: bool = False  # an active episode's floor fell back to ``onset_value``: cleared at the next check
+    # sawtooth bookkeeping: trough/peak since the last reset, and (length, peak) of past rises
     trough: float = math.inf
     trough_x: float = 0.0
     peak: float = -math.inf
-    resets: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_RESETS))
+    peak_x: float = 0.0
+    fall: tuple[float, float, float, float] | None = None  # a sparse series' last rise to bound again
+    # (trough_x, trough, peak_x, peak)
+    resets: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_RESETS))
 
     def __post_init__(self, max_floors: int) -> None:
         self.floors = deque(maxlen=max_floors)
@@ -61,16 +65,41 @@ class Track:
         if self.floors and x < self.floors[-1][0]:
             self.ordered = False
         self.floors.append((x, y))
+        if self.onset is not None and y <= self.onset_value and self.state is not None and self.state.active:
+            self.released = True
+        if self.fall is not None and self.pending is not None:
+            self.resets[-1] = _rise_bounds(*self.fall, seen_by=self.pending[0])
+            self.fall = None
         rise = self.peak - self.trough
         if rise >= min_rise and y <= self.trough + 0.5 * rise:
             # The floor fell back most of the way: an accumulation that resets (metric list,
-            # epoch cache, gc of reference cycles). Remember how long it rose.
-            self.resets.append(max(x - self.trough_x, 1.0))
-            self.trough, self.trough_x, self.peak = y, x, y
+            # epoch cache, gc of reference cycles). Remember how long it rose, and how high.
+            # A sparse series' count is dated at the scan before the one that made it (what
+            # survived from there), so its fall was seen at a scan the detector learns of only with
+            # the next count, and the rise may have gone on until then: its length and peak are
+            # bounded again from there (``fall``). Dated by the floors alone, scans 250-500 steps
+            # apart while a finding was tracked put the fall of a 1,200-step epoch's list at 702
+            # steps and its peak 40% low, and the next epoch read as a new leak.
+            bounds = (self.trough_x, self.trough, self.peak_x, self.peak)
+            self.resets.append(_rise_bounds(*bounds, seen_by=x))
+            self.fall = bounds if self.pending is not None else None
+            self.trough, self.trough_x, self.peak, self.peak_x = y, x, y, x
             return
         if y < self.trough:
             self.trough, self.trough_x = y, x
-        self.peak = max(self.peak, y)
+        if y > self.peak:
+            self.peak, self.peak_x = y, x
+
+    def longest_rise(self) -> float:
+        """Steps the longest rise that fell back took (0 without one)."""
+        return max((length for length, _ in self.resets), default=0.0)
+
+    def below_reset_peaks(self, min_length: float) -> bool:
+        """Is the newest floor no higher than a rise of ``min_length`` steps or more that fell back
+        once reached? An accumulation emptied now and then rises to about the same peak each time; a
+        leak goes past it. (Shorter rises are noise, or sawtooths the window already spans.)"""
+        peaks = [peak for length, peak in self.resets if length >= min_length]
+        return bool(peaks and self.floors) and self.floors[-1][1] <= max(peaks)
 
     def window(self, now: int, steps: float, min_points: int) -> tuple[list[float], list[float]]:
         return thin(*self._points(now, steps, min_points))
@@ -141,6 +170,13 @@ class Track:
             return [], []
         xs, ys = zip(*pts, strict=True)
         return list(xs), list(ys)
+
+
+def _rise_bounds(trough_x: float, trough: float, peak_x: float, peak: float, *, seen_by: float,
+                 ) -> tuple[float, float]:
+    """(length, peak) of a rise that fell back, had it gone on at its slope until ``seen_by``."""
+    slope = (peak - trough) / max(peak_x - trough_x, 1.0)
+    return max(seen_by - trough_x, 1.0), peak + slope * max(0.0, seen_by - peak_x)
 
 
 def thin(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:

@@ -476,3 +476,59 @@ def test_a_confirmed_series_is_re_tested_once_a_finding_that_explains_it_is_rais
     assert host_tests and host_tests[0] <= raised + 200, (raised, host_tests)  # re-tested at the next check
     host_track = next(t for key, t in detector._tracks.items() if key[0] == host.name)
     assert host_track.state is not LeakState.CONFIRMED, host_track.last_status  # withdrawn: explained
+
+
+def _epoch_outputs(periods: int, *, period: int = 1_200, also_kept: float = 0.0, released_at: int | None = None,
+                   ) -> list[tuple[int, str | None, str]]:
+    """A count series as the component feeds it: Lightning's ``training_step_outputs`` (one tensor a
+    step, emptied at each epoch's end) plus ``also_kept`` tensors a step that are never let go, or a
+    plain list let go at ``released_at``. Scans every 50 steps, 250 while a finding is confirmed (the
+    component's tracking), each count dated at the scan before (the tensors alive there that survived
+    to this one). Returns the (step, state, reason) changes."""
+    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
+    spec = SeriesSpec("tensors{device=cpu,group=float32[]}", "tensor_leak", CPU, sparse=True, unit="tensors")
+    detector.add_series(spec)
+    slopes = {spec.name: 0.1}
+
+    def survivors(since: int, until: int) -> float:  # the tensors alive at ``since`` still alive at ``until``
+        if released_at is not None:
+            return 5 if until >= released_at else 5 + since
+        emptied = until // period > since // period
+        return 5 + int(also_kept * since) + (0 if emptied else since % period)
+
+    changes: list[tuple[int, str | None, str]] = []
+    last_scan, spacing, confirmed = 50, 50, False
+    for step in range(51, periods * period):
+        if step - last_scan >= spacing:
+            detector.observe(spec.name, last_scan, survivors(last_scan, step))
+            last_scan = step
+        if detector.due(step):
+            for status in detector.evaluate(step, slopes):
+                confirmed = status.state_name == "confirmed"
+                if status.changed:
+                    changes.append((step, status.state_name, status.verdict.reason))
+            spacing = 250 if confirmed else 50
+    return changes
+
+
+def test_an_epochs_list_emptied_at_its_end_is_cleared_once_and_then_stays_quiet() -> None:
+    # Lightning's documented pattern: within the first epoch, longer than the window, it cannot be told
+    # from a leak; its fall to the level it rose from clears it at once, and its peak (bounded for the
+    # scans tracking spaces apart) keeps the next seven epochs quiet. Before: confirmed, never cleared.
+    changes = _epoch_outputs(8)
+    assert [state for _, state, _ in changes] == ["suspected", "confirmed", "cleared"], changes
+    step, _, reason = changes[-1]
+    assert 1_200 < step <= 1_200 + 2 * 250 and reason == "fell back to its level at step 50", changes
+
+
+def test_a_leak_beside_an_epochs_list_is_still_found() -> None:
+    # Half a tensor a step kept for good: each epoch peaks higher than the one before, past its bound.
+    changes = _epoch_outputs(8, also_kept=0.5)
+    assert changes[-1][1] in ("suspected", "confirmed"), changes
+    assert any(step > 2_400 and state == "confirmed" for step, state, _ in changes), changes
+
+
+def test_a_leak_the_job_lets_go_is_cleared_at_the_next_check() -> None:
+    changes = _epoch_outputs(3, released_at=2_000)
+    assert [state for _, state, _ in changes] == ["suspected", "confirmed", "cleared"], changes
+    assert 2_000 < changes[-1][0] <= 2_000 + 2 * 250, changes
