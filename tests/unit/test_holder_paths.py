@@ -284,3 +284,33 @@ def test_a_suspended_generators_local_is_named() -> None:
     line = _line(LOCAL, [stream, stream.gi_frame.f_locals["produced"], t])
 
     assert line == "`kept` in train() at train.py:7 → local `produced` of generator `batches` → list of 2 items"
+
+
+class _Connector:
+    """A framework's object (its class says it is json's: not the job's code)."""
+
+
+_Connector.__module__ = "json"
+
+
+class OwnModule:
+    def __init__(self) -> None:
+        self.outputs: list[Any] = []
+
+
+def test_a_path_through_a_librarys_private_attributes_starts_at_the_jobs_object() -> None:
+    # Lightning: `t._data_connector._datahook_selector.model.training_step_outputs`, another time
+    # `t._accelerator_connector._strategy_flag._lightning_module...`: the job wrote neither.
+    trainer, own, t = _Connector(), OwnModule(), torch.zeros(3)
+    trainer._strategy = _Connector()  # type: ignore[attr-defined]
+    trainer._strategy.model = own  # type: ignore[attr-defined]
+    own.outputs.append(t)
+    chain = [trainer, _namespace(trainer), trainer._strategy, _namespace(trainer._strategy),  # type: ignore[attr-defined]
+             own, _namespace(own), own.outputs, t]
+    added = _line_of("    own.outputs.append(t)")
+    assert _line(LOCAL, chain) == f"OwnModule.outputs, appended at unit/test_holder_paths.py:{added} → list of 1 item"
+    public = _Connector()
+    public.model = own  # type: ignore[attr-defined]
+    # a public path is the job's word: kept as it is
+    assert _line(LOCAL, [public, _namespace(public), own, _namespace(own), own.outputs, t]) == \
+        "`kept.model.outputs` in train() at train.py:7 → list of 1 item"

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gpumemd.probes.holding.holder_roots import drop_locals_snapshot, where_added, where_assigned
+from gpumemd.probes.holding.holder_roots import drop_locals_snapshot, is_user_file, where_added, where_assigned
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
 _GROWABLE = (list, set, collections.deque, dict)
@@ -129,11 +130,46 @@ class _Writer:
 
 def render(root: Root, chain: Sequence[object]) -> HolderPath:
     """The path ``chain`` (root object first, the object looked up last) in one line, and its bound."""
+    start = _past_library_internals(chain)
+    if start:
+        cls = type(chain[start])
+        root, chain = Root(cls.__qualname__, "", "", source=_source_file(cls)), chain[start:]
     writer = _Writer(root)
     i = 0
     while i < len(chain) - 1:
         i += max(1, _hop(writer, chain, i))
     return writer.finish()
+
+
+def _past_library_internals(chain: Sequence[object]) -> int:
+    """Where a path that reaches the job's own object through a library's private attributes starts
+    instead: at that object, named by its class (0: where it starts). A Lightning module's list was
+    "`t._data_connector._datahook_selector.model.training_step_outputs`", through the Trainer's
+    internals, the next time "`t._accelerator_connector._strategy_flag._lightning_module...`"; it
+    is "M.training_step_outputs", the attribute the job's class M appends to."""
+    private = False
+    for i in range(len(chain) - 1):
+        parent = chain[i]
+        if private and _is_the_jobs(parent):
+            return i
+        if not isinstance(parent, (*_SELF_DESCRIBED, type, types.TracebackType)) and not _is_the_jobs(parent):
+            name, _ = _attribute(parent, chain[i + 1], chain[i + 2] if i + 2 < len(chain) else None)
+            private = private or (name is not None and name.startswith("_") and not name.startswith("__")
+                                  and name not in _MODULE_DICTS)
+    return 0
+
+
+def _is_the_jobs(obj: object) -> bool:
+    """An instance of a class the job's own code defines."""
+    if isinstance(obj, (*_SELF_DESCRIBED, type)):
+        return False
+    path = _source_file(type(obj))
+    return path is not None and is_user_file(path)
+
+
+def _source_file(cls: type) -> str | None:
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return path if isinstance(path, str) else None
 
 
 _SELF_DESCRIBED = (types.FrameType, types.FunctionType, types.MethodType, types.CellType, functools.partial,
