@@ -111,6 +111,25 @@ def test_parameters_are_named_from_the_root_module_found_in_the_scan() -> None:
     del model
 
 
+def test_a_compiled_model_is_named_as_the_model_names_its_parameters() -> None:
+    # torch.compile wraps the model as the child `_orig_mod` of an OptimizedModule (lazily: nothing is
+    # compiled until it is called). Names read "_orig_mod.0.weight", AdamW[_orig_mod.0.weight]... before.
+    model = nn.Sequential(nn.Linear(3, 17), nn.Linear(17, 2))
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(compiled.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+
+    registered = take_census(models=[compiled], optimizers=[opt], holders=0)
+    scanned = take_census(holders=0)  # nothing registered: the OptimizedModule is the root found
+
+    for census in (registered, scanned):
+        names = {g.key.name for g in census.groups if g.key.category in ("parameter", "gradient", "optimizer_state")}
+        assert {"0.weight", "0.weight.grad", "AdamW[1.bias].exp_avg"} <= names, names
+        assert not any("_orig_mod" in name for name in names if name), names
+    del compiled, model, opt
+
+
 def test_views_share_their_base_storage_and_are_counted_once() -> None:
     base = torch.zeros(1237, dtype=torch.float64)
     views = [base[i : i + 5] for i in range(100)] + [base.view(1237, 1)]
