@@ -21,7 +21,10 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
 5. States (``LeakState``): a short pass -> suspected; a long pass or ``confirm_after`` short passes in
    a row -> confirmed; cleared only once the growth has stopped: ``clear_after`` failures in a row
    whose recent slope is below a quarter of the episode's (a leak that goes on is never cleared,
-   whatever its p-value does). Only state changes are reported.
+   whatever its p-value does), or at once when the series falls back to its floor at the onset,
+   where a leak never returns (an epoch's list of outputs, emptied at its end, does). After such a
+   fall, a new episode is raised only past the peak the fallen rise reached. Only state changes are
+   reported.
 6. A series may be *held* (``hold``): its values stopped measuring it (a counter that hit its cap
    counts no more), so its tracks keep the state they had, never cleared, and say why.
 7. A series may be "explained by" others (host RSS by the census of CPU tensors): when they grow at
@@ -54,7 +57,7 @@ from gpumemd.analysis.leak_verdicts import (
     lent_verdict,
     with_reason,
 )
-from gpumemd.analysis.track_states import count_pass_or_fail, next_state
+from gpumemd.analysis.track_states import count_pass_or_fail, next_state, past_reset_peaks, released_status
 from gpumemd.analysis.trend import Verdict, assess, theil_sen
 
 __all__ = ["DetectorConfig", "LeakDetector", "LeakState", "SeriesSpec", "TrackStatus"]
@@ -216,7 +219,7 @@ class LeakDetector:
         if spec.name in self._held:
             return self._held_status(track, step, self._held[spec.name])
         if track.released and track.state is not None and track.state.active:
-            return self._released(track, phase, step, min_slope)
+            return released_status(track, phase, step, min_slope)
         resting = self._resting(track, step)
         if resting is not None:
             return resting
@@ -245,11 +248,7 @@ class LeakDetector:
         track.tested_at = step
         verdict, window_start, hx, hy = self._verdict(track, phase, step, steps, min_slope,
                                                       covered=covered or track.state is not None)
-        if verdict.passed and not active and track.below_reset_peaks(c.window_steps / 2):
-            # A sawtooth's period is not always known well enough to widen the window past a rise
-            # (scans 500 steps apart while tracking dated the first reset of a 1,200-step epoch at
-            # 702 steps), so a new episode's floor must also pass every peak a rise fell back from.
-            verdict = with_reason(verdict, "below the peak of an earlier rise that fell back")
+        verdict = past_reset_peaks(verdict, track, active=active, min_length=c.window_steps / 2)
         # The long window can only confirm: a confirmed track skips its O(n²) test (a finding that
         # lasts for days would pay it at every re-test).
         confirmed_long = (verdict.passed and track.state is not LeakState.CONFIRMED
@@ -269,22 +268,6 @@ class LeakDetector:
             first_step=track.first_step, verdict=verdict, window_start=window_start,
             onset_step=onset_step, growth_bytes=growth, min_slope=min_slope,
         )
-        track.last_status = status
-        return status
-
-    def _released(self, track: Track, phase: str, step: int, min_slope: float) -> TrackStatus:
-        """An episode whose series fell back to its floor at the onset: cleared now. A leak never
-        returns there; an accumulation emptied now and then (a list of an epoch's outputs) does, and
-        rises again at the same slope, which alone read as a leak that goes on."""
-        track.state, track.released = LeakState.CLEARED, False
-        track.consecutive_pass = track.streak = track.consecutive_fail = 0
-        onset_step, _ = track.onset_and_growth()
-        last = track.last_status
-        where = f"at step {onset_step:,}" if onset_step is not None else "at its onset"
-        verdict = with_reason(last.verdict if last is not None else UNCOVERED, f"fell back to its level {where}")
-        status = TrackStatus(spec=track.spec, phase=phase, state=LeakState.CLEARED, changed=True, step=step,
-                             first_step=track.first_step, verdict=verdict, window_start=float(step),
-                             onset_step=onset_step, growth_bytes=0.0, min_slope=min_slope)
         track.last_status = status
         return status
 
