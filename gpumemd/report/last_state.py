@@ -62,6 +62,7 @@ def state_document(state: AgentState, *, written_at: float, seconds_per_step: fl
         "step": state.step, "steps_total": state.steps_total, "phase": state.phase,
         "seconds_per_step": seconds_per_step, "headroom": headroom(state),
         "findings": [_finding(f) for f in live[:MAX_FINDINGS]], "findings_more": max(0, len(live) - MAX_FINDINGS),
+        "findings_cleared": sum(1 for f in state.findings if f.state == "cleared"),
         "ooms_total": state.ooms_total, "reports": list(state.reports[-MAX_REPORTS:]),
         "ooms_caught": state.ooms_caught, "oom_caught_steps": list(state.oom_caught_steps),
         "ended": state.ended, "ended_at": state.ended_at, "run": state.run,
@@ -194,7 +195,9 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
         run = f", the lines of run {doc['run']}" if isinstance(doc.get("run"), str) else ""
         lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl{run})")
     if not doc.get("findings"):
-        lines.append("  no live leak finding")
+        cleared = doc.get("findings_cleared")  # the exit line's "N growths cleared": said after a kill too
+        where = f"{'its' if cleared == 1 else 'their'} lines are in leak-findings-rank{doc.get('rank')}.jsonl"
+        lines.append("  no live leak finding" + (f" ({cleared} cleared: {where})" if cleared else ""))
     if isinstance(doc.get("ooms_caught"), int) and doc["ooms_caught"] > 0:
         steps = [s for s in doc.get("oom_caught_steps") or [] if isinstance(s, int)]
         lines.append(f"  {caught_text(doc['ooms_caught'], steps)}")

@@ -52,7 +52,8 @@ _STATE_FINDING: _Spec = {**_FINDING, "headline": "str?", "device": "int?", "slop
 STATE_SCHEMA: _Spec = {
     "pid": "int?", "rank": "int?", "world_size": "int?", "hostname": "str?", "attached_at": "time?",
     "written_at": "time?", "step": "int?", "steps_total": "int?", "phase": "str?", "seconds_per_step": "num?",
-    "headroom": [_ROOM], "findings": [_STATE_FINDING], "findings_more": "int?", "ooms_total": "int?",
+    "headroom": [_ROOM], "findings": [_STATE_FINDING], "findings_more": "int?", "findings_cleared": "int?",
+    "ooms_total": "int?",
     "reports": ["str"], "ended": "str?", "ended_at": "time?", "allocator": [_ALLOCATOR],
     "workers": {"count": "int?", "rss_bytes": "int?"},
     "tensors": {"step": "int?", "tensor_count": "int?", "total_bytes": "int?", "groups": [_GROUP]},

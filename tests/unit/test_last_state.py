@@ -88,6 +88,20 @@ def test_written_on_the_first_step_on_changes_and_otherwise_every_interval(tmp_p
     assert [p.name for p in Path(out).iterdir()] == ["gpumemd-state-rank3.json"]  # no temp file left
 
 
+def test_a_run_whose_findings_were_all_cleared_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # An epoch's list of outputs, emptied at its end: confirmed in epoch 1, then cleared. The exit line
+    # says "1 growth cleared"; the report said only "no live leak finding".
+    out = str(tmp_path / "out")
+    component, view = LastStateComponent(), View(out)
+    view.state_now = dataclasses.replace(view.state_now, findings=(finding(0, "cleared"), finding(1, "cleared")))
+    component.start(view)  # type: ignore[arg-type]
+    component.flush()
+    assert read(out)["findings"] == [] and read(out)["findings_cleared"] == 2
+    write_state(tmp_path / "vanished", findings=[], findings_cleared=2)
+    assert main(["report", str(tmp_path / "vanished")]) == 0
+    assert "no live leak finding (2 cleared: their lines are in leak-findings-rank0.jsonl)" in capsys.readouterr().out
+
+
 def test_the_file_stays_small_whatever_the_job_knows(tmp_path: Path) -> None:
     out = str(tmp_path / "out")
     component, view = LastStateComponent(), View(out)
