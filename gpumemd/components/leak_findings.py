@@ -139,6 +139,10 @@ class LeakFindings:
             # its end is no news, nor is a growth that stopped before it could be said.
             self._culprits.pop(key, None)
             return False
+        if previous is not None and previous.state == "cleared" and not active and not status.changed:
+            # A cleared finding stands as it was said: its evidence (a count series' bytes per tensor)
+            # went with its clearing, and rebuilt without it the exporter showed tensors as bytes.
+            return True
         if previous is not None and not fresh and not status.changed and previous.updated_step == status.step:
             # The detector gave its last status again (a confirmed leak between its re-tests,
             # ``CONFIRMED_EVERY``): the finding stands as built then; rebuilding its sentences every check of a

@@ -7,6 +7,7 @@ settings."""
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 from typing import Any
@@ -99,3 +100,29 @@ def test_a_withheld_growth_is_counted_exactly_while_tracked(tmp_path: os.PathLik
     run_scenario(scenario, str(tmp_path))
     assert any(tracking), "the deque's growth was never confirmed (withheld): nothing tested"
     assert keyed and not any(keyed), keyed
+
+
+def test_an_epochs_outputs_emptied_at_its_end_are_cleared_once_at_the_defaults(tmp_path: os.PathLike[str]) -> None:
+    # Lightning's documented `training_step_outputs` (detached losses, emptied at each epoch's end), in a
+    # plain loop: within the first epoch, longer than the window, it is a leak; at its end it is cleared,
+    # and the next epochs rise no higher. Before: confirmed and never cleared. The cleared finding keeps
+    # its figures in bytes (rebuilt at later checks without its evidence, the exporter showed tensors).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs: list[torch.Tensor] = []
+    with gpumemd.attached(output_dir=str(tmp_path)) as agent:
+        for step in range(3_000):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 32)), torch.randint(0, 4, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            outputs.append(loss.detach())
+            if step % 1_200 == 1_199:
+                outputs.clear()
+        findings = list(agent.findings())
+    [finding] = findings
+    assert finding.state == "cleared" and "fell back to its level" in finding.headline, finding.headline
+    assert finding.tensors_per_step and finding.slope_bytes_per_step == finding.tensors_per_step * 4
+    with open(os.path.join(str(tmp_path), "leak-findings-rank0.jsonl")) as fh:
+        assert [json.loads(line)["state"] for line in fh] == ["suspected", "confirmed", "cleared"]
