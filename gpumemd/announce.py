@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gpumemd.analysis.holder_adds import UNTIL_RESET
 from gpumemd.analysis.leak_headline import mention
 from gpumemd.records.findings import Finding, live_worst_first
 from gpumemd.records.step import AgentState, Overhead, ending_words
@@ -90,6 +91,8 @@ def fix_words(finding: Finding) -> str:
     ``torch.no_grad()``), whose graph nothing will ever need. Scalar tensors kept without a graph are
     numbers kept as tensors (``.item()``)."""
     group = finding.group or finding.series
+    if any(UNTIL_RESET in (c.holder or "") for c in finding.culprits):
+        return "call the metric's reset() after compute(), each epoch: it keeps every update() until then"
     if finding.kind == "graph_leak" and "with grad_fn" in group and "[]" not in group:
         return "compute what you keep under torch.no_grad(), or keep its .detach()"
     if finding.kind == "tensor_leak" and "[]" in group:

@@ -113,6 +113,12 @@ def test_the_fix_of_a_retained_graph_depends_on_what_keeps_it() -> None:
     assert fix_words(dataclasses.replace(logits, kind="tensor_leak")).startswith("keep .detach().cpu() copies")
     scalars = dataclasses.replace(loss, kind="tensor_leak", series="tensors{device=cpu,group=float32[]}")
     assert fix_words(scalars).startswith("keep .item() of each, not the tensor")
+    # A torchmetrics metric's state keeps every update() until reset(): neither .item() nor a deque is the fix.
+    metric = dataclasses.replace(scalars, culprits=(Culprit(
+        description="float32[]", count_delta=1, bytes_delta=4,
+        holder="`auroc.preds` in <module>() at job.py:8 (a BinaryAUROC's state, kept until reset()) → list"),))
+    assert fix_words(metric) == ("call the metric's reset() after compute(), each epoch: it keeps every update() "
+                                 "until then")
 
 
 def _train(steps: int) -> None:

@@ -314,3 +314,30 @@ def test_a_path_through_a_librarys_private_attributes_starts_at_the_jobs_object(
     # a public path is the job's word: kept as it is
     assert _line(LOCAL, [public, _namespace(public), own, _namespace(own), own.outputs, t]) == \
         "`kept.model.outputs` in train() at train.py:7 → list of 1 item"
+
+
+class _Metric:
+    """torchmetrics' base class, as the holder path tells it (by name and module: no torchmetrics needed)."""
+
+
+_Metric.__name__ = _Metric.__qualname__ = "Metric"
+_Metric.__module__ = "torchmetrics.metric"
+
+
+class BinaryAUROC(_Metric):
+    def __init__(self) -> None:
+        self._defaults = {"preds": [], "target": []}
+        self.preds: list[Any] = []
+        self.extra: list[Any] = []  # not a state: said as any attribute
+
+
+def test_a_torchmetrics_state_says_it_is_kept_until_reset() -> None:
+    # A metric updated every step and never reset keeps every update(); the fix is its reset(), which
+    # the exit line's advice reads from this note (announce.fix_words).
+    auroc, t = BinaryAUROC(), torch.zeros(2)
+    auroc.preds.append(t)
+    auroc.extra.append(t)
+    assert _line(LOCAL, [auroc, _namespace(auroc), auroc.preds, t]) == (
+        "`kept.preds` in train() at train.py:7 (a BinaryAUROC's state, kept until reset()) → list of 1 item")
+    assert _line(LOCAL, [auroc, _namespace(auroc), auroc.extra, t]) == (
+        "`kept.extra` in train() at train.py:7 → list of 1 item")

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gpumemd.analysis.holder_adds import UNTIL_RESET
 from gpumemd.probes.holding.holder_roots import drop_locals_snapshot, is_user_file, where_added, where_assigned
 
 _CONTAINERS = (list, tuple, set, frozenset, collections.deque, dict)
@@ -325,6 +326,8 @@ def _object_hop(w: _Writer, parent: object, child: object, chain: Sequence[objec
         w.piece(type(parent).__qualname__)
         return 1
     w.access(f".{name}")
+    if _metric_state(parent, name):
+        w.after += f" (a {type(parent).__name__}'s state, {UNTIL_RESET})"
     if name in _MODULE_DICTS and isinstance(chain[i + taken], dict) and i + taken + 1 < len(chain):
         mapping = chain[i + taken]
         key = next((k for k, v in list(mapping.items()) if v is chain[i + taken + 1]), None)  # type: ignore[attr-defined]
@@ -332,6 +335,15 @@ def _object_hop(w: _Writer, parent: object, child: object, chain: Sequence[objec
             w.expr = (w.expr or "").removesuffix(f".{name}") + (f"[{key}]" if key.isdigit() else f".{key}")
             return taken + 1
     return taken
+
+
+def _metric_state(obj: object, name: str) -> bool:
+    """Is ``obj.name`` a state of a torchmetrics metric (its ``_defaults``), which grows by ``update()``?"""
+    try:
+        return (any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in type(obj).__mro__)
+                and name in object.__getattribute__(obj, "_defaults"))
+    except Exception:  # noqa: BLE001 - an odd object: no metric
+        return False
 
 
 def _attribute(obj: object, child: object, after: object) -> tuple[str | None, int]:
