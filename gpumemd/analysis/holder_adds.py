@@ -25,11 +25,11 @@ _CONCAT = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack"
 VERBS = (*dict.fromkeys(_METHODS.values()), "stored", "incremented", "concatenated")  # every verb ``_addition`` uses
 
 ADDED = re.compile(r", ((?:" + "|".join(VERBS) + r") at ([^\s,()→]+:\d+))")
+"""The adding line in a holder path: group 1 its words ("appended at train.py:57"), group 2 where."""
 
 UNTIL_RESET = "kept until reset()"
 """How a holder path says its container is a torchmetrics metric's state: every ``update()`` is kept
 until the metric's ``reset()``, which is the fix (``announce.fix_words``), not a bounded deque."""
-"""The adding line in a holder path: group 1 its words ("appended at train.py:57"), group 2 where."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,9 +187,8 @@ class CensusPass:
         for prefix, model in named_models:
             try:
                 for fqn, p in model.named_parameters():
-                    params.setdefault(id(p), (p, prefix + fqn.replace(_COMPILED, "")))
-                buffers.extend((b, prefix + fqn.replace(_COMPILED, "")) for fqn, b in model.named_buffers()
-                               if b is not None)
+                    params.setdefault(id(p), (p, prefix + _uncompiled(fqn)))
+                buffers.extend((b, prefix + _uncompiled(fqn)) for fqn, b in model.named_buffers() if b is not None)
             except Exception as exc:  # noqa: BLE001 - a model we cannot walk is named from the scan instead
                 self._error("a model's named_parameters()/named_buffers()", exc)
         return params, buffers
@@ -354,9 +353,13 @@ def _kinds(torch: Any) -> dict[type, int]:
     return kinds
 
 
-_COMPILED = "_orig_mod."
+_COMPILED = "_orig_mod"
 """The child under which ``torch.compile``'s wrapper (``OptimizedModule``) holds the model: its
 parameters are named as the model names them ("0.weight", not "_orig_mod.0.weight")."""
+
+
+def _uncompiled(fqn: str) -> str:
+    return fqn.replace(_COMPILED + ".", "")
 
 
 def _root_modules(modules: list[Any], registered: list[Any]) -> list[tuple[str, Any]]:
@@ -381,7 +384,7 @@ def _root_modules(modules: list[Any], registered: list[Any]) -> list[tuple[str, 
         roots.append(m)
     if len(roots) == 1 and not registered:
         return [("", roots[0])]
-    return [(f"{type(getattr(m, _COMPILED[:-1], m)).__name__}.", m) for m in roots]
+    return [(f"{type(getattr(m, _COMPILED, m)).__name__}.", m) for m in roots]
 
 
 def _optimizer_params(opt: Any) -> list[Any]:

@@ -151,9 +151,11 @@ def _past_library_internals(chain: Sequence[object]) -> int:
     private = False
     for i in range(len(chain) - 1):
         parent = chain[i]
-        if private and _is_the_jobs(parent):
-            return i
-        if not isinstance(parent, (*_SELF_DESCRIBED, type, types.TracebackType)) and not _is_the_jobs(parent):
+        if _is_the_jobs(parent):
+            if private:
+                return i
+            continue
+        if not isinstance(parent, (*_SELF_DESCRIBED, type, types.TracebackType)):
             name, _ = _attribute(parent, chain[i + 1], chain[i + 2] if i + 2 < len(chain) else None)
             private = private or (name is not None and name.startswith("_") and not name.startswith("__")
                                   and name not in _MODULE_DICTS)
