@@ -31,7 +31,9 @@ How it decides (see ``analysis.trend`` for the statistics and LEAK_DETECTION.md 
    least half as fast over the same window, the growth is theirs and the series does not fire.
    A family of count series that explains it *lends* its verdict: a count series rising since the
    window's start passes with it (the same growth, named by what grows), so a count series seen only
-   every 10 to 50 steps is decided as soon as the bytes it accounts for, seen every step, are.
+   every 10 to 50 steps is decided as soon as the bytes it accounts for, seen every step, are. A
+   finding the series had already raised is withdrawn at the first test that finds the growth
+   another active finding's.
 8. A ramp that began inside the window after a flat start is also judged from its knee
    (``assess_knee``), before the history covers a window too, once it has risen above every earlier
    floor by as much as a material leak grows in a whole window: a strong leak is suspected within a
@@ -52,6 +54,7 @@ from gpumemd.analysis.leak_verdicts import (
     NEAR_OOM_RESTS,
     UNCOVERED,
     explained_at_rest,
+    explainer_active,
     explainer_raised_since,
     knee_verdict,
     lent_verdict,
@@ -256,8 +259,8 @@ class LeakDetector:
         previous = track.state
         lender = self._lent.get((spec.name, phase))
         count_pass_or_fail(track, verdict, active, hx, hy, lent_streak=lender[2] if lender is not None else 0)
-        state = track.state = next_state(c, track, verdict, active=active, confirmed_long=confirmed_long,
-                                         step=step)
+        state = track.state = next_state(c, track, verdict, active=active, confirmed_long=confirmed_long, step=step,
+                                         withdrawn=explainer_active(self._tracks, track, phase, verdict))
         if state is None:
             return None
         if state is not previous and state is LeakState.SUSPECTED:

@@ -53,6 +53,13 @@ def explainer_raised_since(tracks: Mapping[tuple[str, str], Track], track: Track
                and other.first_step > step for other in _explainers(tracks, track, phase))
 
 
+def explainer_active(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, verdict: Verdict) -> bool:
+    """Was ``track``'s growth explained (``verdict``) by a series whose finding is active? Then an active
+    episode of ``track`` says that growth a second time and is withdrawn at once (``next_state``)."""
+    return verdict.reason.startswith("explained") and any(
+        other.state is not None and other.state.active for other in _explainers(tracks, track, phase))
+
+
 def _explainers(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str) -> list[Track]:
     """The tracks of ``phase`` whose series explain ``track``'s (``SeriesSpec.explained_by``, "name*" a prefix)."""
     exact = {name for name in track.spec.explained_by if not name.endswith("*")}

@@ -34,7 +34,11 @@ def count_pass_or_fail(track: Track, verdict: Verdict, active: bool,
 
 
 def next_state(c: DetectorConfig, track: Track, verdict: Verdict, *, active: bool, confirmed_long: bool,
-               step: int) -> LeakState | None:
+               step: int, withdrawn: bool = False) -> LeakState | None:
+    """``withdrawn``: an active episode whose growth a finding on another series accounts for (host RSS
+    under a tensor leak) ends now. Its failures need not add up to ``clear_after``: it is not evidence
+    that the growth slowed, and while that finding is tracked the checks come up to 800 steps apart,
+    so two findings of one leak stood side by side for thousands of steps."""
     state = track.state
     if verdict.passed:
         if not active:
@@ -42,7 +46,7 @@ def next_state(c: DetectorConfig, track: Track, verdict: Verdict, *, active: boo
             track.first_step = step
         if state is LeakState.SUSPECTED and (confirmed_long or track.consecutive_pass >= c.confirm_after):
             state = LeakState.CONFIRMED
-    elif active and track.consecutive_fail >= c.clear_after:
+    elif active and (withdrawn or track.consecutive_fail >= c.clear_after):
         state = LeakState.CLEARED
     return state
 
