@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _METHODS = {"append": "appended", "appendleft": "appended", "extend": "extended", "extendleft": "extended",
@@ -30,6 +31,23 @@ ADDED = re.compile(r", ((?:" + "|".join(VERBS) + r") at ([^\s,()→]+:\d+))")
 UNTIL_RESET = "kept until reset()"
 """How a holder path says its container is a torchmetrics metric's state: every ``update()`` is kept
 until the metric's ``reset()``, which is the fix (``announce.fix_words``), not a bounded deque."""
+
+_METRIC_STATE = re.compile(r"^`(.+)\.\w+`(.*) \(a (\w+)'s state, " + re.escape(UNTIL_RESET) + r"\)$")
+
+
+def metric_owner(hop: str) -> str | None:
+    """The metric whose state a holder path's hop is, as a hop of its own ("`auroc` in main() at x.py:8
+    (a BinaryAUROC: its states kept until reset())" for "`auroc.preds` in main() at x.py:8 (a
+    BinaryAUROC's state, kept until reset())"); None for any other hop. One ``update()`` appends to each
+    of a metric's states (preds and target): they grow together, one cause with one fix."""
+    match = _METRIC_STATE.match(hop)
+    return f"`{match[1]}`{match[2]} (a {match[3]}: its states {UNTIL_RESET})" if match else None
+
+
+def common_metric(first_hops: Iterable[str]) -> str | None:
+    """The metric (``metric_owner``) whose states every one of these holder paths' first hops is, if one."""
+    owners = {metric_owner(hop) for hop in first_hops}
+    return owners.pop() if len(owners) == 1 else None
 
 
 @dataclass(frozen=True, slots=True)

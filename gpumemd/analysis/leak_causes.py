@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
+from gpumemd.analysis.holder_adds import common_metric, metric_owner
 from gpumemd.analysis.leak_headline import shared_hops, short_path
 from gpumemd.analysis.leak_wording import cause_finding
 from gpumemd.records.findings import Finding
@@ -73,6 +74,9 @@ def cause_root(holder: str | None) -> str | None:
     if not holder:
         return None
     hops = holder.split(" → ")
+    owner = metric_owner(short_path(hops[0]))
+    if owner is not None:  # a torchmetrics metric's states grow together: the metric is the root
+        return owner
     sizes = [_size(hop) for hop in hops]
     largest = max((s for s in sizes if s is not None), default=None)
     end = len(hops)
@@ -169,9 +173,10 @@ def _state(group: list[Finding], before: Finding | None) -> str:
 
 def _common_path(holders: Iterable[str]) -> str | None:
     """The hops the holders share from their start, sizes left out: "`errors` in f() at x.py:3 →
-    list → [i].__traceback__ → frame g()" for two locals of one kept frame."""
-    common = shared_hops([short_path(hop) or hop for hop in h.split(" → ")] for h in holders)
-    return " → ".join(common) or None
+    list → [i].__traceback__ → frame g()" for two locals of one kept frame; or the metric whose states
+    they are."""
+    paths = [[short_path(hop) or hop for hop in h.split(" → ")] for h in holders]
+    return " → ".join(shared_hops(paths)) or common_metric(path[0] for path in paths)
 
 
 def _size(hop: str) -> int | None:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpumemd.analysis.holder_adds import VERBS
+from gpumemd.analysis.holder_adds import VERBS, common_metric
 from gpumemd.analysis.units import format_bytes
 from gpumemd.records.findings import Culprit, Finding
 
@@ -197,10 +197,9 @@ def _shared(culprits: Sequence[Culprit]) -> Sequence[Culprit]:
     holders = [c.holder for c in culprits if c.holder]
     if len(holders) < 2 or len(holders) != len(culprits):
         return culprits
-    common = shared_hops(short_path(h).split(" → ") for h in holders)
-    if not common:
-        return culprits
-    return (dataclasses.replace(culprits[0], holder=" → ".join(common)),)
+    paths = [short_path(h).split(" → ") for h in holders]
+    common = " → ".join(shared_hops(paths)) or common_metric(path[0] for path in paths)
+    return (dataclasses.replace(culprits[0], holder=common),) if common else culprits
 
 
 def shared_hops(paths: Iterable[Sequence[str]]) -> list[str]:

@@ -21,7 +21,7 @@ from gpumemd.analysis.leak_causes import (
     state_changes,
     withdrawn,
 )
-from gpumemd.analysis.leak_headline import nearer_line
+from gpumemd.analysis.leak_headline import mention, nearer_line, short_path
 from gpumemd.components.leak_findings import LeakFindings
 from gpumemd.components.leak_options import LeakOptions
 from gpumemd.config import Config
@@ -91,6 +91,30 @@ def test_same_root_same_rate_is_one_finding_with_the_total_rate() -> None:
     assert "+2 tensors/step" in finding.headline and "held by `history` in main()" in finding.headline
     assert len(finding.headline) <= 200 - len("gpumemd: ")
     assert reported == [finding]  # one line, not two
+
+
+def test_the_states_of_one_metric_are_one_finding_named_by_the_metric() -> None:
+    """A torchmetrics metric never reset keeps every update() in each of its states (BinaryAUROC's
+    preds and target): two lists, one cause, one fix (its reset()). They were two findings, "held by
+    `auroc.target`" and "held by `auroc.preds`", each with the same advice."""
+    state = "`auroc.{name}` in <module>() at m.py:8 (a BinaryAUROC's state, kept until reset()) → list of {n} items"
+    preds = _finding("float32[64]", state.format(name="preds", n=702), per_tensor=256)
+    target = _finding("int64[64]", state.format(name="target", n=702), per_tensor=512)
+    metric = "`auroc` in <module>() at m.py:8 (a BinaryAUROC: its states kept until reset())"
+    assert cause_root(preds.culprits[0].holder) == cause_root(target.culprits[0].holder) == metric
+
+    [causes], [reported] = _run([target, preds])
+
+    [finding] = reported
+    assert list(causes.findings.values()) == [finding]
+    assert f"+2 tensors/step (~768 B/step, 2 groups) held by {metric}, since step 60" in finding.headline, \
+        finding.headline
+    assert mention(finding).startswith(f"tensor leak held by {short_path(metric)} (suspected"), mention(finding)
+    # Two lists of the job's own under one object are two holders to fix: not merged.
+    own = "`self.{name}` in Eval.step() at e.py:4 → list of {n} items"
+    _, [two] = _run([_finding("float32[64]", own.format(name="preds", n=702)),
+                     _finding("int64[64]", own.format(name="target", n=702))])
+    assert len(two) == 2
 
 
 def test_a_cause_states_the_host_growth_its_projection_is_made_from() -> None:
