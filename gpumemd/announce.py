@@ -93,6 +93,9 @@ def fix_words(finding: Finding) -> str:
     group = finding.group or finding.series
     if any(UNTIL_RESET in (c.holder or "") for c in finding.culprits):
         return "call the metric's reset() after compute(), each epoch: it keeps every update() until then"
+    if any(", queued at " in (c.holder or "") for c in finding.culprits):
+        # A queue's consumer (an uploader thread) falls behind the steps: a deque is not the fix.
+        return "the queue's consumer falls behind: bound it (Queue(maxsize=N)) or put .item() numbers, not tensors"
     if finding.kind == "graph_leak" and "with grad_fn" in group and "[]" not in group:
         return "compute what you keep under torch.no_grad(), or keep its .detach()"
     if finding.kind == "tensor_leak" and "[]" in group:

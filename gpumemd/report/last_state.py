@@ -23,7 +23,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from gpumemd.analysis.leak_headline import projection_words
-from gpumemd.announce import caught_text
+from gpumemd.announce import caught_text, fix_words
 from gpumemd.records.device import cuda_index
 from gpumemd.records.findings import live_worst_first
 from gpumemd.records.plain import plain
@@ -107,7 +107,8 @@ def _finding(f: Finding) -> dict[str, Any]:
     return {"state": f.state, "kind": f.kind, "series": f.series, "device": cuda_index(f.device),
             "slope_bytes_per_step": f.slope_bytes_per_step, "growth_bytes": f.growth_bytes,
             "steps_to_oom": f.steps_to_oom, "hours_to_oom": f.hours_to_oom, "updated_step": f.updated_step,
-            "added_at": f.added_at, "headline": (f.headline or "")[:MAX_TEXT], "summary": f.summary[:MAX_TEXT]}
+            "added_at": f.added_at, "headline": (f.headline or "")[:MAX_TEXT], "summary": f.summary[:MAX_TEXT],
+            "fix": fix_words(f)}
 
 
 def at_risk(doc: dict[str, Any]) -> str | None:
@@ -191,6 +192,8 @@ def state_lines(doc: dict[str, Any], *, alive: bool | None) -> list[str]:
         to_oom = f" · out of memory in {to_oom}" if to_oom else ""
         said = f.get("headline") or f["summary"]
         lines.append(f"  finding: {f['state']} {f['kind']} on {f['series']}{to_oom}: {said}")
+        if f.get("fix"):  # the exit line's advice, which pointed here: a person reading after a kill never saw it
+            lines.append(f"    fix: {f['fix']}")
     if doc.get("findings_more"):
         run = f", the lines of run {doc['run']}" if isinstance(doc.get("run"), str) else ""
         lines.append(f"  and {doc['findings_more']} more findings (leak-findings-rank{doc.get('rank')}.jsonl{run})")

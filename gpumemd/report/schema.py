@@ -48,7 +48,7 @@ _ALLOCATOR: _Spec = {"device": "int?", "allocated_bytes": "int?", "reserved_byte
                      "cap_bytes": "int?"}
 _STATE_FINDING: _Spec = {**_FINDING, "headline": "str?", "device": "int?", "slope_bytes_per_step": "num?",
                          "growth_bytes": "num?", "steps_to_oom": "num?", "hours_to_oom": "num?", "updated_step": "int?",
-                         "added_at": "str?"}
+                         "added_at": "str?", "fix": "str?"}
 STATE_SCHEMA: _Spec = {
     "pid": "int?", "rank": "int?", "world_size": "int?", "hostname": "str?", "attached_at": "time?",
     "written_at": "time?", "step": "int?", "steps_total": "int?", "phase": "str?", "seconds_per_step": "num?",

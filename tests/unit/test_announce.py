@@ -119,6 +119,11 @@ def test_the_fix_of_a_retained_graph_depends_on_what_keeps_it() -> None:
         holder="`auroc.preds` in <module>() at job.py:8 (a BinaryAUROC's state, kept until reset()) → list"),))
     assert fix_words(metric) == ("call the metric's reset() after compute(), each epoch: it keeps every update() "
                                  "until then")
+    # A queue whose consumer thread falls behind (an uploader): bound the queue, or send numbers.
+    queued = dataclasses.replace(logits, kind="tensor_leak", culprits=(Culprit(
+        description="float32[32, 10]", count_delta=1, bytes_delta=1280,
+        holder="`outbox.queue` in <module>() at job.py:7, queued at job.py:22 → deque of 408 items"),))
+    assert fix_words(queued).startswith("the queue's consumer falls behind: bound it (Queue(maxsize=N))")
 
 
 def _train(steps: int) -> None:

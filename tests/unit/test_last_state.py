@@ -161,6 +161,20 @@ def test_report_on_an_output_dir_says_the_job_vanished_and_what_it_knew(tmp_path
     assert view["vanished"] is True and view["at_risk"] == "confirmed tensor_leak"
 
 
+def test_report_says_the_fix_the_exit_line_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The exit line ends "next: <fix>; then gpumemd report DIR", and the report did not say the fix: a
+    # person who reads it after the job was killed (no exit line) never saw it.
+    out = str(tmp_path / "out")
+    component, view = LastStateComponent(), View(out)
+    view.state_now = dataclasses.replace(view.state_now, findings=(finding(0),))
+    component.start(view)  # type: ignore[arg-type]
+    component.flush()
+    fix = "keep .detach().cpu() copies, or bound what holds them (a deque(maxlen=N))"
+    assert read(out)["findings"][0]["fix"] == fix
+    assert main(["report", out]) == 0
+    assert f"held by `kept` (0)\n    fix: {fix}\n" in capsys.readouterr().out
+
+
 def test_report_says_how_a_job_ended_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_state(tmp_path / "out", ended="SIGTERM", ended_at=1e9 + 601)
     assert main(["report", str(tmp_path / "out")]) == 0
