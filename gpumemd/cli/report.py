@@ -107,7 +107,8 @@ def _print_groups(report: dict[str, Any], out: TextIO) -> None:
         _say(out, f"tensors: {tensors.get('note')}")
         return
     rows = view.group_rows(tensors, view.leak_of(report))
-    _say(out, f"largest tensor groups ({view.census_summary(tensors, rows)}):")
+    when = f"; {view.census_when(tensors)}" if tensors.get("note") else ""  # an earlier census: say so
+    _say(out, f"largest tensor groups ({view.census_summary(tensors, rows)}{when}):")
     columns = view.group_columns(rows)
     _say_columns(out, [view.group_cells(r, columns) for r in rows[:view.GROUPS_SHOWN]], right=(0,), indent="  ")
 

@@ -48,8 +48,8 @@ __all__ = ["FatalOomListener", "OomComponent", "OomOptions"]
 
 log = logging.getLogger("gpumemd")
 
-_CAUGHT_NOTE = ("the last census before the report: the job caught this OOM, and the failing frames' tensors "
-                "were gone by the time its report was written")
+_CAUGHT_NOTE = ("the job caught this OOM, and the failing frames' tensors were gone by the time its report was "
+                "written")  # the reports say "the last census, after step N: " before it (``view.census_when``)
 _MARK = "_gpumemd_oom_handled"  # set on an exception once handled, so guard + excepthook report it once
 
 

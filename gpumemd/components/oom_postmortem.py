@@ -96,7 +96,8 @@ class PostMortem:
         except ImportError:
             return agent.state().census, "the census module is not available; showing the last census"
         except Exception as err:  # noqa: BLE001 - a census failure must not cost the report
-            return agent.state().census, f"census at the OOM failed ({type(err).__name__}: {err})"
+            why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__  # MemoryError() says nothing
+            return agent.state().census, f"census at the OOM failed ({why})"
 
 
 def _read_now(agent: AgentView) -> StepRecord | None:

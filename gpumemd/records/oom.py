@@ -107,6 +107,8 @@ class LeakCause:
     holder_detail: str | None = None  # the full holder line: "`kept` in main() at train.py:12 → list of 770 items"
     series: str | None = None  # the finding's series
     estimated: bool = False  # no census group matched: held_bytes is the finding's growth, projected
+    census_step: int | None = None  # the census was an earlier one (at the OOM it failed): held_bytes is
+    # what it saw plus the finding's slope since, that projection in ``bytes_by_category`` as "projected"
     groups: int = 1  # how many census groups the leak spans
     bytes_by_category: tuple[tuple[str, int], ...] = ()  # census category -> bytes ("graph": graph bytes too)
     summary: str = ""  # the sentence the reports print: "`kept` grew ~2.00 MiB/step since step 60 and held ..."

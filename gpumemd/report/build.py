@@ -63,8 +63,8 @@ class ReportInputs:
     snapshot_source: str | None = None  # "oom_observer" or "report_time"
     snapshot_file: str | None = None  # "snapshot.pickle" when one is written
     expandable_segments: bool | None = None
-    census: Census | None = None  # taken at the OOM
-    census_note: str | None = None
+    census: Census | None = None  # taken at the OOM, unless ``census_note`` says why not
+    census_note: str | None = None  # why ``census`` is an earlier one (the census at the OOM failed)
     census_before: Census | None = None  # the last census before the OOM's (what grew since)
     steps: Sequence[StepRecord] = ()  # the recent ring, in full
     history: Sequence[StepRecord] = ()  # since attach, thinned evenly (``gpumemd.step_history``)
@@ -213,7 +213,7 @@ def compute_breakdown(inputs: ReportInputs) -> Breakdown:
     leak held more than the failing request, in its verdict."""
     breakdown = _device_breakdown(inputs)
     leak = leak_at_oom(findings=inputs.findings, census=inputs.census, census_before=inputs.census_before,
-                       device=breakdown.device)
+                       device=breakdown.device, step=inputs.step)
     return with_leak(breakdown, leak)
 
 

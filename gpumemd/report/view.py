@@ -142,12 +142,20 @@ def census_summary(tensors: dict[str, Any], rows: list[GroupRow]) -> str:
             f"{fmt_bytes(tensors.get('total_bytes'))}")
 
 
+def census_when(tensors: dict[str, Any]) -> str:
+    """"census at the OOM, after step 799"; or, when the census shown is an earlier one, which and why
+    ("the last census, after step 611: census at the OOM failed (MemoryError)"): its groups are
+    smaller than at the OOM by whatever grew since."""
+    step = tensors.get("step")
+    when = f"after step {step}" if isinstance(step, int) and step >= 0 else "before the first step ended"
+    note = tensors.get("note")
+    return f"the last census, {when}: {note}" if note else f"census at the OOM, {when}"
+
+
 def groups_note(tensors: dict[str, Any], rows: list[GroupRow], shown: int) -> str:
     """"787 tensors in 18 groups, 1.50 GiB (census at the OOM, after step 799); 8 smaller groups (116 B)
     are in report.json"."""
-    step = tensors.get("step")
-    when = f"after step {step}" if isinstance(step, int) and step >= 0 else "before the first step ended"
-    text = f"{census_summary(tensors, rows)} (census at the OOM, {when})"
+    text = f"{census_summary(tensors, rows)} ({census_when(tensors)})"
     if len(rows) > shown:
         rest = sum(r.total for r in rows[shown:])
         text += f"; {plural(len(rows) - shown, 'smaller group')} ({fmt_bytes(rest)}) in report.json"

@@ -142,6 +142,34 @@ def test_the_verdict_blames_a_leak_that_held_more_than_the_failing_request() -> 
     assert sum(i.nbytes for i in b.items) == sum(i.nbytes for i in base.items)
 
 
+def test_an_earlier_census_is_projected_to_the_oom_at_the_finding_slope() -> None:
+    # A CPU OOM under RLIMIT_AS left no room for a census: the report fell back on the last one, 1,256
+    # steps before the OOM, and said the list "held 1.20 GiB of the host's 6.00 GiB at the OOM" when it
+    # held ~3.65 GiB. What the census saw is still the leak's (its graph bytes are not activations),
+    # and the slope since adds what no census saw, out of the rest of the process.
+    kept = _group("cpu", (256, 2048), 612, 612 * 2 * MiB, category="graph", holder=KEPT.format(n=612))
+    earlier = _census(kept, PARAM, step=611)
+    host = HostSample(rss_bytes=5 * GiB, available_bytes=GiB, total_bytes=6 * GiB)
+    base = cpu_breakdown(message=OomMessage(kind="cpu", format="cpu", requested_bytes=2 * MiB), host=host,
+                         census=earlier)
+    leak = leak_at_oom(findings=[_finding()], census=earlier, census_before=None, device=CPU, step=1867)
+    assert leak is not None and leak.census_step == 611 and not leak.estimated
+    assert leak.held_bytes == (612 + 1255) * 2 * MiB
+    b = with_leak(base, leak)
+    assert b.verdict == "leak"
+    assert b.verdict_why.startswith(
+        "`kept` grew ~2.00 MiB/step since step 31 and held ~3.65 GiB of the host's 6.00 GiB at the OOM (612 × "
+        "float32[256, 2048] with grad_fn at the last census (after step 611: 1.20 GiB) and its slope since; "
+        "confirmed tensor leak)"), b.verdict_why
+    assert b.get("leaked") == leak.held_bytes and b.get("graph_retained") == 0
+    assert b.get("process_other") == base.get("process_other") - 1255 * 2 * MiB
+    assert sum(i.nbytes for i in b.items) == sum(i.nbytes for i in base.items)
+    # The census at the OOM (after step 1,866) is not projected.
+    at_oom = leak_at_oom(findings=[_finding()], census=_census(kept, step=1866), census_before=None, device=CPU,
+                         step=1867)
+    assert at_oom is not None and at_oom.census_step is None and at_oom.held_bytes == 612 * 2 * MiB
+
+
 def test_a_size_bug_stays_the_verdict_and_the_leak_is_still_named() -> None:
     base = cpu_breakdown(message=OomMessage(kind="cpu", format="cpu", requested_bytes=2**50),
                          host=HostSample(rss_bytes=2 * GiB, available_bytes=21 * GiB, total_bytes=23 * GiB),

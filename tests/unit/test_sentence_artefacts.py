@@ -24,3 +24,12 @@ def test_a_census_before_the_first_step_ended_says_so() -> None:
     note = groups_note(tensors, [], 10)
     assert "before the first step ended" in note and "None" not in note
     assert "after step 7" in groups_note({**tensors, "step": 7}, [], 10)
+
+
+def test_an_earlier_census_shown_for_a_failed_one_says_which_and_why() -> None:
+    # The census at a CPU OOM under ulimit -v failed (MemoryError); the last one, 1,256 steps before,
+    # was shown as "census at the OOM".
+    tensors = {"tensor_count": 623, "total_bytes": 1_292_552_276, "step": 611,
+               "note": "census at the OOM failed (MemoryError)"}
+    assert groups_note(tensors, [], 10) == ("623 tensors in 0 groups, 1.20 GiB (the last census, after step 611: "
+                                            "census at the OOM failed (MemoryError)).")
