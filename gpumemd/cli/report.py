@@ -193,13 +193,35 @@ def _state_views(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "at_risk": at_risk(doc)} for doc in states for alive in [pid_alive(doc, host)]]
 
 
-def _print_states(states: list[dict[str, Any]], out: TextIO) -> None:
+def _print_states(states: list[dict[str, Any]], earlier: list[str], out: TextIO) -> None:
     host = socket.gethostname()
     for n, doc in enumerate(states):
         if n:
             print(file=out)
         for line in state_lines(doc, alive=pid_alive(doc, host)):
             _say(out, line)
+    if earlier:
+        print(file=out)
+        _say(out, _earlier_line(earlier))
+
+
+def _this_run(reports: list[dict[str, Any]], states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The reports of the run whose state files are here, and the directories of those written before it
+    attached: jobs run again in one output dir (the default ./gpumemd-out) left last week's OOM
+    report printed under this run's state as if this run had run out of memory."""
+    attached = [doc["attached_at"] for doc in states if isinstance(doc.get("attached_at"), int | float)]
+    if not attached:
+        return reports, []
+    since = min(attached)
+    older = [r for r in reports if isinstance(r.get("created_at"), int | float) and r["created_at"] < since]
+    return [r for r in reports if r not in older], [r["_dir"] for r in sorted(older, key=lambda r: r["created_at"])]
+
+
+def _earlier_line(earlier: list[str]) -> str:
+    """"2 OOM reports of earlier runs (before this one attached): gpumemd report <dir> reads one"."""
+    runs = "an earlier run" if len(earlier) == 1 else "earlier runs"
+    what = "1 OOM report" if len(earlier) == 1 else f"{len(earlier)} OOM reports"
+    return f"{what} of {runs} here (before this run attached), not shown: gpumemd report {earlier[-1]} reads the newest"
 
 
 def _root(given: str) -> str:
@@ -223,14 +245,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if not dirs and not states:
         raise CliError(f"no gpumemd report in {root} (expected report.json, report directories inside, or the "
                        "gpumemd-state-rank<R>.json an agent keeps in its output dir)")
-    reports = [load_report(d) for d in dirs]
+    reports, earlier = _this_run([load_report(d) for d in dirs], states)
     if states and not args.json:
-        _print_states(states, out)
+        _print_states(states, earlier, out)
         if reports:
             print(file=out)
     if not reports:  # then there are states
         if args.json:
-            print(json.dumps({"last_state": _state_views(states)}, indent=1), file=out)
+            print(json.dumps({"last_state": _state_views(states), "earlier_reports": earlier}, indent=1), file=out)
         return 0
     if len(reports) == 1:
         report = reports[0]

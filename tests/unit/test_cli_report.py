@@ -113,6 +113,29 @@ def test_every_rank_side_by_side(tmp_path: Any, capsys: Any) -> None:
     assert view["reports"][0]["breakdown"]["reserved_unallocated"] is not None
 
 
+def test_an_oom_report_of_an_earlier_run_in_the_output_dir_is_named_not_shown_as_this_runs(
+        tmp_path: Any, capsys: Any) -> None:
+    # Jobs run again in one output dir (the default ./gpumemd-out): last run's OOM report was printed
+    # under this run's state files, which had no OOM, as if this run had run out of memory.
+    from test_last_state import write_state
+
+    out = tmp_path / "out"
+    old = _write(str(out), 0, 1e9 - 3600, 41)
+    write_state(out, attached_at=1e9, ended="exit", ended_at=1e9 + 60)
+    assert main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "OutOfMemoryError" not in text and "verdict" not in text
+    assert text.rstrip().endswith(f"1 OOM report of an earlier run here (before this run attached), not shown: "
+                                  f"gpumemd report {old} reads the newest")
+    assert main(["report", "--json", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["earlier_reports"] == [old]
+    new = _write(str(out), 0, 1e9 + 30, 900)  # this run's own OOM is shown, the earlier one still named
+    assert main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1 OOM report of an earlier run here" in text and "OutOfMemoryError on cuda:0 (rank 0, step 900" in text
+    assert new != old
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "truncated", "foreign", "future", "evil_snapshot",
                                   "truncated_snapshot"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Any, capsys: Any, case: str) -> None:
