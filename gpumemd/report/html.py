@@ -95,9 +95,7 @@ def _breakdown(report: dict[str, Any]) -> str:
         _h2("Breakdown"), breakdown_bar(drawn, total or None, total_label=view.total_axis_label(b)),
         f"<p>{legend(drawn)}</p>",
         _table(["part", "bytes", "of total"], rows),
-        f"<p>{_e(view.total_words(b))}; requested {_e(fmt_bytes(b.get('requested_bytes')))}; "
-        f"largest free block {_e(fmt_bytes(b.get('largest_free_block_bytes')))}; "
-        f"peak seen {_e(fmt_bytes(report.get('peak_bytes')))}.</p>",
+        f"<p>{_e(view.totals_sentence(report))}</p>",
     ])
 
 

@@ -81,9 +81,7 @@ def _suggestions(report: dict[str, Any]) -> list[str]:
 def _breakdown(report: dict[str, Any]) -> list[str]:
     b = report.get("breakdown") or {}
     return [*_heading("Breakdown"), *_table(["part", "bytes", "of total"], view.breakdown_rows(b)), "",
-            f"{view.total_words(b)}; allocated {fmt_bytes(b.get('allocated_bytes'))}; "
-            f"reserved {fmt_bytes(b.get('reserved_bytes'))}; largest free block "
-            f"{fmt_bytes(b.get('largest_free_block_bytes'))}; peak seen {fmt_bytes(report.get('peak_bytes'))}."]
+            view.totals_sentence(report)]
 
 
 def _step_profile(report: dict[str, Any]) -> list[str]:

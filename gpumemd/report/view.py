@@ -179,6 +179,17 @@ def breakdown_rows(b: dict[str, Any]) -> list[list[str]]:
              f"{100 * i['nbytes'] / total:.1f}%" if total else "-"] for i in b.get("items") or []]
 
 
+def totals_sentence(report: dict[str, Any]) -> str:
+    """The line under the breakdown: what it is measured against, then the figures the report has
+    ("requested 4.00 MiB; allocated …; peak seen 5.48 GiB."). A CPU OOM has no allocator figures nor
+    free blocks: "largest free block -" there read as a figure that was missing."""
+    b = report.get("breakdown") or {}
+    figures = (("requested", b.get("requested_bytes")), ("allocated", b.get("allocated_bytes")),
+               ("reserved", b.get("reserved_bytes")), ("largest free block", b.get("largest_free_block_bytes")),
+               ("peak seen", report.get("peak_bytes")))
+    return "; ".join([total_words(b), *(f"{name} {fmt_bytes(n)}" for name, n in figures if n is not None)]) + "."
+
+
 def total_words(b: dict[str, Any]) -> str:
     """What the breakdown's items are measured against: "Device total: 79.10 GiB", or under a
     per-process cap "Process cap: 12.00 GiB (fraction 0.50 of the device's 24.00 GiB); free under it

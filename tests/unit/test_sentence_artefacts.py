@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpumemd.analysis.leak_headline import duration_words, projection_words, since_words
-from gpumemd.report.view import groups_note
+from gpumemd.report.view import groups_note, totals_sentence
 
 
 def test_under_a_minute_is_said_in_seconds() -> None:
@@ -33,3 +33,17 @@ def test_an_earlier_census_shown_for_a_failed_one_says_which_and_why() -> None:
                "note": "census at the OOM failed (MemoryError)"}
     assert groups_note(tensors, [], 10) == ("623 tensors in 0 groups, 1.20 GiB (the last census, after step 611: "
                                             "census at the OOM failed (MemoryError)).")
+
+
+def test_the_breakdown_line_says_only_the_figures_the_report_has() -> None:
+    # A CPU OOM has no allocator: its HTML said "largest free block -" (markdown: "allocated -;
+    # reserved -; largest free block -").
+    cpu = {"breakdown": {"device": "cpu", "total_bytes": 6 * 2**30, "requested_bytes": 4 * 2**20},
+           "peak_bytes": 5 * 2**30}
+    line = totals_sentence(cpu)
+    assert line.endswith("; requested 4.00 MiB; peak seen 5.00 GiB.") and " -" not in line, line
+    cuda = {"breakdown": {"device": "cuda:0", "total_bytes": 80 * 2**30, "requested_bytes": 2**30,
+                          "allocated_bytes": 70 * 2**30, "reserved_bytes": 79 * 2**30,
+                          "largest_free_block_bytes": 2**20}, "peak_bytes": 79 * 2**30}
+    assert totals_sentence(cuda) == ("Device total: 80.00 GiB; requested 1.00 GiB; allocated 70.00 GiB; reserved "
+                                     "79.00 GiB; largest free block 1.00 MiB; peak seen 79.00 GiB.")
