@@ -164,14 +164,19 @@ class LeakFindings:
 
     def _withheld(self, status: TrackStatus, evidence: Evidence, held_graphs: bool) -> bool:
         """Growth that is not a finding of its own: tensors a reported graph keeps, cyclic garbage,
-        or growth another series explains (its finding is withdrawn, never said to have stopped)."""
+        or growth another series explains (a finding said of it is withdrawn, never said to have stopped)."""
+        active = status.state is not None and status.state.active
+        key = (status.spec.name, status.phase)
         if (evidence.graph_kept and held_graphs) or evidence.garbage:
             if status.changed:
                 log.debug("gpumemd: %s grows, but %s", status.spec.name, "cyclic garbage the collector will free"
                           if evidence.garbage else "it is kept by a graph already reported")
+            # Said before that graph's finding was (its tensors are counted first): withdrawn into it,
+            # or it stood beside it to the end with a holder that was only the graph the search came by.
+            said = self._findings.get(key)
+            if said is not None and said.state != "cleared":
+                del self._findings[key]
             return True
-        active = status.state is not None and status.state.active
-        key = (status.spec.name, status.phase)
         if evidence.bounded_until is not None and key not in self._findings:
             # Growth into a deque(maxlen=N) stops at N: a healthy job's window of recent outputs is no
             # leak; nor is RSS the heap's fragmentation grew. Said nowhere unless it goes on (``retry_culprits``).

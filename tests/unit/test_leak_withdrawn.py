@@ -77,3 +77,45 @@ def test_a_cleared_finding_that_is_then_explained_says_nothing_more(tmp_path: An
     with caplog.at_level(logging.WARNING, logger="gpumemd"):
         _conclude({(cleared.series, cleared.phase): cleared}, tmp_path)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_tensors_said_before_the_graph_that_keeps_them_was_are_withdrawn_into_it(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # Predictions kept with their graphs (`history.append(model(x))`): the graphs' saved activations,
+    # whose Python wrappers torch preserves, are counted at scans too and may be raised first, named by
+    # whatever graph the search came by ("kept alive by the autograd graph of float32[] ..., held by
+    # `loss`"). Once the graph finding is raised they are withheld as its tensors, but the finding said
+    # of them stood beside it to the end of the run (`gpumemd demo` under load, census every 40 steps).
+    from gpumemd.components.leak_evidence import Evidence
+
+    saved = Finding(kind="graph_leak", series="tensors{device=cpu,group=float32[256, 512] with grad_fn}",
+                    state="suspected", slope_bytes_per_step=2.5e6, slope_low=2e6, slope_high=3e6, onset_step=56,
+                    growth_bytes=10**7, steps_to_oom=1e4, first_step=70, updated_step=70, summary="",
+                    headline="retained autograd graph suspected: +1 tensor/step", device=CPU)
+    graphs = Finding(kind="graph_leak", series="tensors{device=cpu,group=float32[256, 10] with grad_fn}",
+                     state="suspected", slope_bytes_per_step=1.3e6, slope_low=1e6, slope_high=1.5e6, onset_step=59,
+                     growth_bytes=10**7, steps_to_oom=1e4, first_step=90, updated_step=90, summary="", headline="",
+                     device=CPU, culprits=(Culprit(description="float32[256, 10] with grad_fn", count_delta=30,
+                                                   bytes_delta=10**5, holder="`history` in run() at demo.py:46"),))
+    leak = LeakFindings(Config().options(LeakOptions), census=None, wall_clock=time.time)
+    published: list[Any] = []
+    agent = SimpleNamespace(output_dir=str(tmp_path), published=SimpleNamespace(census=None),
+                            publish=lambda **changes: published.append(changes["findings"]),
+                            state=lambda: SimpleNamespace(identity=SimpleNamespace(rank=0)))
+    leak._findings = {(saved.series, saved.phase): saved, (graphs.series, graphs.phase): graphs}
+    leak._causes = merge_causes(leak._findings, NO_CAUSES)
+    leak._culprits = {(saved.series, saved.phase): Evidence(graph_kept=True),
+                      (graphs.series, graphs.phase): Evidence(culprits=graphs.culprits, kind="graph_leak")}
+    status = TrackStatus(spec=SeriesSpec(saved.series, "tensor_leak", CPU, sparse=True, unit="tensors"),
+                         phase=saved.phase, state=LeakState.SUSPECTED, changed=False, step=100, first_step=70,
+                         verdict=Verdict(True, "leak", Slope(1.0, 0.9, 1.1, 20), 1e-6), window_start=40.0,
+                         onset_step=56, growth_bytes=1e7)
+    series = SimpleNamespace(scans=SimpleNamespace(chain_nodes=SimpleNamespace(names=set)))
+    with caplog.at_level(logging.WARNING, logger="gpumemd"):
+        leak.conclude(agent, series, PendingEvaluation(100, [status], {saved.series}, []))  # type: ignore[arg-type]
+
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and lines[0].startswith(
+        "gpumemd: retained autograd graph suspected since step 56 withdrawn: the retained autograd graph held by "
+        "`history` in run() at demo.py:46"), lines
+    assert [f.series for f in published[-1]] == [graphs.series]
