@@ -47,6 +47,10 @@ EVERY_S = 1.0
 """At most this many seconds between two writes while nothing a reader needs changed."""
 
 
+SIGNAL_WAIT_S = 2.0
+"""How long a signal's flush waits for a write under way before it writes without waiting (``_put``)."""
+
+
 class LastStateComponent(ComponentBase):
     """``gpumemd-state-rank<R>.json`` in the output directory, kept current."""
 
@@ -93,14 +97,15 @@ class LastStateComponent(ComponentBase):
     def flush(self) -> None:
         """A signal may end the process next: write now."""
         if self._agent is not None:
-            self._write(self._agent.state(), self._agent)
+            self._write(self._agent.state(), self._agent, at_signal=True)
 
     def stop(self) -> None:
         agent, self._agent = self._agent, None
         if agent is not None:
             self._write(agent.state(), agent)  # with ``ended``: the agent published it before stopping us
 
-    def _write(self, state: AgentState, agent: AgentView, *, background: bool = False) -> None:
+    def _write(self, state: AgentState, agent: AgentView, *, background: bool = False, at_signal: bool = False,
+               ) -> None:
         self._key = (state.findings, state.reports, state.ooms_total, _states(state.findings))
         self._due = self._clock() + self._every_s
         path = state_file(agent.output_dir, state.identity.rank)
@@ -114,7 +119,7 @@ class LastStateComponent(ComponentBase):
         made = self._made
         if background and agent.run_in_background(lambda: self._put(path, data, made)):
             return
-        self._put(path, data, made)
+        self._put(path, data, made, wait_s=SIGNAL_WAIT_S if at_signal else -1)
 
     def drain(self, timeout: float = 10.0) -> None:
         """Wait until the newest document handed to the background is written (or skipped)."""
@@ -122,22 +127,28 @@ class LastStateComponent(ComponentBase):
         with self._handled:
             self._handled.wait_for(lambda: self._last_handled >= target, timeout)
 
-    def _put(self, path: str, data: bytes, made: int) -> None:
-        with self._handled:
-            try:
-                if made <= self._on_disk:  # a newer document is already there (a flush overtook the errand)
-                    return
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                replace_file(path, data, fsync=False)  # no fsync: see the module docstring
-            except OSError as exc:
-                self._failed_once(path, exc)
-            else:
-                self._on_disk = made
-                self.writes += 1
-                self._failed = False
-            finally:
-                self._last_handled = max(self._last_handled, made)
+    def _put(self, path: str, data: bytes, made: int, *, wait_s: float = -1) -> None:
+        # A signal's flush runs on a thread of its own while the handler waits for it on the training
+        # thread, which may hold this lock, interrupted inside its own write: the flush would wait for
+        # it until the signal's deadline (25 s) and write nothing. Past ``wait_s`` it writes without
+        # the lock: the file is replaced by a rename, whole either way, and the newest document wins.
+        held = self._handled.acquire(timeout=wait_s)
+        try:
+            if made <= self._on_disk:  # a newer document is already there (a flush overtook the errand)
+                return
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            replace_file(path, data, fsync=False)  # no fsync: see the module docstring
+        except OSError as exc:
+            self._failed_once(path, exc)
+        else:
+            self._on_disk = made
+            self.writes += 1
+            self._failed = False
+        finally:
+            self._last_handled = max(self._last_handled, made)
+            if held:
                 self._handled.notify_all()
+                self._handled.release()
 
     def _failed_once(self, path: str, exc: Exception) -> None:
         if not self._failed:  # said once until a write succeeds again

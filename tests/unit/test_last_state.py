@@ -88,6 +88,26 @@ def test_written_on_the_first_step_on_changes_and_otherwise_every_interval(tmp_p
     assert [p.name for p in Path(out).iterdir()] == ["gpumemd-state-rank3.json"]  # no temp file left
 
 
+def test_a_signals_flush_writes_while_the_interrupted_thread_holds_the_writers_lock(tmp_path: Path) -> None:
+    # A signal came while the training thread wrote the state file (news is written at the step end);
+    # its handler waits for the flush, which runs on a thread of its own and waited for that lock until
+    # the signal's 25 s deadline: "writing what the agent knows took over 25 s; the job ends without it"
+    # (tests/integration/test_job_endings.py, the job's own SIGTERM handler).
+    out = str(tmp_path / "out")
+    component, view = LastStateComponent(), View(out)
+    component.start(view)  # type: ignore[arg-type]
+    view.state_now = dataclasses.replace(view.state_now, findings=(finding(0),), ended="SIGTERM")
+    component._handled.acquire()  # the interrupted write on this (the "training") thread
+    try:
+        flush = threading.Thread(target=component.flush)
+        flush.start()
+        flush.join(timeout=30)
+        assert not flush.is_alive()
+    finally:
+        component._handled.release()
+    assert read(out)["findings"][0]["state"] == "confirmed" and read(out)["ended"] == "SIGTERM"
+
+
 def test_a_run_whose_findings_were_all_cleared_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # An epoch's list of outputs, emptied at its end: confirmed in epoch 1, then cleared. The exit line
     # says "1 growth cleared"; the report said only "no live leak finding".
