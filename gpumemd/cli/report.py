@@ -213,12 +213,16 @@ def _this_run(reports: list[dict[str, Any]], states: list[dict[str, Any]]) -> tu
     if not attached:
         return reports, []
     since = min(attached)
-    older = [r for r in reports if isinstance(r.get("created_at"), int | float) and r["created_at"] < since]
-    return [r for r in reports if r not in older], [r["_dir"] for r in sorted(older, key=lambda r: r["created_at"])]
+    this: list[dict[str, Any]] = []
+    older: list[dict[str, Any]] = []
+    for r in reports:
+        (older if isinstance(r.get("created_at"), int | float) and r["created_at"] < since else this).append(r)
+    return this, [r["_dir"] for r in sorted(older, key=lambda r: r["created_at"])]
 
 
 def _earlier_line(earlier: list[str]) -> str:
-    """"2 OOM reports of earlier runs (before this one attached): gpumemd report <dir> reads one"."""
+    """"2 OOM reports of earlier runs here (before this run attached), not shown: gpumemd report <dir>
+    reads the newest" (``earlier``: their directories, oldest first)."""
     runs = "an earlier run" if len(earlier) == 1 else "earlier runs"
     what = "1 OOM report" if len(earlier) == 1 else f"{len(earlier)} OOM reports"
     return f"{what} of {runs} here (before this run attached), not shown: gpumemd report {earlier[-1]} reads the newest"
