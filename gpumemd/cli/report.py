@@ -262,7 +262,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         report = reports[0]
         snap = _snapshot_check(report["_dir"])
         if args.json:
-            extra = {"last_state": _state_views(states)} if states else {}
+            extra = {"last_state": _state_views(states), "earlier_reports": earlier} if states else {}
             print(json.dumps({**report, "snapshot_check": snap, **extra}, indent=1), file=out)  # ASCII: escapes it all
         else:
             _print_one(report, snap, out)
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _snapshot_check(report["_dir"])  # a tampered snapshot anywhere is worth a refusal
     overview = _overview(reports)
     if states:
-        overview["last_state"] = _state_views(states)
+        overview["last_state"], overview["earlier_reports"] = _state_views(states), earlier
     if args.json:
         print(json.dumps(overview, indent=1), file=out)
     else:

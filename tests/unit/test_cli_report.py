@@ -133,6 +133,8 @@ def test_an_oom_report_of_an_earlier_run_in_the_output_dir_is_named_not_shown_as
     assert main(["report", str(out)]) == 0
     text = capsys.readouterr().out
     assert "1 OOM report of an earlier run here" in text and "OutOfMemoryError on cuda:0 (rank 0, step 900" in text
+    assert main(["report", "--json", str(out)]) == 0  # named in JSON too, beside this run's report
+    assert json.loads(capsys.readouterr().out)["earlier_reports"] == [old]
     assert new != old
 
 
