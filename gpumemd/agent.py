@@ -220,6 +220,9 @@ class Agent:
     def sample_within(self, steps: int = 1) -> None:
         self.step_clock.sample_within(steps)
 
+    def sample_sparsely(self, on: bool) -> None:
+        self._planner.sparse = on
+
     def phase(self, name: str) -> AbstractContextManager[None]:
         return self.step_clock.phase(name)
 

@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 
 QUICK_MAX = 19
 """Quick step ends in a row at most: the state scrapes and the state file read is at most
-``(QUICK_MAX + 1) x MAX_STRIDE`` steps old (200; under half a second on the fast loops that have
-quick step ends, against a scrape every 15 s or so). Survivor scans and leak evaluations run full
-step ends every 50 steps or less, so this bound only spaces full ones while a confirmed leak is
-tracked (``leak_scans.TRACKING_STRETCH``: up to 800 steps apart), where it keeps a full step end
-every 200 steps at most (~150-200 µs after a 2 ms step: the record and the components' checks)."""
+``(QUICK_MAX + 1)`` strides old (200 steps; 800 while a leak is only tracked, ``stride.SPARSE_STRETCH``:
+a second or two on the fast loops that have quick step ends, against a scrape every 15 s or so).
+Survivor scans and leak evaluations run full step ends every 50 steps or less, so this bound only
+spaces full ones while a confirmed leak is tracked (``leak_scans.TRACKING_STRETCH``: up to 800 steps
+apart)."""
 
 
 class StepLog:

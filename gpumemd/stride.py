@@ -20,6 +20,17 @@ sample every 10 steps still gives every block a point. (At 20 the scenario suite
 the host-buffer leak at 128 KiB/step was suspected 600 steps after onset instead of 450, past the
 500 the leak detector is held to: half the floors make the rank test slower to convince.)"""
 
+SPARSE_STRETCH = 4
+"""While a leak finding is only being tracked (``StridePlanner.sparse``, set by the leak component when
+its scans stretch: ``components.leak_scans.TRACKING_STRETCH``), sampled step ends may be this many
+times further apart than ``MAX_STRIDE`` when the budget asks. Tracking a leak can last for days, and
+its step ends were most of what the agent cost then: a 1-tensor/step leak tracked on ~1.5 ms CPU steps
+took 9.9-11.1 µs a step of the agent's own time at a stride of 10 and 5.5-5.8 µs at 40, and on ~0.44 ms
+steps 8.4-8.6 against 4.9-5.1 (``benchmarks/bench_leak_tracking.py``, steps 3,000-6,000). What it costs:
+a dense series (host RSS, the allocator) that starts to rise meanwhile has one floor per 40 steps until
+an evaluation sees it rise, which ends tracking and brings the stride back; count series come from the
+scans, which take full step ends of their own (``on_eve``) and are unaffected."""
+
 _COST_WINDOW = 9  # sampled step ends whose median cost sets the stride
 _REPLAN_EVERY = 4
 """Sampled step ends between two looks at the medians: a look is two sorts, ~10 µs after a step of
@@ -40,9 +51,21 @@ class StridePlanner:
         """Steps per sample now: 1 when every step is sampled."""
         self.quick = False
         """Sampled step ends may be quick (``StepEnds.end``): the budget would space full ones
-        further than ``MAX_STRIDE``, and the stride is the agent's own (no ``max_stride`` was set)."""
+        further than the longest stride, and the stride is the agent's own (no ``max_stride`` was set)."""
         self._own_stride = self._max_stride == MAX_STRIDE
         self._unplanned = 0  # samples taken in since the medians were last looked at
+        self._sparse = False
+
+    @property
+    def sparse(self) -> bool:
+        """Sampled step ends may be up to ``SPARSE_STRETCH`` x ``MAX_STRIDE`` steps apart (``SPARSE_STRETCH``)."""
+        return self._sparse
+
+    @sparse.setter
+    def sparse(self, on: bool) -> None:
+        if on != self._sparse:
+            self._sparse = on
+            self._unplanned = _REPLAN_EVERY  # the next sampled step end plans afresh
 
     def plan(self, cost: float, seconds_per_step: float | None) -> int:
         """Take in one sampled step end (what it cost, and the mean time of the steps it stands for)
@@ -62,7 +85,8 @@ class StridePlanner:
         if typical_step and len(costs) >= 3:
             typical = sorted(costs)[len(costs) // 2]
             wanted = budget.steps_between(typical, self._allowed, typical_step)
-            stride = min(self._max_stride, wanted)
-            self.quick = self._own_stride and wanted > MAX_STRIDE
+            longest = MAX_STRIDE * SPARSE_STRETCH if self._sparse and self._own_stride else self._max_stride
+            stride = min(longest, wanted)
+            self.quick = self._own_stride and wanted > longest
         self.stride = stride
         return stride

@@ -70,6 +70,10 @@ class AgentView(Protocol):
 
     def sample_within(self, steps: int = 1) -> None: ...
 
+    def sample_sparsely(self, on: bool) -> None:
+        """While ``on``, sampled step ends may be further apart (``stride.SPARSE_STRETCH``): a leak
+        finding is only being tracked."""
+
     def add_census_seconds(self, seconds: float) -> None: ...
 
     def add_thread_seconds(self, seconds: float) -> None: ...

@@ -139,6 +139,8 @@ class LeakComponent:
                 self._findings.conclude(self._agent, self._parts.series, pending)
             finally:
                 pending.close()
+        if self._agent is not None:
+            self._agent.sample_sparsely(False)
         parts, self._parts = self._parts, None
         if parts is not None:
             if parts.tracker is not None:
@@ -277,6 +279,8 @@ class LeakComponent:
                           and step - self._new_series_at >= detector.config.window_steps)
         every = detector.config.check_every_steps
         detector.check_every = max(every, scans.interval) if scans.tracking else every
+        if self._agent is not None:  # the step ends that feed the dense series stretch with the scans
+            self._agent.sample_sparsely(scans.tracking)
         # A sample of the candidates stands for the rest (``KEYED_WHILE_TRACKING``) only while every
         # confirmed growth is a finding said: one withheld (a bounded deque filling, then churning)
         # is judged on its exact count against the deque's bound.

@@ -83,9 +83,9 @@ class StepClock:
     The step path takes no clock on an unsampled step (a counter decrement, see ``gpumemd.agent``),
     so the state knows the wall time of the last *sampled* step and how many steps were counted
     since. That wall time is a lower bound on the last step's end, exact to within the steps since the
-    last full sampled step end (the stride, at most ``MAX_STRIDE`` = 10 steps and above 1 only on fast
-    steps; on loops fast enough for quick step ends, up to ``(QUICK_MAX + 1) x MAX_STRIDE``: a
-    fraction of a second there). A scrape
+    last full sampled step end (the stride, at most ``MAX_STRIDE`` = 10 steps, 40 while a leak is only
+    tracked, and above 1 only on fast steps; on loops fast enough for quick step ends, up to
+    ``(QUICK_MAX + 1)`` strides: a second or two there). A scrape
     that sees the step count differ from the previous scrape's knows a step ended after that
     previous scrape, and moves the bound up to it: when steps turn slow under a wide stride, the
     figure still lags by at most one step and one scrape interval, never by ten slow steps.

@@ -132,7 +132,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("gpumemd_last_step_timestamp_seconds", (),
        "Unix time the last training step ended, as a lower bound: the wall time of the last sampled step, "
        "moved later once a scrape has seen steps counted since; exact to within the sampling stride (at most "
-       "10 steps, on fast steps only). Absent before the first step. The stale alert reads it.",
+       "10 steps, 40 while a leak is only tracked; on fast steps only). Absent before the first step. "
+       "The stale alert reads it.",
        "StepRecord.wall_time; the scrapes' step counts"),
     _g("gpumemd_step_typical_duration_seconds", (),
        "Typical wall time of one training step: the median over the last sampled steps, so a pause between "

@@ -1,6 +1,6 @@
 """While a confirmed leak is tracked, scans and evaluations space out within the budget, and a second
 leak that starts meanwhile is still found and named. At default settings, on a fast loop (the budget
-asks for the stretch there)."""
+asks for the stretch there); so do its sampled step ends."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import gpumemd
 from gpumemd.components.leak import LeakComponent
 from gpumemd.components.leak_scans import KEYED_WHILE_TRACKING, SCAN_EVERY_MAX, TRACKING_STRETCH
 from gpumemd.records.findings import Finding
+from gpumemd.stride import MAX_STRIDE, SPARSE_STRETCH
 
 FIRST = "float32[4096]"  # 16 KiB a step: enough for host RSS to rise with it
 SECOND = "float32[256]"
@@ -34,6 +35,7 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
     intervals: set[int] = set()
     stretched: list[bool] = []  # per step of the second tracked window: was the interval stretched
     keyed: list[int | None] = []  # per scan while the first alone is tracked: candidates read at most
+    strides: list[int] = []  # per step of the second tracked window: the agent's stride
     with gpumemd.attached(output_dir=str(tmp_path), quiet=True) as agent:
         detector = agent.component(LeakComponent)._parts.series.detector  # type: ignore[union-attr]
         tracker = agent.component(LeakComponent)._parts.tracker  # type: ignore[union-attr]
@@ -59,6 +61,7 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
                     intervals.add(detector.check_every)
                     if step >= confirmed_at + 500:
                         stretched.append(detector.check_every == SCAN_EVERY_MAX * TRACKING_STRETCH)
+                        strides.append(agent.stride)
                     if step >= confirmed_at + 1_000:  # tracked for two windows: the stretch is on
                         second_onset = step
                 continue
@@ -72,6 +75,10 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
     # ... and kept them so: host RSS rising with the leaked tensors, which the finding explains, does not
     # end tracking (it did once a window, at each re-test of the host series: 50-step intervals then).
     assert sum(stretched) >= 0.95 * len(stretched), (sum(stretched), len(stretched))
+    # Its sampled step ends spread out with the scans (the budget asks for more than MAX_STRIDE on this
+    # fast loop), and came back to MAX_STRIDE when the second leak ended tracking.
+    assert max(strides) == MAX_STRIDE * SPARSE_STRETCH, sorted(set(strides))
+    assert agent.stride <= MAX_STRIDE, agent.stride
     second = _finding(agent, SECOND)
     assert second is not None and second.state == "confirmed", [f.headline for f in agent.state().findings]
     # Suspected ~450 steps after its onset at the usual interval (measured: 452); while the first was

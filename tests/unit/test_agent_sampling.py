@@ -17,6 +17,7 @@ from gpumemd.api import build_agent
 from gpumemd.config import Config
 from gpumemd.records.step import StepRecord
 from gpumemd.step_log import QUICK_MAX
+from gpumemd.stride import SPARSE_STRETCH
 
 
 class Costly:
@@ -47,11 +48,11 @@ class Costly:
 
 
 def _run(out_dir: str, *, step_s: float, cost_s: float, steps: int, kind: type[Costly] = Costly,
-         **config: Any) -> tuple[Agent, Costly]:
+         max_stride: int | None = None, **config: Any) -> tuple[Agent, Costly]:
     clock = Clock(100.0)
     component = kind(clock, cost_s)
     agent = build_agent(Config(output_dir=out_dir, sample_interval_s=0, nvml=False, **config),
-                  components=[component], clock=clock, wall_clock=clock)
+                  components=[component], clock=clock, wall_clock=clock, max_stride=max_stride)
     agent.start()
     try:
         for _ in range(steps):
@@ -112,6 +113,42 @@ def test_a_step_end_asked_for_runs_in_full_after_quick_ones(out_dir: str) -> Non
     assert component.asked_for is not None and component.asked_for in full
     quick = {r.step for r in agent.steps()} - set(full)
     assert any(component.asked_for - 25 < q < component.asked_for for q in quick)
+
+
+class Tracking(Costly):
+    """Says a leak is only being tracked from its first full step end past step 200 to the first past 600
+    (the leak component does at its evaluations); records the stride at each full step end."""
+
+    strides: list[tuple[int, int]]
+
+    def on_step(self, record: StepRecord) -> None:
+        super().on_step(record)
+        assert self.agent is not None
+        if not hasattr(self, "strides"):
+            self.strides = []
+        self.strides.append((record.step, self.agent.stride))
+        self.agent.sample_sparsely(200 < record.step <= 600)
+
+
+def test_sampled_step_ends_spread_out_while_a_leak_is_only_tracked(out_dir: str) -> None:
+    # The budget would space full step ends ~32 steps apart (the test above): MAX_STRIDE caps it at 10
+    # with quick step ends between; while a leak is only tracked, the cap is SPARSE_STRETCH x 10 = 40,
+    # so the budget's stride holds; when tracking ends, the next plan is back to 10 at once.
+    agent, component = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=1_000, kind=Tracking)
+    assert isinstance(component, Tracking)
+    records = agent.steps()
+    assert sum(r.steps for r in records) == records[-1].step + 1  # no step missing, none twice
+    tracked = [stride for step, stride in component.strides if 260 < step <= 600]
+    assert tracked and len(set(tracked)) == 1 and 32 <= tracked[0] < MAX_STRIDE * SPARSE_STRETCH, component.strides
+    after = [stride for step, stride in component.strides if step > 600]
+    assert after and set(after[1:]) == {MAX_STRIDE}, component.strides
+    assert all(r.steps == tracked[0] for r in records if 300 < r.step <= 600)
+
+
+def test_a_stride_set_by_hand_does_not_spread_out(out_dir: str) -> None:
+    _, component = _run(out_dir, step_s=1e-3, cost_s=60e-6, steps=400, kind=Tracking, max_stride=1)
+    assert isinstance(component, Tracking)
+    assert {stride for _, stride in component.strides} == {1}
 
 
 def test_the_stride_shrinks_when_the_step_gets_slower(out_dir: str) -> None:
