@@ -436,7 +436,9 @@ def measure(target_s: float, seconds: float = 60.0, *, batch: int = 64, block: i
                 blocks.append((kind, steps, cpu))
         switch.close()
         census = agent.component(CensusComponent)
-        last_cost = getattr(census, "_last_cost", None) if census is not None else None
+        last_cost = None
+        if census is not None:  # (releases before the property kept it on the cadence)
+            last_cost = census.last_cost if hasattr(census, "last_cost") else census._cadence._last_cost
         interval = census.interval if census is not None else 0
         findings = tuple(f"{f.state} {f.kind} on {f.series} since step {f.first_step}: {f.summary}"
                          for f in agent.state().findings)

@@ -37,6 +37,11 @@ class CensusCadence:
         self.retry_after = 0  # steps to wait after a failed census (doubles each failure)
         self._last_cost: float | None = None
 
+    @property
+    def last_cost(self) -> float | None:
+        """What the last census took, in seconds (None before one)."""
+        return self._last_cost
+
     def interval(self, agent: AgentView | None) -> int:
         """Steps between censuses: forced, or what the budget allows at the current step time."""
         if self.every > 0:

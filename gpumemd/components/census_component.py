@@ -147,6 +147,11 @@ class CensusComponent(ComponentBase):
         """Steps between censuses: forced, or what the budget allows at the current step time."""
         return self._cadence.interval(self._agent)
 
+    @property
+    def last_cost(self) -> float | None:
+        """What the last census took, in seconds (None before one; benchmarks read it)."""
+        return self._cadence.last_cost
+
     def on_quick(self, record: StepRecord, samples_total: int) -> None:
         """A quick step end's record, at the next full one: its steps count towards the next census."""
         self._cadence.steps_since += record.steps
