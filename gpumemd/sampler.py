@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpumemd import signal_locks
+
 log = logging.getLogger("gpumemd")
 
 if TYPE_CHECKING:
@@ -77,7 +79,8 @@ class Sampler:
         self._wake.set()
         thread, self._thread = self._thread, None  # errands handed in from here run in their caller
         if thread is not None:
-            thread.join(timeout=10)
+            # At a signal, the sampler may wait for a lock the interrupted training thread holds: 2 s.
+            thread.join(timeout=signal_locks.SIGNAL_WAIT_S if signal_locks.is_writer() else 10)
         self._errands.clear()
 
     def run_soon(self, errand: Callable[[], None]) -> bool:

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from gpumemd import signal_locks
 from gpumemd.analysis.oom_message import classify_exception
 from gpumemd.records.step import exit_ending
 
@@ -177,7 +178,8 @@ class SignalEndings:
         def run() -> None:
             began.set()
             try:
-                work()
+                with signal_locks.writing():  # the locks the training thread may hold wait for it 2 s at most
+                    work()
             except Exception:
                 log.debug("gpumemd: writing at a signal failed", exc_info=True)
             finally:

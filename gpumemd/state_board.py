@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from gpumemd.probes.process.identity import refreshed_identity
+from gpumemd.signal_locks import YieldingLock
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -40,7 +40,7 @@ class StateBoard:
         self._counts = counts  # the agent: its step counts, phase and overhead go into each state
         self._probes = probes
         self._wall = wall_clock
-        self._lock = threading.Lock()  # writers only (training + sampler thread); readers never lock
+        self._lock = YieldingLock()  # writers only (training + sampler thread); readers never lock
         self.base: AgentState | None = None
         self.pending: tuple[StepRecord, int] | None = None
         self._view: tuple[AgentState, tuple[StepRecord, int] | None, int, AgentState] | None = None

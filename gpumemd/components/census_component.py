@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from gpumemd.components.census_cadence import CensusCadence, other_share
 from gpumemd.probes.census.census_steps import GRAPH_SLICE_NODES, CensusRequest
 from gpumemd.probes.heap.gc_pause import AutomaticHold, collector_paused, hold_automatic, release_automatic
 from gpumemd.probes.heap.stepwise import HEAP_PASS, Hinted, Stepwise, run_to_end
+from gpumemd.signal_locks import YieldingLock
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -114,7 +114,8 @@ class CensusComponent(ComponentBase):
         self._clock = clock
         self._census_fn = census_fn
         self._agent: AgentView | None = None
-        self._lock = threading.Lock()  # a census outside a step may come from another thread (an OOM's)
+        # A census outside a step may come from another thread (an OOM's); a signal's writer waits 2 s at most.
+        self._lock = YieldingLock()
         self._recent: list[Census] = []
         self._running: _Running | None = None  # the census under way (training thread only advances it)
         self._soon = False  # a census is asked for at the next step end (``take_soon``)

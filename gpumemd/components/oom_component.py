@@ -37,6 +37,7 @@ from gpumemd.components.oom_excepthooks import ExceptHooks
 from gpumemd.components.oom_postmortem import PostMortem
 from gpumemd.records.device import Device
 from gpumemd.records.oom import ObserverCall, OomMessage
+from gpumemd.signal_locks import YieldingLock
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -119,7 +120,7 @@ class OomComponent(ComponentBase):
         self._clock = clock
         self._wall = wall_clock
         self._agent: AgentView | None = None
-        self._lock = threading.Lock()
+        self._lock = YieldingLock()  # a signal's writer waits for it 2 s at most (``signal_locks``)
         self._history_lock = threading.Lock()  # switching history on at CUDA init vs off at stop
         self._captures = CaptureSlot()
         self._written = 0

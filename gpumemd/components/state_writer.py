@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from gpumemd.components.base import ComponentBase
 from gpumemd.files import replace_file
 from gpumemd.report.last_state import state_document, state_file
+from gpumemd.signal_locks import SIGNAL_WAIT_S, is_writer
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -47,8 +48,6 @@ EVERY_S = 1.0
 """At most this many seconds between two writes while nothing a reader needs changed."""
 
 
-SIGNAL_WAIT_S = 2.0
-"""How long a signal's flush waits for a write under way before it writes without waiting (``_put``)."""
 
 
 class LastStateComponent(ComponentBase):
@@ -119,7 +118,7 @@ class LastStateComponent(ComponentBase):
         made = self._made
         if background and agent.run_in_background(lambda: self._put(path, data, made)):
             return
-        self._put(path, data, made, wait_s=SIGNAL_WAIT_S if at_signal else -1)
+        self._put(path, data, made, wait_s=SIGNAL_WAIT_S if at_signal or is_writer() else -1)
 
     def drain(self, timeout: float = 10.0) -> None:
         """Wait until the newest document handed to the background is written (or skipped)."""

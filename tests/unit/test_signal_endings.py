@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
 import pytest
 
+from gpumemd import signal_locks
 from gpumemd.signal_endings import SignalEndings
+from gpumemd.signal_locks import SIGNAL_WAIT_S, YieldingLock
 
 USR1, USR2 = signal.SIGUSR1, signal.SIGUSR2
 
@@ -146,6 +149,55 @@ def test_a_flush_that_cannot_finish_is_waited_for_at_most_the_deadline(calls: Ca
     for thread in flush:
         thread.join(timeout=5)  # it takes the released lock and ends
     assert not any(t.is_alive() for t in flush)
+
+
+def test_the_flush_gets_past_the_agents_locks_the_interrupted_thread_holds(calls: Calls) -> None:
+    # The signal stops the training thread wherever it is: inside a census slice, a publish, each under
+    # its lock. The flush (and the stop a SIGTERM brings) waited for that lock until the 25 s deadline,
+    # and the job ended late and without its files (CI: test_a_job_killed_while_leaking_fires_...).
+    # The agent's locks let a signal's writer go on without them after SIGNAL_WAIT_S.
+    census, board = YieldingLock(), YieldingLock()
+    wrote: list[str] = []
+
+    def flush() -> None:
+        with census:
+            wrote.append("census")
+        with board:
+            wrote.append("board")
+
+    endings = SignalEndings(flush=flush, finish=lambda name: None, active=lambda: True)  # the 25 s deadline
+    signal.signal(USR1, calls.handler("job"))  # type: ignore[arg-type]
+    endings.install()
+    try:
+        with census:  # the interrupted census slice
+            started = time.monotonic()
+            os.kill(os.getpid(), USR1)
+            took = time.monotonic() - started
+        assert wrote == ["census", "board"] and calls.log == ["job"]
+        assert took < SIGNAL_WAIT_S + 5, took  # one wait, not the deadline
+        assert not census.locked() and not board.locked()  # released by their holders, not by the writer
+    finally:
+        endings.uninstall()
+
+
+def test_a_yielding_lock_is_a_plain_lock_to_any_other_thread() -> None:
+    lock = YieldingLock()
+    entered = threading.Event()
+
+    def take() -> None:
+        with lock:
+            entered.set()
+
+    with lock:
+        thread = threading.Thread(target=take)
+        thread.start()
+        assert not entered.wait(SIGNAL_WAIT_S + 0.5)  # waits on, past the signal writer's limit
+    thread.join(timeout=5)
+    assert entered.is_set() and not lock.locked()
+    with signal_locks.writing():  # a writer gets it at once when it is free
+        with lock:
+            assert lock.locked()
+    assert not lock.locked()
 
 
 def test_what_another_handler_raises_during_the_flush_comes_after_the_jobs_handler(calls: Calls) -> None:
