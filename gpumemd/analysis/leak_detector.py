@@ -58,6 +58,8 @@ from gpumemd.analysis.leak_verdicts import (
     explainer_raised_since,
     knee_verdict,
     lent_verdict,
+    outgrew,
+    outgrown_slope,
     with_reason,
 )
 from gpumemd.analysis.track_states import count_pass_or_fail, next_state, past_reset_peaks, released_status
@@ -223,10 +225,11 @@ class LeakDetector:
             return self._held_status(track, step, self._held[spec.name])
         if track.released and track.state is not None and track.state.active:
             return released_status(track, phase, step, min_slope)
-        resting = self._resting(track, step)
-        if resting is not None:
+        if (resting := self._resting(track, step)) is not None:
             return resting
-        if not lent and explained_at_rest(self._tracks, track, phase, step, self.check_every):
+        outgrown = outgrew(self._tracks, track, phase, step, min_slope=min_slope,
+                           half_window=self._window_steps(track) / 2, min_points=c.min_points)
+        if not lent and not outgrown and explained_at_rest(self._tracks, track, phase, step, self.check_every):
             return dataclasses.replace(track.last_status, changed=False) if track.last_status else None
         # Until the history covers one short window, a rise cannot be told from the first half of a
         # sawtooth (a metric list, an epoch cache) that is about to reset: only a ramp above every floor
@@ -266,12 +269,10 @@ class LeakDetector:
         if state is not previous and state is LeakState.SUSPECTED:
             track.onset, track.released = None, False  # a new episode
         onset_step, growth = track.onset_and_growth()
-        status = TrackStatus(
+        status = track.last_status = TrackStatus(
             spec=spec, phase=phase, state=state, changed=state is not previous, step=step,
             first_step=track.first_step, verdict=verdict, window_start=window_start,
-            onset_step=onset_step, growth_bytes=growth, min_slope=min_slope,
-        )
-        track.last_status = status
+            onset_step=onset_step, growth_bytes=growth, min_slope=min_slope)
         return status
 
     @staticmethod
@@ -321,8 +322,11 @@ class LeakDetector:
         if not verdict.passed and lent is not None:
             verdict, xs = lent_verdict(track, lent[0], lent[1], c.max_pairs), [lent[0]]
         if verdict.passed and spec.explained_by:
-            if self._explained(spec, phase, xs[0], verdict, track.streak + 1):
+            past = track.outgrown and verdict.slope.slope >= outgrown_slope(track, min_slope)
+            if self._explained(spec, phase, xs[0], verdict, track.streak + 1, outgrown=past):
                 verdict = with_reason(verdict, "explained by " + ", ".join(spec.explained_by))
+                if track.explained_base is not None:  # measured early in a ramp, the base was too low
+                    track.explained_base = max(track.explained_base, verdict.slope.slope)
             elif knee_passed and track.streak == 0:
                 # The series that may explain it are seen a scan later (a tensor is counted at the
                 # first scan it outlives): a ramp this young is held once, neither a pass nor a fail.
@@ -347,10 +351,14 @@ class LeakDetector:
             return None
         return theil_sen([p[0] for p in pts], [p[1] for p in pts], max_pairs=2000).slope
 
-    def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
+    def _explained(self, spec: SeriesSpec, phase: str, since: float, verdict: Verdict, streak: int, *,
+                   outgrown: bool = False) -> bool:
+        """``outgrown``: the growth is well above what it was when a finding that explains it was raised
+        (``leak_verdicts.outgrew``): that finding's being active no longer explains it; a series rising
+        with it still may."""
         # Families of series (the count series of one device) first, each of them: any of them
         # reporting, or rising with this growth (then lent this verdict).
-        families = [self._lend(other[:-1], phase, since, verdict, streak)
+        families = [self._lend(other[:-1], phase, since, verdict, streak, active_explains=not outgrown)
                     for other in spec.explained_by if other.endswith("*")]
         if any(families):
             return True
@@ -358,7 +366,7 @@ class LeakDetector:
             if other.endswith("*"):
                 continue
             track = self._tracks.get((other, phase))
-            if track is not None and track.state is not None and track.state.active:
+            if track is not None and track.state is not None and track.state.active and not outgrown:
                 return True  # already reported as that series' finding
             # Host bytes per tensor byte run well above 1 (allocator overhead, autograd nodes), so a
             # quarter of the slope is enough to say the tensors are the story.
@@ -367,7 +375,8 @@ class LeakDetector:
                 return True
         return False
 
-    def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict, streak: int) -> bool:
+    def _lend(self, prefix: str, phase: str, since: float, verdict: Verdict, streak: int, *,
+              active_explains: bool = True) -> bool:
         """Is a series of the family ``prefix`` reporting, or rising since ``since`` at its material
         slope and (when its bytes per unit are known) at a quarter of the bytes' slope or more? Those
         rising are lent this passing verdict for this evaluation, with the lender's passes in a row
@@ -377,7 +386,7 @@ class LeakDetector:
         for key, track in self._tracks.items():
             if not key[0].startswith(prefix) or key[1] != phase:
                 continue
-            explained = explained or (track.state is not None and track.state.active)
+            explained = explained or (active_explains and track.state is not None and track.state.active)
             newest = track.pending or (track.floors[-1] if track.floors else None)
             before = [y for x, y in track.floors if x <= since][-3:]
             if newest is None or not before or newest[0] <= since:

@@ -41,7 +41,7 @@ def explained_at_rest(tracks: Mapping[tuple[str, str], Track], track: Track, pha
         return False
     if step - track.tested_at >= CONFIRMED_EVERY * check_every:
         return False
-    return any(other.state is LeakState.CONFIRMED for other in _explainers(tracks, track, phase))
+    return any(other.state is LeakState.CONFIRMED for other in explainers(tracks, track, phase))
 
 
 def explainer_raised_since(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: float) -> bool:
@@ -53,17 +53,54 @@ def explainer_raised_since(tracks: Mapping[tuple[str, str], Track], track: Track
     after ``track``'s test (host RSS confirmed and the tensor finding raised at one check: two findings
     to the end of a 6,000-step run in 1 of 4 runs of ``bench_leak_tracking.py`` at ~2 ms)."""
     return any(other.state is not None and other.state.active and other.first_step is not None
-               and other.first_step >= step for other in _explainers(tracks, track, phase))
+               and other.first_step >= step for other in explainers(tracks, track, phase))
 
 
 def explainer_active(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, verdict: Verdict) -> bool:
     """Was ``track``'s growth explained (``verdict``) by a series whose finding is active? Then an active
     episode of ``track`` says that growth a second time and is withdrawn at once (``next_state``)."""
     return verdict.reason.startswith("explained") and any(
-        other.state is not None and other.state.active for other in _explainers(tracks, track, phase))
+        other.state is not None and other.state.active for other in explainers(tracks, track, phase))
 
 
-def _explainers(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str) -> list[Track]:
+OUTGROWN_FACTOR = 2.0
+"""An explained track (host RSS under a tensor finding) whose growth passes this many times its slope when
+the explaining finding was first seen active, plus the least growth that matters, is judged on its own.
+Host bytes per tensor byte vary by orders of magnitude (a 64 B tensor a step has kept ~24 KiB of RSS a
+step, the heap fragmented around it), so the explainer's own bytes cannot bound it; its onset rate can."""
+
+
+def outgrown_slope(track: Track, min_slope: float) -> float:
+    """The growth per step above which an explained track's rise is its own (``OUTGROWN_FACTOR``)."""
+    return OUTGROWN_FACTOR * (track.explained_base or 0.0) + min_slope
+
+
+def outgrew(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int, *, min_slope: float,
+            half_window: float, min_points: int) -> bool:
+    """Keeps ``track.explained_base`` (set at the first evaluation that sees a finding that explains the
+    track active, from its newer half window; cleared when none is), and says whether that half window
+    may rise faster than ``outgrown_slope`` (``Track.may_rise``, the cheap necessary test): then a finding
+    that explains it no longer does so alone, and it is judged on its own. (A host leak of numpy arrays
+    that started while a leak of small CPU tensors was tracked was never reported: host RSS rising with a
+    tensor finding active was that finding's growth, however fast.) Kept as ``track.outgrown`` too."""
+    track.outgrown = bool(track.spec.explained_by) and _outgrew(tracks, track, phase, step, min_slope,
+                                                                 half_window, min_points)
+    return track.outgrown
+
+
+def _outgrew(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int, min_slope: float,  # noqa: PLR0917
+             half_window: float, min_points: int) -> bool:
+    if not any(other.state is not None and other.state.active for other in explainers(tracks, track, phase)):
+        track.explained_base = None
+        return False
+    if track.explained_base is None:
+        xs, ys = track.window(step, half_window, min_points)
+        track.explained_base = max(0.0, theil_sen(xs, ys, max_pairs=2000).slope) if len(xs) >= 3 else 0.0
+        return False
+    return track.may_rise(step, half_window, min_points, outgrown_slope(track, min_slope))
+
+
+def explainers(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str) -> list[Track]:
     """The tracks of ``phase`` whose series explain ``track``'s (``SeriesSpec.explained_by``, "name*" a prefix)."""
     exact = {name for name in track.spec.explained_by if not name.endswith("*")}
     prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))

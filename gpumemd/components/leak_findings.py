@@ -76,7 +76,7 @@ class LeakFindings:
             return
         held_graphs = self._graphs_reported(series, statuses, rising)
         before = dict(self._findings)
-        host_claim = _host_claimant(statuses)
+        host_claim = _host_claimant(statuses, series.host_spec.name)
         changed = [(s.spec.name, s.phase) for s in statuses
                    if self._update(series, s, held_graphs, fresh=(s.spec.name, s.phase) in pending.found,
                                    host=s is host_claim) and (s.changed or _first_said(s, before))]
@@ -270,13 +270,20 @@ class LeakFindings:
             self.file.append(finding)
 
 
-def _host_claimant(statuses: list[TrackStatus]) -> TrackStatus | None:
+def _host_claimant(statuses: list[TrackStatus], host: str) -> TrackStatus | None:
     """The active CPU tensor finding that states host RSS's growth as its own: the fastest in bytes.
-    One, so two CPU leaks do not each project out-of-memory from the same growth."""
+    One, so two CPU leaks do not each project out-of-memory from the same growth; none while host RSS
+    (series ``host``) has a finding raised after it, grown past what the tensors explain
+    (``LeakDetector._outgrew``): that growth is not theirs to state or to project from. (One raised
+    before it is host RSS rising with those tensors, seen first, and withdrawn into their finding.)"""
+    own = [s.first_step for s in statuses if s.spec.name == host and s.state is not None and s.state.active]
     cpu = [s for s in statuses if s.spec.kind == "tensor_leak" and s.spec.unit == "tensors"
            and s.spec.device is not None and cuda_index(s.spec.device) is None
            and s.state is not None and s.state.active]
-    return max(cpu, key=lambda s: s.verdict.slope.slope * s.spec.unit_bytes, default=None)
+    claimant = max(cpu, key=lambda s: s.verdict.slope.slope * s.spec.unit_bytes, default=None)
+    if claimant is None or not own or own[0] is None or claimant.first_step is None:
+        return claimant
+    return None if own[0] > claimant.first_step else claimant
 
 
 def _first_said(status: TrackStatus, before: dict[Key, Finding]) -> bool:

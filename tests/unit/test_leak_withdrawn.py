@@ -49,7 +49,8 @@ def _conclude(findings: dict[tuple[str, str], Finding], tmp_path: Any) -> list[A
                             state=lambda: SimpleNamespace(identity=SimpleNamespace(rank=0)))
     leak._findings = dict(findings)
     leak._causes = merge_causes(leak._findings, NO_CAUSES)
-    series = SimpleNamespace(scans=SimpleNamespace(chain_nodes=SimpleNamespace(names=set)))
+    series = SimpleNamespace(scans=SimpleNamespace(chain_nodes=SimpleNamespace(names=set)),
+                             host_spec=SimpleNamespace(name="host_rss_bytes"))
     leak.conclude(agent, series, PendingEvaluation(1555, [_explained(1555)], set(), []))  # type: ignore[arg-type]
     return published
 
@@ -110,7 +111,8 @@ def test_tensors_said_before_the_graph_that_keeps_them_was_are_withdrawn_into_it
                          phase=saved.phase, state=LeakState.SUSPECTED, changed=False, step=100, first_step=70,
                          verdict=Verdict(True, "leak", Slope(1.0, 0.9, 1.1, 20), 1e-6), window_start=40.0,
                          onset_step=56, growth_bytes=1e7)
-    series = SimpleNamespace(scans=SimpleNamespace(chain_nodes=SimpleNamespace(names=set)))
+    series = SimpleNamespace(scans=SimpleNamespace(chain_nodes=SimpleNamespace(names=set)),
+                             host_spec=SimpleNamespace(name="host_rss_bytes"))
     with caplog.at_level(logging.WARNING, logger="gpumemd"):
         leak.conclude(agent, series, PendingEvaluation(100, [status], {saved.series}, []))  # type: ignore[arg-type]
 
