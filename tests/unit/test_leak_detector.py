@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -395,6 +396,52 @@ def _host_explained_by_a_count() -> tuple[LeakDetector, SeriesSpec, SeriesSpec, 
     return detector, host, grows, {host.name: 16 * KIB, grows.name: 0.1}
 
 
+@dataclasses.dataclass
+class HostRun:
+    """What ``_drive`` saw: host RSS confirmed, the count series raised and confirmed, host RSS withdrawn
+    (step, reason), and host RSS's state changes."""
+
+    host_confirmed: int | None = None
+    raised: int | None = None
+    confirmed: int | None = None
+    withdrawn: tuple[int, str] | None = None
+    host_changes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+
+def _drive(detector: LeakDetector, host: SeriesSpec, grows: SeriesSpec, slopes: dict[str, float], *,
+           host_at: Callable[[int], float], counts_from: int, count_at: Callable[[int], float], steps: int,
+           tracking_every: int = 200, track_once: str | None = None,
+           after_check: Callable[[int, HostRun], None] | None = None) -> HostRun:
+    """Host RSS observed every step, the count series every 50 steps from ``counts_from`` (each count
+    dated at the scan before, as the component feeds it); checks spaced to ``tracking_every`` once
+    ``track_once`` (host RSS's name by default) is confirmed, as the component tracks it."""
+    run = HostRun()
+    track_once = track_once or host.name
+    for step in range(steps):
+        detector.observe(host.name, step, host_at(step))
+        if step % 50 == 0 and step >= counts_from:
+            detector.observe(grows.name, step - 50, count_at(step - 50))
+        if not detector.due(step):
+            continue
+        for status in detector.evaluate(step, slopes):
+            name, state = status.spec.name, status.state_name
+            if name == track_once and state == "confirmed" and detector.check_every != tracking_every:
+                detector.check_every = tracking_every
+            if name == host.name and state == "confirmed" and run.host_confirmed is None:
+                run.host_confirmed = step
+            if name == grows.name and status.changed and state == "suspected":
+                run.raised = step
+            if name == grows.name and state == "confirmed" and run.confirmed is None:
+                run.confirmed = step
+            if name == host.name and status.changed:
+                run.host_changes.append((step, state or ""))
+                if state == "cleared":
+                    run.withdrawn = run.withdrawn or (step, status.verdict.reason)
+        if after_check is not None:
+            after_check(step, run)
+    return run
+
+
 @pytest.mark.parametrize("tracking_every", [None, 200])
 def test_bytes_explained_by_a_confirmed_finding_rest_between_full_tests(tracking_every: int | None) -> None:
     # Host RSS rising with a confirmed tensor leak is that leak's growth: its O(n²) window tests run at
@@ -455,25 +502,17 @@ def test_a_confirmed_series_is_re_tested_once_a_finding_that_explains_it_is_rais
     # to the end of a 3,000-step run (tests/integration/test_leak_host_growth.py, flaky under load). Once
     # that finding is raised, host RSS's says the same growth twice: it is withdrawn at once.
     detector, host, grows, slopes = _host_explained_by_a_count()
-    host_confirmed = raised = withdrawn = None
     host_tests: list[int] = []
-    for step in range(4000):
-        detector.observe(host.name, step, BASE + max(0, step - 299) * MIB)
-        if step % 50 == 0 and step >= 700:  # its group's counts seen from here on (a scan interval late)
-            detector.observe(grows.name, step - 50, step - 50 - 299)
-        if not detector.due(step):
-            continue
-        for status in detector.evaluate(step, slopes):
-            if status.spec.name == host.name and status.state_name == "confirmed" and host_confirmed is None:
-                host_confirmed = step
-                detector.check_every = 200  # the component tracks the confirmed finding
-            if status.spec.name == grows.name and status.changed and status.state_name == "suspected":
-                raised = step
-            if status.spec.name == host.name and status.changed and status.state_name == "cleared":
-                withdrawn = withdrawn or (step, status.verdict.reason)
+
+    def tested(step: int, run: HostRun) -> None:
         host_track = next(t for key, t in detector._tracks.items() if key[0] == host.name)
-        if raised is not None and host_track.tested_at == step:
+        if run.raised is not None and host_track.tested_at == step:
             host_tests.append(step)
+
+    # its group's counts seen from step 700 (a scan interval late)
+    run = _drive(detector, host, grows, slopes, host_at=lambda step: BASE + max(0, step - 299) * MIB,
+                 counts_from=700, count_at=lambda step: step - 299, steps=4000, after_check=tested)
+    host_confirmed, raised, withdrawn = run.host_confirmed, run.raised, run.withdrawn
     assert host_confirmed is not None and raised is not None and raised > host_confirmed, (host_confirmed, raised)
     assert raised + 200 < host_confirmed + CONFIRMED_EVERY * 200  # its rest had not ended on its own by then
     assert host_tests and host_tests[0] <= raised + 200, (raised, host_tests)  # re-tested at the next check
@@ -492,28 +531,10 @@ def test_host_rss_is_withdrawn_at_the_next_check_when_its_explainer_is_raised_at
     # RSS was confirmed at the very check that then raised the tensor finding, and the rest that followed
     # kept both findings for ten checks (2,000 steps here; to the end of a 6,000-step run in 1 of 4
     # benchmark runs). Whatever the order, it is withdrawn at the first check after the raise.
-    detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
-    host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
-    grows = SeriesSpec("tensors{device=cpu,group=float32[16]}", "tensor_leak", CPU, sparse=True, unit="tensors",
-                       unit_bytes=64)
-    for spec in (host, grows):
-        detector.add_series(spec)
-    slopes = {host.name: 16 * KIB, grows.name: 0.1}
-    host_confirmed = raised = withdrawn = None
-    for step in range(3000):
-        detector.observe(host.name, step, BASE + max(0, step - 49) * 24 * KIB)
-        if step % 50 == 0 and step >= counts_from:
-            detector.observe(grows.name, step - 50, step - 99)
-        if not detector.due(step):
-            continue
-        for status in detector.evaluate(step, slopes):
-            if status.spec.name == host.name and status.state_name == "confirmed" and host_confirmed is None:
-                host_confirmed = step
-                detector.check_every = 200  # the component tracks the confirmed finding
-            if status.spec.name == grows.name and status.changed and status.state_name == "suspected":
-                raised = step
-            if status.spec.name == host.name and status.changed and status.state_name == "cleared":
-                withdrawn = withdrawn or (step, status.verdict.reason)
+    detector, host, grows, slopes = _host_under_small_tensors()
+    run = _drive(detector, host, grows, slopes, host_at=lambda step: BASE + max(0, step - 49) * 24 * KIB,
+                 counts_from=counts_from, count_at=lambda step: step - 49, steps=3000)
+    host_confirmed, raised, withdrawn = run.host_confirmed, run.raised, run.withdrawn
     assert host_confirmed is not None and raised is not None, (host_confirmed, raised)
     if counts_from == 100:
         assert raised == host_confirmed, (host_confirmed, raised)  # the case: one check for both
@@ -521,35 +542,32 @@ def test_host_rss_is_withdrawn_at_the_next_check_when_its_explainer_is_raised_at
     assert withdrawn[1].startswith("explained by"), withdrawn
 
 
-def _host_under_a_small_tensor_leak(extra_from: int | None, steps: int = 6000) -> tuple[list[tuple[int, str]], int]:
-    """Host RSS rising 8 KiB a step with a 64 B/step tensor leak (the heap fragmented around the small
-    tensors: the tensors' bytes cannot explain it, their finding does), and from ``extra_from`` 64 KiB a
-    step more of something else (numpy arrays kept). Checks spaced to 400 steps once the tensor finding
-    is confirmed (the component tracks it). Returns the host series' state changes and the step the
-    tensor finding was confirmed."""
+def _host_under_small_tensors() -> tuple[LeakDetector, SeriesSpec, SeriesSpec, dict[str, float]]:
+    """A detector with host RSS and the count series of 64 B tensors that explains it (not by its bytes:
+    by its finding), and their slopes."""
     detector = LeakDetector(DetectorConfig(min_bytes_per_step=KIB))
     host = SeriesSpec("host_rss_bytes", "host_leak", CPU, explained_by=("tensors{device=cpu,*",))
     grows = SeriesSpec("tensors{device=cpu,group=float32[16]}", "tensor_leak", CPU, sparse=True, unit="tensors",
                        unit_bytes=64)
     for spec in (host, grows):
         detector.add_series(spec)
-    slopes = {host.name: 16 * KIB, grows.name: 0.1}
-    changes: list[tuple[int, str]] = []
-    confirmed = -1
-    for step in range(steps):
+    return detector, host, grows, {host.name: 16 * KIB, grows.name: 0.1}
+
+
+def _host_under_a_small_tensor_leak(extra_from: int | None, steps: int = 6000) -> tuple[list[tuple[int, str]], int]:
+    """Host RSS rising 20 KiB a step (above its 16 KiB) with a 64 B/step tensor leak (the heap fragmented
+    around the small tensors), and from ``extra_from`` 64 KiB a step more of something else (numpy
+    arrays kept). Checks spaced to 400 steps once the tensor finding is confirmed (the component tracks
+    it). Returns host RSS's state changes and the step the tensor finding was confirmed."""
+    detector, host, grows, slopes = _host_under_small_tensors()
+
+    def host_at(step: int) -> float:
         extra = 64 * KIB * max(0, step - extra_from) if extra_from is not None else 0
-        detector.observe(host.name, step, BASE + max(0, step - 49) * 20 * KIB + extra)  # 20 KiB: above its 16 KiB
-        if step % 50 == 0 and step >= 100:
-            detector.observe(grows.name, step - 50, step - 99)
-        if not detector.due(step):
-            continue
-        for status in detector.evaluate(step, slopes):
-            if status.spec.name == grows.name and status.state_name == "confirmed" and confirmed < 0:
-                confirmed = step
-                detector.check_every = 400
-            if status.spec.name == host.name and status.changed:
-                changes.append((step, status.state_name or ""))
-    return changes, confirmed
+        return BASE + max(0, step - 49) * 20 * KIB + extra
+
+    run = _drive(detector, host, grows, slopes, host_at=host_at, counts_from=100, count_at=lambda step: step - 49,
+                 steps=steps, tracking_every=400, track_once=grows.name)
+    return run.host_changes, run.confirmed if run.confirmed is not None else -1
 
 
 def test_host_growth_a_tensor_finding_explains_stays_its_own() -> None:
