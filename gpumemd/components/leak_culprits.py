@@ -363,8 +363,12 @@ class CulpritSearch:
             if in_census >= 0.5 * status.verdict.slope.slope * leak_steps:
                 return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)
         yield
+        # Raised while a CPU tensor finding was active: its growth is past what those tensors explain.
+        after_tensors = any(f.kind == "tensor_leak" and f.device == CPU and f.state != "cleared"
+                            and f.first_step < (status.first_step or 0) for f in self._agent.published.findings)
         return (yield from self._host.culprits(status, self._agent, ignore=self._series.detector.buffer_ids(),
-                                               headroom=self._series.headroom(status.spec)))
+                                               headroom=self._series.headroom(status.spec),
+                                               tensors_explained=after_tensors))
 
 
 def _graph_holder() -> str | None:

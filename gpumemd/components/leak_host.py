@@ -85,11 +85,12 @@ class HostLooks:
         return True
 
     def culprits(self, status: TrackStatus, job: AgentView, *, ignore: set[int],
-                 headroom: float | None) -> Stepwise[Evidence]:
+                 headroom: float | None, tensors_explained: bool = False) -> Stepwise[Evidence]:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
         with nothing grown, the heap's fragmentation when that explains it (``_fragmented``); without a
         baseline, or with nothing grown and no such explanation, a fresh look that the next evaluation
         compares with. ``ignore``: ids of containers that are the agent's own (the detector's buffers).
+        ``tensors_explained``: a tensor finding accounts for the tensors (``growing_containers_stepwise``).
         One heap pass between ``yield``s (``probes.heap.stepwise``)."""
         baseline = self._baseline
         if baseline is None or baseline[0] >= status.step:
@@ -99,8 +100,8 @@ class HostLooks:
         since, lengths, graph_nodes, in_use = baseline
         steps = float(status.step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
-        grown = yield from host_objects.growing_containers_stepwise(lengths, ignore=ignore,
-                                                                    holder_budget_s=HOLDER_BUDGET_S)
+        grown = yield from host_objects.growing_containers_stepwise(
+            lengths, ignore=ignore, holder_budget_s=HOLDER_BUDGET_S, tensors_explained=tensors_explained)
         contained = sum(g.approx_bytes for g in grown)
         yield
         graph = host_objects.growing_graph(graph_nodes, min_added=max(1, int(steps) // 2),

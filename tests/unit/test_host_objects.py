@@ -77,3 +77,14 @@ def test_graph_that_gains_nodes_behind_one_tensor() -> None:
     assert graph.nodes_added >= 60  # an add and a sum (and a mul) per iteration
     assert graph.holder is not None and "running_total" in graph.holder
     assert growing_graph(graph.nodes, min_added=1) is None  # nothing grew since
+
+
+def test_containers_of_tensors_are_left_out_when_a_tensor_finding_explains_them() -> None:
+    # Host RSS grown past what a CPU tensor finding explains is not those tensors: the list of kept
+    # losses, which grew too, was named as the holder of a numpy cache's 40 KiB a step.
+    kept_losses = [torch.zeros(()) for _ in range(10)]
+    before = container_lengths()
+    kept_losses.extend(torch.zeros(()) for _ in range(20))
+    assert any(g.item_type == "Tensor" for g in growing_containers(before))
+    explained = run_to_end(growing_containers_stepwise(before, holder_budget_s=0.5, tensors_explained=True))
+    assert all(g.item_type != "Tensor" for g in explained), explained

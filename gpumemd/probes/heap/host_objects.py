@@ -89,11 +89,15 @@ def _recent_item(obj: Any) -> Any:
 
 def growing_containers_stepwise(
     before: dict[int, int], *, ignore: set[int] | frozenset[int] = frozenset(), holder_budget_s: float,
+    tensors_explained: bool = False,
 ) -> Stepwise[list[ContainerGrowth]]:
     """Containers from ``before`` that gained at least ``_MIN_ADDED`` items, most bytes first; the
     first one gets a ``who_holds`` line naming the variable or attribute that keeps it. ``ignore``:
-    ids of containers that are the caller's own bounded buffers. Two passes: the heap scan, then
-    (after a ``yield``) the holder search."""
+    ids of containers that are the caller's own bounded buffers. ``tensors_explained``: containers of
+    tensors are left out, their growth being a tensor finding's (host RSS grown past it: a list of the
+    job's kept losses was named as the holder of a numpy cache's 40 KiB a step). Two passes: the heap
+    scan, then (after a ``yield``) the holder search."""
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None) if tensors_explained else None
     found: list[tuple[int, Any, int, Any]] = []
     for obj in objects_of(_CONTAINERS):
         if id(obj) in ignore:
@@ -111,6 +115,8 @@ def growing_containers_stepwise(
             continue
         if type(item).__module__.startswith("gpumemd"):
             continue  # the agent's own bounded buffers (step ring, census history) fill up at start
+        if tensor_type is not None and isinstance(item, tensor_type):
+            continue
         found.append((added * size, obj, added, item))
     found.sort(key=lambda f: f[0], reverse=True)
     grown = [ContainerGrowth(type(obj).__name__, type(item).__name__, added, approx, len(obj))
