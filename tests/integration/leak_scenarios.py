@@ -50,6 +50,24 @@ def _model(width: int = 128) -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
 
 
+def fast_loop() -> Callable[[], torch.Tensor]:
+    """One step of the fastest job there is (a linear classifier of width 8, SGD, batch 8): where the
+    budget spaces the agent's work furthest. Returns the step's loss, detached."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 8), torch.randint(0, 10, (8,))
+
+    def step() -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int = 32) -> torch.Tensor:
     x = torch.randn(batch, 16)
     out = model(x)
@@ -221,6 +239,25 @@ def retain_graph_misuse(steps: int) -> None:
         if step >= ONSET:
             loss_history.append(loss)
     loss_history.clear()
+
+
+SECOND_ONSET = 1_300  # host_cache_beside_kept_losses: the cache's first step
+
+
+def host_cache_beside_kept_losses(steps: int) -> None:
+    """Every step's loss kept as a tensor (4 B/step, from step 0) and, from ``SECOND_ONSET``, a numpy
+    copy of the step's output kept in a dict (64 KiB/step): a host leak that starts while a CPU tensor
+    leak is tracked (``test_leak_host_growth``). The dict holds only untracked objects (ints, numpy
+    arrays), so gc does not track it and no heap look sees it."""
+    import numpy as np
+
+    step_once = fast_loop()
+    losses = []
+    cache = {}
+    for step in _steps(steps):
+        losses.append(step_once())
+        if step >= SECOND_ONSET:
+            cache[step] = np.ones(8192)
 
 
 def predictions_carrying_host_buffers(steps: int) -> None:
@@ -589,6 +626,9 @@ HOST_HEAVY = Scenario("predictions kept with their raw samples (128 B/step of te
                       ("`kept_predictions` in predictions_carrying_host_buffers()",), bytes_per_step=128,
                       rate="+1 tensor/step")
 """A CPU tensor leak whose host growth is 512x its tensors' bytes (``test_leak_host_growth``)."""
+SECOND_HOST = Scenario("a numpy cache filled beside kept losses (64 KiB/step of host from step 1,300)",
+                       host_cache_beside_kept_losses, "host_leak", onset=SECOND_ONSET)
+"""A host leak that starts while a CPU tensor leak is tracked (``test_leak_host_growth``)."""
 HEALTHY = (
     Scenario("steady training", steady),
     Scenario("first-step optimizer state (Adam)", first_step_optimizer_state),
@@ -707,7 +747,7 @@ def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0,
 
 
 def scenario_named(name: str) -> Scenario:
-    return next(s for s in (*LEAKS, *HEALTHY, HOST_HEAVY) if s.name == name)
+    return next(s for s in (*LEAKS, *HEALTHY, HOST_HEAVY, SECOND_HOST) if s.name == name)
 
 
 class _WarningLines(logging.Handler):

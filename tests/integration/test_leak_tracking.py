@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from leak_scenarios import SUSPECT_WITHIN_LARGE
+from leak_scenarios import SUSPECT_WITHIN_LARGE, fast_loop
 
 import gpumemd
 from gpumemd.components.leak import LeakComponent
@@ -24,10 +24,7 @@ def _finding(agent: gpumemd.Agent, group: str) -> Finding | None:
 
 @pytest.mark.slow
 def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 10)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 8), torch.randint(0, 10, (8,))
+    step_once = fast_loop()
     first_kept: list[torch.Tensor] = []
     second_kept: list[torch.Tensor] = []
     confirmed_at: int | None = None
@@ -49,9 +46,7 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
 
         tracker.scan = spy  # type: ignore[method-assign]
         for step in range(8_000):
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step_once()
             if step >= 50:
                 first_kept.append(torch.zeros(4096))
             first = _finding(agent, FIRST)
