@@ -44,7 +44,7 @@ class Track:
     last_status: TrackStatus | None = None
     tested_at: int | None = None  # the step of the last full test of its window
     # Its slope when a finding on a series that explains it was first seen active (host RSS under a
-    # tensor finding); None while none is. Growth well above it is this series' own (``LeakDetector._outgrew``).
+    # tensor finding); None while none is. Growth well above it is this series' own (``leak_verdicts.outgrew``).
     explained_base: float | None = None
     outgrown: bool = False  # at the last evaluation, its growth passed what that finding explains
     onset: int | None = None  # the current episode's onset, kept once its flat start scrolls out

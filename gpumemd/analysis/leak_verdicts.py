@@ -83,21 +83,17 @@ def outgrew(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, s
     that explains it no longer does so alone, and it is judged on its own. (A host leak of numpy arrays
     that started while a leak of small CPU tensors was tracked was never reported: host RSS rising with a
     tensor finding active was that finding's growth, however fast.) Kept as ``track.outgrown`` too."""
-    track.outgrown = bool(track.spec.explained_by) and _outgrew(tracks, track, phase, step, min_slope,
-                                                                 half_window, min_points)
-    return track.outgrown
-
-
-def _outgrew(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, step: int, min_slope: float,  # noqa: PLR0917
-             half_window: float, min_points: int) -> bool:
+    track.outgrown = False
+    if not track.spec.explained_by:  # most series: no walk over the other tracks
+        return False
     if not any(other.state is not None and other.state.active for other in explainers(tracks, track, phase)):
         track.explained_base = None
-        return False
-    if track.explained_base is None:
+    elif track.explained_base is None:
         xs, ys = track.window(step, half_window, min_points)
         track.explained_base = max(0.0, theil_sen(xs, ys, max_pairs=2000).slope) if len(xs) >= 3 else 0.0
-        return False
-    return track.may_rise(step, half_window, min_points, outgrown_slope(track, min_slope))
+    else:
+        track.outgrown = track.may_rise(step, half_window, min_points, outgrown_slope(track, min_slope))
+    return track.outgrown
 
 
 def explainers(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str) -> list[Track]:

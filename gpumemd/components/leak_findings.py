@@ -274,7 +274,7 @@ def _host_claimant(statuses: list[TrackStatus], host: str) -> TrackStatus | None
     """The active CPU tensor finding that states host RSS's growth as its own: the fastest in bytes.
     One, so two CPU leaks do not each project out-of-memory from the same growth; none while host RSS
     (series ``host``) has a finding raised after it, grown past what the tensors explain
-    (``LeakDetector._outgrew``): that growth is not theirs to state or to project from. (One raised
+    (``leak_verdicts.outgrew``): that growth is not theirs to state or to project from. (One raised
     before it is host RSS rising with those tensors, seen first, and withdrawn into their finding.)"""
     own = [s.first_step for s in statuses if s.spec.name == host and s.state is not None and s.state.active]
     cpu = [s for s in statuses if s.spec.kind == "tensor_leak" and s.spec.unit == "tensors"

@@ -48,8 +48,6 @@ EVERY_S = 1.0
 """At most this many seconds between two writes while nothing a reader needs changed."""
 
 
-
-
 class LastStateComponent(ComponentBase):
     """``gpumemd-state-rank<R>.json`` in the output directory, kept current."""
 
@@ -96,15 +94,14 @@ class LastStateComponent(ComponentBase):
     def flush(self) -> None:
         """A signal may end the process next: write now."""
         if self._agent is not None:
-            self._write(self._agent.state(), self._agent, at_signal=True)
+            self._write(self._agent.state(), self._agent)
 
     def stop(self) -> None:
         agent, self._agent = self._agent, None
         if agent is not None:
             self._write(agent.state(), agent)  # with ``ended``: the agent published it before stopping us
 
-    def _write(self, state: AgentState, agent: AgentView, *, background: bool = False, at_signal: bool = False,
-               ) -> None:
+    def _write(self, state: AgentState, agent: AgentView, *, background: bool = False) -> None:
         self._key = (state.findings, state.reports, state.ooms_total, _states(state.findings))
         self._due = self._clock() + self._every_s
         path = state_file(agent.output_dir, state.identity.rank)
@@ -118,7 +115,7 @@ class LastStateComponent(ComponentBase):
         made = self._made
         if background and agent.run_in_background(lambda: self._put(path, data, made)):
             return
-        self._put(path, data, made, wait_s=SIGNAL_WAIT_S if at_signal or is_writer() else -1)
+        self._put(path, data, made, wait_s=SIGNAL_WAIT_S if is_writer() else -1)  # a signal's flush or stop
 
     def drain(self, timeout: float = 10.0) -> None:
         """Wait until the newest document handed to the background is written (or skipped)."""

@@ -119,13 +119,13 @@ class Tracking(Costly):
     """Says a leak is only being tracked from its first full step end past step 200 to the first past 600
     (the leak component does at its evaluations); records the stride at each full step end."""
 
-    strides: list[tuple[int, int]]
+    def __init__(self, clock: Clock, cost: float) -> None:
+        super().__init__(clock, cost)
+        self.strides: list[tuple[int, int]] = []
 
     def on_step(self, record: StepRecord) -> None:
         super().on_step(record)
         assert self.agent is not None
-        if not hasattr(self, "strides"):
-            self.strides = []
         self.strides.append((record.step, self.agent.stride))
         self.agent.sample_sparsely(200 < record.step <= 600)
 

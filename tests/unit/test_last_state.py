@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from fakes import ManualClock
 
+from gpumemd import signal_locks
 from gpumemd.cli import main
 from gpumemd.components.state_writer import LastStateComponent
 from gpumemd.records.census import Census, CensusGroup, GroupKey
@@ -88,18 +89,23 @@ def test_written_on_the_first_step_on_changes_and_otherwise_every_interval(tmp_p
     assert [p.name for p in Path(out).iterdir()] == ["gpumemd-state-rank3.json"]  # no temp file left
 
 
-def test_a_signals_flush_writes_while_the_interrupted_thread_holds_the_writers_lock(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["flush", "stop"])
+def test_a_signals_writer_writes_while_the_interrupted_thread_holds_the_writers_lock(tmp_path: Path, how: str) -> None:
     # A signal came while the training thread wrote the state file (news is written at the step end);
-    # its handler waits for the flush, which runs on a thread of its own and waited for that lock until
-    # the signal's 25 s deadline: "writing what the agent knows took over 25 s; the job ends without it"
-    # (tests/integration/test_job_endings.py, the job's own SIGTERM handler).
+    # its handler waits for the flush (or, at a SIGTERM the job does not handle, the stop), which runs
+    # on a thread of its own and waited for that lock until the signal's 25 s deadline: "writing what
+    # the agent knows took over 25 s; the job ends without it" (tests/integration/test_job_endings.py).
     out = str(tmp_path / "out")
     component, view = LastStateComponent(), View(out)
     component.start(view)  # type: ignore[arg-type]
     view.state_now = dataclasses.replace(view.state_now, findings=(finding(0),), ended="SIGTERM")
     component._handled.acquire()  # the interrupted write on this (the "training") thread
     try:
-        flush = threading.Thread(target=component.flush)
+        def as_the_signals_writer() -> None:
+            with signal_locks.writing():
+                getattr(component, how)()
+
+        flush = threading.Thread(target=as_the_signals_writer)
         flush.start()
         flush.join(timeout=30)
         assert not flush.is_alive()
