@@ -80,7 +80,7 @@ class StepReader:
 
     def complete(self, reading: QuickReading) -> StepRecord:
         """The record ``record`` would have made at a quick step end, from what it read then."""
-        return self._made(reading, self._allocator.parse_raw(reading.raw), None)
+        return self._made(reading, self._allocator.parse_raw(reading.raw) if reading.raw else (), None)
 
     def _made(self, reading: QuickReading, allocator: tuple[AllocatorSample, ...],
               workers: WorkersSample | None) -> StepRecord:
@@ -88,7 +88,7 @@ class StepReader:
         previous = self._published()
         assert previous is not None
         host = _with_rss(previous.host, rss)
-        nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator)
+        nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator) if previous.nvml else ()
         return StepRecord(step=reading.step, wall_time=wall, duration_s=reading.duration, allocator=allocator,
                           host=host, nvml=nvml, phase=reading.phase, steps=reading.steps, workers=workers)
 

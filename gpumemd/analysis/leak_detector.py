@@ -227,8 +227,9 @@ class LeakDetector:
             return released_status(track, phase, step, min_slope)
         if (resting := self._resting(track, step)) is not None:
             return resting
+        steps = self._window_steps(track)
         outgrown = outgrew(self._tracks, track, phase, step, min_slope=min_slope,
-                           half_window=self._window_steps(track) / 2, min_points=c.min_points)
+                           half_window=steps / 2, min_points=c.min_points)
         if not lent and not outgrown and explained_at_rest(self._tracks, track, phase, step, self.check_every):
             return dataclasses.replace(track.last_status, changed=False) if track.last_status else None
         # Until the history covers one short window, a rise cannot be told from the first half of a
@@ -239,16 +240,12 @@ class LeakDetector:
         # the whole window (its first half is flat) but passes on the half, so strong leaks are
         # found in about half the window. Sawtooths are safe: once one reset was seen the window
         # spans 2.5 periods, so the half still holds a reset.
-        steps = self._window_steps(track)
         active = track.state is not None and track.state.active
         if not active and not lent:
             # Cheap necessary condition of ``assess`` (slope >= min and floor growth >= 0.4 slope
-            # span), on the window and on its half, or of ``assess_knee`` (``rose_above``): flat
-            # series, the common case, skip the O(n²) tests (and the thinning: ``may_rise`` is this
-            # test on the thinned window).
-            if not (track.may_rise(step, steps, c.min_points, min_slope)
-                    or track.may_rise(step, steps / 2, c.min_points, min_slope)
-                    or track.rose_above(step, steps, c.min_points, min_slope * c.window_steps)):
+            # span), on the window and on its half, or of ``assess_knee``: flat series, the common
+            # case, skip the O(n²) tests (and the thinning: ``may_move`` tests the thinned window).
+            if not track.may_move(step, steps, c.min_points, min_slope, min_slope * c.window_steps):
                 return None
             self.rising.add((spec.name, phase))
         track.tested_at = step

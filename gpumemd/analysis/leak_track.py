@@ -61,6 +61,10 @@ class Track:
     fall: tuple[float, float, float, float] | None = None  # a sparse series' last rise to bound again
     # (trough_x, trough, peak_x, peak)
     resets: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_RESETS))
+    longest: float = 0.0  # the longest rise of ``resets`` (kept with them: read at every evaluation)
+    # The tracks whose series explain this one's, and what they were found in (``leak_verdicts.explainers``).
+    explainers_in: tuple[int, int, str] | None = None
+    explainer_tracks: list[Track] = field(default_factory=list)
 
     def __post_init__(self, max_floors: int) -> None:
         self.floors = deque(maxlen=max_floors)
@@ -74,6 +78,7 @@ class Track:
         if self.fall is not None and self.pending is not None:
             self.resets[-1] = _rise_bounds(*self.fall, seen_by=self.pending[0])
             self.fall = None
+            self.longest = max(length for length, _ in self.resets)
         rise = self.peak - self.trough
         if rise >= min_rise and y <= self.trough + 0.5 * rise:
             # The floor fell back most of the way: an accumulation that resets (metric list,
@@ -86,6 +91,7 @@ class Track:
             # steps and its peak 40% low, and the next epoch read as a new leak.
             bounds = (self.trough_x, self.trough, self.peak_x, self.peak)
             self.resets.append(_rise_bounds(*bounds, seen_by=x))
+            self.longest = max(length for length, _ in self.resets)
             self.fall = bounds if self.pending is not None else None
             self.trough, self.trough_x, self.peak, self.peak_x = y, x, y, x
             return
@@ -96,7 +102,7 @@ class Track:
 
     def longest_rise(self) -> float:
         """Steps the longest rise that fell back took (0 without one)."""
-        return max((length for length, _ in self.resets), default=0.0)
+        return self.longest
 
     def below_reset_peaks(self, min_length: float) -> bool:
         """Is the newest floor no higher than a rise of ``min_length`` steps or more that fell back
@@ -111,27 +117,24 @@ class Track:
     def may_rise(self, now: int, steps: float, min_points: int, min_slope: float) -> bool:
         """``floor_growth(y) >= 0.4 * min_slope * (x[-1] - x[0])`` on ``window(now, steps, min_points)``,
         worked out on the floors as ``thin`` would merge them (the same floats, in the same order)
-        without building the thinned window: the test every evaluation makes of a flat series."""
-        xs, ys = self._points(now, steps, min_points)
-        n = len(xs)
-        if n <= MAX_WINDOW_POINTS:  # thin keeps them as they are
-            k, start = 1, 0
-            last, first = xs[-1], xs[0]
-        else:  # groups of k neighbours, aligned to the newest: x their mean, y their minimum
-            k = math.ceil(n / MAX_WINDOW_POINTS)
-            start = n % k
-            last, first = sum(xs[n - k :]) / k, sum(xs[start : start + k]) / k
-        m = (n - start) // k  # points in the thinned window
-        q = max(1, int(m * 0.25))  # floor_growth's quarter
-        growth = 0.0 if m < 2 * q else min(ys[n - q * k :]) - min(ys[start : start + q * k])
-        return growth >= 0.4 * min_slope * (last - first)
+        without building the thinned window."""
+        return _may_rise(*self._points(now, steps, min_points), min_slope)
 
-    def rose_above(self, now: int, steps: float, min_points: int, growth: float) -> bool:
-        """Is the newest floor ``growth`` above every floor of the window's older half? The cheap
-        test every evaluation makes for a ramp judged from its knee (``assess_knee``), whose flat
-        start holds at least the older half."""
-        _, ys = self._points(now, steps, min_points)
-        return len(ys) >= 2 and ys[-1] - max(ys[: len(ys) // 2]) >= growth
+    def may_move(self, now: int, steps: float, min_points: int, min_slope: float, growth: float) -> bool:
+        """The test every evaluation makes of a quiet track, the common case, before the O(n²) tests:
+        ``may_rise`` on the window or on its newer half, or the newest floor ``growth`` above every floor
+        of the window's older half (the cheap test for a ramp judged from its knee, ``assess_knee``,
+        whose flat start holds at least that half). One copy of the window's points serves all three:
+        three copies were most of an evaluation of a flat series (~25 of ~65 µs, warm)."""
+        xs, ys = self._points(now, steps, min_points)
+        if _may_rise(xs, ys, min_slope) or (len(ys) >= 2 and ys[-1] - max(ys[: len(ys) // 2]) >= growth):
+            return True
+        if not self.ordered:
+            return _may_rise(*self._points(now, steps / 2, min_points), min_slope)
+        # The half window is a suffix of the window's points, at least its last ``min_points`` floors
+        # (which the window holds: the caller tests only tracks with that many).
+        start = min(bisect.bisect_left(xs, now - steps / 2), max(0, len(xs) - min_points))
+        return _may_rise(xs[start:], ys[start:], min_slope)
 
     def onset_and_growth(self) -> tuple[int | None, float]:
         """The current episode's onset (the hinge of the floors) and the growth since it."""
@@ -174,6 +177,22 @@ class Track:
             return [], []
         xs, ys = zip(*pts, strict=True)
         return list(xs), list(ys)
+
+
+def _may_rise(xs: Sequence[float], ys: Sequence[float], min_slope: float) -> bool:
+    """``Track.may_rise`` on these points (a window's, unthinned)."""
+    n = len(xs)
+    if n <= MAX_WINDOW_POINTS:  # thin keeps them as they are
+        k, start = 1, 0
+        last, first = xs[-1], xs[0]
+    else:  # groups of k neighbours, aligned to the newest: x their mean, y their minimum
+        k = math.ceil(n / MAX_WINDOW_POINTS)
+        start = n % k
+        last, first = sum(xs[n - k :]) / k, sum(xs[start : start + k]) / k
+    m = (n - start) // k  # points in the thinned window
+    q = max(1, int(m * 0.25))  # floor_growth's quarter
+    growth = 0.0 if m < 2 * q else min(ys[n - q * k :]) - min(ys[start : start + q * k])
+    return growth >= 0.4 * min_slope * (last - first)
 
 
 def _rise_bounds(trough_x: float, trough: float, peak_x: float, peak: float, *, seen_by: float,

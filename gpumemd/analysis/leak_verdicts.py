@@ -97,11 +97,18 @@ def outgrew(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str, s
 
 
 def explainers(tracks: Mapping[tuple[str, str], Track], track: Track, phase: str) -> list[Track]:
-    """The tracks of ``phase`` whose series explain ``track``'s (``SeriesSpec.explained_by``, "name*" a prefix)."""
+    """The tracks of ``phase`` whose series explain ``track``'s (``SeriesSpec.explained_by``, "name*" a prefix).
+    Kept on ``track`` until ``tracks`` (the detector's, which only ever gains tracks) has more: host RSS
+    asks at every evaluation, and matching every track's name was a tenth of a flat series' evaluation."""
+    seen_in = (id(tracks), len(tracks), phase)
+    if track.explainers_in == seen_in:
+        return track.explainer_tracks
     exact = {name for name in track.spec.explained_by if not name.endswith("*")}
     prefixes = tuple(name[:-1] for name in track.spec.explained_by if name.endswith("*"))
-    return [other for key, other in tracks.items()
-            if key[1] == phase and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))]
+    found = [other for key, other in tracks.items()
+             if key[1] == phase and (key[0] in exact or (prefixes and key[0].startswith(prefixes)))]
+    track.explainers_in, track.explainer_tracks = seen_in, found
+    return found
 
 
 UNCOVERED = Verdict(False, "history shorter than a window", NO_SLOPE, 1.0)

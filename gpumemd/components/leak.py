@@ -292,8 +292,10 @@ class LeakComponent:
         findings and say their state changes."""
         pending = self._pending
         assert pending is not None
-        with collector_paused():  # the passes' allocations must not set off a collection of the job's heap
-            done = pending.advance(self._clock, started)
+        done = not pending.work  # a quiet evaluation, the common case, has no search to run
+        if not done:
+            with collector_paused():  # the passes' allocations must not set off a collection of the job's heap
+                done = pending.advance(self._clock, started)
         if not done:
             agent.sample_within(1)  # the next pass at the next step end
             return

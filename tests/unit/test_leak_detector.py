@@ -247,7 +247,8 @@ def test_count_sentence_says_one_tensor_per_step_and_who_holds_them() -> None:
 
 def test_window_shortcuts_give_what_the_plain_computation_gives() -> None:
     """``_Track.window`` finds its points by bisection and thins them in C, and ``may_rise`` tests a
-    window's floor growth without thinning it (the evaluation's fast path for flat series): both must
+    window's floor growth without thinning it (the evaluation's fast path for flat series), and
+    ``may_move`` tests the window, its half and the knee's rise from one copy of the points: each must
     give exactly what the plain loops give, on ordered and on out-of-order floors."""
     import math
     import random
@@ -255,19 +256,20 @@ def test_window_shortcuts_give_what_the_plain_computation_gives() -> None:
     from gpumemd.analysis.leak_track import Track as _Track
     from gpumemd.analysis.trend import floor_growth
 
-    def plain_window(track: _Track, now: float, steps: float, min_points: int) -> tuple[list[float], list[float]]:
+    def plain_window(track: _Track, now: float, steps: float, min_points: int, *, thinned: bool = True,
+                     ) -> tuple[list[float], list[float]]:
         pts = [p for p in track.floors if p[0] >= now - steps]
         if len(pts) < min_points:
             pts = list(track.floors)[-min_points:]
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        if len(xs) <= 64:
+        if len(xs) <= 64 or not thinned:
             return xs, ys
         k = math.ceil(len(xs) / 64)
         starts = range(len(xs) % k, len(xs), k)
         return [sum(xs[i : i + k]) / k for i in starts], [min(ys[i : i + k]) for i in starts]
 
     rng = random.Random(0)
-    outcomes = set()
+    outcomes, move_outcomes = set(), set()
     for _ in range(300):
         track = _Track(SeriesSpec(SERIES, "tensor_leak"), rng.choice([64, 266, 1000]))
         x, slope, out_of_order = rng.uniform(0, 100), rng.choice([0.0, 1e3, 1e5]), rng.random() < 0.2
@@ -280,8 +282,16 @@ def test_window_shortcuts_give_what_the_plain_computation_gives() -> None:
             assert track.window(now, steps, min_points) == (xs, ys)
             rises = floor_growth(ys) >= 0.4 * min_slope * (xs[-1] - xs[0])
             assert track.may_rise(now, steps, min_points, min_slope) == rises
+            hx, hy = plain_window(track, now, steps / 2, min_points)
+            _, uy = plain_window(track, now, steps, min_points, thinned=False)  # the knee's test: unthinned
+            knee = min_slope * rng.choice([0, 50, 500])
+            moves = (rises or floor_growth(hy) >= 0.4 * min_slope * (hx[-1] - hx[0])
+                     or (len(uy) >= 2 and uy[-1] - max(uy[: len(uy) // 2]) >= knee))
+            assert track.may_move(now, steps, min_points, min_slope, knee) == moves
             outcomes.add(rises)
+            move_outcomes.add(moves)
     assert outcomes == {True, False}
+    assert move_outcomes == {True, False}
 
 
 def test_a_sparse_count_series_sampled_at_uneven_steps_keeps_its_true_slope() -> None:
