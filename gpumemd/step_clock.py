@@ -60,7 +60,8 @@ class StepClock:
         A sampled step end the stride alone brings may be quick (``StepEnds.end``)."""
         self.eve_callbacks: list[Callable[[], None]] = []  # called on the step before a sampled one
         self.steps_total = 0
-        self._phase = "train"
+        self.current_phase = "train"
+        """The label set with ``phase()`` for the steps running now ("train" by default)."""
 
     # --- step detection --------------------------------------------------------------------
 
@@ -198,20 +199,16 @@ class StepClock:
 
     # --- phases ------------------------------------------------------------------------------
 
-    @property
-    def current_phase(self) -> str:
-        return self._phase
-
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Label the steps inside the block (``eval``, ``checkpoint``...) for the leak detector."""
         if not name or not isinstance(name, str):
             raise ValueError(f"gpumemd.phase(name) needs a non-empty string, got {name!r}")
-        previous = self._phase
-        self._phase = name
+        previous = self.current_phase
+        self.current_phase = name
         self.sample_within(1)  # the first step of a phase is sampled in full, whatever the stride
         try:
             yield
         finally:
-            self._phase = previous
+            self.current_phase = previous
             self.sample_within(1)

@@ -87,7 +87,8 @@ class StepReader:
         rss, wall = reading.rss, reading.wall
         previous = self._published()
         assert previous is not None
-        host = _with_rss(previous.host, rss)
+        base = previous.host  # ``_with_rss``, inlined: a call per record
+        host = (base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)) if rss is not None else None
         nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator) if previous.nvml else ()
         return StepRecord(step=reading.step, wall_time=wall, duration_s=reading.duration, allocator=allocator,
                           host=host, nvml=nvml, phase=reading.phase, steps=reading.steps, workers=workers)

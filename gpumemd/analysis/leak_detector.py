@@ -89,6 +89,7 @@ class LeakDetector:
         self._lent: dict[tuple[str, str], tuple[float, float, int]] = {}
         long_points = math.ceil(config.long_window_steps / config.block) + 2 * config.min_points
         self._max_floors = max(64, min(4096, long_points))
+        self._block = config.block  # read at every observation (a property of the frozen config)
         self.check_every = config.check_every_steps
         """Steps between evaluations now: ``check_every_steps``, or longer while the component only tracks
         confirmed findings over its budget (``components.leak_scans``)."""
@@ -123,10 +124,10 @@ class LeakDetector:
             return
         if self._held and name in self._held:
             return
-        track = self._track(spec, phase)
+        track = self._tracks.get((name, phase)) or self._track(spec, phase)
         if track is None:
             return
-        block = 1 if spec.sparse else self.config.block
+        block = 1 if spec.sparse else self._block
         if spec.sparse:
             # One point per census, and a census sees whatever the step left alive (this batch's
             # output, its graph): the point at a census's step is the minimum of it and the *next*

@@ -159,16 +159,18 @@ class LeakSeries:
         if host is not None:
             self._last_host = (record.wall_time, host)
             # The agent's own step records grow until the ring buffer is full: not the job's memory.
-            self._observe(self.host_spec, step, host.rss_bytes - self._own_bytes(record, samples), phase)
+            own = self._own_record_bytes
+            if own is None:
+                own = self._own_record_bytes = float(_deep_size(record))
+            value = host.rss_bytes - own * min(samples, self._options.keep_steps)
+            if self.host_spec.name in self._known:  # ``_observe``, inlined: a dense point per sampled step
+                self.detector.observe(self.host_spec.name, step, value, phase)
+            else:
+                self._observe(self.host_spec, step, value, phase)
         workers = record.workers
         if workers is not None and (workers.workers or self.worker_growth.seen):
             grown = self.worker_growth.update((w.pid, w.rss_bytes) for w in workers.workers)
             self._observe(self.workers_spec, step, grown, phase)
-
-    def _own_bytes(self, record: StepRecord, samples: int) -> float:
-        if self._own_record_bytes is None:
-            self._own_record_bytes = float(_deep_size(record))
-        return self._own_record_bytes * min(samples, self._options.keep_steps)
 
     def feed_census(self, census: Census | None, record: StepRecord) -> None:
         """Feed a census's series, once per census (the one published when ``record`` was made)."""
