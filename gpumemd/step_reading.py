@@ -26,9 +26,12 @@ log = logging.getLogger("gpumemd")
 WORKERS_EVERY = 10
 """Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
 WORKERS_IDLE_EVERY = 100
-"""The same while the last read found no child process: a job without DataLoader workers (most fast
-loops) pays one read per 100 steps, and new workers are seen within 100 steps (or the sampler's next
-reading, which lists every thread's children)."""
+"""The same while the last read found no child process: a job without DataLoader workers pays one read
+per 100 steps, and new workers are seen within 100 steps (or ``WORKERS_IDLE_S``)."""
+WORKERS_IDLE_S = 1.0
+"""... and at least this many seconds apart: on a fast loop 100 steps are ~50 ms, and a read that finds no
+child costs ~45 µs after a step of compute (0.45 µs a step at 0.5 ms steps, measured here). Workers are
+then seen within a second; each one's growth is measured from when it was first seen."""
 
 
 class QuickReading(NamedTuple):
@@ -59,6 +62,7 @@ class StepReader:
         self._wall = wall_clock
         self._reset_peaks = reset_peaks
         self._workers_read_at: int | None = None  # the step of the last per-step read of the workers
+        self._workers_read_wall = float("-inf")  # ... and its wall time
         self._workers_every = WORKERS_EVERY  # WORKERS_IDLE_EVERY while the job has no child process
 
     def record(self, number: int, duration: float | None, steps: int, phase: str) -> StepRecord:
@@ -67,8 +71,9 @@ class StepReader:
         allocator = self._allocator.read()
         if self._reset_peaks and allocator:
             _reset_peaks(sample.device.name for sample in allocator)
-        reading = QuickReading(number, duration, steps, phase, 0.0, (), self._host.rss(), 0)
-        return self._made(reading._replace(wall=self._wall()), allocator, self._read_workers(number))
+        wall = self._wall()
+        reading = QuickReading(number, duration, steps, phase, wall, (), self._host.rss(), 0)
+        return self._made(reading, allocator, self._read_workers(number, wall))
 
     def quick(self, number: int, duration: float | None, steps: int, phase: str, samples: int) -> QuickReading:
         """A quick sampled step end's reads (``StepEnds.end``): the allocator's statistics as torch
@@ -105,13 +110,15 @@ class StepReader:
         return StepRecord(step=step, wall_time=self._wall(), duration_s=None, allocator=self._allocator.read(),
                           host=host, nvml=base.nvml, phase=phase, steps=steps)
 
-    def _read_workers(self, number: int) -> WorkersSample | None:
-        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps, or ``WORKERS_IDLE_EVERY`` while
-        it has none (a few preads, each ~20 µs after a step of compute has taken the cache)."""
+    def _read_workers(self, number: int, wall: float) -> WorkersSample | None:
+        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps, or ``WORKERS_IDLE_EVERY`` steps and
+        ``WORKERS_IDLE_S`` while it has none (a few preads, each ~20 µs after a step of compute)."""
         last = self._workers_read_at
         if self._workers is None or (last is not None and 0 <= number - last < self._workers_every):
             return None
-        self._workers_read_at = number
+        if self._workers_every == WORKERS_IDLE_EVERY and wall - self._workers_read_wall < WORKERS_IDLE_S:
+            return None
+        self._workers_read_at, self._workers_read_wall = number, wall
         sample = self._workers.rss()
         self._workers_every = WORKERS_EVERY if sample is None or sample.workers else WORKERS_IDLE_EVERY
         return sample

@@ -1,11 +1,11 @@
-"""What a sampled step end reads: the job's child processes every 100 steps while it has none, every 10
-once it has (a /proc read costs ~20 µs after a step of compute)."""
+"""What a sampled step end reads: the job's child processes every 100 steps and a second while it has none,
+every 10 steps once it has (a /proc read costs ~20 µs after a step of compute)."""
 
 from __future__ import annotations
 
 from gpumemd.records.samples import WorkerSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity
-from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, StepReader
+from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, WORKERS_IDLE_S, StepReader
 
 
 class _Allocator:
@@ -26,15 +26,17 @@ class _Workers:
         return WorkersSample(tuple(WorkerSample(pid, 1 << 20) for pid in self.pids))
 
 
-def _reader(workers: _Workers) -> StepReader:
+def _reader(workers: _Workers, step_s: float = 0.1) -> StepReader:
+    """A reader whose wall clock advances ``step_s`` at each record (one read of it per record)."""
     state = AgentState(identity=Identity(), attached_at=0.0, updated_at=0.0)
+    ticks = iter(range(10**6))
     return StepReader(allocator=_Allocator(), host=_Host(), workers=workers,  # type: ignore[arg-type]
-                      published=lambda: state, wall_clock=lambda: 0.0, reset_peaks=False)
+                      published=lambda: state, wall_clock=lambda: next(ticks) * step_s, reset_peaks=False)
 
 
 def test_workers_are_read_every_100_steps_while_the_job_has_none_and_every_10_once_it_has() -> None:
     workers = _Workers()
-    reader = _reader(workers)
+    reader = _reader(workers)  # 0.1 s steps: 100 steps are more than WORKERS_IDLE_S
     read_at = [n for n in range(250) if reader.record(n, None, 1, "train").workers is not None]
     assert read_at == list(range(0, 250, WORKERS_IDLE_EVERY))
     workers.pids = (4242,)  # a DataLoader started its workers
@@ -43,6 +45,16 @@ def test_workers_are_read_every_100_steps_while_the_job_has_none_and_every_10_on
     workers.pids = ()
     read_at = [n for n in range(400, 700) if reader.record(n, None, 1, "train").workers is not None]
     assert read_at == [400, 500, 600]  # gone: back to one read per 100 steps
+
+
+def test_a_fast_loop_without_workers_looks_for_them_once_a_second() -> None:
+    workers = _Workers()
+    reader = _reader(workers, step_s=0.001)  # 1,000 steps a second
+    read_at = [n for n in range(3_500) if reader.record(n, None, 1, "train").workers is not None]
+    assert read_at == list(range(0, 3_500, round(WORKERS_IDLE_S / 0.001)))
+    workers.pids = (4242,)  # once seen, every 10 steps, however fast
+    read_at = [n for n in range(3_500, 4_200) if reader.record(n, None, 1, "train").workers is not None]
+    assert read_at == [4_000, *range(4_010, 4_200, WORKERS_EVERY)]
 
 
 def test_a_record_carries_the_host_rss_read_now_and_the_step_it_was_given() -> None:
