@@ -140,11 +140,17 @@ class CountFeeding:
         """Follow autograd graphs chained across steps and feed their node counts."""
         roots = _chain_roots(tracker)
         try:
-            chains.scan(roots)
+            chains.scan(roots, record.step)
         finally:
             roots.clear()
+        groups = chains.groups()
+        for g in groups:  # a chain measured now had more links when found than the one it was counted as
+            if g.found is not None and g.key not in self.chain_nodes.specs:
+                for earlier, counts in self.chain_nodes.count_past:
+                    if earlier == g.found[0] and g.key in counts:
+                        counts[g.key] = g.found[1]
         self._observe_groups(self.chain_nodes, record.step, record.phase,
-                             [(g.key, g.nodes, functools.partial(chain_spec, g)) for g in chains.groups()])
+                             [(g.key, g.nodes, functools.partial(chain_spec, g)) for g in groups])
 
     def _observe_groups(self, family: GroupSeries[K], step: int, phase: str,
                         groups: list[tuple[K, int, Callable[[], SeriesSpec]]]) -> None:

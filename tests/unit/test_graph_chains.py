@@ -40,7 +40,7 @@ class _Loop:
                 self.tracker.mark_step(step)
             if step % self.scan_every == 0:
                 roots = [t for r in reversed(self.made) if (t := r()) is not None and t.grad_fn is not None]
-                self.tracker.scan(roots)
+                self.tracker.scan(roots, step)
                 del roots
                 self.made.clear()
                 sizes.append(max((g.nodes for g in self.tracker.groups()), default=0))
@@ -179,5 +179,9 @@ def test_a_new_chain_is_dated_between_the_marks_around_its_first_link() -> None:
     _Loop(tracker).run(301, accumulate_from_step_125)
     [group] = tracker.groups()
     # marks after steps 119 and 129 (the ends of the steps before each scan); the first link was made
-    # in step 125 (counting from 1, i.e. loop step 125): dated to the middle of the two marks
-    assert group.began_at is not None and 120 <= group.began_at <= 129
+    # in loop step 125: dated between the two marks, in proportion to the nodes made since the first
+    assert group.began_at is not None and 124 <= group.began_at <= 126
+    # Found at the scan of step 130 as one node, it had six links then: measured at the next scan from
+    # its rate (one a step) and where it began, so its count is every link made since step 125.
+    assert group.found is not None and group.found[0] == 130 and 4 <= group.found[1] <= 6, group.found
+    assert abs(group.nodes - (300 - 125)) <= 2, group.nodes

@@ -68,15 +68,18 @@ class _Chain:
     key: ChainKey
     root_seq: int  # sequence number of the newest root's grad_fn
     root: weakref.ref[Any]
-    nodes: int  # nodes walked along the chain since it was found
+    nodes: int  # nodes walked along the chain, and the links made before it was found (``_measured``)
     first_seq: int | None = None  # the oldest node found below the root at discovery (None: not reached)
+    found_at: int | None = None  # the step of the scan that found it
+    found_nodes: int | None = None  # its links then, once measured at the next scan (None: not yet)
 
 
 @dataclass(frozen=True, slots=True)
 class ChainGroup:
     key: ChainKey
     nodes: int  # nodes chained (over every chain of this group)
-    began_at: int | None = None  # the step the oldest chain began in, dated by the marks (within a scan interval)
+    began_at: int | None = None  # the step the oldest chain began in, dated by the marks
+    found: tuple[int, int] | None = None  # (step, links) of the oldest chain at the scan that found it, once measured
 
     @property
     def device(self) -> Device:
@@ -110,19 +113,34 @@ class GraphChainTracker:
         by_key: dict[ChainKey, list[_Chain]] = {}
         for c in self._chains:
             by_key.setdefault(c.key, []).append(c)
-        return [ChainGroup(k, sum(c.nodes for c in cs), self._began_at(cs)) for k, cs in by_key.items()]
+        out = []
+        for k, cs in by_key.items():
+            oldest = min(cs, key=lambda c: c.first_seq if c.first_seq is not None else LEAF_SEQUENCE_NR)
+            at, links = oldest.found_at, oldest.found_nodes
+            found = (at, links) if at is not None and links is not None else None
+            out.append(ChainGroup(k, sum(c.nodes for c in cs), self._step_of(oldest.first_seq), found))
+        return out
 
-    def _began_at(self, chains: list[_Chain]) -> int | None:
-        """The step the oldest chain's first link was made in, as well as the marks tell: between the
-        last marked step at or below its first node and the next marked step (the middle of the two),
-        or just after the last mark when none follows. None when not dated (walk cut short, mark gone)."""
-        firsts = [c.first_seq for c in chains if c.first_seq is not None]
-        if not firsts or not self._marks or self._marks[0][1] > min(firsts):
+    def _step_of(self, seq: int | None, now: tuple[int, int] | None = None) -> int | None:
+        """The step a node was made in, as well as the marks tell: after the last marked step at or
+        below it, by as many steps as the nodes made since that mark take at the rate of the marks
+        before (a chain's own nodes make the steps after its first denser: at the two marks around it
+        an ``epoch_loss += loss`` from step 327 read 325), and never past the next mark (or ``now``: a
+        step and the sequence number then). None when not dated (walk cut short, mark gone)."""
+        if seq is None or not self._marks or self._marks[0][1] > seq:
             return None
-        first = min(firsts)
-        after = max(step for step, mark in self._marks if mark <= first)
-        by = min((step for step, mark in self._marks if mark > first), default=None)
-        return (after + 1 + by) // 2 if by is not None else after + 1
+        marks = sorted(self._marks, key=lambda m: m[1])
+        i = max(j for j, m in enumerate(marks) if m[1] <= seq)
+        after, after_seq = marks[i]
+        by = marks[i + 1] if i + 1 < len(marks) else now
+        last = by[0] if by is not None and by[0] > after else None
+        rate = None  # nodes a step before the node
+        if i > 0 and marks[i - 1][0] < after and marks[i - 1][1] < after_seq:
+            rate = (after_seq - marks[i - 1][1]) / (after - marks[i - 1][0])
+        elif last is not None and by is not None and by[1] > after_seq:
+            rate = (by[1] - after_seq) / (last - after)
+        step = after + 1 + (int((seq - after_seq) / rate) if rate else 0)
+        return min(step, last) if last is not None else step
 
     def sample(self, key: ChainKey) -> Any:
         """The newest live root of a chain in this group (a strong reference: drop it soon)."""
@@ -146,17 +164,18 @@ class GraphChainTracker:
         if step is not None and self._mark is not None:
             self._marks.append((step, self._mark))
 
-    def scan(self, roots: Iterable[Any]) -> None:
-        """Follow the chains from the tensors made since the last scan (newest first)."""
+    def scan(self, roots: Iterable[Any], step: int | None = None) -> None:
+        """Follow the chains from the tensors made since the last scan (newest first), at ``step``
+        (when given, a new chain's links made before it was found are measured: ``_measured``)."""
         try:
-            self._scan(roots)
+            self._scan(roots, step)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not disturb the job
             self.errors += 1
             self._chains.clear()
             if self.errors == 1:
                 log.info("gpumemd: graph chain scan failed (%s: %s)", type(exc).__name__, exc)
 
-    def _scan(self, roots: Iterable[Any]) -> None:
+    def _scan(self, roots: Iterable[Any], step: int | None) -> None:
         mark = self._mark
         if mark is None:
             return
@@ -180,9 +199,11 @@ class GraphChainTracker:
                     continue  # two roots on one chain: counted once
                 chain.nodes += walked
                 chain.root_seq, chain.root = seq, weakref.ref(t)
+                if chain.found_nodes is None:
+                    self._measured(chain, walked, step)
             elif len(self._chains) < MAX_CHAINS:
                 key = (str(t.device), str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                chain = _Chain(key, seq, weakref.ref(t), 1, self._oldest(fn))
+                chain = _Chain(key, seq, weakref.ref(t), 1, self._oldest(fn), found_at=step)
                 self._chains.append(chain)
             else:
                 continue
@@ -190,6 +211,21 @@ class GraphChainTracker:
         # A chain not reached this scan ended (its root was replaced by something that does not
         # reach it), unless its root is alive and unchanged (a tensor updated less often than we scan).
         self._chains = [c for c in self._chains if id(c) in extended or self._unchanged(c)]
+
+    def _measured(self, chain: _Chain, walked: int, step: int | None) -> None:
+        """A chain's second scan: the links it gained since the first give its rate, and at that rate
+        the links made before it was found, from the step its oldest node was made in. Counted as one
+        node when found, it was dated at the scan that found it: up to a scan interval late (an
+        ``epoch_loss += loss`` from step 320 read "since step 351" at 50-step scans)."""
+        chain.found_nodes = 1
+        found = chain.found_at
+        sequence_nr = _next_sequence_nr()
+        began = self._step_of(chain.first_seq, (step, sequence_nr) if step is not None and sequence_nr else None)
+        if found is None or step is None or began is None or step <= found or began > found:
+            return
+        before = max(1, round(walked / (step - found) * (found - began)))
+        chain.found_nodes = before
+        chain.nodes += before - 1
 
     @staticmethod
     def _unchanged(chain: _Chain) -> bool:
