@@ -218,11 +218,15 @@ class LeakComponent:
         return False
 
     def on_eve(self) -> None:
-        """The step before a sampled one: if that one will scan (and evaluate: an evaluation scans too),
-        it runs in full, not quick; mark where its graphs begin."""
+        """The step before a sampled one: if that one will scan or evaluate (without a scan while scans
+        are idle: ``leak_scans.IDLE_STRETCH``), it runs in full, not quick; mark where its graphs begin
+        (chains are dated by the marks, so they stay an evaluation apart, scanned or not)."""
         parts = self._parts
         agent = self._agent
-        if parts is None or agent is None or not self._scans.due(agent.steps_total + 1):
+        if parts is None or agent is None:
+            return
+        if not self._scans.due(agent.steps_total + 1) and not (
+                self._scans.idle and parts.series.detector.next_due_step() <= (agent.current_step or 0) + 1):
             return
         agent.sample_within(1)
         if parts.chains is not None:
@@ -248,6 +252,8 @@ class LeakComponent:
         host_rising = series.host_spec.name in rising
         host_explained = host_rising and findings.counts_active(series, rising)
         self._track_only(series, statuses, rising - {series.host_spec.name} if host_explained else rising, step)
+        self._scans.idle = not rising and not series.scans.found and not any(
+            s.state is not None and s.state.active for s in statuses)
         work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)

@@ -72,6 +72,10 @@ class CountFeeding:
         self._previous_scan_step: int | None = None
         self._capped = False  # the tracker hit its cap: the count series are held (see _hold_counts)
         self._long_lived: set[str] = set()  # names of the long-lived bytes series (one per device)
+        self.found = True
+        """The last scan counted a new long-lived tensor, followed a graph chain or saw a tensor family set
+        a record (``leak_scans.IDLE_STRETCH``: scans that find nothing may space out)."""
+        self._family_records = 0
 
     def feed_counts(self, record: StepRecord, *, keyed_at_most: int | None = None) -> None:
         """Scan for long-lived tensors and feed the count series (every scan interval); past
@@ -90,10 +94,14 @@ class CountFeeding:
             self._hold_counts(tracker)
         else:
             self._feed_tensor_counts(tracker, step, record.phase)
+        chained = False
         if self._chains is not None:
-            self._feed_chains(self._chains, tracker, record)
+            chained = self._feed_chains(self._chains, tracker, record)
+        records = self._family_records
         if self.families is not None:
             self._feed_families(self.families, tracker, record)
+            self._family_records = self.families.records
+        self.found = tracker.outlived > 0 or chained or self._family_records != records
 
     def _feed_families(self, families: TensorFamilies, tracker: SurvivorTracker, record: StepRecord) -> None:
         """The bytes of the largest new tensor of each family that keeps growing: one series per
@@ -136,8 +144,8 @@ class CountFeeding:
             self.detector.hold(name, reason)
         log.info("gpumemd: long-lived tensor %s; the count series keep their last state", reason)
 
-    def _feed_chains(self, chains: GraphChainTracker, tracker: SurvivorTracker, record: StepRecord) -> None:
-        """Follow autograd graphs chained across steps and feed their node counts."""
+    def _feed_chains(self, chains: GraphChainTracker, tracker: SurvivorTracker, record: StepRecord) -> bool:
+        """Follow autograd graphs chained across steps and feed their node counts; True when there are any."""
         roots = _chain_roots(tracker)
         try:
             chains.scan(roots, record.step)
@@ -151,6 +159,7 @@ class CountFeeding:
                         counts[g.key] = g.found[1]
         self._observe_groups(self.chain_nodes, record.step, record.phase,
                              [(g.key, g.nodes, functools.partial(chain_spec, g)) for g in groups])
+        return bool(groups)
 
     def _observe_groups(self, family: GroupSeries[K], step: int, phase: str,
                         groups: list[tuple[K, int, Callable[[], SeriesSpec]]]) -> None:

@@ -1,7 +1,7 @@
 """When the leak component scans for survivors: every ``SCAN_EVERY`` to ``SCAN_EVERY_MAX`` steps, spaced so
 scans and evaluations together keep to their share of the overhead budget (``budget.Part.LEAK_CHECKS``),
 and at every evaluation, so a culprit search samples the tensors and graph roots of that very step (an
-EMA's root is new each step)."""
+EMA's root is new each step), except while scans find nothing (``IDLE_STRETCH``)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ A confirmed track's re-tests keep their min_points floors (its window lengthens 
 come every ``CONFIRMED_EVERY`` checks, however far apart tracking spaces the checks."""
 
 
+IDLE_STRETCH = 2
+"""While scans find nothing (``idle``: the last scan counted no new long-lived tensor, no graph chain is
+followed and no tensor family set a record, and the last evaluation found nothing rising and no active
+finding: the component decides) and the budget asks for scans further apart than the longest interval,
+they may be this many times further apart, and the evaluations between run without one. That is a
+healthy fast loop's state nearly all of its life, and its scans were the largest part of what the agent
+cost it (~200 µs a scan after a step of compute at 0.45 ms steps, ~4 of ~26 µs a step:
+``benchmarks/bench_step_overhead.py``). What it costs: a count, chain or family series that starts to
+grow is first seen up to ``IDLE_STRETCH`` intervals after its onset rather than one; that scan ends the
+idle spacing, and its onset is still dated from its counts (a chain's from its first link:
+``probes.survival.graph_chains``). Evaluations keep their cadence, so dense series (host RSS, the
+allocator) are judged as before, and no culprit search waits on a scan then: only count and chain
+series, flat while idle, are searched from one."""
+
 KEYED_WHILE_TRACKING = 32
 """While tracking (``TRACKING_STRETCH``), the candidates whose group keys a scan reads at most
 (``SurvivorTracker.scan``): past that, a stratified random sample of those alive, each standing for its
@@ -47,6 +61,8 @@ class ScanSchedule:
     def __init__(self, *, window_steps: int, overhead_budget: float) -> None:
         self._longest = max(1, min(SCAN_EVERY_MAX, window_steps // 10))  # 10 points per window
         self.tracking = False  # the component says so at each evaluation (TRACKING_STRETCH)
+        self.idle = False  # ... and this (IDLE_STRETCH)
+        self._stretched = False  # the budget asked for scans further apart than the longest interval
         self._allowed = budget.share(overhead_budget, budget.Part.LEAK_CHECKS)
         self.interval = SCAN_EVERY  # steps between scans now
         self.next_total = SCAN_EVERY  # steps_total at which the next scan runs
@@ -70,10 +86,16 @@ class ScanSchedule:
             allowed = max(self._allowed / 2, self._allowed - evaluations_share)
             interval = budget.steps_between(cost, allowed, seconds_per_step)
         longest = self._longest * (TRACKING_STRETCH if self.tracking else 1)
+        self._stretched = interval > longest
         self.interval = max(min(SCAN_EVERY, self._longest), min(longest, interval))
 
     def plan(self, total: int, steps_to_evaluation: int | None) -> None:
         """After a step end at ``total``: the next scan ``interval`` steps after the last, or at the next
-        evaluation (``steps_to_evaluation`` from now; None while one's searches go on) if sooner."""
+        evaluation (``steps_to_evaluation`` from now; None while one's searches go on) if sooner; while
+        ``idle`` on a budget that asks for it, ``IDLE_STRETCH`` intervals after the last, whatever the
+        evaluations."""
+        if self.idle and self._stretched and steps_to_evaluation is not None:
+            self.next_total = self._last_total + IDLE_STRETCH * self.interval  # evaluations between go without
+            return
         evaluation_at = total + (max(1, steps_to_evaluation) if steps_to_evaluation is not None else self.interval)
         self.next_total = min(self._last_total + self.interval, evaluation_at)

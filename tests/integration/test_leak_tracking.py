@@ -4,13 +4,15 @@ asks for the stretch there); so do its sampled step ends."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from leak_scenarios import SUSPECT_WITHIN_LARGE, fast_loop
+from leak_scenarios import SUSPECT_WITHIN, SUSPECT_WITHIN_LARGE, fast_loop
 
 import gpumemd
 from gpumemd.components.leak import LeakComponent
-from gpumemd.components.leak_scans import KEYED_WHILE_TRACKING, SCAN_EVERY_MAX, TRACKING_STRETCH
+from gpumemd.components.leak_scans import IDLE_STRETCH, KEYED_WHILE_TRACKING, SCAN_EVERY_MAX, TRACKING_STRETCH
 from gpumemd.records.findings import Finding
 from gpumemd.stride import MAX_STRIDE, SPARSE_STRETCH
 
@@ -89,3 +91,49 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
     # still exact: one tensor a step.
     assert keyed.count(KEYED_WHILE_TRACKING) >= 0.8 * len(keyed) > 0, keyed
     assert "+1 tensor/step" in first.summary, first.summary
+
+
+def test_scans_that_find_nothing_space_out_and_a_leak_brings_them_back(tmp_path: object) -> None:
+    """A healthy fast loop at the defaults scans every other evaluation (``IDLE_STRETCH``), its
+    evaluations keep their cadence; a leak that starts is counted at the next scan, which ends the
+    idle spacing, and is found as before."""
+    step_once = fast_loop()
+    kept: list[torch.Tensor] = []
+    onset = 3_000
+    scans: list[int] = []  # the step of each scan
+    evaluations: list[int] = []
+    with gpumemd.attached(output_dir=str(tmp_path), quiet=True) as agent:
+        leak = agent.component(LeakComponent)
+        assert leak is not None and leak._parts is not None
+        tracker, detector = leak._parts.tracker, leak._parts.series.detector
+        assert tracker is not None
+        scan, evaluate = tracker.scan, detector.evaluate
+
+        def scan_spy(*, keyed_at_most: int | None = None) -> None:
+            scans.append(agent.current_step or 0)
+            scan(keyed_at_most=keyed_at_most)
+
+        def evaluate_spy(step: int, min_slopes: object = None) -> object:
+            evaluations.append(step)
+            return evaluate(step, min_slopes)  # type: ignore[arg-type]
+
+        tracker.scan = scan_spy  # type: ignore[method-assign]
+        detector.evaluate = evaluate_spy  # type: ignore[method-assign]
+        found = None
+        for step in range(onset + SUSPECT_WITHIN):
+            step_once()
+            if step >= onset:
+                kept.append(torch.zeros(16))
+            found = _finding(agent, "float32[16]")
+            if found is not None and found.state == "confirmed":
+                break
+    # (A census's step end puts the evaluation due then off by a step end: a gap or two a few steps off.)
+    gaps = sorted(b - a for a, b in itertools.pairwise(s for s in scans if 1_000 <= s < onset))
+    assert gaps[len(gaps) // 2] == IDLE_STRETCH * SCAN_EVERY_MAX and gaps[0] > SCAN_EVERY_MAX, gaps
+    every = sorted(b - a for a, b in itertools.pairwise(e for e in evaluations if 1_000 <= e < onset))
+    assert every[len(every) // 2] == SCAN_EVERY_MAX and every[-1] < 2 * SCAN_EVERY_MAX, every
+    # The first scan after the onset lists the leaked tensors, the next counts them: from there, every evaluation.
+    after = [s for s in scans if s > onset]
+    assert after[2] - after[1] == SCAN_EVERY_MAX, after[:6]
+    assert found is not None and found.state == "confirmed", "the leak was not confirmed"
+    assert "kept" in found.summary, found.summary

@@ -80,6 +80,7 @@ class SurvivorTracker:
         self.collections = 0  # collections seen
         self.callback_seconds = 0.0  # time in the gc callback not yet taken by take_callback_seconds()
         self.young_objects = 0  # objects in the young generations at the last look
+        self.outlived = 0  # candidates that outlived the interval up to the last scan (counted at it)
         self.errors = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -139,6 +140,7 @@ class SurvivorTracker:
             counted = counts.refs
             alive = [t for ref in pending if (t := ref()) is not None and id(t) not in counted]
             pending.clear()
+            self.outlived = len(alive)
             # A sample may stand for a group's other new members only if the collection below can
             # move them out of generation 0 (else they would be listed, and counted, again).
             most = PER_GROUP_PER_SCAN if job_collector_enabled() and gc.get_threshold()[0] > 0 else None

@@ -81,6 +81,7 @@ class TensorFamilies:
         self._max = max_families
         self._families: collections.OrderedDict[FamilyKey, Family] = collections.OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes per element, per dtype
+        self.records = 0  # records set by any family (a member larger than every one before), in all
 
     def get(self, key: FamilyKey) -> Family | None:
         return self._families.get(key)
@@ -128,6 +129,7 @@ class TensorFamilies:
             if rows > family.best_rows:
                 family.best_rows = rows
                 family.records += 1
+                self.records += 1
         family.rows, family.step = rows, step
         family.past.append((step, rows))
         try:
