@@ -61,3 +61,27 @@ def test_a_record_carries_the_host_rss_read_now_and_the_step_it_was_given() -> N
     record = _reader(_Workers()).record(7, 0.01, 10, "eval")
     assert (record.step, record.duration_s, record.steps, record.phase) == (7, 0.01, 10, "eval")
     assert record.host is not None and record.host.rss_bytes == 1 << 20 and record.allocator == ()
+
+
+def test_records_share_the_host_reading_while_the_rss_and_the_sampler_reading_stay() -> None:
+    from gpumemd.records.samples import HostSample
+
+    rss = [1 << 20]
+
+    class Host:
+        def rss(self) -> int:
+            return rss[0]
+
+    state = [AgentState(identity=Identity(), attached_at=0.0, updated_at=0.0,
+                        host=HostSample(rss_bytes=1 << 20, available_bytes=8 << 20))]
+    reader = StepReader(allocator=_Allocator(), host=Host(), workers=None,  # type: ignore[arg-type]
+                        published=lambda: state[0], wall_clock=lambda: 0.0, reset_peaks=False)
+    first, second = (reader.record(n, None, 1, "train").host for n in (1, 2))
+    assert first is second and first is not None and first.available_bytes == 8 << 20
+    rss[0] = 3 << 20  # grew by 2 MiB: a new reading, the headroom down by as much
+    third = reader.record(3, None, 1, "train").host
+    assert third is not first and third is not None and (third.rss_bytes, third.available_bytes) == (3 << 20, 6 << 20)
+    state[0] = AgentState(identity=Identity(), attached_at=0.0, updated_at=1.0,
+                          host=HostSample(rss_bytes=3 << 20, available_bytes=5 << 20))  # the sampler read again
+    fourth = reader.record(4, None, 1, "train").host
+    assert fourth is not third and fourth is not None and fourth.available_bytes == 5 << 20
