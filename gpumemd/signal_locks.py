@@ -53,7 +53,7 @@ class YieldingLock:
         self._writer_without = False  # the writer went on without the lock (so must not release it)
 
     def __enter__(self) -> bool:
-        if _writer is not None and threading.get_ident() == _writer:
+        if is_writer():
             held = self._lock.acquire(timeout=SIGNAL_WAIT_S)
             self._writer_without = not held
             return held
