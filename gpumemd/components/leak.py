@@ -280,18 +280,22 @@ class LeakComponent:
             self._new_series_at = step
         self._series_seen = names
         states = {s.state for s in statuses}
+        # Only findings said: a growth withheld (a bounded deque filling, then churning) is a healthy
+        # job's, whose confirmed count series explained host RSS through rests of ten stretched checks
+        # (8,000 steps): a host leak that began once the deque was full went unseen as long.
         scans.tracking = (LeakState.CONFIRMED in states and LeakState.SUSPECTED not in states
                           and not rising and not detector.near_oom
-                          and step - self._new_series_at >= detector.config.window_steps)
+                          and step - self._new_series_at >= detector.config.window_steps
+                          and all(self._findings.said((s.spec.name, s.phase)) for s in statuses
+                                  if s.state is LeakState.CONFIRMED))
         every = detector.config.check_every_steps
         detector.check_every = max(every, scans.interval) if scans.tracking else every
         if self._agent is not None:  # the step ends that feed the dense series stretch with the scans
             self._agent.sample_sparsely(scans.tracking)
-        # A sample of the candidates stands for the rest (``KEYED_WHILE_TRACKING``) only while every
-        # confirmed growth is a finding said: one withheld (a bounded deque filling, then churning)
-        # is judged on its exact count against the deque's bound.
-        self._sampled = scans.tracking and all(self._findings.said((s.spec.name, s.phase)) for s in statuses
-                                               if s.state is LeakState.CONFIRMED)
+        # A sample of the candidates stands for the rest (``KEYED_WHILE_TRACKING``) while tracking: every
+        # confirmed growth is then a finding said, none a withheld one judged on its exact count against
+        # its deque's bound.
+        self._sampled = scans.tracking
 
     def _advance(self, agent: AgentView, parts: _Parts, started: float) -> None:
         """Run the pending searches within this step end's share; when all are done, update the

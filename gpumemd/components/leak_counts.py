@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from gpumemd.components.leak_specs import chain_spec, family_spec, measure_spec, tensor_spec
 from gpumemd.probes.survival.graph_chains import MAX_ROOTS
+from gpumemd.probes.survival.survivor_counts import SurvivorGroup
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from gpumemd.probes.survival.survivor_counts import GroupKey
     from gpumemd.probes.survival.survivors import SurvivorTracker
     from gpumemd.probes.survival.tensor_families import FamilyKey, TensorFamilies
+    from gpumemd.records.findings import Culprit
     from gpumemd.records.step import StepRecord
 
 MAX_COUNT_SERIES = 16
@@ -52,6 +54,16 @@ class GroupSeries(Generic[K]):
 
     def names(self) -> set[str]:
         return {spec.name for spec in self.specs.values()}
+
+    def grown_since(self, matches: Callable[[K], bool], since: float) -> int | None:
+        """How much the groups ``matches`` picks grew from the last kept scan at or before ``since`` to the
+        newest; None when the kept scans do not reach back that far or no such group was ever counted."""
+        before = next((counts for step, counts in reversed(self.count_past) if step <= since), None)
+        if before is None or not self.count_past:
+            return None
+        newest = self.count_past[-1][1]
+        keys = [k for k in {*before, *newest} if matches(k)]
+        return sum(newest.get(k, 0) - before.get(k, 0) for k in keys) if keys else None
 
 
 class CountFeeding:
@@ -185,6 +197,19 @@ class CountFeeding:
             if key not in present:
                 self._observe(spec, step, 0, phase)
         family.count_past.append((step, present))
+
+
+def grown_since(counts: GroupSeries[GroupKey], culprit: Culprit, since: float) -> float:
+    """The bytes a CPU census culprit grew by since ``since``: its growth over the census interval, less
+    what its group, counted at the survivor scans, had gained before ``since``. A census taken long
+    before host RSS rose (a fast loop's are thousands of steps apart) counted a deque(maxlen=N) of graphs
+    filling, full before RSS, lagging it on a fragmented heap, crept past its level."""
+    grown = max(0, culprit.bytes_delta) + max(0, culprit.graph_bytes_delta)
+    if culprit.count_delta <= 0:
+        return grown
+    counted = counts.grown_since(
+        lambda key: key[0] == "cpu" and SurvivorGroup(key, 0, 0).describe() == culprit.description, since)
+    return grown if counted is None else min(grown, max(0, counted) * grown / culprit.count_delta)
 
 
 def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:

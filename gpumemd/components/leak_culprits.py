@@ -25,6 +25,7 @@ from gpumemd.analysis.culprit_sentences import (
     workers_noun,
     workers_sentence,
 )
+from gpumemd.components.leak_counts import grown_since
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
 from gpumemd.probes.heap import host_objects
@@ -355,10 +356,11 @@ class CulpritSearch:
         # fast as RSS, the host leak is theirs, and the census diff names them and who holds them.
         census = yield from self._census_culprits(status)
         if census.culprits and census.steps > 0:
-            # The census interval may start before the onset: compare what the census saw grow with
-            # what RSS gained over the part of that interval where the leak ran.
-            in_census = sum(max(0, c.bytes_delta) + max(0, c.graph_bytes_delta) for c in census.culprits)
-            since = status.onset_step if status.onset_step is not None else status.window_start
+            # The census interval may start before the window: compare what the census saw grow since
+            # the window (or the onset, when later) with what RSS gained since then. (Since the onset, a
+            # deque(maxlen=N) of graphs that filled before RSS crept on explained the creep.)
+            since = max(status.window_start, status.onset_step or 0)
+            in_census = sum(grown_since(self._series.scans.counts, c, since) for c in census.culprits)
             leak_steps = min(census.steps, max(1.0, status.step - since))
             if in_census >= 0.5 * status.verdict.slope.slope * leak_steps:
                 return dataclasses.replace(census, kind=refine_kind("tensor_leak", census.culprits), steps=leak_steps)

@@ -183,9 +183,12 @@ class LeakFindings:
             if status.changed and evidence.fragmented:
                 log.info("gpumemd: %s grows, but what malloc hands out does not: the heap fragments, not a leak",
                          status.spec.name)
-            elif status.changed:
+            elif status.changed and evidence.culprits:
                 log.info("gpumemd: %s grows, held by %s: bounded by its maxlen, not a leak", status.spec.name,
-                         evidence.culprits[0].holder if evidence.culprits else "a bounded deque")
+                         evidence.culprits[0].holder)
+            elif status.changed:
+                log.debug("gpumemd: %s grows; judged at step %d against a heap look taken now", status.spec.name,
+                          evidence.bounded_until)
             return True  # its evidence stays: the statuses that follow a clearing are withheld too
         if not active and status.verdict.reason.startswith("explained"):
             # The growth goes on, as another series' finding: withdraw this one, never say it stopped.
@@ -293,13 +296,13 @@ def _first_said(status: TrackStatus, before: dict[Key, Finding]) -> bool:
 
 
 def _dated(status: TrackStatus, evidence: Evidence) -> TrackStatus:
-    """The status with the earlier of its onset and the evidence's. Host RSS lags a leak (freed heap
-    is reused first): a container's length at its rate dates it better. A count series' knee,
-    dated between scans, is already within a step or two; a chain's marks only place its start
-    within a scan interval, so they date it only when the series cannot."""
+    """The status with the evidence's onset where it dates the growth better. Host RSS lags a leak (freed
+    heap is reused first) and its hinge runs on into growth that preceded it and was another's (a
+    deque(maxlen=N) of graphs filling, withheld: a list of raw samples kept from step 1,100 read "since
+    step 102"): a container's length at its rate dates it better. A count series' knee, dated between
+    scans, is already within a step or two; a chain's marks only place its start within a scan
+    interval, so they date it only when the series cannot."""
     onset = evidence.onset_step
     if onset is None or (status.onset_step is not None and status.spec.unit != "bytes"):
         return status
-    if status.onset_step is not None:
-        onset = min(status.onset_step, onset)
     return dataclasses.replace(status, onset_step=max(0, onset))  # a length at its rate may point before step 0

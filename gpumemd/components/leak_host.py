@@ -10,6 +10,7 @@ object shows (a C extension's).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ from gpumemd.probes.heap.stepwise import Stepwise
 from gpumemd.probes.holding.holders import HOLDER_BUDGET_S
 from gpumemd.probes.process.malloc_in_use import malloc_in_use
 from gpumemd.records.findings import Culprit
+
+_READINGS = 8
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -46,10 +49,17 @@ class HostLooks:
         self._baseline: tuple[int, dict[int, int], int, int | None] | None = None
         self._look_at: int | None = None  # the job's steps_total at the last look
         self._look_cost = 0.0  # seconds it took
+        # (step, malloc's bytes in use) read between looks while host RSS rises, half a window apart at
+        # least: the fragmentation test compares what malloc handed out over the window it judges, not
+        # since a baseline a fill that has since stopped may follow (``_in_use_since``)
+        self._readings: collections.deque[tuple[int, int]] = collections.deque(maxlen=_READINGS)
+        self._reading_cost = 0.0
+        self._reading_at: int | None = None  # the job's steps_total at the last reading
         self.seconds = 0.0  # time spent in looks (budgeted apart from the leak checks)
 
     def clear(self) -> None:
         self._baseline = None
+        self._readings.clear()
 
     def look_stepwise(self, step: int, job: AgentView, *, force: bool = False) -> Stepwise[None]:
         """First look for a host leak's culprit: container sizes and the largest autograd graph, taken
@@ -64,6 +74,7 @@ class HostLooks:
         comes in the job's first thousand steps, where RSS rises as heaps warm up (a one-time cost,
         like the first census: ``bench_step_overhead.py`` reports both as start-up)."""
         if not self._due(step, job, force=force):
+            self._read_in_use(step, job)
             return
         started = self._clock()
         lengths = self._container_lengths()
@@ -74,6 +85,35 @@ class HostLooks:
         self._look_at = job.steps_total
         self._look_cost = took + self._clock() - started
         self.seconds += self._look_cost
+
+    def _read_in_use(self, step: int, job: AgentView) -> None:
+        """Read malloc's bytes in use, half a window after the last reading or look at least, and within
+        the looks' share of the budget (a read walks malloc's free lists: 5 ms on a heap of 100k free
+        chunks)."""
+        last = self._readings[-1][0] if self._readings else None
+        if self._baseline is not None:
+            last = max(last or 0, self._baseline[0])
+        if last is not None and step - last < self._window_steps // 2:
+            return
+        if self._reading_at is not None:
+            job_seconds = (job.steps_total - self._reading_at) * (job.seconds_per_step or 0.0)
+            if job_seconds * budget.share(self._overhead_budget, budget.Part.HOST_LOOKS) < self._reading_cost:
+                return
+        started = self._clock()
+        in_use = self._in_use()
+        self._reading_cost = self._clock() - started
+        self.seconds += self._reading_cost
+        self._reading_at = job.steps_total
+        if in_use is not None:
+            self._readings.append((step, in_use))
+
+    def _in_use_since(self, window_start: float) -> tuple[int, int | None]:
+        """The reading of malloc's bytes in use to judge a window from: the first one inside it (a
+        reading or the baseline), else the baseline's."""
+        assert self._baseline is not None
+        base = (self._baseline[0], self._baseline[3])
+        inside = [r for r in (*self._readings, base) if r[0] >= window_start]
+        return min(inside, key=lambda r: r[0], default=base)
 
     def _due(self, step: int, job: AgentView, *, force: bool) -> bool:
         if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
@@ -87,17 +127,19 @@ class HostLooks:
     def culprits(self, status: TrackStatus, job: AgentView, *, ignore: set[int],
                  headroom: float | None, tensors_explained: bool = False) -> Stepwise[Evidence]:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
-        with nothing grown, the heap's fragmentation when that explains it (``_fragmented``); without a
-        baseline, or with nothing grown and no such explanation, a fresh look that the next evaluation
-        compares with. ``ignore``: ids of containers that are the agent's own (the detector's buffers).
+        with nothing grown, the heap's fragmentation when that explains it (``_fragmented``); with nothing
+        grown and no such explanation, a fresh look that the next search compares with. Without a
+        baseline, or with one whose reading of malloc is older than the window, the finding is withheld
+        until a fresh look can be compared with (``_compare_later``). ``ignore``: ids of containers that
+        are the agent's own (the detector's buffers).
         ``tensors_explained``: a tensor finding accounts for the tensors (``growing_containers_stepwise``).
         One heap pass between ``yield``s (``probes.heap.stepwise``)."""
         baseline = self._baseline
         if baseline is None or baseline[0] >= status.step:
             self._baseline = None
-            yield from self.look_stepwise(status.step, job, force=True)  # the next evaluation can compare
-            return NO_EVIDENCE
-        since, lengths, graph_nodes, in_use = baseline
+            yield from self.look_stepwise(status.step, job, force=True)
+            return self._compare_later(status)
+        since, lengths, graph_nodes, _ = baseline
         steps = float(status.step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
         grown = yield from host_objects.growing_containers_stepwise(
@@ -112,14 +154,17 @@ class HostLooks:
                               f"+{graph.nodes_added / max(steps, 1):.0f}/step)", count_delta=0, bytes_delta=0,
                               holder=graph.holder, graph_bytes_delta=int(growth))
             return Evidence((culprit,), steps, (), "graph_leak")
-        if not grown and self._fragmented(in_use, growth, headroom):
+        read_at, in_use = self._in_use_since(status.window_start)
+        if not grown and self._fragmented(in_use, status.verdict.slope.slope * (status.step - read_at), headroom):
             # Withheld, the baseline kept: looked at again a window on, with the growth since then.
             return Evidence((), steps, fragmented=True, bounded_until=status.step + self._window_steps)
         if not grown:
             self._baseline = None
             yield
             yield from self.look_stepwise(status.step, job, force=True)
-            return NO_EVIDENCE
+            # malloc's bytes in use read before the window measured the growth of another time (a
+            # deque(maxlen=N) of graphs filling, before RSS crept on): the fresh look judges it
+            return self._compare_later(status) if in_use is not None and read_at < status.window_start else NO_EVIDENCE
         culprits = tuple(
             Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",
                     count_delta=g.items_added, bytes_delta=g.approx_bytes, holder=g.holder,
@@ -131,6 +176,11 @@ class HostLooks:
         top = grown[0]
         onset = int(status.step - top.length * steps / top.items_added) if top.items_added > 0 and steps > 0 else None
         return Evidence(culprits, steps, onset_step=onset)
+
+    def _compare_later(self, status: TrackStatus) -> Evidence:
+        """Withheld until the look just taken can be compared with, half a window on: a finding said
+        now would have no culprit and might be the heap's fragmentation."""
+        return Evidence((), 0.0, bounded_until=status.step + self._window_steps // 2)
 
     def _fragmented(self, in_use_before: int | None, growth: float, headroom: float | None) -> bool:
         """Did host RSS grow (``growth`` since the baseline) while what malloc hands out grew by under a

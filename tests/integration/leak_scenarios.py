@@ -262,6 +262,27 @@ def host_cache_beside_kept_losses(steps: int) -> None:
             cache[step] = np.ones(8192)
 
 
+AFTER_DEQUE_ONSET = 1_100  # host_leak_after_a_full_deque: the first raw sample kept
+
+
+def host_leak_after_a_full_deque(steps: int) -> None:
+    """The last 1,000 losses kept with their graphs (full at step 1,000: a healthy job's growth, withheld)
+    and, from ``AFTER_DEQUE_ONSET``, raw sample buffers (64 KiB/step) kept in a list: a host leak that
+    starts once the deque's growth has stopped (``test_leak_host_growth``)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=1_000)
+    raw_samples: list[bytes] = []
+    for step in _steps(steps):
+        loss = model(torch.randn(32, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward(retain_graph=True)
+        opt.step()
+        recent_losses.append(loss)
+        if step >= AFTER_DEQUE_ONSET:
+            raw_samples.append(bytes([step % 256]) * (64 * 1024))
+
+
 def predictions_carrying_host_buffers(steps: int) -> None:
     """Predictions kept with the raw sample each came from attached (an attribute on the tensor): 128 B
     of tensor a step, 64 KiB of host memory. Host RSS, not the tensors' bytes, is what runs out: the
@@ -632,6 +653,10 @@ HOST_HEAVY = Scenario("predictions kept with their raw samples (128 B/step of te
 SECOND_HOST = Scenario("a numpy cache filled beside kept losses (64 KiB/step of host from step 1,300)",
                        host_cache_beside_kept_losses, "host_leak", onset=SECOND_ONSET)
 """A host leak that starts while a CPU tensor leak is tracked (``test_leak_host_growth``)."""
+AFTER_DEQUE = Scenario("raw samples kept from step 1,100, beside a deque of graphs full at 1,000",
+                       host_leak_after_a_full_deque, "host_leak", ("`raw_samples` in host_leak_after_a_full_deque()",),
+                       onset=AFTER_DEQUE_ONSET, bytes_per_step=64 * 1024)
+"""A host leak that starts once a bounded deque's withheld growth has stopped (``test_leak_host_growth``)."""
 HEALTHY = (
     Scenario("steady training", steady),
     Scenario("first-step optimizer state (Adam)", first_step_optimizer_state),
@@ -750,7 +775,7 @@ def run_scenario_isolated(scenario: Scenario, output_dir: str, *, seed: int = 0,
 
 
 def scenario_named(name: str) -> Scenario:
-    return next(s for s in (*LEAKS, *HEALTHY, HOST_HEAVY, SECOND_HOST) if s.name == name)
+    return next(s for s in (*LEAKS, *HEALTHY, HOST_HEAVY, SECOND_HOST, AFTER_DEQUE) if s.name == name)
 
 
 class _WarningLines(logging.Handler):

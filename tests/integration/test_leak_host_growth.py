@@ -4,14 +4,15 @@ Small CPU tensors kept each step can cost the heap far more than their own bytes
 attached to each, or freed heap pinned between them: 256 B/step of tensors grew a plain MLP loop's RSS
 by ~30 KiB/step, measured without the agent). The finding explains the host growth, so it must say it
 and project the out-of-memory from it: from the tensors' bytes it said "~21.0 h" where RSS ran out in
-minutes. At default settings, in a fresh interpreter (a test session's earlier tests leave freed heap
-that absorbs a host leak's first megabytes)."""
+minutes. And a host leak that starts beside another growth (a tracked tensor leak, a bounded deque
+that filled) is a finding of its own. At default settings, in a fresh interpreter (a test session's
+earlier tests leave freed heap that absorbs a host leak's first megabytes)."""
 
 from __future__ import annotations
 
 import psutil
 import pytest
-from leak_scenarios import HOST_HEAVY, ONSET, SECOND_HOST, SECOND_ONSET, run_scenario_isolated
+from leak_scenarios import AFTER_DEQUE, HOST_HEAVY, ONSET, SECOND_HOST, SECOND_ONSET, run_scenario_isolated
 
 HOST_BYTES_PER_STEP = 64 * 1024  # the raw sample attached to each kept prediction
 
@@ -58,3 +59,16 @@ def test_a_host_leak_that_starts_while_a_tensor_leak_is_tracked_is_a_finding_of_
     assert "losses" not in host.summary, host.summary
     tensor = findings.get("tensor_leak")
     assert tensor is not None and "losses" in tensor.summary and "host RSS" not in tensor.summary, tensor.summary
+
+
+@pytest.mark.slow
+def test_a_host_leak_that_starts_once_a_bounded_deque_is_full_is_found_and_dated(tmp_path: object) -> None:
+    # The deque's confirmed count series (withheld: it stops at its maxlen) kept the agent tracking and host
+    # RSS explained, re-tested every 8,000 steps: raw samples kept from step 1,100 (64 KiB a step, +120 MiB
+    # by step 3,000) were never said. Then, once said, its onset was the deque's ("since step 102").
+    outcome = run_scenario_isolated(AFTER_DEQUE, str(tmp_path))
+    assert {e["kind"] for e in outcome.events} == {"host_leak"}, [e["summary"] for e in outcome.events]
+    first, last = outcome.events[0], outcome.events[-1]
+    assert first["updated_step"] - AFTER_DEQUE.onset <= 1500, first["summary"]  # measured 770-870
+    assert last["state"] == "confirmed" and AFTER_DEQUE.holder[0] in last["headline"], last["headline"]
+    assert abs(last["onset_step"] - AFTER_DEQUE.onset) <= 100, last["summary"]
