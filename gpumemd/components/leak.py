@@ -255,11 +255,15 @@ class LeakComponent:
         self._scans.idle = not rising and not series.scans.found and not any(
             s.state is not None and s.state.active for s in statuses)
         work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
+        if host_rising and not host_explained:  # malloc's bytes in use, before any search's temporaries
+            self._host.read_in_use(step, self._agent)
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)
             active = status.state is not None and status.state.active
             if active and (status.changed or findings.retry_culprits(key, step)):
                 findings.attempts[key] = step
+                if status.spec.name == series.host_spec.name:
+                    self._host.read_in_use(step, self._agent, force=True)
                 work.append((key, parts.culprits.search(status)))
             elif not active:
                 self._sites.settle(status)  # a decided suspicion no longer needs allocation history

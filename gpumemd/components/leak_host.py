@@ -23,7 +23,7 @@ from gpumemd.probes.holding.holders import HOLDER_BUDGET_S
 from gpumemd.probes.process.malloc_in_use import malloc_in_use
 from gpumemd.records.findings import Culprit
 
-_READINGS = 8
+_READINGS = 16  # read every evaluation (50 steps) at most: 800 steps, more than a window
 
 if TYPE_CHECKING:
     from gpumemd.components.base import AgentView
@@ -45,13 +45,13 @@ class HostLooks:
         self._container_lengths = container_lengths
         self._largest_graph_nodes = largest_graph_nodes
         self._in_use = in_use
-        # step, container lengths, graph nodes, malloc's bytes in use
-        self._baseline: tuple[int, dict[int, int], int, int | None] | None = None
+        # step, container lengths, graph nodes
+        self._baseline: tuple[int, dict[int, int], int] | None = None
         self._look_at: int | None = None  # the job's steps_total at the last look
         self._look_cost = 0.0  # seconds it took
-        # (step, malloc's bytes in use) read between looks while host RSS rises, half a window apart at
-        # least: the fragmentation test compares what malloc handed out over the window it judges, not
-        # since a baseline a fill that has since stopped may follow (``_in_use_since``)
+        # (step, malloc's bytes in use), read at the start of the evaluations while host RSS rises or
+        # has a finding (``read_in_use``): the fragmentation test compares readings from inside the
+        # window it judges, taken before any search's temporaries (a heap scan's list of every object)
         self._readings: collections.deque[tuple[int, int]] = collections.deque(maxlen=_READINGS)
         self._reading_cost = 0.0
         self._reading_at: int | None = None  # the job's steps_total at the last reading
@@ -74,28 +74,24 @@ class HostLooks:
         comes in the job's first thousand steps, where RSS rises as heaps warm up (a one-time cost,
         like the first census: ``bench_step_overhead.py`` reports both as start-up)."""
         if not self._due(step, job, force=force):
-            self._read_in_use(step, job)
             return
         started = self._clock()
         lengths = self._container_lengths()
         took = self._clock() - started
         yield
         started = self._clock()
-        self._baseline = (step, lengths, self._largest_graph_nodes(), self._in_use())
+        self._baseline = (step, lengths, self._largest_graph_nodes())
         self._look_at = job.steps_total
         self._look_cost = took + self._clock() - started
         self.seconds += self._look_cost
 
-    def _read_in_use(self, step: int, job: AgentView) -> None:
-        """Read malloc's bytes in use, half a window after the last reading or look at least, and within
-        the looks' share of the budget (a read walks malloc's free lists: 5 ms on a heap of 100k free
-        chunks)."""
-        last = self._readings[-1][0] if self._readings else None
-        if self._baseline is not None:
-            last = max(last or 0, self._baseline[0])
-        if last is not None and step - last < self._window_steps // 2:
+    def read_in_use(self, step: int, job: AgentView, *, force: bool = False) -> None:
+        """Read malloc's bytes in use at the start of an evaluation while host RSS rises, within the looks'
+        share of the budget (a read walks malloc's free lists: ~0.5 µs on a small heap, 4.7 ms on one of
+        ~100k free chunks), or, ``force``, because host RSS's culprits are searched in it."""
+        if self._readings and self._readings[-1][0] == step:
             return
-        if self._reading_at is not None:
+        if self._reading_at is not None and not force:
             job_seconds = (job.steps_total - self._reading_at) * (job.seconds_per_step or 0.0)
             if job_seconds * budget.share(self._overhead_budget, budget.Part.HOST_LOOKS) < self._reading_cost:
                 return
@@ -107,13 +103,12 @@ class HostLooks:
         if in_use is not None:
             self._readings.append((step, in_use))
 
-    def _in_use_since(self, window_start: float) -> tuple[int, int | None]:
-        """The reading of malloc's bytes in use to judge a window from: the first one inside it (a
-        reading or the baseline), else the baseline's."""
-        assert self._baseline is not None
-        base = (self._baseline[0], self._baseline[3])
-        inside = [r for r in (*self._readings, base) if r[0] >= window_start]
-        return min(inside, key=lambda r: r[0], default=base)
+    def _in_use_over(self, window_start: float, step: int) -> tuple[int, int, int] | None:
+        """(step, bytes in use then, bytes in use now) from the first reading inside the window to the one
+        at ``step``; None without both."""
+        now = self._readings[-1] if self._readings and self._readings[-1][0] == step else None
+        first = next(((s, b) for s, b in self._readings if window_start <= s < step), None)
+        return (first[0], first[1], now[1]) if first is not None and now is not None else None
 
     def _due(self, step: int, job: AgentView, *, force: bool) -> bool:
         if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
@@ -139,7 +134,7 @@ class HostLooks:
             self._baseline = None
             yield from self.look_stepwise(status.step, job, force=True)
             return self._compare_later(status)
-        since, lengths, graph_nodes, _ = baseline
+        since, lengths, graph_nodes = baseline
         steps = float(status.step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
         grown = yield from host_objects.growing_containers_stepwise(
@@ -154,17 +149,18 @@ class HostLooks:
                               f"+{graph.nodes_added / max(steps, 1):.0f}/step)", count_delta=0, bytes_delta=0,
                               holder=graph.holder, graph_bytes_delta=int(growth))
             return Evidence((culprit,), steps, (), "graph_leak")
-        read_at, in_use = self._in_use_since(status.window_start)
-        if not grown and self._fragmented(in_use, status.verdict.slope.slope * (status.step - read_at), headroom):
+        in_use = self._in_use_over(status.window_start, status.step)
+        if not grown and in_use is not None and _fragmented(
+                in_use[1], in_use[2], status.verdict.slope.slope * (status.step - in_use[0]), headroom):
             # Withheld, the baseline kept: looked at again a window on, with the growth since then.
             return Evidence((), steps, fragmented=True, bounded_until=status.step + self._window_steps)
         if not grown:
             self._baseline = None
             yield
             yield from self.look_stepwise(status.step, job, force=True)
-            # malloc's bytes in use read before the window measured the growth of another time (a
-            # deque(maxlen=N) of graphs filling, before RSS crept on): the fresh look judges it
-            return self._compare_later(status) if in_use is not None and read_at < status.window_start else NO_EVIDENCE
+            # No reading of malloc inside the window (one before it measured another time's growth: a
+            # deque(maxlen=N) of graphs filling, before RSS crept on): judged at the next look
+            return self._compare_later(status) if in_use is None and self._readings else NO_EVIDENCE
         culprits = tuple(
             Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",
                     count_delta=g.items_added, bytes_delta=g.approx_bytes, holder=g.holder,
@@ -182,14 +178,13 @@ class HostLooks:
         now would have no culprit and might be the heap's fragmentation."""
         return Evidence((), 0.0, bounded_until=status.step + self._window_steps // 2)
 
-    def _fragmented(self, in_use_before: int | None, growth: float, headroom: float | None) -> bool:
-        """Did host RSS grow (``growth`` since the baseline) while what malloc hands out grew by under a
-        quarter of it, and is that growth under an eighth of the memory left? Then freed chunks between
-        live ones grew the heap: no leak. A larger growth is said whatever its cause, as memory that
-        malloc does not see (pinned or mapped by hand) is no better for running out."""
-        in_use = self._in_use() if in_use_before is not None else None
-        if in_use is None or in_use_before is None or growth <= 0:
-            return False
-        if headroom is not None and growth > headroom / 8:
-            return False
-        return in_use - in_use_before < growth / 4
+
+
+def _fragmented(in_use_before: int, in_use_now: int, growth: float, headroom: float | None) -> bool:
+    """Did host RSS grow (``growth`` since the reading of ``in_use_before``) while what malloc hands out grew
+    by under a quarter of it, and is that growth under an eighth of the memory left? Then freed chunks
+    between live ones grew the heap: no leak. A larger growth is said whatever its cause, as memory that
+    malloc does not see (pinned or mapped by hand) is no better for running out."""
+    if growth <= 0 or (headroom is not None and growth > headroom / 8):
+        return False
+    return in_use_now - in_use_before < growth / 4

@@ -31,7 +31,8 @@ def _status(step: int, slope: float) -> TrackStatus:
 
 @pytest.fixture
 def heap(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """Looks whose heap shows nothing grown, and malloc's in-use bytes as the test sets them."""
+    """Looks whose heap shows nothing grown, and malloc's in-use bytes as the test sets them, read (as the
+    leak component does at an evaluation's start) by ``state.read(step)``."""
     state = SimpleNamespace(in_use=100 * MIB)
 
     def nothing_grown(*args: Any, **kwargs: Any) -> Any:
@@ -42,47 +43,83 @@ def heap(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(leak_host.host_objects, "growing_graph", lambda *args, **kwargs: None)
     state.looks = HostLooks(window_steps=WINDOW, overhead_budget=0.01, clock=lambda: 0.0,
                             container_lengths=dict, largest_graph_nodes=lambda: 0, in_use=lambda: state.in_use)
-    state.job = SimpleNamespace(steps_total=0, seconds_per_step=0.01)
+    state.job = SimpleNamespace(steps_total=1_000, seconds_per_step=0.01)
+    state.read = lambda step: state.looks.read_in_use(step, state.job, force=True)
     run_to_end(state.looks.look_stepwise(1_000, state.job))  # the baseline, with 100 MiB in use
+    state.read(1_000)
     return state
+
+
+def _culprits(heap: SimpleNamespace, step: int, headroom: float = 8e9) -> Any:
+    heap.read(step)
+    return run_to_end(heap.looks.culprits(_status(step, 40_960.0), heap.job, ignore=set(), headroom=headroom))
 
 
 def test_rss_grown_with_malloc_in_use_flat_is_fragmentation_and_looked_at_again_a_window_on(
         heap: SimpleNamespace) -> None:
-    # 40 KiB/step over 400 steps since the baseline, inside the window: ~16 MiB of RSS, malloc +1 MiB
+    # 40 KiB/step over 400 steps since the first reading inside the window: ~16 MiB of RSS, malloc +1 MiB
     heap.in_use += MIB
-    evidence = run_to_end(heap.looks.culprits(_status(1_400, 40_960.0), heap.job, ignore=set(), headroom=8e9))
+    evidence = _culprits(heap, 1_400)
     assert evidence.fragmented and evidence.bounded_until == 1_400 + WINDOW and not evidence.culprits
 
 
 def test_malloc_in_use_grown_with_rss_is_no_fragmentation(heap: SimpleNamespace) -> None:
     heap.in_use += 12 * MIB  # a C extension's leak: malloc hands out most of what RSS gained
-    evidence = run_to_end(heap.looks.culprits(_status(1_400, 40_960.0), heap.job, ignore=set(), headroom=8e9))
-    assert evidence == NO_EVIDENCE
+    assert _culprits(heap, 1_400) == NO_EVIDENCE
+
+
+def test_fragmentation_past_an_eighth_of_the_memory_left_is_said(heap: SimpleNamespace) -> None:
+    assert _culprits(heap, 1_400, headroom=100 * MIB) == NO_EVIDENCE
 
 
 def test_a_reading_of_malloc_older_than_the_window_is_not_judged_from(heap: SimpleNamespace) -> None:
-    """Malloc +30 MiB since a baseline 500 steps before the window: the growth of another time (or this
+    """Malloc +30 MiB since a reading 500 steps before the window: the growth of another time (or this
     leak's). A fresh look is taken, and the finding withheld until it can be compared with."""
     heap.in_use += 30 * MIB
-    evidence = run_to_end(heap.looks.culprits(_status(2_000, 40_960.0), heap.job, ignore=set(), headroom=8e9))
+    evidence = _culprits(heap, 2_000)
     assert evidence.bounded_until == 2_000 + WINDOW // 2 and not evidence.fragmented and not evidence.culprits
     heap.in_use += 12 * MIB  # then malloc grows with RSS: a leak no Python object shows, said
-    evidence = run_to_end(heap.looks.culprits(_status(2_400, 40_960.0), heap.job, ignore=set(), headroom=8e9))
-    assert evidence == NO_EVIDENCE
+    assert _culprits(heap, 2_250) == NO_EVIDENCE
+
+
+def test_a_fill_that_stopped_before_the_window_is_not_held_against_its_fragmentation(heap: SimpleNamespace) -> None:
+    """A deque(maxlen=N) of graphs filled after the baseline (malloc +30 MiB), then churned while RSS
+    crept on: the window is judged from the first reading of malloc's bytes in use inside it."""
+    heap.in_use += 30 * MIB  # the fill, over before the window the verdict judges (1,500-2,000)
+    heap.read(1_600)
+    heap.in_use += MIB // 2
+    evidence = _culprits(heap, 2_000)
+    assert evidence.fragmented and evidence.bounded_until == 2_000 + WINDOW and not evidence.culprits
 
 
 def test_without_a_baseline_a_look_is_taken_and_the_finding_waits_for_it() -> None:
     looks = HostLooks(window_steps=WINDOW, overhead_budget=0.01, clock=lambda: 0.0, container_lengths=dict,
                       largest_graph_nodes=lambda: 0, in_use=lambda: 100 * MIB)
     job = SimpleNamespace(steps_total=2_000, seconds_per_step=0.01)
+    looks.read_in_use(2_000, job)
     evidence = run_to_end(looks.culprits(_status(2_000, 40_960.0), job, ignore=set(), headroom=8e9))
     assert evidence.bounded_until == 2_000 + WINDOW // 2 and not evidence.culprits
 
 
-def test_fragmentation_past_an_eighth_of_the_memory_left_is_said(heap: SimpleNamespace) -> None:
-    evidence = run_to_end(heap.looks.culprits(_status(1_400, 40_960.0), heap.job, ignore=set(), headroom=100 * MIB))
-    assert evidence == NO_EVIDENCE
+def test_readings_keep_to_the_budget_unless_a_search_needs_one() -> None:
+    reads: list[int] = []
+    ticks = iter(range(1_000_000))  # each clock reading a second later: a reading costs 1 s
+
+    def in_use() -> int:
+        reads.append(1)
+        return 100 * MIB
+
+    looks = HostLooks(window_steps=WINDOW, overhead_budget=0.01, clock=lambda: float(next(ticks)),
+                      container_lengths=dict, largest_graph_nodes=lambda: 0, in_use=in_use)
+    job = SimpleNamespace(steps_total=1_000, seconds_per_step=0.001)
+    looks.read_in_use(1_000, job)
+    looks.read_in_use(1_000, job, force=True)  # one reading a step
+    for step in range(1_050, 2_000, 50):  # 1 ms steps have not paid for a 1 s reading within the share
+        job.steps_total = step
+        looks.read_in_use(step, job)
+    assert len(reads) == 1
+    looks.read_in_use(2_000, job, force=True)  # a search of host RSS's culprits compares with it
+    assert len(reads) == 2
 
 
 def test_malloc_in_use_reads_this_process_where_the_c_library_has_mallinfo2() -> None:
@@ -98,37 +135,3 @@ def test_malloc_in_use_reads_this_process_where_the_c_library_has_mallinfo2() ->
     after = malloc_in_use()
     assert after is not None and after - before >= 64 * MIB
     del kept
-
-
-def test_a_fill_that_stopped_before_the_window_is_not_held_against_its_fragmentation(heap: SimpleNamespace) -> None:
-    """A deque(maxlen=N) of graphs filled after the baseline (malloc +30 MiB), then churned while RSS
-    crept on: the window is judged from the first reading of malloc's bytes in use inside it."""
-    heap.in_use += 30 * MIB  # the fill, over before the window the verdict judges (1,500-2,000)
-    for step in (1_300, 1_600):  # readings between looks while RSS rises (the look at 1,000 is not due again)
-        heap.job.steps_total = step
-        run_to_end(heap.looks.look_stepwise(step, heap.job))
-    heap.in_use += MIB // 2
-    evidence = run_to_end(heap.looks.culprits(_status(2_000, 40_960.0), heap.job, ignore=set(), headroom=8e9))
-    assert evidence.fragmented and evidence.bounded_until == 2_000 + WINDOW and not evidence.culprits
-
-
-def test_readings_space_out_by_half_a_window_and_the_budget() -> None:
-    reads: list[int] = []
-    ticks = iter(range(1_000_000))  # each clock reading a second later: a reading costs 1 s
-
-    def in_use() -> int:
-        reads.append(1)
-        return 100 * MIB
-
-    looks = HostLooks(window_steps=WINDOW, overhead_budget=0.01, clock=lambda: float(next(ticks)),
-                      container_lengths=dict, largest_graph_nodes=lambda: 0, in_use=in_use)
-    job = SimpleNamespace(steps_total=1_000, seconds_per_step=1.0)
-    run_to_end(looks.look_stepwise(1_000, job))  # the baseline counts as a reading
-    for step in range(1_050, 1_500, 50):
-        job.steps_total = step
-        run_to_end(looks.look_stepwise(step, job))
-    assert len(reads) == 2  # the baseline's, then one at 1,250
-    job.seconds_per_step = 0.001  # 500 steps of 1 ms: not yet paid for a 1 s reading within the share
-    job.steps_total = 1_750
-    run_to_end(looks.look_stepwise(1_750, job))
-    assert len(reads) == 2
