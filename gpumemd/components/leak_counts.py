@@ -55,16 +55,6 @@ class GroupSeries(Generic[K]):
     def names(self) -> set[str]:
         return {spec.name for spec in self.specs.values()}
 
-    def grown_since(self, matches: Callable[[K], bool], since: float) -> int | None:
-        """How much the groups ``matches`` picks grew from the last kept scan at or before ``since`` to the
-        newest; None when the kept scans do not reach back that far or no such group was ever counted."""
-        before = next((counts for step, counts in reversed(self.count_past) if step <= since), None)
-        if before is None or not self.count_past:
-            return None
-        newest = self.count_past[-1][1]
-        keys = [k for k in {*before, *newest} if matches(k)]
-        return sum(newest.get(k, 0) - before.get(k, 0) for k in keys) if keys else None
-
 
 class CountFeeding:
     """The scan's part of ``LeakSeries`` (its ``scans``): fed at each survivor scan, it observes into the
@@ -203,13 +193,17 @@ def grown_since(counts: GroupSeries[GroupKey], culprit: Culprit, since: float) -
     """The bytes a CPU census culprit grew by since ``since``: its growth over the census interval, less
     what its group, counted at the survivor scans, had gained before ``since``. A census taken long
     before host RSS rose (a fast loop's are thousands of steps apart) counted a deque(maxlen=N) of graphs
-    filling, full before RSS, lagging it on a fragmented heap, crept past its level."""
+    filling, full before RSS, lagging it on a fragmented heap, crept past its level. As it was when
+    the kept scans do not reach back to ``since``, or no group it describes was counted."""
     grown = max(0, culprit.bytes_delta) + max(0, culprit.graph_bytes_delta)
-    if culprit.count_delta <= 0:
+    before = next((c for step, c in reversed(counts.count_past) if step <= since), None)
+    if culprit.count_delta <= 0 or before is None:
         return grown
-    counted = counts.grown_since(
-        lambda key: key[0] == "cpu" and SurvivorGroup(key, 0, 0).describe() == culprit.description, since)
-    return grown if counted is None else min(grown, max(0, counted) * grown / culprit.count_delta)
+    newest = counts.count_past[-1][1]
+    keys = [k for k in {*before, *newest}
+            if k[0] == "cpu" and SurvivorGroup(k, 0, 0).describe() == culprit.description]
+    counted = sum(newest.get(k, 0) - before.get(k, 0) for k in keys)
+    return min(grown, max(0, counted) * grown / culprit.count_delta) if keys else grown
 
 
 def _chain_roots(tracker: SurvivorTracker) -> list[torch.Tensor]:

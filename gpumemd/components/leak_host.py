@@ -49,9 +49,10 @@ class HostLooks:
         self._baseline: tuple[int, dict[int, int], int] | None = None
         self._look_at: int | None = None  # the job's steps_total at the last look
         self._look_cost = 0.0  # seconds it took
-        # (step, malloc's bytes in use), read at the start of the evaluations while host RSS rises or
-        # has a finding (``read_in_use``): the fragmentation test compares readings from inside the
-        # window it judges, taken before any search's temporaries (a heap scan's list of every object)
+        # (step, malloc's bytes in use), read at the start of the evaluations while host RSS rises
+        # unexplained or its culprits are searched (``read_in_use``): the fragmentation test compares
+        # readings from inside the window it judges, taken before any search's temporaries (a heap
+        # scan's list of every object) are alive
         self._readings: collections.deque[tuple[int, int]] = collections.deque(maxlen=_READINGS)
         self._reading_cost = 0.0
         self._reading_at: int | None = None  # the job's steps_total at the last reading
@@ -124,8 +125,8 @@ class HostLooks:
         """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
         with nothing grown, the heap's fragmentation when that explains it (``_fragmented``); with nothing
         grown and no such explanation, a fresh look that the next search compares with. Without a
-        baseline, or with one whose reading of malloc is older than the window, the finding is withheld
-        until a fresh look can be compared with (``_compare_later``). ``ignore``: ids of containers that
+        baseline, or with nothing grown and no reading of malloc inside the window, the finding is
+        withheld until a fresh look can be compared with (``_compare_later``). ``ignore``: ids of containers that
         are the agent's own (the detector's buffers).
         ``tensors_explained``: a tensor finding accounts for the tensors (``growing_containers_stepwise``).
         One heap pass between ``yield``s (``probes.heap.stepwise``)."""
@@ -177,7 +178,6 @@ class HostLooks:
         """Withheld until the look just taken can be compared with, half a window on: a finding said
         now would have no culprit and might be the heap's fragmentation."""
         return Evidence((), 0.0, bounded_until=status.step + self._window_steps // 2)
-
 
 
 def _fragmented(in_use_before: int, in_use_now: int, growth: float, headroom: float | None) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpumemd.records.device import Device, DeviceLike
+from gpumemd.records.device import Device
 
 CATEGORIES: tuple[str, ...] = ("parameter", "gradient", "optimizer_state", "buffer", "graph", "other")
 
@@ -107,16 +107,6 @@ class Census:
     def groups_named(self, name: str) -> list[CensusGroup]:
         """The groups whose name is ``name`` (one per device/dtype/shape it appears with)."""
         return [g for g in self.groups if g.key.name == name]
-
-    def bytes_where(self, *, category: str | None = None, device: DeviceLike | None = None) -> int:
-        """Storage bytes of the groups matching ``category`` and/or ``device`` (any spelling
-        ``Device.of`` takes; graph bytes excluded)."""
-        device = None if device is None else Device.of(device)
-        return sum(
-            g.nbytes
-            for g in self.groups
-            if (category is None or g.key.category == category) and (device is None or g.key.device == device)
-        )
 
     def top(self, n: int = 20) -> list[TensorEntry]:
         """The ``n`` largest storages, largest first."""
