@@ -139,7 +139,8 @@ def test_top_follows_a_leaking_job_and_its_json_is_the_agents_state(tmp_path: Pa
         frame = tmux.wait("the confirmed finding", lambda s: "finding confirmed tensor_leak" in s)
         assert "+64.0 KiB/step" in frame and "out of memory in ~" in frame, frame
         tmux.resize(60)  # the frame follows: lines cut at the new width, none wrapped onto the next
-        narrow = tmux.wait("the frame at 60 columns", lambda s: "(q quits)" not in s)
+        # a frame drawn at 60 columns (between clearing the pane and drawing, tmux showed it blank)
+        narrow = tmux.wait("the frame at 60 columns", lambda s: "(q quits)" not in s and "rank 0  RUNNING" in s)
         assert narrow.splitlines()[1] == "" and narrow.splitlines()[2].startswith("rank 0  RUNNING"), narrow
         tmux.resize(160)
         tmux.wait("the frame at 160 columns again", lambda s: "(q quits)" in s)
