@@ -255,7 +255,7 @@ class LeakComponent:
         self._scans.idle = not rising and not series.scans.found and not any(
             s.state is not None and s.state.active for s in statuses)
         work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
-        if host_rising and not host_explained:  # malloc's bytes in use, before any search's temporaries
+        if host_rising:  # malloc's bytes in use, before any search's temporaries (``HostLooks._by_malloc``)
             self._host.read_in_use(step, self._agent)
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)

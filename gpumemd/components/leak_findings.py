@@ -136,8 +136,10 @@ class LeakFindings:
         active = status.state is not None and status.state.active
         if previous is None and not (active and status.verdict.passed):
             # Never said (withheld while it grew: explained by another series, kept by a reported graph):
-            # its end is no news, nor is a growth that stopped before it could be said.
-            self._culprits.pop(key, None)
+            # its end is no news, nor is a growth that stopped before it could be said. Still active (one
+            # check explained), its culprits stay for when it is said: dropped, it was said without them.
+            if not active:
+                self._culprits.pop(key, None)
             return False
         if previous is not None and previous.state == "cleared" and not active and not status.changed:
             # A cleared finding stands as it was said: its evidence (a count series' bytes per tensor)

@@ -50,7 +50,7 @@ class HostLooks:
         self._look_at: int | None = None  # the job's steps_total at the last look
         self._look_cost = 0.0  # seconds it took
         # (step, malloc's bytes in use), read at the start of the evaluations while host RSS rises
-        # unexplained or its culprits are searched (``read_in_use``): the fragmentation test compares
+        # or its culprits are searched (``read_in_use``): the fragmentation test compares
         # readings from inside the window it judges, taken before any search's temporaries (a heap
         # scan's list of every object) are alive
         self._readings: collections.deque[tuple[int, int]] = collections.deque(maxlen=_READINGS)
@@ -104,12 +104,15 @@ class HostLooks:
         if in_use is not None:
             self._readings.append((step, in_use))
 
-    def _in_use_over(self, window_start: float, step: int) -> tuple[int, int, int] | None:
-        """(step, bytes in use then, bytes in use now) from the first reading inside the window to the one
-        at ``step``; None without both."""
-        now = self._readings[-1] if self._readings and self._readings[-1][0] == step else None
-        first = next(((s, b) for s, b in self._readings if window_start <= s < step), None)
-        return (first[0], first[1], now[1]) if first is not None and now is not None else None
+    def _in_use_over(self, window_start: float) -> tuple[int, int, int, int] | None:
+        """(step, bytes in use) of the first reading inside the window, then of the newest (this
+        evaluation's: a search reads at its start); None without two. A resting finding's status is
+        its last re-test's, its step long past."""
+        if not self._readings:
+            return None
+        now = self._readings[-1]
+        first = next(((s, b) for s, b in self._readings if window_start <= s < now[0]), None)
+        return (*first, *now) if first is not None else None
 
     def _due(self, step: int, job: AgentView, *, force: bool) -> bool:
         if self._baseline is not None and step - self._baseline[0] < 2 * self._window_steps:
@@ -122,21 +125,21 @@ class HostLooks:
 
     def culprits(self, status: TrackStatus, job: AgentView, *, ignore: set[int],
                  headroom: float | None, tensors_explained: bool = False) -> Stepwise[Evidence]:
-        """The containers (or the autograd graph) that grew since the baseline as fast as host RSS;
-        with nothing grown, the heap's fragmentation when that explains it (``_fragmented``); with nothing
-        grown and no such explanation, a fresh look that the next search compares with. Without a
-        baseline, or with nothing grown and no reading of malloc inside the window, the finding is
-        withheld until a fresh look can be compared with (``_compare_later``). ``ignore``: ids of containers that
-        are the agent's own (the detector's buffers).
-        ``tensors_explained``: a tensor finding accounts for the tensors (``growing_containers_stepwise``).
-        One heap pass between ``yield``s (``probes.heap.stepwise``)."""
+        """The containers (or the autograd graph) that grew since the baseline as fast as host RSS; with
+        nothing grown (or no baseline yet: a look is taken now for the next search), what malloc's bytes
+        in use say (``_by_malloc``). ``ignore``: ids of containers that are the agent's own (the
+        detector's buffers). ``tensors_explained``: a tensor finding accounts for the tensors
+        (``growing_containers_stepwise``). One heap pass between ``yield``s (``probes.heap.stepwise``)."""
+        # This evaluation's step: a confirmed finding between its re-tests keeps its last status, whose
+        # step is that re-test's (a fresh look dated there was never older than the finding).
+        step = max(status.step, job.current_step or 0)
         baseline = self._baseline
-        if baseline is None or baseline[0] >= status.step:
+        if baseline is None or baseline[0] >= step:
             self._baseline = None
-            yield from self.look_stepwise(status.step, job, force=True)
-            return self._compare_later(status)
+            yield from self.look_stepwise(step, job, force=True)
+            return self._by_malloc(status, step, headroom)
         since, lengths, graph_nodes = baseline
-        steps = float(status.step - since)
+        steps = float(step - since)
         growth = status.verdict.slope.slope * steps  # what the host gained meanwhile
         grown = yield from host_objects.growing_containers_stepwise(
             lengths, ignore=ignore, holder_budget_s=HOLDER_BUDGET_S, tensors_explained=tensors_explained)
@@ -150,18 +153,18 @@ class HostLooks:
                               f"+{graph.nodes_added / max(steps, 1):.0f}/step)", count_delta=0, bytes_delta=0,
                               holder=graph.holder, graph_bytes_delta=int(growth))
             return Evidence((culprit,), steps, (), "graph_leak")
-        in_use = self._in_use_over(status.window_start, status.step)
-        if not grown and in_use is not None and _fragmented(
-                in_use[1], in_use[2], status.verdict.slope.slope * (status.step - in_use[0]), headroom):
-            # Withheld, the baseline kept: looked at again a window on, with the growth since then.
-            return Evidence((), steps, fragmented=True, bounded_until=status.step + self._window_steps)
-        if not grown:
-            self._baseline = None
-            yield
-            yield from self.look_stepwise(status.step, job, force=True)
-            # No reading of malloc inside the window (one before it measured another time's growth: a
-            # deque(maxlen=N) of graphs filling, before RSS crept on): judged at the next look
-            return self._compare_later(status) if in_use is None and self._readings else NO_EVIDENCE
+        if not grown or contained < growth / 4:
+            # Containers that hold a small part of the growth (by their items' shallow sizes) are named
+            # unless malloc says the heap fragments: a list that gains a tuple per check was named as
+            # the holder of 21 KiB/step of a full deque's churn.
+            evidence = self._by_malloc(status, step, headroom)
+            if evidence.fragmented or (grown and evidence.bounded_until is not None):
+                return evidence  # the baseline kept: the heap fragments, or malloc is not yet comparable
+            if not grown:
+                self._baseline = None
+                yield
+                yield from self.look_stepwise(step, job, force=True)
+                return evidence
         culprits = tuple(
             Culprit(description=f"{g.item_type} objects in a {g.type_name} of {g.length:,} items",
                     count_delta=g.items_added, bytes_delta=g.approx_bytes, holder=g.holder,
@@ -171,13 +174,26 @@ class HostLooks:
         # RSS lags a leak (freed heap is reused first); the container dates it: its length at the
         # rate it grew says when it started growing.
         top = grown[0]
-        onset = int(status.step - top.length * steps / top.items_added) if top.items_added > 0 and steps > 0 else None
+        onset = int(step - top.length * steps / top.items_added) if top.items_added > 0 and steps > 0 else None
         return Evidence(culprits, steps, onset_step=onset)
 
-    def _compare_later(self, status: TrackStatus) -> Evidence:
-        """Withheld until the look just taken can be compared with, half a window on: a finding said
-        now would have no culprit and might be the heap's fragmentation."""
-        return Evidence((), 0.0, bounded_until=status.step + self._window_steps // 2)
+    def _by_malloc(self, status: TrackStatus, step: int, headroom: float | None) -> Evidence:
+        """Host RSS's growth that nothing Python-visible explains, told by malloc's bytes in use from the
+        first reading inside the window to this evaluation's: the heap's fragmentation (withheld, looked at
+        again a window on), or a leak no Python object shows (no evidence: said). Over half a window at
+        least: one reading before the window measured another time's growth (a deque(maxlen=N) of graphs
+        filling, before RSS crept on), and over 50 steps a few hundred KiB of noise outweighed a quarter of
+        RSS's growth. Until then withheld; said where the C library has no ``mallinfo2``."""
+        in_use = self._in_use_over(status.window_start)
+        half = self._window_steps // 2
+        if in_use is None or in_use[2] - in_use[0] < half:
+            if not self._readings:
+                return NO_EVIDENCE
+            return Evidence((), 0.0, bounded_until=(in_use[0] if in_use is not None else self._readings[-1][0]) + half)
+        since, before, _, now = in_use
+        if _fragmented(before, now, status.verdict.slope.slope * (step - since), headroom):
+            return Evidence((), float(step - since), fragmented=True, bounded_until=step + self._window_steps)
+        return NO_EVIDENCE
 
 
 def _fragmented(in_use_before: int, in_use_now: int, growth: float, headroom: float | None) -> bool:

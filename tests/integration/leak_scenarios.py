@@ -274,11 +274,7 @@ def host_leak_after_a_full_deque(steps: int) -> None:
     recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=1_000)
     raw_samples: list[bytes] = []
     for step in _steps(steps):
-        loss = model(torch.randn(32, 16)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward(retain_graph=True)
-        opt.step()
-        recent_losses.append(loss)
+        recent_losses.append(_step_keeping_its_graph(model, opt))
         if step >= AFTER_DEQUE_ONSET:
             raw_samples.append(bytes([step % 256]) * (64 * 1024))
 
@@ -485,11 +481,16 @@ def recent_losses_with_graphs_in_a_bounded_deque(steps: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=1_000)
     for _ in _steps(steps):
-        loss = model(torch.randn(32, 16)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward(retain_graph=True)
-        opt.step()
-        recent_losses.append(loss)
+        recent_losses.append(_step_keeping_its_graph(model, opt))
+
+
+def _step_keeping_its_graph(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """One step whose loss keeps its graph (``retain_graph=True``): returned for the caller to keep."""
+    loss = model(torch.randn(32, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward(retain_graph=True)
+    opt.step()
+    return loss
 
 
 def metric_list_reset_every_epoch(steps: int) -> None:

@@ -86,6 +86,7 @@ def test_a_withheld_growth_is_not_tracked(tmp_path: os.PathLike[str], monkeypatc
     keyed: list[int | None] = []
     withheld: list[bool] = []
     tracked: list[tuple[bool, int]] = []
+    said: list[object] = []
     scan, track_only = SurvivorTracker.scan, LeakComponent._track_only
 
     def spy_scan(self: SurvivorTracker, *, keyed_at_most: int | None = None) -> None:
@@ -97,13 +98,15 @@ def test_a_withheld_growth_is_not_tracked(tmp_path: os.PathLike[str], monkeypatc
         withheld.append(any(s.state is LeakState.CONFIRMED and not self._findings.said((s.spec.name, s.phase))
                             for s in statuses))
         tracked.append((self._scans.tracking, series.detector.check_every))
+        if self._scans.tracking:  # what was said, for the message
+            said.append([(s.spec.name, s.state, self._findings.said((s.spec.name, s.phase))) for s in statuses])
 
     monkeypatch.setattr(SurvivorTracker, "scan", spy_scan)
     monkeypatch.setattr(LeakComponent, "_track_only", spy_track_only)
     scenario = next(s for s in HEALTHY if s.name == "recent losses with their graphs in a bounded deque")
     run_scenario(scenario, str(tmp_path))
     assert any(withheld), "the deque's growth was never confirmed (withheld): nothing tested"
-    assert set(tracked) == {(False, 50)}, set(tracked)
+    assert set(tracked) == {(False, 50)}, (set(tracked), said[:1])
     assert keyed and not any(keyed), keyed
 
 

@@ -14,6 +14,7 @@ from gpumemd.analysis.trend import Slope, Verdict
 from gpumemd.components import leak_host
 from gpumemd.components.leak_evidence import NO_EVIDENCE
 from gpumemd.components.leak_host import HostLooks
+from gpumemd.probes.heap.host_objects import ContainerGrowth
 from gpumemd.probes.heap.stepwise import run_to_end
 from gpumemd.probes.process.malloc_in_use import malloc_in_use
 from gpumemd.records.device import CPU
@@ -43,7 +44,7 @@ def heap(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.setattr(leak_host.host_objects, "growing_graph", lambda *args, **kwargs: None)
     state.looks = HostLooks(window_steps=WINDOW, overhead_budget=0.01, clock=lambda: 0.0,
                             container_lengths=dict, largest_graph_nodes=lambda: 0, in_use=lambda: state.in_use)
-    state.job = SimpleNamespace(steps_total=1_000, seconds_per_step=0.01)
+    state.job = SimpleNamespace(steps_total=1_000, seconds_per_step=0.01, current_step=None)
     state.read = lambda step: state.looks.read_in_use(step, state.job, force=True)
     run_to_end(state.looks.look_stepwise(1_000, state.job))  # the baseline, with 100 MiB in use
     state.read(1_000)
@@ -51,6 +52,7 @@ def heap(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
 
 
 def _culprits(heap: SimpleNamespace, step: int, headroom: float = 8e9) -> Any:
+    heap.job.current_step = step
     heap.read(step)
     return run_to_end(heap.looks.culprits(_status(step, 40_960.0), heap.job, ignore=set(), headroom=headroom))
 
@@ -82,6 +84,31 @@ def test_a_reading_of_malloc_older_than_the_window_is_not_judged_from(heap: Simp
     assert _culprits(heap, 2_250) == NO_EVIDENCE
 
 
+def test_malloc_is_compared_over_half_a_window_at_least(heap: SimpleNamespace) -> None:
+    """Over 100 steps, a few hundred KiB of noise in malloc's bytes in use outweigh a quarter of RSS's
+    growth: the finding waits until the first reading inside the window is half a window old."""
+    heap.read(1_900)  # the reading at 1,000 is outside the window (1,500-2,000)
+    heap.in_use += 2 * MIB
+    evidence = _culprits(heap, 2_000)
+    assert evidence.bounded_until == 1_900 + WINDOW // 2 and not evidence.fragmented and not evidence.culprits
+
+
+@pytest.mark.parametrize(("malloc_grown", "named"), [(MIB, False), (12 * MIB, True)])
+def test_a_container_holding_little_of_the_growth_is_named_only_if_malloc_grew(
+        heap: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, malloc_grown: int, named: bool) -> None:
+    """A list that gains a tuple per check (512 B) beside ~16 MiB of RSS: the heap fragmenting when malloc
+    stayed flat; when malloc grew, its items may hold more than their shallow sizes, and it is named."""
+    def small_list(*args: Any, **kwargs: Any) -> Any:
+        yield
+        return [ContainerGrowth("list", "tuple", items_added=8, approx_bytes=512, length=37, holder="`tracked`")]
+
+    monkeypatch.setattr(leak_host.host_objects, "growing_containers_stepwise", small_list)
+    heap.in_use += malloc_grown
+    evidence = _culprits(heap, 1_400)
+    assert evidence.fragmented is not named
+    assert [c.holder for c in evidence.culprits] == (["`tracked`"] if named else [])
+
+
 def test_a_fill_that_stopped_before_the_window_is_not_held_against_its_fragmentation(heap: SimpleNamespace) -> None:
     """A deque(maxlen=N) of graphs filled after the baseline (malloc +30 MiB), then churned while RSS
     crept on: the window is judged from the first reading of malloc's bytes in use inside it."""
@@ -95,7 +122,7 @@ def test_a_fill_that_stopped_before_the_window_is_not_held_against_its_fragmenta
 def test_without_a_baseline_a_look_is_taken_and_the_finding_waits_for_it() -> None:
     looks = HostLooks(window_steps=WINDOW, overhead_budget=0.01, clock=lambda: 0.0, container_lengths=dict,
                       largest_graph_nodes=lambda: 0, in_use=lambda: 100 * MIB)
-    job = SimpleNamespace(steps_total=2_000, seconds_per_step=0.01)
+    job = SimpleNamespace(steps_total=2_000, seconds_per_step=0.01, current_step=2_000)
     looks.read_in_use(2_000, job)
     evidence = run_to_end(looks.culprits(_status(2_000, 40_960.0), job, ignore=set(), headroom=8e9))
     assert evidence.bounded_until == 2_000 + WINDOW // 2 and not evidence.culprits

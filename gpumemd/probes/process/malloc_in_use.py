@@ -6,7 +6,7 @@ grow its RSS by tens of MiB after the deque is full, at random from run to run: 
 between live ones and the heap's arena grows. Nothing is leaked: what malloc has handed out stays
 flat. A leak, in a C extension or in Python objects larger than pymalloc's 512 bytes, grows it. One call
 walks the arenas' bins (~0.5 µs on a small heap, 4.7 ms on one of ~100k free chunks), so it is read at
-the start of the leak evaluations while host RSS rises unexplained, within the heap looks' share of
+the start of the leak evaluations while host RSS rises, within the heap looks' share of
 the budget, and at host RSS's culprit searches (``components.leak_host``), never at steps.
 None where the C library has no ``mallinfo2`` (musl, macOS, glibc before 2.33).
 """
