@@ -189,8 +189,8 @@ class LeakFindings:
                 log.info("gpumemd: %s grows, held by %s: bounded by its maxlen, not a leak", status.spec.name,
                          evidence.culprits[0].holder)
             elif status.changed:
-                log.debug("gpumemd: %s grows; judged at step %d against a heap look taken now", status.spec.name,
-                          evidence.bounded_until)
+                log.debug("gpumemd: %s grows; judged again at step %d, once malloc's bytes in use compare",
+                          status.spec.name, evidence.bounded_until)
             return True  # its evidence stays: the statuses that follow a clearing are withheld too
         if not active and status.verdict.reason.startswith("explained"):
             # The growth goes on, as another series' finding: withdraw this one, never say it stopped.

@@ -190,9 +190,9 @@ class HostLooks:
             if not self._readings:
                 return NO_EVIDENCE
             return Evidence((), 0.0, bounded_until=(in_use[0] if in_use is not None else self._readings[-1][0]) + half)
-        since, before, _, now = in_use
-        if _fragmented(before, now, status.verdict.slope.slope * (step - since), headroom):
-            return Evidence((), float(step - since), fragmented=True, bounded_until=step + self._window_steps)
+        since, before, at, now = in_use
+        if _fragmented(before, now, status.verdict.slope.slope * (at - since), headroom):
+            return Evidence((), float(at - since), fragmented=True, bounded_until=step + self._window_steps)
         return NO_EVIDENCE
 
 
