@@ -102,6 +102,12 @@ def fix_words(finding: Finding) -> str:
         # Scalars kept as tensors (``history.append(loss.detach())``): a detached CPU copy is what is
         # kept already; the number is what is wanted.
         return "keep .item() of each, not the tensor, or bound what holds them (a deque(maxlen=N))"
+    if finding.kind == "host_leak":
+        top = finding.culprits[0] if finding.culprits else None
+        if top is not None and top.category == "workers":
+            return "bound what the Dataset caches in each worker; hold numpy arrays, not Python lists (copy-on-read)"
+        if top is None or not top.holder:  # no Python container grew with it: a container is not the fix
+            return "look outside Python objects: a C extension's or a native library's allocations grow"
     return FIX_WORDS.get(finding.kind, "stop what grows")
 
 

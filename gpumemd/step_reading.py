@@ -25,6 +25,9 @@ log = logging.getLogger("gpumemd")
 
 WORKERS_EVERY = 10
 """Steps between two reads of the workers' RSS on the training thread (one floor block of the detector)."""
+WORKERS_QUICK_EVERY = 50
+"""... and on quick step ends (``StepEnds.end``, fast loops), where a read costs more than the steps it
+stands for: one point per five floor blocks, as many as a survivor scan's count series gets."""
 WORKERS_IDLE_EVERY = 100
 """The same while the last read found no child process: a job without DataLoader workers pays one read
 per 100 steps, and new workers are seen within 100 steps (or ``WORKERS_IDLE_S``)."""
@@ -46,6 +49,7 @@ class QuickReading(NamedTuple):
     raw: tuple[tuple[int, Any], ...]
     rss: int | None
     samples: int
+    workers: WorkersSample | None = None
 
 
 class StepReader:
@@ -65,7 +69,7 @@ class StepReader:
         self._workers_read_wall = float("-inf")  # ... and its wall time
         self._host_made: HostSample | None = None  # the newest record's host reading (``_made``)
         self._host_base: HostSample | None = None  # ... and the sampler's reading it was made from
-        self._workers_every = WORKERS_EVERY  # WORKERS_IDLE_EVERY while the job has no child process
+        self._workers_every = 1  # WORKERS_IDLE_EVERY while the job has no child process
 
     def record(self, number: int, duration: float | None, steps: int, phase: str) -> StepRecord:
         """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled
@@ -74,8 +78,9 @@ class StepReader:
         if self._reset_peaks and allocator:
             _reset_peaks(sample.device.name for sample in allocator)
         wall = self._wall()
-        reading = QuickReading(number, duration, steps, phase, wall, (), self._host.rss(), 0)
-        return self._made(reading, allocator, self._read_workers(number, wall))
+        reading = QuickReading(number, duration, steps, phase, wall, (), self._host.rss(), 0,
+                               self._read_workers(number, wall, WORKERS_EVERY))
+        return self._made(reading, allocator)
 
     def quick(self, number: int, duration: float | None, steps: int, phase: str, samples: int) -> QuickReading:
         """A quick sampled step end's reads (``StepEnds.end``): the allocator's statistics as torch
@@ -83,14 +88,15 @@ class StepReader:
         raw = self._allocator.read_raw()
         if self._reset_peaks and raw:
             _reset_peaks(f"cuda:{device}" for device, _ in raw)
-        return QuickReading(number, duration, steps, phase, self._wall(), raw, self._host.rss(), samples)
+        wall = self._wall()
+        return QuickReading(number, duration, steps, phase, wall, raw, self._host.rss(), samples,
+                            self._read_workers(number, wall, WORKERS_QUICK_EVERY))
 
     def complete(self, reading: QuickReading) -> StepRecord:
         """The record ``record`` would have made at a quick step end, from what it read then."""
-        return self._made(reading, self._allocator.parse_raw(reading.raw) if reading.raw else (), None)
+        return self._made(reading, self._allocator.parse_raw(reading.raw) if reading.raw else ())
 
-    def _made(self, reading: QuickReading, allocator: tuple[AllocatorSample, ...],
-              workers: WorkersSample | None) -> StepRecord:
+    def _made(self, reading: QuickReading, allocator: tuple[AllocatorSample, ...]) -> StepRecord:
         rss, wall = reading.rss, reading.wall
         previous = self._published()
         assert previous is not None
@@ -103,7 +109,7 @@ class StepReader:
             self._host_made, self._host_base = host, base
         nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator) if previous.nvml else ()
         return StepRecord(step=reading.step, wall_time=wall, duration_s=reading.duration, allocator=allocator,
-                          host=host, nvml=nvml, phase=reading.phase, steps=reading.steps, workers=workers)
+                          host=host, nvml=nvml, phase=reading.phase, steps=reading.steps, workers=reading.workers)
 
     def now(self, step: int, steps: int, phase: str) -> StepRecord | None:
         """The probes read now, as a record of the step that is running, kept nowhere (an OOM report's
@@ -117,17 +123,17 @@ class StepReader:
         return StepRecord(step=step, wall_time=self._wall(), duration_s=None, allocator=self._allocator.read(),
                           host=host, nvml=base.nvml, phase=phase, steps=steps)
 
-    def _read_workers(self, number: int, wall: float) -> WorkersSample | None:
-        """The job's child processes' RSS, every ``WORKERS_EVERY`` steps, or ``WORKERS_IDLE_EVERY`` steps and
+    def _read_workers(self, number: int, wall: float, every: int) -> WorkersSample | None:
+        """The job's child processes' RSS, every ``every`` steps, or ``WORKERS_IDLE_EVERY`` steps and
         ``WORKERS_IDLE_S`` while it has none (a few preads, each ~20 µs after a step of compute)."""
         last = self._workers_read_at
-        if self._workers is None or (last is not None and 0 <= number - last < self._workers_every):
+        if self._workers is None or (last is not None and 0 <= number - last < max(every, self._workers_every)):
             return None
         if self._workers_every == WORKERS_IDLE_EVERY and wall - self._workers_read_wall < WORKERS_IDLE_S:
             return None
         self._workers_read_at, self._workers_read_wall = number, wall
         sample = self._workers.rss()
-        self._workers_every = WORKERS_EVERY if sample is None or sample.workers else WORKERS_IDLE_EVERY
+        self._workers_every = 1 if sample is None or sample.workers else WORKERS_IDLE_EVERY
         return sample
 
 

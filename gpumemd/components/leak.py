@@ -98,6 +98,7 @@ class LeakComponent:
         self._new_series_at = 0  # the step of the last evaluation that found a series begun since
         self.evaluate_seconds = 0.0  # time spent in evaluations (benchmarks read it)
         self._scans_before = 0.0  # scan seconds of earlier starts
+        self._eve_from = 0  # steps_total before which no eve scans or evaluates (``on_step``, ``on_eve``)
 
     def _new_scans(self) -> ScanSchedule:
         return ScanSchedule(window_steps=self._options.leak_window_steps, overhead_budget=self._options.overhead_budget)
@@ -119,6 +120,7 @@ class LeakComponent:
         self._findings.start(agent)
         self._scans_before += self._scans.seconds
         self._scans = self._new_scans()
+        self._eve_from = 0
         made = self._new_probes()
         tracker, chains, families = made.tracker, made.chains, made.families
         series = LeakSeries(self._options, agent, tracker=tracker, chains=chains, families=families)
@@ -203,6 +205,9 @@ class LeakComponent:
                 self.evaluate_seconds += self._clock() - evaluation_started
             due = detector.next_due_step()
         self._scans.plan(total, due - record.step if self._pending is None else None)
+        # The first steps_total whose eve may matter (``on_eve``): an eve costs ~10 µs after a step of
+        # compute, and on a fast loop nine in ten are of a quick step end that neither scans nor evaluates.
+        self._eve_from = min(self._scans.next_total, total + due - record.step) - 1
 
     def _defer_after_census(self, agent: AgentView, record: StepRecord) -> bool:
         """Whether a due evaluation waits one step: when the census component (which runs first)
@@ -218,12 +223,12 @@ class LeakComponent:
         return False
 
     def on_eve(self) -> None:
-        """The step before a sampled one: if that one will scan or evaluate (without a scan while scans
-        are idle: ``leak_scans.IDLE_STRETCH``), it runs in full, not quick; mark where its graphs begin
-        (chains are dated by the marks, so they stay an evaluation apart, scanned or not)."""
+        """The step before a sampled one: if that one will scan or evaluate, it runs in full, not quick;
+        mark where its graphs begin (chains are dated by the marks, so they stay an evaluation apart,
+        scanned or not)."""
         parts = self._parts
         agent = self._agent
-        if parts is None or agent is None:
+        if parts is None or agent is None or agent.steps_total + 1 < self._eve_from:
             return
         if not self._scans.due(agent.steps_total + 1) and not (
                 self._scans.idle and parts.series.detector.next_due_step() <= (agent.current_step or 0) + 1):
@@ -254,6 +259,7 @@ class LeakComponent:
         self._track_only(series, statuses, rising - {series.host_spec.name} if host_explained else rising, step)
         self._scans.idle = not rising and not series.scans.found and not any(
             s.state is not None and s.state.active for s in statuses)
+        series.detector.check_every = self._scans.check_every(series.detector.config.check_every_steps)
         work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]] = []
         if host_rising:  # malloc's bytes in use, before any search's temporaries (``HostLooks._by_malloc``)
             self._host.read_in_use(step, self._agent)
@@ -292,8 +298,6 @@ class LeakComponent:
                           and step - self._new_series_at >= detector.config.window_steps
                           and all(self._findings.said((s.spec.name, s.phase)) for s in statuses
                                   if s.state is LeakState.CONFIRMED))
-        every = detector.config.check_every_steps
-        detector.check_every = max(every, scans.interval) if scans.tracking else every
         if self._agent is not None:  # the step ends that feed the dense series stretch with the scans
             self._agent.sample_sparsely(scans.tracking)
         # A sample of the candidates stands for the rest (``KEYED_WHILE_TRACKING``) while tracking: every

@@ -34,15 +34,15 @@ IDLE_STRETCH = 2
 """While scans find nothing (``idle``: the last scan counted no new long-lived tensor, no graph chain is
 followed and no tensor family set a record, and the last evaluation found nothing rising and no active
 finding: the component decides) and the budget asks for scans further apart than the longest interval,
-they may be this many times further apart, and the evaluations between run without one. That is a
-healthy fast loop's state nearly all of its life, and its scans were the largest part of what the agent
-cost it (~200 µs a scan after a step of compute at 0.45 ms steps, ~4 of ~26 µs a step:
-``benchmarks/bench_step_overhead.py``). What it costs: a count, chain or family series that starts to
-grow is first seen up to ``IDLE_STRETCH`` intervals after its onset rather than one; that scan ends the
-idle spacing, and its onset is still dated from its counts (a chain's from its first link:
-``probes.survival.graph_chains``). Evaluations keep their cadence, so dense series (host RSS, the
-allocator) are judged as before, and no culprit search waits on a scan then: only count and chain
-series, flat while idle, are searched from one."""
+scans and evaluations may be this many times further apart (``check_every``), at the same step ends.
+That is a healthy fast loop's state nearly all of its life, and its leak checks were the largest part
+of what the agent cost it: a scan ~200 µs after a step of compute at 0.45 ms steps, an evaluation ~100
+µs, each with a full step end around it (``benchmarks/bench_step_overhead.py``: idle scans, ~4 of ~26
+µs a step; evaluations joining them, with a cheaper eve, -1.9 µs of 17.7-19.6). What it costs: a
+count, chain or family series that starts to grow is first seen up to ``IDLE_STRETCH`` intervals after
+its onset rather than one, and a dense series (host RSS, the allocator, the workers) first judged up to
+one check later; the evaluation that sees anything rise ends the idle spacing, and onsets are dated
+from the points, not the checks (a chain's from its first link: ``probes.survival.graph_chains``)."""
 
 KEYED_WHILE_TRACKING = 32
 """While tracking (``TRACKING_STRETCH``), the candidates whose group keys a scan reads at most
@@ -89,13 +89,21 @@ class ScanSchedule:
         self._stretched = interval > longest
         self.interval = max(min(SCAN_EVERY, self._longest), min(longest, interval))
 
+    def check_every(self, every: int) -> int:
+        """Steps between leak evaluations now, ``every`` (``leak_check_every_steps``) at the usual cadence:
+        while tracking, at least a scan interval (``TRACKING_STRETCH``); while idle on a budget that asks,
+        ``IDLE_STRETCH`` times ``every``, the evaluations riding with the idle scans."""
+        if self.tracking:
+            return max(every, self.interval)
+        return every * IDLE_STRETCH if self.idle and self._stretched else every
+
     def plan(self, total: int, steps_to_evaluation: int | None) -> None:
         """After a step end at ``total``: the next scan ``interval`` steps after the last, or at the next
         evaluation (``steps_to_evaluation`` from now; None while one's searches go on) if sooner; while
-        ``idle`` on a budget that asks for it, ``IDLE_STRETCH`` intervals after the last, whatever the
-        evaluations."""
+        ``idle`` on a budget that asks for it, ``IDLE_STRETCH`` intervals after the last, where the
+        evaluations are then too (``check_every``)."""
         if self.idle and self._stretched and steps_to_evaluation is not None:
-            self.next_total = self._last_total + IDLE_STRETCH * self.interval  # evaluations between go without
+            self.next_total = self._last_total + IDLE_STRETCH * self.interval
             return
         evaluation_at = total + (max(1, steps_to_evaluation) if steps_to_evaluation is not None else self.interval)
         self.next_total = min(self._last_total + self.interval, evaluation_at)

@@ -126,6 +126,20 @@ def test_the_fix_of_a_retained_graph_depends_on_what_keeps_it() -> None:
     assert fix_words(queued).startswith("the queue's consumer falls behind: bound it (Queue(maxsize=N))")
 
 
+def test_the_fix_of_a_host_leak_depends_on_where_it_grows() -> None:
+    host = dataclasses.replace(_finding("confirmed", "s."), kind="host_leak", series="host_rss_bytes")
+    held = dataclasses.replace(host, culprits=(Culprit(
+        description="list", count_delta=100, bytes_delta=2**20,
+        holder="`raw_samples` in <module>() at job.py:9 → list"),))
+    assert fix_words(held) == "bound or clear the container that grows every step"
+    # No Python container grew with it (malloc's bytes in use rose with RSS): bounding one is not the fix.
+    assert fix_words(host) == "look outside Python objects: a C extension's or a native library's allocations grow"
+    workers = dataclasses.replace(host, culprits=(Culprit(
+        description="DataLoader workers (2, pids 7, 8)", count_delta=2, bytes_delta=2**20, holder="DecodedSampleCache",
+        category="workers"),))
+    assert fix_words(workers).startswith("bound what the Dataset caches in each worker")
+
+
 def _train(steps: int) -> None:
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
