@@ -225,9 +225,9 @@ def main() -> None:
     seeds = 5 if args.quick else 20
     if not args.skip_scenarios:
         scenario_table(args.repeats)
+        if args.scenarios_only:
+            return
         overhead_table(args.overhead_seconds)
-    if args.scenarios_only:
-        return
     generated_table(seeds)
     latency_table(max(3, seeds // 4))
     cost_table()
