@@ -37,12 +37,13 @@ finding: the component decides) and the budget asks for scans further apart than
 scans and evaluations may be this many times further apart (``check_every``), at the same step ends.
 That is a healthy fast loop's state nearly all of its life, and its leak checks were the largest part
 of what the agent cost it: a scan ~200 µs after a step of compute at 0.45 ms steps, an evaluation ~100
-µs, each with a full step end around it (``benchmarks/bench_step_overhead.py``: idle scans, ~4 of ~26
-µs a step; evaluations joining them, with a cheaper eve, -1.9 µs of 17.7-19.6). What it costs: a
-count, chain or family series that starts to grow is first seen up to ``IDLE_STRETCH`` intervals after
-its onset rather than one, and a dense series (host RSS, the allocator, the workers) first judged up to
-one check later; the evaluation that sees anything rise ends the idle spacing, and onsets are dated
-from the points, not the checks (a chain's from its first link: ``probes.survival.graph_chains``)."""
+µs, each with a full step end around it (``benchmarks/bench_step_overhead.py``: idle scans took ~4 of
+~26 µs a step off; evaluations joining them, with a cheaper eve, +21.7-27.4 -> +18.3-23.7 µs in three
+pairs on a loaded box). What it costs: a count, chain or family series that starts to grow is first
+seen up to ``IDLE_STRETCH`` intervals after its onset rather than one, and a dense series (host RSS,
+the allocator, the workers) first judged up to one check later; the evaluation that sees anything rise
+ends the idle spacing, and onsets are dated from the points, not the checks (a chain's from its first
+link: ``probes.survival.graph_chains``)."""
 
 KEYED_WHILE_TRACKING = 32
 """While tracking (``TRACKING_STRETCH``), the candidates whose group keys a scan reads at most

@@ -57,7 +57,7 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
                     confirmed_at = step if confirmed_at is None else confirmed_at
                     intervals.add(detector.check_every)
                     if step >= confirmed_at + 500:
-                        stretched.append(detector.check_every == SCAN_EVERY_MAX * TRACKING_STRETCH)
+                        stretched.append(detector.check_every > SCAN_EVERY_MAX)
                         strides.append(agent.stride)
                     if step >= confirmed_at + 1_000:  # tracked for two windows: the stretch is on
                         second_onset = step
@@ -67,14 +67,16 @@ def test_a_second_leak_while_one_is_tracked_is_found_and_named(tmp_path: object)
             if second is not None and second.state == "confirmed":
                 break
     assert second_onset is not None, "the first leak was never confirmed"
-    # Tracking the first alone, the budget spaced the evaluations beyond the usual 50 steps.
-    assert max(intervals) == SCAN_EVERY_MAX * TRACKING_STRETCH, intervals
+    # Tracking the first alone, the budget spaced the evaluations beyond the usual 50 steps (as far as
+    # SCAN_EVERY_MAX * TRACKING_STRETCH on a quiet machine; how far is the budget's, which a loaded
+    # machine's slower steps and scans change: 552 was seen).
+    assert SCAN_EVERY_MAX < max(intervals) <= SCAN_EVERY_MAX * TRACKING_STRETCH, intervals
     # ... and kept them so: host RSS rising with the leaked tensors, which the finding explains, does not
     # end tracking (it did once a window, at each re-test of the host series: 50-step intervals then).
     assert sum(stretched) >= 0.95 * len(stretched), (sum(stretched), len(stretched))
     # Its sampled step ends spread out with the scans (the budget asks for more than MAX_STRIDE on this
     # fast loop), and came back to MAX_STRIDE when the second leak ended tracking.
-    assert max(strides) == MAX_STRIDE * SPARSE_STRETCH, sorted(set(strides))
+    assert MAX_STRIDE < max(strides) <= MAX_STRIDE * SPARSE_STRETCH, sorted(set(strides))
     assert agent.stride <= MAX_STRIDE, agent.stride
     second = _finding(agent, SECOND)
     assert second is not None and second.state == "confirmed", [f.headline for f in agent.state().findings]

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from gpumemd.records.samples import WorkerSample, WorkersSample
 from gpumemd.records.step import AgentState, Identity
-from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, WORKERS_IDLE_S, StepReader
+from gpumemd.step_reading import WORKERS_EVERY, WORKERS_IDLE_EVERY, WORKERS_IDLE_S, WORKERS_QUICK_EVERY, StepReader
 
 
 class _Allocator:
     def read(self) -> tuple[()]:
+        return ()
+
+    def read_raw(self) -> tuple[()]:
         return ()
 
 
@@ -55,6 +58,19 @@ def test_a_fast_loop_without_workers_looks_for_them_once_a_second() -> None:
     workers.pids = (4242,)  # once seen, every 10 steps, however fast
     read_at = [n for n in range(3_500, 4_200) if reader.record(n, None, 1, "train").workers is not None]
     assert read_at == [4_000, *range(4_010, 4_200, WORKERS_EVERY)]
+
+
+def test_quick_step_ends_read_the_workers_every_50_steps_and_their_records_carry_them() -> None:
+    # A fast loop samples every 10th step, and only one sampled step end in 5 or 10 is full: the
+    # workers were read at those alone, and an idle healthy loop's full step ends are 100 steps apart.
+    workers = _Workers()
+    workers.pids = (4242,)
+    reader = _reader(workers, step_s=0.001)
+    read_at = [n for n in range(0, 300, 10) if reader.quick(n, None, 10, "train", n // 10).workers is not None]
+    assert read_at == list(range(0, 300, WORKERS_QUICK_EVERY))
+    record = reader.complete(reader.quick(300, None, 10, "train", 30))
+    assert record.workers is not None and [w.pid for w in record.workers.workers] == [4242]
+    assert reader.record(310, None, 10, "train").workers is not None  # a full one: every 10 steps, as before
 
 
 def test_a_record_carries_the_host_rss_read_now_and_the_step_it_was_given() -> None:
