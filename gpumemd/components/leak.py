@@ -266,7 +266,7 @@ class LeakComponent:
         for status in sorted(statuses, key=_search_order):
             key = (status.spec.name, status.phase)
             active = status.state is not None and status.state.active
-            if active and (status.changed or findings.retry_culprits(key, step)):
+            if active and (status.changed or findings.retry_culprits(key, step, self._agent.seconds_per_step)):
                 findings.attempts[key] = step
                 if status.spec.name == series.host_spec.name:
                     self._host.read_in_use(step, self._agent, force=True)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpumemd import budget
 from gpumemd.analysis.census_culprits import refine_kind
 from gpumemd.analysis.leak_causes import (
     NO_CAUSES,
@@ -45,7 +46,10 @@ log = logging.getLogger("gpumemd")
 
 RETRY_DOUBLINGS = 8
 """A finding without a culprit is looked at again half a window on, then twice as far each time, up to
-256 half windows (64,000 steps at defaults): a few hundred looks a day on a 1 ms loop."""
+256 half windows (64,000 steps at defaults): a few hundred looks a day on a 1 ms loop; and no sooner
+than the job has paid for the last search within the heap looks' share of the budget
+(``budget.Part.HOST_LOOKS``): a search for a C extension's leak (a census, four heap passes) took ~0.35 s
+on a 2.6 ms/step job, and its retries at this schedule alone cost that job 15% of its first 4,000 steps."""
 
 
 class LeakFindings:
@@ -64,6 +68,7 @@ class LeakFindings:
         self._culprits: dict[Key, Evidence] = {}
         self.attempts: dict[Key, int] = {}  # step of the last culprit search per finding
         self._retries: dict[Key, int] = {}  # looks again for a culprit in this episode (``retry_culprits``)
+        self._search_seconds: dict[Key, float] = {}  # what the last culprit search of each finding took
         self.file: FindingsFile | None = None  # the findings file (``leak_file``), made at start
 
     def start(self, agent: AgentView) -> None:
@@ -71,6 +76,7 @@ class LeakFindings:
 
     def conclude(self, agent: AgentView, series: LeakSeries, pending: PendingEvaluation) -> None:
         self._culprits.update(pending.found)
+        self._search_seconds.update(pending.spent)
         statuses, rising = pending.statuses, pending.rising
         if not statuses:
             return
@@ -223,25 +229,35 @@ class LeakFindings:
         names = series.scans.counts.names() | series.scans.chain_nodes.names() | series.scans.grown.names()
         return bool(names & rising) or any(f.series in names and f.state != "cleared" for f in self._findings.values())
 
-    def retry_culprits(self, key: Key, step: int) -> bool:
-        """No culprit yet: look again, but at most once per window (each look scans the heap or takes
-        a census, which must not happen every check of a finding that lasts for days); or growth withheld
-        as stopping on its own (``Evidence.bounded_until``) is due another look."""
+    def retry_culprits(self, key: Key, step: int, seconds_per_step: float | None) -> bool:
+        """No culprit yet: look again, half a window on and twice as far each time (``RETRY_DOUBLINGS``),
+        once the job has paid for the last search (``_paid_for``); or growth withheld as stopping on its
+        own (``Evidence.bounded_until``) is due another look: at once while it is not said, as it may be a
+        leak to say; once paid for when it is."""
         entry = self._culprits.get(key)
-        if entry is not None and entry.bounded_until is not None:
-            return step >= entry.bounded_until  # still growing: its deque full, or its heap grown on
+        if entry is not None and entry.bounded_until is not None:  # its deque full, or its heap grown on
+            return step >= entry.bounded_until and (not self.said(key) or self._paid_for(key, step, seconds_per_step))
         if entry is not None and entry.culprits:
             return False
         last = self.attempts.get(key)
         if last is None:
             return True
-        # Each look that found nothing doubles the wait for the next: on a fast loop a look (a census and
-        # a heap scan, ~0.15 s) every half window cost a job with a C extension's leak half its time.
         tries = self._retries.get(key, 0)
         if step - last < (self._options.leak_window_steps // 2) << min(tries, RETRY_DOUBLINGS):
             return False
+        if not self._paid_for(key, step, seconds_per_step):
+            return False
         self._retries[key] = tries + 1
         return True
+
+    def _paid_for(self, key: Key, step: int, seconds_per_step: float | None) -> bool:
+        """Has the job, since the last culprit search of ``key``, run long enough for that search to fit
+        in the heap looks' share of the budget? (True while either figure is unknown.)"""
+        cost, last = self._search_seconds.get(key), self.attempts.get(key)
+        if not cost or last is None or not seconds_per_step:
+            return True
+        allowed = budget.share(self._options.overhead_budget, budget.Part.HOST_LOOKS)
+        return (step - last) * seconds_per_step * allowed >= cost
 
     def _kind(self, series: LeakSeries, status: TrackStatus, evidence: Evidence) -> str:
         previous = self._findings.get((status.spec.name, status.phase))

@@ -41,6 +41,7 @@ class PendingEvaluation:
     rising: set[str]
     work: list[tuple[Key | None, Stepwise[Evidence] | Stepwise[None]]]
     found: dict[Key, Evidence] = field(default_factory=dict)
+    spent: dict[Key, float] = field(default_factory=dict)  # seconds each finding's search took
 
     def advance(self, clock: Callable[[], float], started: float) -> bool:
         """Run passes while the step end (begun at ``started``) has paid less than ``SLICE_START_S``;
@@ -48,12 +49,16 @@ class PendingEvaluation:
         work = self.work
         while work and clock() - started < SLICE_START_S:
             key, search = work[0]
+            began = clock()
             try:
                 next(search)
             except StopIteration as done:
                 work.pop(0)
                 if key is not None:
                     self.found[key] = done.value
+            finally:
+                if key is not None:
+                    self.spent[key] = self.spent.get(key, 0.0) + clock() - began
         return not work
 
     def finish_now(self) -> None:
