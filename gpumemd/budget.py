@@ -3,7 +3,8 @@
 ``overhead_budget`` (1% by default) is one promise: what the job pays per step, wall-clock. Several
 parts of the agent spend it, each spacing its own work by the job's typical step time: sampled step
 ends (the stride), survivor scans and leak evaluations (the scan interval), heap looks for a host
-leak's culprit (the time between looks) and tensor censuses (the census interval). When each part
+leak's culprit and the retries of a culprit search that found nothing (the time between them) and
+tensor censuses (the census interval). When each part
 kept its own share and nothing added them up, the shares and the census's minimum came to more than
 the budget: at 10-15 ms steps the agent clocked 0.94-1.24% of the step before the cost it cannot clock.
 This table is the one place the budget is divided, and its shares add up to the whole:
@@ -56,7 +57,7 @@ class Part(enum.Enum):
 
     STEP_ENDS = "step_ends"  # sampled step ends: probes, the record, the components' per-step work
     LEAK_CHECKS = "leak_checks"  # survivor scans (count series) and leak detector evaluations
-    HOST_LOOKS = "host_looks"  # heap scans looking for a host leak's culprit while host RSS rises
+    HOST_LOOKS = "host_looks"  # heap scans for a culprit: host looks while host RSS rises, fruitless searches' retries
     CENSUS = "census"  # tensor censuses: what the other parts leave, at least its own share
 
 

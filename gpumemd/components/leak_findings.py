@@ -48,8 +48,8 @@ RETRY_DOUBLINGS = 8
 """A finding without a culprit is looked at again half a window on, then twice as far each time, up to
 256 half windows (64,000 steps at defaults): a few hundred looks a day on a 1 ms loop; and no sooner
 than the job has paid for the last search within the heap looks' share of the budget
-(``budget.Part.HOST_LOOKS``): a search for a C extension's leak (a census, four heap passes) took ~0.35 s
-on a 2.6 ms/step job, and its retries at this schedule alone cost that job 15% of its first 4,000 steps."""
+(``budget.Part.HOST_LOOKS``): a search for a C extension's leak (a census, four heap passes) took 0.2-0.4 s
+on a 2.6 ms/step job, and its retries at this schedule cost that job ~10% of its first 4,000 steps."""
 
 
 class LeakFindings:

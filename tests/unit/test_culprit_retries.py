@@ -37,8 +37,8 @@ def test_each_fruitless_look_doubles_the_wait_for_the_next() -> None:
 
 
 def test_a_costly_search_is_looked_at_again_once_the_job_has_paid_for_it() -> None:
-    # A C extension's leak on a 2.6 ms/step job: its search (a census, four heap passes) took 0.35 s, and
-    # the doubling schedule alone looked again 250, 500, 1,000 and 2,000 steps on (15% of the job's time).
+    # A C extension's leak on a 2.6 ms/step job: its search (a census, four heap passes) took 0.2-0.4 s,
+    # and the doubling schedule looked again 250, 500, 1,000 and 2,000 steps on (~10% of the job's time).
     options = Config(output_dir="unused").options(LeakOptions)
     findings = LeakFindings(options, census=None, wall_clock=time.time)
     findings._search_seconds[("host_rss_bytes", "train")] = 0.35
