@@ -17,7 +17,7 @@ class Evidence:
     sites: tuple[str, ...] = ()
     kind: str | None = None
     bytes_per_unit: float = 1.0  # count series: bytes one tensor costs (its storage and its graph)
-    sentence: str | None = None  # count series: the culprit sentence, written from the tensors
+    sentence: str | None = None  # the culprit sentence: a count series', or what a host leak's search ruled out
     graph_kept: bool = False  # count series: no Python holder; an autograd graph keeps them
     garbage: bool = False  # count series: unreachable cycles the (enabled) collector will free
     onset_step: int | None = None  # when the evidence dates the start (a container's length / its rate)

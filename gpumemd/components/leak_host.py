@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpumemd import budget
 from gpumemd.analysis.leak_detector import TrackStatus
+from gpumemd.analysis.units import format_bytes
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.probes.heap import host_objects
 from gpumemd.probes.heap.stepwise import Stepwise
@@ -180,7 +181,7 @@ class HostLooks:
     def _by_malloc(self, status: TrackStatus, step: int, headroom: float | None) -> Evidence:
         """Host RSS's growth that nothing Python-visible explains, told by malloc's bytes in use from the
         first reading inside the window to this evaluation's: the heap's fragmentation (withheld, looked at
-        again a window on), or a leak no Python object shows (no evidence: said). Over half a window at
+        again a window on), or a leak no Python object shows (said, with a sentence saying so). Over half a window at
         least: one reading before the window measured another time's growth (a deque(maxlen=N) of graphs
         filling, before RSS crept on), and over 50 steps a few hundred KiB of noise outweighed a quarter of
         RSS's growth. Until then withheld; said where the C library has no ``mallinfo2``."""
@@ -191,9 +192,16 @@ class HostLooks:
                 return NO_EVIDENCE
             return Evidence((), 0.0, bounded_until=(in_use[0] if in_use is not None else self._readings[-1][0]) + half)
         since, before, at, now = in_use
-        if _fragmented(before, now, status.verdict.slope.slope * (at - since), headroom):
+        growth = status.verdict.slope.slope * (at - since)
+        if _fragmented(before, now, growth, headroom):
             return Evidence((), float(at - since), fragmented=True, bounded_until=step + self._window_steps)
-        return NO_EVIDENCE
+        if now - before < growth / 4:  # past an eighth of the memory left: said, but not malloc's
+            return NO_EVIDENCE
+        # Said with what was ruled out, so the reader looks where it grows (the exit line's next step too).
+        rate = format_bytes((now - before) / (at - since))
+        return Evidence((), float(at - since), sentence=(
+            f"no Python object grew with it, and malloc's bytes in use rose +{rate}/step: memory a C extension "
+            "or a native library allocates"))
 
 
 def _fragmented(in_use_before: int, in_use_now: int, growth: float, headroom: float | None) -> bool:
