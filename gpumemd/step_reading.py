@@ -69,7 +69,7 @@ class StepReader:
         self._workers_read_wall = float("-inf")  # ... and its wall time
         self._host_made: HostSample | None = None  # the newest record's host reading (``_made``)
         self._host_base: HostSample | None = None  # ... and the sampler's reading it was made from
-        self._workers_every = 1  # WORKERS_IDLE_EVERY while the job has no child process
+        self._no_workers = False  # the last read found no child process: WORKERS_IDLE_EVERY and WORKERS_IDLE_S
 
     def record(self, number: int, duration: float | None, steps: int, phase: str) -> StepRecord:
         """The sampled step's record: the allocator and the host's RSS read now, NVML as last sampled
@@ -127,13 +127,14 @@ class StepReader:
         """The job's child processes' RSS, every ``every`` steps, or ``WORKERS_IDLE_EVERY`` steps and
         ``WORKERS_IDLE_S`` while it has none (a few preads, each ~20 µs after a step of compute)."""
         last = self._workers_read_at
-        if self._workers is None or (last is not None and 0 <= number - last < max(every, self._workers_every)):
+        every = WORKERS_IDLE_EVERY if self._no_workers else every
+        if self._workers is None or (last is not None and 0 <= number - last < every):
             return None
-        if self._workers_every == WORKERS_IDLE_EVERY and wall - self._workers_read_wall < WORKERS_IDLE_S:
+        if self._no_workers and wall - self._workers_read_wall < WORKERS_IDLE_S:
             return None
         self._workers_read_at, self._workers_read_wall = number, wall
         sample = self._workers.rss()
-        self._workers_every = 1 if sample is None or sample.workers else WORKERS_IDLE_EVERY
+        self._no_workers = sample is not None and not sample.workers
         return sample
 
 
