@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
@@ -104,6 +105,22 @@ def test_only_the_primary_optimizer_ends_steps(out_dir: str) -> None:
             train(disc, opt_d, 1)
         assert agent.state().steps_total == 4
         assert opt_g in agent.optimizers and opt_d in agent.optimizers
+
+
+def test_an_optimizer_built_anew_ends_steps_once_the_old_one_is_gone(out_dir: str) -> None:
+    # Once the primary optimizer is freed, a new one (a fine-tuning phase's) is taken as the primary and named.
+    model, opt = make_job()
+    with gpumemd.attached(output_dir=out_dir, sample_interval_s=0) as agent:
+        train(model, opt, 30)
+        del opt
+        gc.collect()  # (an optimizer may sit in a reference cycle; the first one stays primary while it lives)
+        rebuilt = torch.optim.SGD(model.parameters(), lr=0.01)
+        train(model, rebuilt, 30)
+        assert agent.state().steps_total == 60 and agent.state().step == 59
+        assert list(agent.optimizers) == [rebuilt]
+        second, opt_2 = make_job(1)
+        train(second, opt_2, 1)  # another optimizer stepping: named, no step of its own
+        assert agent.state().steps_total == 60 and opt_2 in agent.optimizers
 
 
 def test_mark_step_overrides_the_optimizer_hook(out_dir: str) -> None:
