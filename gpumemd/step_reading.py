@@ -47,7 +47,7 @@ class QuickReading(NamedTuple):
     phase: str
     wall: float
     raw: tuple[tuple[int, Any], ...]
-    rss: int | None
+    resident: tuple[int, int | None] | None  # RSS, and the file and shared pages of it (``HostProbe.resident``)
     samples: int
     workers: WorkersSample | None = None
 
@@ -78,7 +78,7 @@ class StepReader:
         if self._reset_peaks and allocator:
             _reset_peaks(sample.device.name for sample in allocator)
         wall = self._wall()
-        reading = QuickReading(number, duration, steps, phase, wall, (), self._host.rss(), 0,
+        reading = QuickReading(number, duration, steps, phase, wall, (), self._host.resident(), 0,
                                self._read_workers(number, wall, WORKERS_EVERY))
         return self._made(reading, allocator)
 
@@ -89,7 +89,7 @@ class StepReader:
         if self._reset_peaks and raw:
             _reset_peaks(f"cuda:{device}" for device, _ in raw)
         wall = self._wall()
-        return QuickReading(number, duration, steps, phase, wall, raw, self._host.rss(), samples,
+        return QuickReading(number, duration, steps, phase, wall, raw, self._host.resident(), samples,
                             self._read_workers(number, wall, WORKERS_QUICK_EVERY))
 
     def complete(self, reading: QuickReading) -> StepRecord:
@@ -97,15 +97,15 @@ class StepReader:
         return self._made(reading, self._allocator.parse_raw(reading.raw) if reading.raw else ())
 
     def _made(self, reading: QuickReading, allocator: tuple[AllocatorSample, ...]) -> StepRecord:
-        rss, wall = reading.rss, reading.wall
+        resident, wall = reading.resident, reading.wall
         previous = self._published()
         assert previous is not None
         base = previous.host
         host = self._host_made
-        if host is None or self._host_base is not base or host.rss_bytes != rss:
+        if host is None or self._host_base is not base or (host.rss_bytes, host.file_bytes) != resident:
             # A new reading only when the RSS moved (in a steady loop it is the same page count at nearly
             # every sample, and a frozen record costs ~2.6 µs to build here): it is a value, so records share it.
-            host = (base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)) if rss is not None else None
+            host = _with_rss(base, resident)
             self._host_made, self._host_base = host, base
         nvml = nvml_paired(previous.nvml, at=wall, read_with=previous.allocator, now=allocator) if previous.nvml else ()
         return StepRecord(step=reading.step, wall_time=wall, duration_s=reading.duration, allocator=allocator,
@@ -119,7 +119,8 @@ class StepReader:
             return None
         host = self._host.read()
         if host is None or host.available_bytes is None:
-            host = _with_rss(base.host, host.rss_bytes if host is not None else self._host.rss())
+            resident = (host.rss_bytes, host.file_bytes) if host is not None else self._host.resident()
+            host = _with_rss(base.host, resident)
         return StepRecord(step=step, wall_time=self._wall(), duration_s=None, allocator=self._allocator.read(),
                           host=host, nvml=base.nvml, phase=phase, steps=steps)
 
@@ -138,12 +139,13 @@ class StepReader:
         return sample
 
 
-def _with_rss(base: HostSample | None, rss: int | None) -> HostSample | None:
-    """The host reading at ``rss``: the sampler's fuller reading ``base`` keeps its available, total and
-    pinned figures."""
-    if rss is None:
+def _with_rss(base: HostSample | None, resident: tuple[int, int | None] | None) -> HostSample | None:
+    """The host reading at ``resident`` (RSS, and its file and shared pages): the sampler's fuller reading
+    ``base`` keeps its available, total and pinned figures."""
+    if resident is None:
         return None
-    return base.with_rss(rss) if base is not None else HostSample(rss_bytes=rss)
+    rss, file_bytes = resident
+    return base.with_rss(rss, file_bytes) if base is not None else HostSample(rss_bytes=rss, file_bytes=file_bytes)
 
 
 def _reset_peaks(devices: Iterable[str]) -> None:

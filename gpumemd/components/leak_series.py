@@ -162,14 +162,16 @@ class LeakSeries:
             own = self._own_record_bytes
             if own is None:
                 own = self._own_record_bytes = float(_deep_size(record))
-            value = host.rss_bytes - own * min(samples, self._options.keep_steps)
+            # Pages mapped from files (a memory-mapped dataset read through, as Arrow and np.memmap are) are
+            # page cache the kernel takes back when memory runs short: RSS that grows with them is no leak.
+            value = host.rss_bytes - (host.file_bytes or 0) - own * min(samples, self._options.keep_steps)
             if self.host_spec.name in self._known:  # ``_observe``, inlined: a dense point per sampled step
                 self.detector.observe(self.host_spec.name, step, value, phase)
             else:
                 self._observe(self.host_spec, step, value, phase)
         workers = record.workers
         if workers is not None and (workers.workers or self.worker_growth.seen):
-            grown = self.worker_growth.update((w.pid, w.rss_bytes) for w in workers.workers)
+            grown = self.worker_growth.update((w.pid, w.rss_bytes - (w.file_bytes or 0)) for w in workers.workers)
             self._observe(self.workers_spec, step, grown, phase)
 
     def feed_census(self, census: Census | None, record: StepRecord) -> None:

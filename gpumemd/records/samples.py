@@ -102,13 +102,17 @@ class HostSample:
     pinned_bytes: int | None = None  # torch's pinned-host caching allocator, when CUDA reports it
     limit: str | None = None  # the kind of the binding limit ("ram", "cgroup", "rlimit_as", "rlimit_data")
     limits: tuple[HostLimit, ...] = ()
+    file_bytes: int | None = None
+    """Of ``rss_bytes``, the pages mapped from files and shared memory (statm's ``shared``): a memory-mapped
+    dataset's page cache, which the kernel takes back when memory runs short, and shared segments. The
+    leak detector's host series leaves them out (``LeakSeries.feed``)."""
 
     @property
     def limit_words(self) -> str:
         """The binding limit in words ("the host's RAM" when none is known)."""
         return HOST_LIMIT_WORDS.get(self.limit or "ram", self.limit or "")
 
-    def with_rss(self, rss: int) -> HostSample:
+    def with_rss(self, rss: int, file_bytes: int | None = None) -> HostSample:
         """This reading with the RSS read now. Growth since this reading came out of the headroom: RSS
         growth is what a leak adds to the cgroup's usage, the process's size and the host's used RAM
         alike, so the headroom read seconds ago is not stale by a fast leak's growth (a shrink is left
@@ -117,7 +121,7 @@ class HostSample:
         available = self.available_bytes
         if available is not None and grown > 0:
             available = max(0, available - grown)
-        return HostSample(rss, available, self.total_bytes, self.pinned_bytes, self.limit, self.limits)
+        return HostSample(rss, available, self.total_bytes, self.pinned_bytes, self.limit, self.limits, file_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +132,7 @@ class WorkerSample:
     rss_bytes: int
     uss_bytes: int | None = None  # its own pages (copy-on-read shows here); None: not read (the per-step read)
     pss_bytes: int | None = None  # its proportional share of the pages it shares with the job
+    file_bytes: int | None = None  # of rss_bytes, pages mapped from files and shared memory (``HostSample``)
 
 
 @dataclass(frozen=True, slots=True)

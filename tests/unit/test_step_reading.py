@@ -17,8 +17,8 @@ class _Allocator:
 
 
 class _Host:
-    def rss(self) -> int:
-        return 1 << 20
+    def resident(self) -> tuple[int, int]:
+        return 1 << 20, 0
 
 
 class _Workers:
@@ -85,8 +85,8 @@ def test_records_share_the_host_reading_while_the_rss_and_the_sampler_reading_st
     rss = [1 << 20]
 
     class Host:
-        def rss(self) -> int:
-            return rss[0]
+        def resident(self) -> tuple[int, int]:
+            return rss[0], 0
 
     state = [AgentState(identity=Identity(), attached_at=0.0, updated_at=0.0,
                         host=HostSample(rss_bytes=1 << 20, available_bytes=8 << 20))]

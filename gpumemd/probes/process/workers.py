@@ -92,7 +92,8 @@ class WorkersProbe:
                 except OSError:
                     raw = b""
                 if raw:
-                    out.append(WorkerSample(pid, int(raw.split()[1]) * _PAGE))
+                    fields = raw.split(None, 3)
+                    out.append(WorkerSample(pid, int(fields[1]) * _PAGE, file_bytes=int(fields[2]) * _PAGE))
             # Gone, or unreadable: an exited child's file reads nothing (or fails) for good, even once
             # its pid is reused, so it is closed and a live process of that pid gets a fresh one.
             alive = {w.pid for w in out}
@@ -133,7 +134,8 @@ class WorkersProbe:
     def _full(self, pid: int) -> WorkerSample | None:
         try:
             with open(os.path.join(self._proc, str(pid), "statm"), "rb") as f:
-                rss = int(f.read().split()[1]) * _PAGE
+                statm = f.read().split()
+            rss, file_bytes = int(statm[1]) * _PAGE, int(statm[2]) * _PAGE
         except (OSError, ValueError, IndexError):
             return None  # gone since it was listed
         uss = pss = None
@@ -143,7 +145,7 @@ class WorkersProbe:
             pss = fields.get(b"Pss")
             if b"Private_Clean" in fields and b"Private_Dirty" in fields:
                 uss = fields[b"Private_Clean"] + fields[b"Private_Dirty"]
-        return WorkerSample(pid, rss, uss, pss)
+        return WorkerSample(pid, rss, uss, pss, file_bytes)
 
     def _rss_psutil(self, pids: tuple[int, ...], *, full: bool = False) -> WorkersSample:
         import psutil
