@@ -290,9 +290,12 @@ def build() -> dict[str, Any]:
         (f"{sel('gpumemd_workers_pss_bytes')} or {sel('gpumemd_workers_rss_bytes')}", INST + " workers"),
         stack=True), w=12)
     g.add(timeseries(
-        "Host available and pinned", "The host's available memory and torch's pinned host memory.", "bytes",
+        "Host available, pinned and mapped files", "The host's available memory, torch's pinned host memory, and "
+        "the part of the trainer's RSS mapped from files (a memory-mapped dataset's page cache, which the kernel "
+        "takes back when memory runs short: the leak detector leaves it out).", "bytes",
         (sel("gpumemd_host_available_bytes"), INST + " host available"),
-        (sel("gpumemd_host_pinned_bytes"), INST + " pinned")), w=12)
+        (sel("gpumemd_host_pinned_bytes"), INST + " pinned"),
+        (sel("gpumemd_host_file_bytes"), INST + " RSS mapped from files")), w=12)
 
     g.row("Agent")
     g.add(timeseries(

@@ -246,6 +246,7 @@ def _host(out: _Families, state: AgentState) -> None:
     out.add("gpumemd_host_available_bytes", host.available_bytes)
     out.add("gpumemd_host_total_bytes", host.total_bytes)
     out.add("gpumemd_host_pinned_bytes", host.pinned_bytes)
+    out.add("gpumemd_host_file_bytes", host.file_bytes)
     for limit in host.limits:
         out.add("gpumemd_host_limit_bytes", limit.limit_bytes, limit=limit.kind)
         out.add("gpumemd_host_limit_headroom_bytes", limit.headroom_bytes, limit=limit.kind)

@@ -114,6 +114,10 @@ SPECS: tuple[MetricSpec, ...] = (
        "limit - its use (RAM in use, cgroup working set, virtual or data size)"),
     _g("gpumemd_host_pinned_bytes", (), "Pinned host memory held by torch's caching host allocator.",
        "torch.cuda.host_memory_stats()"),
+    _g("gpumemd_host_file_bytes", (),
+       "Of gpumemd_host_rss_bytes, the pages mapped from files and shared memory: a memory-mapped dataset's page "
+       "cache, which the kernel takes back when memory runs short (the leak detector leaves it out).",
+       "/proc/self/statm (shared) or psutil"),
     _g("gpumemd_workers", (), "The job's child processes (DataLoader workers and any other children) seen at the "
        "last reading.", "/proc/self/task/*/children or psutil"),
     _g("gpumemd_workers_rss_bytes", (),

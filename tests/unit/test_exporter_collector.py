@@ -96,7 +96,7 @@ def full_state(n_devices: int = 2) -> AgentState:
         nvml=tuple(NvmlDeviceSample(Device.cuda(d), 80 * GiB, 10 * GiB, 70 * GiB, 5 * GiB) for d in range(n_devices)),
         host=HostSample(rss_bytes=3 * GiB, available_bytes=100 * GiB, total_bytes=128 * GiB, pinned_bytes=GiB,
                         limit="ram", limits=(HostLimit("ram", 128 * GiB, 28 * GiB),
-                                             HostLimit("cgroup", 256 * GiB, 20 * GiB))),
+                                             HostLimit("cgroup", 256 * GiB, 20 * GiB)), file_bytes=GiB // 4),
         workers=WorkersSample((WorkerSample(5001, 2 * GiB, GiB // 2, GiB), WorkerSample(5002, 2 * GiB, GiB // 2, GiB))),
         census=census, censuses_total=2, findings=(finding, workers_finding, grown), reports=("/tmp/oom-1",),
         ooms_total=1,
