@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from gpumemd.analysis.culprit_sentences import (
     workers_noun,
     workers_sentence,
 )
+from gpumemd.components.leak_bounds import DequeBounds
 from gpumemd.components.leak_counts import grown_since
 from gpumemd.components.leak_evidence import NO_EVIDENCE, Evidence
 from gpumemd.components.leak_series import NOISE_FLOOR_BYTES
@@ -94,8 +94,7 @@ class CulpritSearch:
         self._host = host
         self._sites = sites
         self._check_every_steps = check_every_steps
-        # Per count series held by a filling bounded deque: the most its group counts once the deque is full.
-        self._ceilings: dict[tuple[str, str], int] = {}
+        self._bounds = DequeBounds(series)  # growth into a bounded deque that holds a sample: withheld while it fills
 
     def search(self, status: TrackStatus) -> Stepwise[Evidence]:
         """The search, one heap pass between ``yield``s (see ``probes.heap.stepwise``)."""
@@ -128,7 +127,7 @@ class CulpritSearch:
         held = _SampleHolder(garbage=True)  # every tensor of the group died since the scan: nothing to blame
         # Grown past what filling the bounded deque that held its newest explains: the oldest member
         # left the deque, and what holds it is what grows.
-        sampled = tracker.counts.sample(key, oldest=self._past_bound(status, count))
+        sampled = tracker.counts.sample(key, oldest=self._bounds.past(status, count))
         held_sample = hold_weakly(sampled) if sampled is not None else None
         del sampled
         if held_sample is not None:
@@ -162,43 +161,10 @@ class CulpritSearch:
         # of memory in ~70 days"); host RSS, which does see the nodes, judges the bytes.
         nodes_only = graph_nodes >= _GRAPH_NODES_KEPT and not graph_bytes
         bytes_per_unit = 0.0 if nodes_only else max(per_tensor, 1.0)
-        bounded_until = self._bounded_until(status, held.bound, count, bytes_per_unit)
+        bounded_until = self._bounds.until(status, held.bound, count, bytes_per_unit)
         return Evidence((culprit,), status.step - (status.onset_step or status.step), sites, kind,
                         bytes_per_unit=bytes_per_unit, sentence=sentence, graph_kept=held.graph_kept,
                         garbage=held.garbage, bounded_until=bounded_until)
-
-    def _bounded_until(self, status: TrackStatus, bound: tuple[int, int] | None, count: int,
-                       bytes_per_unit: float) -> int | None:
-        """Until when growth into the bounded deque that holds the sample is withheld (``bound``: its
-        maxlen and length; ``count``: the group's tensors now). While it fills: half a window past the
-        step it is full by at the group's rate, if what it adds until then fits half the headroom (a
-        bound past the memory left is no bound). Full, it adds nothing: a window more, unless the group
-        counts more than filling it explains (``_ceilings``), which is another holder's growth. None:
-        growth no bound explains."""
-        key = (status.spec.name, status.phase)
-        ceiling = self._ceilings.pop(key, None)
-        rate = self._series.stated_rate(status)
-        if bound is None or rate <= 0:
-            return None
-        maxlen, length = bound
-        window = self._series.detector.config.window_steps
-        if length < maxlen:
-            steps = math.ceil((maxlen - length) / rate)
-            headroom = self._series.headroom(status.spec)
-            if headroom is not None and steps * rate * bytes_per_unit > headroom / 2:
-                return None
-            self._ceilings[key] = count + maxlen - length
-            return status.step + steps + window // 2
-        if self._past_bound(status, count, ceiling):
-            return None
-        self._ceilings[key] = count if ceiling is None else ceiling  # full when first seen: now is its share
-        return status.step + window
-
-    def _past_bound(self, status: TrackStatus, count: int, ceiling: int | None = None) -> bool:
-        """Does the group count more than filling its bounded deque explains (``_ceilings``)?"""
-        if ceiling is None:
-            ceiling = self._ceilings.get((status.spec.name, status.phase))
-        return ceiling is not None and count > ceiling + ceiling // 8 + 16
 
     def _holder_of_sample(self, held_sample: Callable[[], torch.Tensor | None]) -> Stepwise[_SampleHolder]:
         """Who keeps the sample: a cycle, a Python path, else the autograd graph that saved it. One

@@ -474,6 +474,17 @@ def recent_outputs_in_a_bounded_deque(steps: int) -> None:
         recent_outputs.append(_train_step(model, opt)[:4].detach().clone())
 
 
+def recent_rows_in_a_bounded_deque_four_an_item(steps: int) -> None:
+    """The same bound, each item a tuple of the step's first four output rows: the group's count grows
+    four a step while the deque fills one item a step, for 1,000 steps, then stays."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    recent_rows: collections.deque[tuple[torch.Tensor, ...]] = collections.deque(maxlen=1_000)
+    for _ in _steps(steps):
+        out = _train_step(model, opt)
+        recent_rows.append(tuple(out[i].detach().clone() for i in range(4)))
+
+
 def recent_losses_with_graphs_in_a_bounded_deque(steps: int) -> None:
     """The last 1,000 losses kept with their graphs (``retain_graph=True``): the graphs' saved tensors
     grow and settle with the deque."""
@@ -666,6 +677,7 @@ HEALTHY = (
     Scenario("bounded cache keyed by shape", bounded_cache_keyed_by_shape),
     Scenario("metric list reset every epoch", metric_list_reset_every_epoch),
     Scenario("recent outputs in a bounded deque", recent_outputs_in_a_bounded_deque),
+    Scenario("recent rows in a bounded deque, four tensors an item", recent_rows_in_a_bounded_deque_four_an_item),
     Scenario("recent losses with their graphs in a bounded deque", recent_losses_with_graphs_in_a_bounded_deque),
     Scenario("DataLoader persistent workers, warm then flat", dataloader_persistent_workers_warm),
     Scenario("DataLoader workers restarted each epoch", dataloader_workers_restarted_each_epoch),
