@@ -164,6 +164,7 @@ class LeakSeries:
                 own = self._own_record_bytes = float(_deep_size(record))
             # Pages mapped from files (a memory-mapped dataset read through, as Arrow and np.memmap are) are
             # page cache the kernel takes back when memory runs short: RSS that grows with them is no leak.
+            # (statm counts shared memory with them: a job's are tensors, which the count series see.)
             value = host.rss_bytes - (host.file_bytes or 0) - own * min(samples, self._options.keep_steps)
             if self.host_spec.name in self._known:  # ``_observe``, inlined: a dense point per sampled step
                 self.detector.observe(self.host_spec.name, step, value, phase)
