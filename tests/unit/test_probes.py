@@ -98,7 +98,8 @@ def test_host_probe_reads_this_process() -> None:
     assert sample is not None and sample.rss_bytes > 10 * 1024 * 1024
     assert sample.available_bytes is not None and sample.total_bytes is not None
     assert sample.available_bytes <= sample.total_bytes
-    assert probe.rss() is not None
+    resident = probe.resident()
+    assert resident is not None and resident[1] is not None and 0 <= resident[1] <= resident[0]
 
 
 TWO_GPUS = [FakeGpu(used=10 << 30), FakeGpu(used=11 << 30)]  # of 80 GiB each

@@ -62,7 +62,7 @@ class _StatmReader:
 
 
 class HostProbe:
-    """``rss()`` is the cheap per-step read; ``read()`` the fuller one for the sampler thread."""
+    """``resident()`` is the cheap per-step read; ``read()`` the fuller one for the sampler thread."""
 
     def __init__(self, pinned_fn: Callable[[], int | None] | None = None, *, root: str = "/") -> None:
         self.health = ProbeHealth("host")
@@ -87,10 +87,6 @@ class HostProbe:
                 self.health.absent(psutil_error)
             else:
                 self.health.partly_absent("host RAM totals", psutil_error)
-
-    def rss(self) -> int | None:
-        resident = self.resident()
-        return resident[0] if resident is not None else None
 
     def resident(self) -> tuple[int, int | None] | None:
         """RSS, and of it the pages mapped from files and shared memory (None where unknown)."""
